@@ -1,0 +1,245 @@
+"""Model and engine configuration.
+
+`MoEModelConfig` describes one model's geometry and numerics; it is a frozen, hashable dataclass
+so that it can be passed straight through `jax.jit` as a static argument. Per-family parsing of
+Hugging Face `config.json` lives in `freetoken_jax.models.<family>`; `MoEModelConfig.from_hf`
+dispatches on `architectures`. `EngineConfig` holds the run-time choices (dtype, KV pages,
+buckets, strategy). All validation happens here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+SUPPORTED_STRATEGIES = ("fused",)
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+    """A configuration that the engine cannot run, with the reason and what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEModelConfig:
+    """Geometry and numerics of a routed-expert decoder-only language model.
+
+    The short form `MoEModelConfig(vocab_size=32000, hidden_dim=2048, intermediate_dim=5632,
+    num_layers=12, num_experts=16, top_k=2)` gives a generic top-k softmax-routed model with
+    grouped-query attention; every other field has a default derived from these.
+    """
+
+    vocab_size: int
+    hidden_dim: int
+    intermediate_dim: int
+    num_layers: int
+    num_experts: int
+    top_k: int
+    family: str = "generic"
+    # Expert FFN width; None means `intermediate_dim`.
+    moe_intermediate_dim: int | None = None
+    # Attention.
+    attention: str = "gqa"  # "gqa" or "mla"
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    # Multi-head latent attention (DeepSeek); used when attention == "mla".
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # Rotary embedding. `rope_interleave`: rotate (x0, x1), (x2, x3), ... pairs (DeepSeek)
+    # instead of the two halves of the head.
+    rope_theta: float = 10000.0
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+    rope_interleave: bool = False
+    max_position_embeddings: int = 32768
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+    mlp_bias: bool = False
+    # Router.
+    router_scoring: str = "softmax"  # "softmax" or "sigmoid"
+    norm_topk_prob: bool = True
+    topk_method: str = "greedy"  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    score_correction_bias: bool = False
+    # Shared experts: width of the always-on expert FFN (0 = none), optionally sigmoid-gated.
+    shared_expert_dim: int = 0
+    shared_expert_gate: bool = False
+    # Which layers are MoE (True) or dense MLP (False); empty means all MoE.
+    moe_layers: tuple[bool, ...] = ()
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        for name in ("vocab_size", "hidden_dim", "num_layers"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_experts <= 0 or not 0 < self.top_k <= self.num_experts:
+            raise ConfigError(
+                f"need num_experts > 0 and 0 < top_k <= num_experts, got {self.num_experts=} {self.top_k=}"
+            )
+        if self.moe_intermediate_dim is None:
+            set_("moe_intermediate_dim", self.intermediate_dim)
+        if self.num_heads is None:
+            set_("num_heads", max(1, self.hidden_dim // 128))
+        if self.num_kv_heads is None:
+            set_("num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            set_("head_dim", self.hidden_dim // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.attention not in ("gqa", "mla"):
+            raise ConfigError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+        if self.attention == "mla" and min(self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim) <= 0:
+            raise ConfigError("MLA needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
+        if self.rope_dim % 2:
+            raise ConfigError(f"the rotary dimension must be even, got {self.rope_dim}")
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise ConfigError(f"router_scoring must be 'softmax' or 'sigmoid', got {self.router_scoring!r}")
+        if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+            raise ConfigError(f"unknown topk_method {self.topk_method!r}")
+        if self.topk_method != "greedy":
+            if self.n_group <= 0 or self.num_experts % self.n_group or not 0 < self.topk_group <= self.n_group:
+                raise ConfigError(
+                    f"group-limited routing needs num_experts % n_group == 0 and 0 < topk_group <= n_group, got "
+                    f"{self.num_experts=} {self.n_group=} {self.topk_group=}"
+                )
+            if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+                raise ConfigError("topk_group groups hold fewer experts than top_k")
+        if not self.moe_layers:
+            set_("moe_layers", (True,) * self.num_layers)
+        if len(self.moe_layers) != self.num_layers:
+            raise ConfigError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        set_("moe_layers", tuple(bool(b) for b in self.moe_layers))
+        set_("eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        set_("rope_scaling", tuple(sorted((str(k), _hashable(v)) for k, v in dict(self.rope_scaling).items())))
+
+    # Derived sizes -----------------------------------------------------------------------------
+    @property
+    def rope_dim(self) -> int:
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_dim * self.moe_intermediate_dim
+
+    def kv_entry_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """Per-token shapes of what one layer's KV cache stores.
+
+        GQA stores K and V per KV head; MLA stores the compressed latent and the shared rope key,
+        not the expanded keys and values.
+        """
+        if self.attention == "mla":
+            return ((self.kv_lora_rank,), (self.qk_rope_head_dim,))
+        return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
+
+    def param_count(self) -> dict[str, int]:
+        """Parameter counts split into dense weights and routed experts."""
+        import jax
+
+        from freetoken_jax.models import build_abstract
+
+        counts = {"dense": 0, "experts": 0}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(build_abstract(self, "float32")):
+            key = "experts" if any(getattr(p, "key", None) == "experts" for p in path) else "dense"
+            counts[key] += math.prod(leaf.shape)
+        return counts
+
+    # Construction from Hugging Face configs -------------------------------------------------------
+    @classmethod
+    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoEModelConfig:
+        """Build from a Hugging Face `config.json` (a directory, the file, or its parsed dict)."""
+        from freetoken_jax.models import registry
+
+        if isinstance(path_or_dict, dict):
+            d = path_or_dict
+        else:
+            p = os.fspath(path_or_dict)
+            if os.path.isdir(p):
+                p = os.path.join(p, "config.json")
+            if not os.path.isfile(p):
+                raise ConfigError(f"no config.json at {path_or_dict!s}")
+            try:
+                with open(p) as f:
+                    d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{p} is not valid JSON: {e}") from e
+        return registry.family_for(d).config_from_hf(d)
+
+
+def _hashable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return tuple(sorted((k, _hashable(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(_hashable(x) for x in v)
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Run-time choices of the engine.
+
+    `max_context` bounds prompt + generated tokens of one sequence; `max_batch` bounds the
+    sequences decoded together. KV memory is `kv_pages` pages of `page_size` tokens per layer
+    (default: enough for `max_batch` full-length sequences).
+    """
+
+    dtype: str = "bfloat16"
+    moe_strategy: str = "fused"
+    page_size: int = 16
+    max_context: int = 4096
+    max_batch: int = 8
+    kv_pages: int | None = None
+    prefill_chunk: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.moe_strategy not in SUPPORTED_STRATEGIES:
+            raise ConfigError(f"moe_strategy {self.moe_strategy!r} is not available; choose from {SUPPORTED_STRATEGIES}")
+        for name in ("page_size", "max_context", "max_batch", "prefill_chunk"):
+            if int(getattr(self, name)) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.prefill_chunk & (self.prefill_chunk - 1):
+            raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        if self.kv_pages is not None and self.kv_pages < 2:
+            raise ConfigError(f"kv_pages must be at least 2 (page 0 is reserved), got {self.kv_pages}")
+
+    @property
+    def pages_per_sequence(self) -> int:
+        return -(-self.max_context // self.page_size)
+
+    @property
+    def total_kv_pages(self) -> int:
+        """Pages in the pool, page 0 (the write target of padding) included."""
+        if self.kv_pages is not None:
+            return self.kv_pages
+        return 1 + self.max_batch * self.pages_per_sequence
+
+    def replace(self, **kw: Any) -> EngineConfig:
+        return dataclasses.replace(self, **kw)

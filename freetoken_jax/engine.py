@@ -1,0 +1,260 @@
+"""FreeTokenEngine: owns the weights, the paged KV cache and the jitted steps; generates tokens.
+
+Flow of one `generate_batch` call: validate every request (nothing is allocated for a bad one);
+take KV pages for prompt + max_new_tokens of each row; prefill the prompts chunk by chunk
+(every row's first token is sampled by the chunk that holds its last prompt token); then decode
+one token per step for all rows, one step ahead of the host so the device never waits for the
+host to read tokens; finally give the pages back. Executables are keyed by buckets of batch
+size, chunk length and page-table width.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
+from freetoken_jax.memory.kv_pages import PageAllocator
+from freetoken_jax.models import abstract_graphdef, build_random, jnp_dtype
+from freetoken_jax.runtime import buckets
+from freetoken_jax.runtime.kv_cache import init_cache
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling, Weights, decode_step, prefill_step, score_step
+
+log = logging.getLogger("freetoken_jax")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+class FreeTokenEngine:
+    """Generates tokens from an MoE model.
+
+    `FreeTokenEngine(model_config, engine_config)` builds seeded random weights;
+    `FreeTokenEngine.from_pretrained(path | "demo")` loads a checkpoint.
+    """
+
+    def __init__(self, model_config: MoEModelConfig, engine_config: EngineConfig | None = None, *, params=None, tokenizer=None, name: str = "random"):
+        ecfg = engine_config or EngineConfig()
+        self.model_config, self.engine_config, self.tokenizer, self.name = model_config, ecfg, tokenizer, name
+        if params is None:
+            graphdef, params = nnx.split(build_random(model_config, ecfg.dtype, ecfg.seed), nnx.Param)
+        else:
+            graphdef, _ = abstract_graphdef(model_config, ecfg.dtype)
+        self.weights = Weights(params, graphdef)
+        self.cache = init_cache(model_config, ecfg, jnp_dtype(ecfg.dtype))
+        self.pages = PageAllocator(ecfg.total_kv_pages, ecfg.page_size)
+        self._prefill = jax.jit(prefill_step, donate_argnums=(1,))
+        self._score = jax.jit(score_step, donate_argnums=(1,))
+        self._decode = jax.jit(decode_step, donate_argnums=(1,))
+        self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
+        self._m = dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
+
+    # Construction ---------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, engine_config: EngineConfig | None = None) -> FreeTokenEngine:
+        """Loads a Hugging Face safetensors directory of a supported family, an engine-native
+        directory, or `"demo"` (the built-in demo model, created locally on first use)."""
+        from freetoken_jax.checkpoint.hf import load_params
+        from freetoken_jax.models.registry import family_for
+        from freetoken_jax.tokenizer import load_tokenizer
+
+        path = os.fspath(path)
+        if path == "demo":
+            from freetoken_jax.demo import demo_path
+
+            path = demo_path()
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no checkpoint directory at {path!r} (pass a directory with config.json, or 'demo')")
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                raw = json.load(f)
+        except FileNotFoundError as e:
+            raise ConfigError(f"{path} has no config.json") from e
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}/config.json is not valid JSON: {e}") from e
+        family = family_for(raw)
+        cfg = family.config_from_hf(raw)
+        ecfg = engine_config or EngineConfig()
+        params = load_params(path, cfg, family, ecfg.dtype)
+        return cls(cfg, ecfg, params=params, tokenizer=load_tokenizer(path), name=os.path.basename(os.path.normpath(path)))
+
+    # Validation -----------------------------------------------------------------------------------
+    def _check(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
+        ids = [int(t) for t in prompt]
+        V = self.model_config.vocab_size
+        if not ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < V]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {V}): {bad[:8]}")
+        if p.max_new_tokens <= 0:
+            raise RequestError(f"max_new_tokens must be at least 1, got {p.max_new_tokens}")
+        total = len(ids) + p.max_new_tokens
+        if total > self.engine_config.max_context:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = {total} exceeds the configured "
+                f"context of {self.engine_config.max_context} tokens (EngineConfig.max_context)"
+            )
+        if p.temperature < 0 or not 0 < p.top_p <= 1 or p.top_k < 0:
+            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        return ids
+
+    # Generation -----------------------------------------------------------------------------------
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[int]:
+        """Yields the generated token ids one by one as they are produced (the stop token, if
+        one ends the generation, is yielded last)."""
+        p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos)
+        ids = self._check(prompt_ids, p)
+        for _, tok in self._run([ids], [p]):
+            yield tok
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
+                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
+                       ignore_eos: bool = False) -> list[list[int]]:
+        """Generates for several prompts together (in groups of at most `max_batch`); row i is
+        seeded with `seed + i`."""
+        ps = [GenerationParams(max_new_tokens, temperature, top_k, top_p, seed + i, tuple(stop_token_ids), ignore_eos) for i in range(len(prompts))]
+        checked = [self._check(pr, p) for pr, p in zip(prompts, ps)]
+        out: list[list[int]] = [[] for _ in prompts]
+        mb = self.engine_config.max_batch
+        for start in range(0, len(checked), mb):
+            for row, tok in self._run(checked[start : start + mb], ps[start : start + mb]):
+                out[start + row].append(tok)
+        return out
+
+    def _sampling(self, ps: Sequence[GenerationParams], B: int) -> Sampling:
+        pad = B - len(ps)
+        return Sampling(
+            jnp.asarray([p.seed for p in ps] + [0] * pad, jnp.uint32),
+            jnp.asarray([p.temperature for p in ps] + [0.0] * pad, jnp.float32),
+            jnp.asarray([p.top_k for p in ps] + [0] * pad, jnp.int32),
+            jnp.asarray([p.top_p for p in ps] + [1.0] * pad, jnp.float32),
+        )
+
+    def _page_table(self, rows: list[list[int]], B: int) -> tuple[np.ndarray, int]:
+        ecfg = self.engine_config
+        P = buckets.pages_bucket(max(len(r) for r in rows), ecfg.pages_per_sequence)
+        table = np.zeros((B, P), np.int32)
+        for b, r in enumerate(rows):
+            table[b, : len(r)] = r
+        return table, P
+
+    def _prefill_chunks(self, prompts: list[list[int]], table: np.ndarray, sampling: Sampling, step_fn):
+        """Runs `step_fn` over the prompts chunk by chunk; yields (chunk start, T, output)."""
+        B = table.shape[0]
+        longest = max(len(p) for p in prompts)
+        start = 0
+        while start < longest:
+            T = buckets.chunk_bucket(longest - start, self.engine_config.prefill_chunk)
+            tok = np.zeros((B, T), np.int32)
+            valid = np.zeros((B, T), bool)
+            for b, p in enumerate(prompts):
+                seg = p[start : start + T]
+                tok[b, : len(seg)] = seg
+                valid[b, : len(seg)] = True
+            pos = np.broadcast_to(np.arange(start, start + T, dtype=np.int32), (B, T))
+            batch = PrefillBatch(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(table), sampling)
+            out, self.cache = step_fn(self.weights, self.cache, batch)
+            yield start, T, out
+            start += T
+
+    def _run(self, prompts: list[list[int]], ps: list[GenerationParams]) -> Iterator[tuple[int, int]]:
+        ecfg, n = self.engine_config, len(prompts)
+        B = buckets.batch_bucket(n, ecfg.max_batch)
+        need = [len(p) + q.max_new_tokens for p, q in zip(prompts, ps)]
+        if sum(self.pages.pages_for(t) for t in need) > self.pages.free_pages:
+            raise RequestError(f"the KV cache has {self.pages.free_pages} free pages; this batch needs {sum(self.pages.pages_for(t) for t in need)}")
+        rows = [self.pages.allocate(t) for t in need]
+        try:
+            self._m["requests"] += n
+            self._m["prompt_tokens"] += sum(map(len, prompts))
+            table, _ = self._page_table(rows, B)
+            sampling = self._sampling(ps, B)
+            t0 = time.perf_counter()
+            first = jnp.zeros((B,), jnp.int32)
+            for start, T, tok in self._prefill_chunks(prompts, table, sampling, self._prefill):
+                ends = np.array([start < len(p) <= start + T for p in prompts] + [False] * (B - n))
+                first = self._pick(jnp.asarray(ends), tok, first)
+            lengths = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
+            active = np.array([True] * n + [False] * (B - n))
+            state = DecodeState(self.cache, jnp.copy(first), jnp.asarray(lengths))
+            self.cache = None  # owned by `state` until the loop ends
+            stops = [set(q.stop_token_ids) | (set() if q.ignore_eos else set(self.model_config.eos_token_ids)) for q in ps]
+            produced = [0] * n
+            pending = first
+            jax.block_until_ready(pending)
+            self._m["prefill_seconds"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            while True:
+                nxt = None
+                if active.any() and max(produced[b] + 1 for b in range(n) if active[b]) < max(q.max_new_tokens for q in ps):
+                    nxt, state = self._decode(self.weights, state, DecodeBatch(jnp.asarray(table), jnp.asarray(active), sampling))
+                    self._m["decode_steps"] += 1
+                toks = np.asarray(pending)
+                for b in range(n):
+                    if not active[b]:
+                        continue
+                    produced[b] += 1
+                    self._m["generated_tokens"] += 1
+                    yield b, int(toks[b])
+                    if int(toks[b]) in stops[b] or produced[b] >= ps[b].max_new_tokens:
+                        active[b] = False
+                if nxt is None:
+                    break
+                pending = nxt
+            self.cache = state.cache
+            self._m["decode_seconds"] += time.perf_counter() - t0
+        finally:
+            if self.cache is None:  # the generator was closed mid-way: recover the cache
+                self.cache = state.cache
+            for r in rows:
+                self.pages.release(r)
+
+    # Scoring --------------------------------------------------------------------------------------
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Float32 logits at every position of `token_ids`: `[len(token_ids), vocab]`."""
+        ids = self._check(token_ids, GenerationParams(max_new_tokens=1))
+        rows = [self.pages.allocate(len(ids))]
+        try:
+            table, _ = self._page_table(rows, 1)
+            out = [np.asarray(lg)[0, : max(0, min(T, len(ids) - start))] for start, T, lg in self._prefill_chunks([ids], table, Sampling.greedy(1), self._score)]
+            return np.concatenate(out, axis=0)
+        finally:
+            self.pages.release(rows[0])
+
+    # Telemetry ------------------------------------------------------------------------------------
+    def compilations(self) -> dict[str, int]:
+        """Executables compiled so far per step kind (one per bucket)."""
+        return {k: f._cache_size() for k, f in (("prefill", self._prefill), ("decode", self._decode), ("score", self._score))}
+
+    def get_metrics(self) -> dict:
+        m = dict(self._m)
+        m["decode_tokens_per_second"] = m["generated_tokens"] / m["decode_seconds"] if m["decode_seconds"] else 0.0
+        m["compilations"] = self.compilations()
+        m["kv_pages_free"] = self.pages.free_pages
+        m["kv_pages_total"] = self.pages.num_pages - 1
+        m["moe_strategy"] = self.engine_config.moe_strategy
+        return m
+

@@ -1,0 +1,334 @@
+"""Building blocks shared by every model family (Flax NNX).
+
+Array names carry their shape as a suffix: B batch, T tokens of this step, S cached key
+positions, P pages, D hidden, H heads, K KV heads (or top-k in routing code), F FFN width,
+E experts, R latent rank, V vocabulary. Matmuls accumulate in float32; norms, softmax and
+routing are computed in float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.runtime.kv_cache import KVView, gather_pages, write_pages
+
+_INIT = nnx.initializers.normal(0.02)
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    if name == "gelu_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=_INIT, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+# Rotary position embedding ------------------------------------------------------------------------
+def rope_frequencies(cfg: MoEModelConfig) -> tuple[np.ndarray, float]:
+    """Inverse frequencies [rope_dim/2] and the cos/sin scale (YaRN's attention factor)."""
+    dim, base = cfg.rope_dim, cfg.rope_theta
+    rs = dict(cfg.rope_scaling)
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    if kind == "default":
+        return (1.0 / pos_freqs).astype(np.float32), 1.0
+    if kind == "linear":
+        return (1.0 / pos_freqs / np.float32(rs["factor"])).astype(np.float32), 1.0
+    if kind != "yarn":
+        raise ValueError(f"rope scaling {kind!r} is not supported (default, linear and yarn are)")
+    factor = rs.get("factor")
+    orig = rs.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    if factor is None:
+        factor = cfg.max_position_embeddings / orig
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = rs.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = rs.get("mscale"), rs.get("mscale_all_dim")
+        attn_factor = mscale(factor, m) / mscale(factor, m_all) if (m and m_all) else mscale(factor)
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrap = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrap) + (1.0 / pos_freqs) * extrap
+    return inv.astype(np.float32), float(attn_factor)
+
+
+def softmax_scale(cfg: MoEModelConfig) -> float:
+    scale = cfg.qk_head_dim**-0.5
+    rs = dict(cfg.rope_scaling)
+    if cfg.attention == "mla" and rs.get("rope_type", rs.get("type", "default")) != "default":
+        m_all = rs.get("mscale_all_dim", 0)
+        factor = rs.get("factor", 1.0)
+        if m_all and factor > 1:
+            m = 0.1 * m_all * math.log(factor) + 1.0
+            scale *= m * m
+    return scale
+
+
+def rope_cos_sin(cfg: MoEModelConfig, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    inv_freq, scale = rope_frequencies(cfg)
+    freqs = positions_BT.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    return jnp.cos(freqs) * scale, jnp.sin(freqs) * scale
+
+
+def apply_rope(x_BTHd: jax.Array, cos_BTd: jax.Array, sin_BTd: jax.Array, interleave: bool) -> jax.Array:
+    """Rotates the last axis. With `interleave`, pairs are (x0, x1), (x2, x3), ... and the output
+    lists the rotated first elements, then the second ones (the same layout for queries and keys,
+    so dot products equal those of the interleaved form)."""
+    dtype = x_BTHd.dtype
+    x = x_BTHd.astype(jnp.float32)
+    cos, sin = cos_BTd[:, :, None, :], sin_BTd[:, :, None, :]
+    if interleave:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype)
+
+
+def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float) -> jax.Array:
+    """Grouped-query attention over gathered cache entries; softmax in float32."""
+    B, T, H, _ = q_BTHd.shape
+    K = k_BSKd.shape[2]
+    q = q_BTHd.reshape(B, T, K, H // K, -1)
+    s = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKd, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask_BTS[:, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgts,bske->btkge", p.astype(v_BSKe.dtype), v_BSKe, preferred_element_type=jnp.float32)
+    return o.reshape(B, T, H, -1).astype(q_BTHd.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention (Mixtral, Qwen2-MoE, Qwen3-MoE, generic) over a paged KV cache."""
+
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+        D, H, K, hd = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = linear(D, H * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(D, K * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(D, K * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(H * hd, D, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView):
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        q = self.q_proj(x_BTD).reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, *cos_sin, cfg.rope_interleave)
+        k = apply_rope(k, *cos_sin, cfg.rope_interleave)
+        k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
+        k_all, v_all = gather_pages(k_pages, view), gather_pages(v_pages, view)
+        o = attend(q, k_all, v_all, view.mask_BTS, softmax_scale(cfg))
+        return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
+
+
+class MLAttention(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3). The cache holds the normalised latent
+    [R] and the rotated shared rope key per token; keys and values are expanded from the latent
+    at attention time."""
+
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+        D, H = cfg.hidden_dim, cfg.num_heads
+        if cfg.q_lora_rank:
+            self.q_a_proj = linear(D, cfg.q_lora_rank, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = linear(cfg.q_lora_rank, H * cfg.qk_head_dim, bias=False, dtype=dtype, rngs=rngs)
+            self.q_proj = None
+        else:
+            self.q_proj = linear(D, H * cfg.qk_head_dim, bias=False, dtype=dtype, rngs=rngs)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(H * cfg.v_head_dim, D, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
+        self.cfg = cfg
+
+    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView):
+        cfg = self.cfg
+        B, T, _ = x_BTD.shape
+        H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        if self.q_proj is not None:
+            q = self.q_proj(x_BTD)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q = q.reshape(B, T, H, dn + dr)
+        q_nope, q_rot = q[..., :dn], q[..., dn:]
+        ckv = self.kv_a_proj_with_mqa(x_BTD)
+        latent_BTR = self.kv_a_layernorm(ckv[..., : cfg.kv_lora_rank])
+        k_rot = ckv[..., cfg.kv_lora_rank :].reshape(B, T, 1, dr)
+        q_rot = apply_rope(q_rot, *cos_sin, cfg.rope_interleave)
+        k_rot = apply_rope(k_rot, *cos_sin, cfg.rope_interleave)[:, :, 0]
+        lat_pages, rot_pages = write_pages(kv[0], view, latent_BTR), write_pages(kv[1], view, k_rot)
+        lat_BSR, rot_BSr = gather_pages(lat_pages, view), gather_pages(rot_pages, view)
+        S = lat_BSR.shape[1]
+        kvb = self.kv_b_proj(lat_BSR).reshape(B, S, H, dn + dv)
+        k_BSHd = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(rot_BSr[:, :, None], (B, S, H, dr))], axis=-1)
+        q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
+        o = attend(q_BTHd, k_BSHd, kvb[..., dn:], view.mask_BTS, softmax_scale(cfg))
+        return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages)
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: MoEModelConfig, width: int, dtype, rngs: nnx.Rngs):
+        D = cfg.hidden_dim
+        self.gate_proj = linear(D, width, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(D, width, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(width, D, bias=cfg.mlp_bias, dtype=dtype, rngs=rngs)
+        self.act = cfg.hidden_act
+
+    def __call__(self, x):
+        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+
+
+# Routing and experts ----------------------------------------------------------------------------
+class Router(nnx.Module):
+    """Top-k expert choice. Returns expert ids [T, k] and their combine weights [T, k] (float32)."""
+
+    def __init__(self, cfg: MoEModelConfig, rngs: nnx.Rngs):
+        # Router weights stay float32 whatever the model dtype (as the reference models keep them).
+        self.weight = nnx.Param(_INIT(rngs.params(), (cfg.hidden_dim, cfg.num_experts), jnp.float32))
+        self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) if cfg.score_correction_bias else None
+        self.cfg = cfg
+
+    def __call__(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        logits_TE = jnp.dot(x_TD.astype(jnp.float32), self.weight[...], precision=jax.lax.Precision.HIGHEST)
+        bias = None if self.bias is None else self.bias[...]
+        return route(cfg, logits_TE, bias)
+
+
+def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = None):
+    T, E = logits_TE.shape
+    scores = jax.nn.sigmoid(logits_TE) if cfg.router_scoring == "sigmoid" else jax.nn.softmax(logits_TE, axis=-1)
+    choice = scores if bias_E is None else scores + bias_E
+    if cfg.topk_method != "greedy":
+        grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)
+        else:
+            group_scores = grouped.max(-1)
+        _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+        keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
+        keep = jnp.repeat(keep, E // cfg.n_group, axis=1)
+        # V3 masks excluded experts out of the choice; V2 zeroes their scores (same top-k unless
+        # fewer than k positive scores remain, which softmax scores never allow).
+        choice = jnp.where(keep, choice, -jnp.inf if cfg.topk_method == "noaux_tc" else 0.0)
+    _, ids_TK = jax.lax.top_k(choice, cfg.top_k)
+    w_TK = jnp.take_along_axis(scores, ids_TK, axis=-1)
+    if cfg.norm_topk_prob:
+        w_TK = w_TK / (w_TK.sum(-1, keepdims=True) + (1e-20 if cfg.router_scoring == "sigmoid" else 0.0))
+    return ids_TK, w_TK * cfg.routed_scaling_factor
+
+
+class Experts(nnx.Module):
+    """The routed experts of one layer, stacked: gate/up [E, D, F], down [E, F, D]."""
+
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+        E, D, F = cfg.num_experts, cfg.hidden_dim, cfg.moe_intermediate_dim
+        self.gate = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
+        self.up = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
+        self.down = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
+
+
+def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str) -> jax.Array:
+    """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts.
+
+    Few token-expert pairs (decode): gather the chosen experts' weights and run one batched
+    matvec. Many (prefill): sort the pairs by expert and run grouped matmuls (`ragged_dot`), so
+    each expert's weights are read once.
+    """
+    T, K = ids_TK.shape
+    E = gate_EDF.shape[0]
+    f = activation(act)
+    dt = x_TD.dtype
+    if T * K <= E:
+        mm = dict(preferred_element_type=jnp.float32)
+        g = jnp.einsum("td,tkdf->tkf", x_TD, gate_EDF[ids_TK], **mm)
+        u = jnp.einsum("td,tkdf->tkf", x_TD, up_EDF[ids_TK], **mm)
+        h = (f(g) * u).astype(dt)
+        y = jnp.einsum("tkf,tkfd->tkd", h, down_EFD[ids_TK], **mm)
+        return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
+    flat = ids_TK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    tok = order // K
+    xs = x_TD[tok]
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    g = jax.lax.ragged_dot(xs, gate_EDF, sizes, preferred_element_type=jnp.float32)
+    u = jax.lax.ragged_dot(xs, up_EDF, sizes, preferred_element_type=jnp.float32)
+    h = (f(g) * u).astype(dt)
+    y = jax.lax.ragged_dot(h, down_EFD, sizes, preferred_element_type=jnp.float32)
+    y = y * w_TK.reshape(-1)[order][:, None]
+    return jnp.zeros((T, x_TD.shape[1]), jnp.float32).at[tok].add(y).astype(dt)
+
+
+ExpertFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+class MoEBlock(nnx.Module):
+    """Router + routed experts + optional (gated) shared expert. How the routed experts are
+    computed is pluggable: `expert_fn(x_TD, ids_TK, w_TK)`; by default from this layer's own
+    resident weights (strategy "fused")."""
+
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+        self.gate = Router(cfg, rngs)
+        self.experts = Experts(cfg, dtype, rngs)
+        self.shared_experts = MLP(cfg, cfg.shared_expert_dim, dtype, rngs) if cfg.shared_expert_dim else None
+        self.shared_expert_gate = linear(cfg.hidden_dim, 1, bias=False, dtype=dtype, rngs=rngs) if cfg.shared_expert_gate else None
+        self.act = cfg.hidden_act
+
+    def fused_expert_fn(self) -> ExpertFn:
+        e = self.experts
+        return lambda x, ids, w: routed_experts(x, ids, w, e.gate[...], e.up[...], e.down[...], self.act)
+
+    def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None) -> jax.Array:
+        B, T, D = x_BTD.shape
+        x_TD = x_BTD.reshape(B * T, D)
+        ids, w = self.gate(x_TD)
+        out = (expert_fn or self.fused_expert_fn())(x_TD, ids, w)
+        if self.shared_experts is not None:
+            shared = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                shared = jax.nn.sigmoid(self.shared_expert_gate(x_TD)) * shared
+            out = out + shared
+        return out.reshape(B, T, D)

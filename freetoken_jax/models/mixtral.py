@@ -1,0 +1,31 @@
+"""Mixtral (`MixtralForCausalLM`): GQA, softmax top-k routing renormalised over the chosen experts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.models.hf_config import common_fields
+from freetoken_jax.models.registry import Family, register
+
+
+def config_from_hf(d: dict[str, Any]) -> MoEModelConfig:
+    return MoEModelConfig(
+        **common_fields(d),
+        family="mixtral",
+        intermediate_dim=d["intermediate_size"],
+        num_experts=d["num_local_experts"],
+        top_k=d["num_experts_per_tok"],
+        norm_topk_prob=True,
+    )
+
+
+MIXTRAL = register(
+    Family(
+        "mixtral",
+        ("MixtralForCausalLM",),
+        config_from_hf,
+        renames=(("mlp", "block_sparse_moe"),),
+        expert_names=("w1", "w3", "w2"),
+    )
+)

@@ -1,0 +1,70 @@
+"""Supported model families: which Hugging Face architectures map to which config parser and
+tensor-name map."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from freetoken_jax.config import ConfigError, MoEModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One family: its `architectures` names, how to read its config, and how its tensors are named.
+
+    `renames` maps a segment of our parameter path to the checkpoint's (e.g. Mixtral's MoE block
+    is `block_sparse_moe`); `expert_names` names the gate/up/down projections of one expert.
+    """
+
+    name: str
+    architectures: tuple[str, ...]
+    config_from_hf: Callable[[dict[str, Any]], MoEModelConfig]
+    renames: tuple[tuple[str, str], ...] = ()
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    _FAMILIES[family.name] = family
+    return family
+
+
+def families() -> dict[str, Family]:
+    _load_builtin()
+    return dict(_FAMILIES)
+
+
+def supported_architectures() -> list[str]:
+    return sorted(a for f in families().values() for a in f.architectures)
+
+
+def family_for(hf_config: dict[str, Any]) -> Family:
+    """The family of a parsed `config.json`, by `architectures` (or FreeToken's own `family`)."""
+    fams = families()
+    if "freetoken_family" in hf_config:
+        return fams["generic"]
+    archs = hf_config.get("architectures") or []
+    for fam in fams.values():
+        if any(a in fam.architectures for a in archs):
+            return fam
+    raise ConfigError(
+        f"unsupported architecture {archs or hf_config.get('model_type')!r}; supported: "
+        + ", ".join(supported_architectures())
+    )
+
+
+def family_named(name: str) -> Family:
+    fams = families()
+    if name not in fams:
+        raise ConfigError(f"unknown model family {name!r}; known: {sorted(fams)}")
+    return fams[name]
+
+
+def _load_builtin() -> None:
+    if _FAMILIES:
+        return
+    from freetoken_jax.models import deepseek, generic, mixtral, qwen_moe  # noqa: F401  (they register)

@@ -1,0 +1,69 @@
+"""The decoder-only MoE transformer that every supported family instantiates.
+
+Families differ only in configuration (attention kind, router, shared experts, dense layers);
+their files map Hugging Face configs and tensor names onto this one module tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.models.layers import _INIT, MLP, Attention, ExpertFn, MLAttention, MoEBlock, RMSNorm, linear, rope_cos_sin
+from freetoken_jax.runtime.kv_cache import KVCache, KVView
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: MoEModelConfig, index: int, dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps, dtype)
+        self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps, dtype)
+        self.is_moe = cfg.moe_layers[index]
+        self.mlp = MoEBlock(cfg, dtype, rngs) if self.is_moe else MLP(cfg, cfg.intermediate_dim, dtype, rngs)
+
+    def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None):
+        with jax.named_scope("attention"):
+            a, kv = self.self_attn(self.input_layernorm(x_BTD), cos_sin, kv, view)
+        x_BTD = x_BTD + a
+        with jax.named_scope("moe" if self.is_moe else "mlp"):
+            h = self.post_attention_layernorm(x_BTD)
+            m = self.mlp(h, expert_fn) if self.is_moe else self.mlp(h)
+        return x_BTD + m, kv
+
+
+class MoETransformer(nnx.Module):
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.hidden_dim, dtype=dtype, param_dtype=dtype, embedding_init=_INIT, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, i, dtype, rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else linear(cfg.hidden_dim, cfg.vocab_size, bias=False, dtype=dtype, rngs=rngs)
+        self.cfg = cfg
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array,
+        view: KVView,
+        cache: KVCache,
+        expert_fns: Sequence[ExpertFn | None] | None = None,
+    ) -> tuple[jax.Array, KVCache]:
+        """Runs the layers over this step's tokens, reading and extending the paged cache.
+        Returns the final-normed hidden states [B, T, D] and the new cache."""
+        x = self.embed(tokens_BT)
+        cos_sin = rope_cos_sin(self.cfg, positions_BT)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            with jax.named_scope(f"layer{i}"):
+                x, kv = layer(x, cos_sin, cache[i], view, None if expert_fns is None else expert_fns[i])
+            new_cache.append(kv)
+        return self.norm(x), tuple(new_cache)
+
+    def logits(self, h_TD: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            w = self.embed.embedding[...]
+            return jnp.einsum("...d,vd->...v", h_TD, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", h_TD, self.lm_head.kernel[...], preferred_element_type=jnp.float32)

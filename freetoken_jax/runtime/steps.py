@@ -1,0 +1,114 @@
+"""The pure step functions: prefill a chunk, decode one token, score a prompt.
+
+Each is a function of (weights, state, batch) with no hidden state, so it can be jitted with
+the state donated, or called inside a user's own `jax.jit` / `lax.scan`. Shapes decide the
+executable: batch size B, chunk length T and page-table width P. The engine buckets all three.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from freetoken_jax.runtime.kv_cache import KVCache, KVView
+from freetoken_jax.runtime.sampling import sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """The model's parameters with its (static) NNX graph definition."""
+
+    params: Any
+    graphdef: Any = dataclasses.field(metadata=dict(static=True))
+
+    def model(self):
+        return nnx.merge(self.graphdef, self.params)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Per-row sampling parameters."""
+
+    seeds_B: jax.Array  # uint32
+    temperature_B: jax.Array  # float32, <= 0: greedy
+    top_k_B: jax.Array  # int32, <= 0: off
+    top_p_B: jax.Array  # float32, >= 1: off
+
+    @classmethod
+    def greedy(cls, batch: int) -> Sampling:
+        return cls(jnp.zeros(batch, jnp.uint32), jnp.zeros(batch, jnp.float32), jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """What one decode step reads and replaces: the paged KV cache and each row's last token and
+    its position."""
+
+    cache: KVCache
+    tokens_B: jax.Array  # int32
+    positions_B: jax.Array  # int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    page_table_BP: jax.Array  # int32
+    active_B: jax.Array  # bool; inactive rows write nothing and keep their token
+    sampling: Sampling
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillBatch:
+    tokens_BT: jax.Array  # int32, padded
+    positions_BT: jax.Array  # int32
+    valid_BT: jax.Array  # bool
+    page_table_BP: jax.Array  # int32
+    sampling: Sampling
+
+
+def _page_size(cache: KVCache) -> int:
+    return cache[0][0].shape[1]
+
+
+def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT, page_table_BP, expert_fns=None):
+    """Final hidden states [B, T, D] of this step's tokens and the extended cache."""
+    model = weights.model()
+    view = KVView.build(positions_BT, valid_BT, page_table_BP, _page_size(cache))
+    return model(tokens_BT, positions_BT, view, cache, expert_fns)
+
+
+def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch) -> tuple[jax.Array, DecodeState]:
+    """One token for every active row: returns the sampled tokens [B] and the next state."""
+    active = batch.active_B
+    h, cache = forward(weights, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP)
+    logits = weights.model().logits(h[:, 0])
+    s = batch.sampling
+    nxt = sample(logits, s.seeds_B, state.positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
+    nxt = jnp.where(active, nxt, state.tokens_B)
+    return nxt, DecodeState(cache, nxt, state.positions_B + active.astype(jnp.int32))
+
+
+def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
+    """Writes a chunk of each row's prompt into the cache and samples the token that follows
+    each row's last valid position in this chunk (meaningful for the chunk that ends a prompt)."""
+    h, cache = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    last = jnp.maximum(batch.valid_BT.sum(axis=1) - 1, 0)
+    h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    logits = weights.model().logits(h_last)
+    pos = jnp.take_along_axis(batch.positions_BT, last[:, None], axis=1)[:, 0] + 1
+    s = batch.sampling
+    return sample(logits, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B), cache
+
+
+def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
+    """Like `prefill_step`, but returns the float32 logits at every position [B, T, V]."""
+    h, cache = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    return weights.model().logits(h), cache

@@ -1,0 +1,54 @@
+"""Tiny random checkpoints of every supported family, made with transformers (the oracle)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, initializer_range=0.05)
+MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, moe_intermediate_size=32, num_key_value_heads=4)
+
+VARIANTS = {
+    "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        **COMMON, num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
+        num_experts_per_tok=3, mlp_only_layers=[1],
+    ),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    "qwen3_moe_norm": lambda: Qwen3MoeConfig(**COMMON, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
+    "deepseek_v2": lambda: DeepseekV2Config(**COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1),
+    "deepseek_v2_qlora": lambda: DeepseekV2Config(
+        **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, q_lora_rank=24, first_k_dense_replace=1,
+        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+    ),
+    "deepseek_v3": lambda: DeepseekV3Config(
+        **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=24, first_k_dense_replace=1,
+        n_group=4, topk_group=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+        max_position_embeddings=2048,
+    ),
+}
+
+
+def make_checkpoint(name: str, root: str) -> str:
+    """Creates (once) and returns the directory of variant `name`'s random checkpoint."""
+    path = os.path.join(root, name)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    torch.manual_seed(sum(map(ord, name)))
+    model = AutoModelForCausalLM.from_config(VARIANTS[name](), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "weight") and gate.weight.shape[0] > 1:
+                gate.weight.mul_(40.0)  # routing margins far above float rounding
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(torch.randn_like(gate.e_score_correction_bias) * 0.3)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
