@@ -88,9 +88,7 @@ class MoEModelConfig:
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.num_experts <= 0 or not 0 < self.top_k <= self.num_experts:
-            raise ConfigError(
-                f"need num_experts > 0 and 0 < top_k <= num_experts, got {self.num_experts=} {self.top_k=}"
-            )
+            raise ConfigError(f"need num_experts > 0 and 0 < top_k <= num_experts, got {self.num_experts=} {self.top_k=}")
         if self.moe_intermediate_dim is None:
             set_("moe_intermediate_dim", self.intermediate_dim)
         if self.num_heads is None:
@@ -188,7 +186,7 @@ class MoEModelConfig:
                     d = json.load(f)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{p} is not valid JSON: {e}") from e
-        return registry.family_for(d).config_from_hf(d)
+        return registry.family_for(d).parse(d)
 
 
 def _hashable(v: Any) -> Any:

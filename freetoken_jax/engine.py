@@ -11,6 +11,7 @@ size, chunk length and page-table width.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -54,7 +55,9 @@ class FreeTokenEngine:
     `FreeTokenEngine.from_pretrained(path | "demo")` loads a checkpoint.
     """
 
-    def __init__(self, model_config: MoEModelConfig, engine_config: EngineConfig | None = None, *, params=None, tokenizer=None, name: str = "random"):
+    def __init__(
+        self, model_config: MoEModelConfig, engine_config: EngineConfig | None = None, *, params=None, tokenizer=None, name: str = "random"
+    ):
         ecfg = engine_config or EngineConfig()
         self.model_config, self.engine_config, self.tokenizer, self.name = model_config, ecfg, tokenizer, name
         if params is None:
@@ -64,9 +67,10 @@ class FreeTokenEngine:
         self.weights = Weights(params, graphdef)
         self.cache = init_cache(model_config, ecfg, jnp_dtype(ecfg.dtype))
         self.pages = PageAllocator(ecfg.total_kv_pages, ecfg.page_size)
-        self._prefill = jax.jit(prefill_step, donate_argnums=(1,))
-        self._score = jax.jit(score_step, donate_argnums=(1,))
-        self._decode = jax.jit(decode_step, donate_argnums=(1,))
+        # partial() gives each engine its own executable cache (jit caches per function object).
+        self._prefill = jax.jit(functools.partial(prefill_step), donate_argnums=(1,))
+        self._score = jax.jit(functools.partial(score_step), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
         self._m = dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
 
@@ -94,7 +98,7 @@ class FreeTokenEngine:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}/config.json is not valid JSON: {e}") from e
         family = family_for(raw)
-        cfg = family.config_from_hf(raw)
+        cfg = family.parse(raw)
         ecfg = engine_config or EngineConfig()
         params = load_params(path, cfg, family, ecfg.dtype)
         return cls(cfg, ecfg, params=params, tokenizer=load_tokenizer(path), name=os.path.basename(os.path.normpath(path)))
@@ -121,8 +125,17 @@ class FreeTokenEngine:
         return ids
 
     # Generation -----------------------------------------------------------------------------------
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False) -> Iterator[int]:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> Iterator[int]:
         """Yields the generated token ids one by one as they are produced (the stop token, if
         one ends the generation, is yielded last)."""
         p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos)
@@ -130,12 +143,23 @@ class FreeTokenEngine:
         for _, tok in self._run([ids], [p]):
             yield tok
 
-    def generate_batch(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0,
-                       top_k: int = 0, top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (),
-                       ignore_eos: bool = False) -> list[list[int]]:
+    def generate_batch(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
+    ) -> list[list[int]]:
         """Generates for several prompts together (in groups of at most `max_batch`); row i is
         seeded with `seed + i`."""
-        ps = [GenerationParams(max_new_tokens, temperature, top_k, top_p, seed + i, tuple(stop_token_ids), ignore_eos) for i in range(len(prompts))]
+        ps = [
+            GenerationParams(max_new_tokens, temperature, top_k, top_p, seed + i, tuple(stop_token_ids), ignore_eos)
+            for i in range(len(prompts))
+        ]
         checked = [self._check(pr, p) for pr, p in zip(prompts, ps)]
         out: list[list[int]] = [[] for _ in prompts]
         mb = self.engine_config.max_batch
@@ -185,7 +209,9 @@ class FreeTokenEngine:
         B = buckets.batch_bucket(n, ecfg.max_batch)
         need = [len(p) + q.max_new_tokens for p, q in zip(prompts, ps)]
         if sum(self.pages.pages_for(t) for t in need) > self.pages.free_pages:
-            raise RequestError(f"the KV cache has {self.pages.free_pages} free pages; this batch needs {sum(self.pages.pages_for(t) for t in need)}")
+            raise RequestError(
+                f"the KV cache has {self.pages.free_pages} free pages; this batch needs {sum(self.pages.pages_for(t) for t in need)}"
+            )
         rows = [self.pages.allocate(t) for t in need]
         try:
             self._m["requests"] += n
@@ -239,7 +265,10 @@ class FreeTokenEngine:
         rows = [self.pages.allocate(len(ids))]
         try:
             table, _ = self._page_table(rows, 1)
-            out = [np.asarray(lg)[0, : max(0, min(T, len(ids) - start))] for start, T, lg in self._prefill_chunks([ids], table, Sampling.greedy(1), self._score)]
+            out = [
+                np.asarray(lg)[0, : max(0, min(T, len(ids) - start))]
+                for start, T, lg in self._prefill_chunks([ids], table, Sampling.greedy(1), self._score)
+            ]
             return np.concatenate(out, axis=0)
         finally:
             self.pages.release(rows[0])
@@ -257,4 +286,3 @@ class FreeTokenEngine:
         m["kv_pages_total"] = self.pages.num_pages - 1
         m["moe_strategy"] = self.engine_config.moe_strategy
         return m
-

@@ -13,20 +13,56 @@ MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=
 VARIANTS = {
     "mixtral": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2),
     "qwen2_moe": lambda: Qwen2MoeConfig(
-        **COMMON, num_key_value_heads=2, moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=8,
-        num_experts_per_tok=3, mlp_only_layers=[1],
+        **COMMON,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        mlp_only_layers=[1],
     ),
-    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
-    "qwen3_moe_norm": lambda: Qwen3MoeConfig(**COMMON, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True),
-    "deepseek_v2": lambda: DeepseekV2Config(**COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1),
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
+    ),
+    "qwen3_moe_norm": lambda: Qwen3MoeConfig(
+        **COMMON, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+    ),
+    "deepseek_v2": lambda: DeepseekV2Config(
+        **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1
+    ),
     "deepseek_v2_qlora": lambda: DeepseekV2Config(
-        **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2, q_lora_rank=24, first_k_dense_replace=1,
-        topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=1.5,
+        **COMMON,
+        **MLA,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        q_lora_rank=24,
+        first_k_dense_replace=1,
+        topk_method="group_limited_greedy",
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=1.5,
     ),
     "deepseek_v3": lambda: DeepseekV3Config(
-        **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=24, first_k_dense_replace=1,
-        n_group=4, topk_group=2,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=512, mscale=1.0, mscale_all_dim=1.0, beta_fast=32, beta_slow=1),
+        **COMMON,
+        **MLA,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        q_lora_rank=24,
+        first_k_dense_replace=1,
+        n_group=4,
+        topk_group=2,
+        rope_parameters=dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=512,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+            beta_fast=32,
+            beta_slow=1,
+        ),
         max_position_embeddings=2048,
     ),
 }

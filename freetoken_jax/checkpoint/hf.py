@@ -7,10 +7,9 @@ stacked into `[E, ...]` (or the fused `gate_up_proj` / `down_proj` banks of newe
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
-from flax import nnx
 import numpy as np
+from flax import nnx
 
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
 from freetoken_jax.config import MoEModelConfig

@@ -22,28 +22,25 @@ def rope_parameters(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 def common_fields(d: dict[str, Any]) -> dict[str, Any]:
-    try:
-        act = d.get("hidden_act", "silu")
-        if act not in _ACT:
-            raise ConfigError(f"hidden_act {act!r} is not supported; supported: {sorted(_ACT)}")
-        theta, scaling = rope_parameters(d)
-        heads = d["num_attention_heads"]
-        eos = d.get("eos_token_id")
-        return dict(
-            vocab_size=d["vocab_size"],
-            hidden_dim=d["hidden_size"],
-            num_layers=d["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=theta,
-            rope_scaling=tuple(scaling.items()),
-            max_position_embeddings=d.get("max_position_embeddings", 32768),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            hidden_act=_ACT[act],
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
-        )
-    except KeyError as e:
-        raise ConfigError(f"config.json lacks the key {e.args[0]!r} that this architecture needs") from e
+    act = d.get("hidden_act", "silu")
+    if act not in _ACT:
+        raise ConfigError(f"hidden_act {act!r} is not supported; supported: {sorted(_ACT)}")
+    theta, scaling = rope_parameters(d)
+    heads = d["num_attention_heads"]
+    eos = d.get("eos_token_id")
+    return dict(
+        vocab_size=d["vocab_size"],
+        hidden_dim=d["hidden_size"],
+        num_layers=d["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=d.get("num_key_value_heads") or heads,
+        head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+        rope_theta=theta,
+        rope_scaling=tuple(scaling.items()),
+        max_position_embeddings=d.get("max_position_embeddings", 32768),
+        rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+        hidden_act=_ACT[act],
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+    )

@@ -24,6 +24,13 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
 
+    def parse(self, hf_config: dict[str, Any]) -> MoEModelConfig:
+        """`config_from_hf`, with a missing key reported as a `ConfigError` that names it."""
+        try:
+            return self.config_from_hf(hf_config)
+        except KeyError as e:
+            raise ConfigError(f"config.json lacks the key {e.args[0]!r} that {self.name} models need") from e
+
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -52,8 +59,7 @@ def family_for(hf_config: dict[str, Any]) -> Family:
         if any(a in fam.architectures for a in archs):
             return fam
     raise ConfigError(
-        f"unsupported architecture {archs or hf_config.get('model_type')!r}; supported: "
-        + ", ".join(supported_architectures())
+        f"unsupported architecture {archs or hf_config.get('model_type')!r}; supported: " + ", ".join(supported_architectures())
     )
 
 
@@ -65,6 +71,5 @@ def family_named(name: str) -> Family:
 
 
 def _load_builtin() -> None:
-    if _FAMILIES:
-        return
-    from freetoken_jax.models import deepseek, generic, mixtral, qwen_moe  # noqa: F401  (they register)
+    # Importing a family module registers it; imports are cached, so this is cheap after the first.
+    from freetoken_jax.models import deepseek, generic, mixtral, qwen_moe  # noqa: F401

@@ -1,0 +1,28 @@
+# The two commands of the README: `make demo` and `make test`. Both install into $(VENV) first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test install install-test lint protos
+
+$(VENV)/.installed: pyproject.toml cpu_ext/CMakeLists.txt $(wildcard cpu_ext/src/*)
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(VENV)/bin/freetoken-jax generate --model demo --prompt "Once upon a time" --max-new-tokens 48
+
+test: install-test
+	$(PY) -m pytest -q tests
+
+lint: install-test
+	$(VENV)/bin/ruff check freetoken_jax pallas_kernels tests benchmarks

@@ -1,0 +1,27 @@
+import os
+import tempfile
+
+# The demo model is written to the cache directory on first use: keep tests out of the user's.
+os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="freetoken-test-cache-"))
+
+import pytest  # noqa: E402
+
+from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def ckpt_root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf_checkpoints"))
+
+
+@pytest.fixture(scope="session")
+def small_engine_config():
+    # Pages of 4 tokens and chunks of 16 make 21-token prompts span pages and prefill chunks.
+    return EngineConfig(dtype="float32", max_context=64, max_batch=4, page_size=4, prefill_chunk=16)
+
+
+@pytest.fixture(scope="session")
+def demo_engine():
+    return FreeTokenEngine.from_pretrained(
+        "demo", EngineConfig(dtype="float32", max_context=128, max_batch=4, page_size=8, prefill_chunk=32)
+    )

@@ -1,0 +1,45 @@
+"""The decode step is a pure function that users can put inside their own jit and lax.scan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from freetoken_jax import DecodeBatch, DecodeState, PrefillBatch, Sampling, decode_step, prefill_step
+
+
+def test_decode_step_in_user_scan(demo_engine):
+    engine = demo_engine
+    prompt = [256, 72, 101, 108, 108, 111]
+    want = list(engine.generate(prompt, max_new_tokens=12, ignore_eos=True))
+
+    cfg = engine.engine_config
+    pages = engine.pages.allocate(len(prompt) + 12)
+    try:
+        table = jnp.asarray([pages + [0] * (cfg.pages_per_sequence - len(pages))], jnp.int32)
+        T = 8
+        batch = PrefillBatch(
+            jnp.asarray([prompt + [0] * (T - len(prompt))], jnp.int32),
+            jnp.arange(T, dtype=jnp.int32)[None],
+            jnp.asarray([[True] * len(prompt) + [False] * (T - len(prompt))]),
+            table,
+            Sampling.greedy(1),
+        )
+
+        @jax.jit
+        def user_program(weights, cache):
+            first, cache = prefill_step(weights, cache, batch)
+            state = DecodeState(cache, first, jnp.asarray([len(prompt)], jnp.int32))
+            step_batch = DecodeBatch(table, jnp.asarray([True]), Sampling.greedy(1))
+
+            def body(state, _):
+                tok, state = decode_step(weights, state, step_batch)
+                return state, tok[0]
+
+            state, toks = jax.lax.scan(body, state, None, length=11)
+            return jnp.concatenate([first, toks]), state.cache
+
+        toks, cache = user_program(engine.weights, engine.cache)
+        engine.cache = cache
+    finally:
+        engine.pages.release(pages)
+    assert np.asarray(toks).tolist() == want
