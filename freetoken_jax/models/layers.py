@@ -271,33 +271,52 @@ class Experts(nnx.Module):
         self.down = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
 
 
-def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str) -> jax.Array:
+# How routed experts are computed from stacked weights: "auto" picks "gather" for few token-expert
+# pairs (decode) and "ragged" for many (prefill); benchmarks compare the others explicitly.
+EXPERT_IMPL = "auto"
+
+
+def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str, impl: str | None = None) -> jax.Array:
     """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts.
 
-    Few token-expert pairs (decode): gather the chosen experts' weights and run one batched
-    matvec. Many (prefill): sort the pairs by expert and run grouped matmuls (`ragged_dot`), so
-    each expert's weights are read once.
+    - "gather": gather the chosen experts' weights and run one batched matvec (few pairs);
+    - "slices": one dynamic slice per pair, each feeding its own matvec (no gathered copy);
+    - "ragged": sort the pairs by expert and run grouped matmuls, each expert read once.
     """
     T, K = ids_TK.shape
     E = gate_EDF.shape[0]
+    impl = impl or EXPERT_IMPL
+    if impl == "auto":
+        impl = "gather" if T * K <= E else "ragged"
     f = activation(act)
     dt = x_TD.dtype
-    if T * K <= E:
-        mm = dict(preferred_element_type=jnp.float32)
+    mm = dict(preferred_element_type=jnp.float32)
+    if impl == "gather":
         g = jnp.einsum("td,tkdf->tkf", x_TD, gate_EDF[ids_TK], **mm)
         u = jnp.einsum("td,tkdf->tkf", x_TD, up_EDF[ids_TK], **mm)
         h = (f(g) * u).astype(dt)
         y = jnp.einsum("tkf,tkfd->tkd", h, down_EFD[ids_TK], **mm)
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
+    if impl == "slices":
+        rows = []
+        for t in range(T):
+            acc = jnp.zeros((x_TD.shape[1],), jnp.float32)
+            for k in range(K):
+                e = ids_TK[t, k]
+                pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: B023
+                h = (f(jnp.dot(x_TD[t], pick(gate_EDF), **mm)) * jnp.dot(x_TD[t], pick(up_EDF), **mm)).astype(dt)
+                acc = acc + w_TK[t, k] * jnp.dot(h, pick(down_EFD), **mm)
+            rows.append(acc)
+        return jnp.stack(rows).astype(dt)
     flat = ids_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     tok = order // K
     xs = x_TD[tok]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    g = jax.lax.ragged_dot(xs, gate_EDF, sizes, preferred_element_type=jnp.float32)
-    u = jax.lax.ragged_dot(xs, up_EDF, sizes, preferred_element_type=jnp.float32)
+    g = jax.lax.ragged_dot(xs, gate_EDF, sizes, **mm)
+    u = jax.lax.ragged_dot(xs, up_EDF, sizes, **mm)
     h = (f(g) * u).astype(dt)
-    y = jax.lax.ragged_dot(h, down_EFD, sizes, preferred_element_type=jnp.float32)
+    y = jax.lax.ragged_dot(h, down_EFD, sizes, **mm)
     y = y * w_TK.reshape(-1)[order][:, None]
     return jnp.zeros((T, x_TD.shape[1]), jnp.float32).at[tok].add(y).astype(dt)
 
