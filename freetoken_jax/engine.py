@@ -48,6 +48,21 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+def _traced(step, dtype: str):
+    """A fresh function object per engine (jit caches executables per function object), traced
+    with full-precision float32 matmuls when the model runs in float32 (GPUs otherwise use
+    reduced-precision passes for float32 dots)."""
+
+    @functools.wraps(step)
+    def run(*args):
+        if dtype == "float32":
+            with jax.default_matmul_precision("highest"):
+                return step(*args)
+        return step(*args)
+
+    return run
+
+
 class FreeTokenEngine:
     """Generates tokens from an MoE model.
 
@@ -67,10 +82,9 @@ class FreeTokenEngine:
         self.weights = Weights(params, graphdef)
         self.cache = init_cache(model_config, ecfg, jnp_dtype(ecfg.dtype))
         self.pages = PageAllocator(ecfg.total_kv_pages, ecfg.page_size)
-        # partial() gives each engine its own executable cache (jit caches per function object).
-        self._prefill = jax.jit(functools.partial(prefill_step), donate_argnums=(1,))
-        self._score = jax.jit(functools.partial(score_step), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
+        self._prefill = jax.jit(_traced(prefill_step, ecfg.dtype), donate_argnums=(1,))
+        self._score = jax.jit(_traced(score_step, ecfg.dtype), donate_argnums=(1,))
+        self._decode = jax.jit(_traced(decode_step, ecfg.dtype), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
         self._m = dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
 
