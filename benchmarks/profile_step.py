@@ -1,8 +1,8 @@
 """Kernel-level profile of the jitted decode step on the GPU (CUPTI through torch.profiler):
-for each variant (expert implementation, XLA dot strength reduction on/off) and batch size, the
+for each expert implementation and batch size, the
 wall time per step, kernels launched per step, summed kernel time and the heaviest kernels.
 
-    python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 1 8 --variants gather:sr gather:nosr slices:nosr
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 1 8 --variants gather slices ragged
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
-    ap.add_argument("--variants", nargs="+", default=["auto:sr"])
+    ap.add_argument("--variants", nargs="+", default=["auto"])
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     cfg = PRESETS[args.preset]
@@ -55,18 +55,17 @@ def main() -> int:
         table, _ = engine._page_table(pages, B)
         batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
         for variant in args.variants:
-            impl, sr = variant.split(":")
+            impl = variant
             if impl == "slices" and B * cfg.top_k > 16:
                 continue
             layers.EXPERT_IMPL = impl
-            opts = {} if sr == "sr" else {"xla_gpu_enable_dot_strength_reduction": False}
-            step = jax.jit(functools.partial(decode_step), donate_argnums=(1,), compiler_options=opts or None)
+            step = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
             state = DecodeState(engine.cache, jnp.arange(B, dtype=jnp.int32), jnp.full((B,), 64, jnp.int32))
             engine.cache = None
             t = time.perf_counter()
             compiled = step.lower(engine.weights, state, batch).compile()
             compile_s = time.perf_counter() - t
-            with open(os.path.join(args.out, f"decode_b{B}_{impl}_{sr}.hlo.txt"), "w") as f:
+            with open(os.path.join(args.out, f"decode_b{B}_{impl}.hlo.txt"), "w") as f:
                 f.write(compiled.as_text())
             box = [state]
 

@@ -13,7 +13,7 @@ import tempfile
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.tokenizer import ByteTokenizer
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 
 DEMO_CONFIG = MoEModelConfig(
     vocab_size=320,

@@ -13,8 +13,8 @@ def reference(x, ids, w, gate, up, down):
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = ids[t, k]
-            g, u = x[t] @ gate[e], x[t] @ up[e]
-            out[t] += w[t, k] * ((g / (1 + np.exp(-g))) * u) @ down[e]
+            g, u = gate[e] @ x[t], up[e] @ x[t]
+            out[t] += w[t, k] * down[e] @ ((g / (1 + np.exp(-g))) * u)
     return out
 
 
@@ -23,8 +23,8 @@ def reference(x, ids, w, gate, up, down):
 def test_impls_match_reference(impl, T, K, E, D, F):
     rng = np.random.default_rng(T * 100 + K * 10 + E)
     x = rng.standard_normal((T, D)).astype(np.float32)
-    gate, up = (rng.standard_normal((E, D, F)).astype(np.float32) * 0.3 for _ in range(2))
-    down = rng.standard_normal((E, F, D)).astype(np.float32) * 0.3
+    gate, up = (rng.standard_normal((E, F, D)).astype(np.float32) * 0.3 for _ in range(2))
+    down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, K)).astype(np.float32)
     got = routed_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), "silu", impl=impl)

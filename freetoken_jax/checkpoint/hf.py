@@ -1,7 +1,7 @@
 """Loading a Hugging Face safetensors checkpoint into the engine's parameter tree.
 
-Each parameter path of the model (e.g. `layers/3/self_attn/q_proj/kernel`) maps to one checkpoint
-tensor (transposed for matmul kernels) or, for expert banks, to the per-expert tensors of a layer
+Each parameter path of the model (e.g. `layers/3/self_attn/q_proj/weight`) maps to one checkpoint
+tensor, in the same [out, in] layout, or, for expert banks, to the per-expert tensors of a layer
 stacked into `[E, ...]` (or the fused `gate_up_proj` / `down_proj` banks of newer exports).
 """
 
@@ -29,8 +29,8 @@ def read_param(ckpt: SafetensorsDir, path: tuple, fam: Family, cfg: MoEModelConf
     head, leaf = path[:-1], path[-1]
     if path == ("embed", "embedding"):
         return ckpt.get("model.embed_tokens.weight")
-    if path == ("lm_head", "kernel"):
-        return ckpt.get("lm_head.weight").T
+    if path == ("lm_head", "weight"):
+        return ckpt.get("lm_head.weight")
     name = ("model." if path[0] in ("layers", "norm") else "") + _hf_prefix(head, fam)
     if head[-1] == "experts":
         gate_n, up_n, down_n = fam.expert_names
@@ -38,15 +38,13 @@ def read_param(ckpt: SafetensorsDir, path: tuple, fam: Family, cfg: MoEModelConf
         if fused in ckpt:  # [E, 2F, D] / [E, D, F]
             F = cfg.moe_intermediate_dim
             if leaf == "down":
-                return np.swapaxes(ckpt.get(name + ".down_proj"), 1, 2)
+                return ckpt.get(name + ".down_proj")
             gu = ckpt.get(fused)
-            return np.swapaxes(gu[:, :F] if leaf == "gate" else gu[:, F:], 1, 2)
+            return gu[:, :F] if leaf == "gate" else gu[:, F:]
         proj = {"gate": gate_n, "up": up_n, "down": down_n}[leaf]
-        return np.stack([ckpt.get(f"{name}.{e}.{proj}.weight").T for e in range(cfg.num_experts)])
-    if head[-1] == "gate" and head[-2] == "mlp":  # router: [E, D] -> [D, E]; bias is V3's correction
-        return ckpt.get(name + ".weight").T if leaf == "weight" else ckpt.get(name + ".e_score_correction_bias")
-    if leaf == "kernel":
-        return ckpt.get(name + ".weight").T
+        return np.stack([ckpt.get(f"{name}.{e}.{proj}.weight") for e in range(cfg.num_experts)])
+    if head[-1] == "gate" and head[-2] == "mlp" and leaf == "bias":  # V3's routing correction
+        return ckpt.get(name + ".e_score_correction_bias")
     return ckpt.get(f"{name}.{leaf}")
 
 

@@ -1,5 +1,5 @@
 """The engine's own safetensors layout ("generic" family): `config.json` holds the
-`MoEModelConfig`, tensors are named by parameter path (`layers/0/self_attn/q_proj/kernel`)."""
+`MoEModelConfig`, tensors are named by parameter path (`layers/0/self_attn/q_proj/weight`)."""
 
 from __future__ import annotations
 

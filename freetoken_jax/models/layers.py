@@ -32,8 +32,23 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     raise ValueError(f"unsupported activation {name!r}")
 
 
-def linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=dtype, kernel_init=_INIT, rngs=rngs)
+class Linear(nnx.Module):
+    """y = x Wᵀ + b with W stored [out, in] (the checkpoints' layout): a decode matvec then
+    reduces along W's contiguous rows, which XLA fuses into one pass over the weights."""
+
+    def __init__(self, din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_INIT(rngs.params(), (dout, din), dtype))
+        self.bias = nnx.Param(jnp.zeros((dout,), dtype)) if bias else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum("...d,fd->...f", x, self.weight[...], preferred_element_type=jnp.float32)
+        if self.bias is not None:
+            y = y + self.bias[...]
+        return y.astype(x.dtype)
+
+
+def linear(din: int, dout: int, *, bias: bool, dtype, rngs: nnx.Rngs) -> Linear:
+    return Linear(din, dout, bias=bias, dtype=dtype, rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
@@ -227,13 +242,13 @@ class Router(nnx.Module):
 
     def __init__(self, cfg: MoEModelConfig, rngs: nnx.Rngs):
         # Router weights stay float32 whatever the model dtype (as the reference models keep them).
-        self.weight = nnx.Param(_INIT(rngs.params(), (cfg.hidden_dim, cfg.num_experts), jnp.float32))
+        self.weight = nnx.Param(_INIT(rngs.params(), (cfg.num_experts, cfg.hidden_dim), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) if cfg.score_correction_bias else None
         self.cfg = cfg
 
     def __call__(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
-        logits_TE = jnp.dot(x_TD.astype(jnp.float32), self.weight[...], precision=jax.lax.Precision.HIGHEST)
+        logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight[...], precision=jax.lax.Precision.HIGHEST)
         bias = None if self.bias is None else self.bias[...]
         return route(cfg, logits_TE, bias)
 
@@ -262,13 +277,14 @@ def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = 
 
 
 class Experts(nnx.Module):
-    """The routed experts of one layer, stacked: gate/up [E, D, F], down [E, F, D]."""
+    """The routed experts of one layer, stacked in the checkpoints' [out, in] layout:
+    gate/up [E, F, D], down [E, D, F]."""
 
     def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
         E, D, F = cfg.num_experts, cfg.hidden_dim, cfg.moe_intermediate_dim
-        self.gate = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
-        self.up = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
-        self.down = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
+        self.gate = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
+        self.up = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
+        self.down = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
 
 
 # How routed experts are computed from stacked weights: "auto" picks "gather" for few token-expert
@@ -276,7 +292,7 @@ class Experts(nnx.Module):
 EXPERT_IMPL = "auto"
 
 
-def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str, impl: str | None = None) -> jax.Array:
+def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, impl: str | None = None) -> jax.Array:
     """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts.
 
     - "gather": gather the chosen experts' weights and run one batched matvec (few pairs);
@@ -284,7 +300,7 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str, imp
     - "ragged": sort the pairs by expert and run grouped matmuls, each expert read once.
     """
     T, K = ids_TK.shape
-    E = gate_EDF.shape[0]
+    E = gate_EFD.shape[0]
     impl = impl or EXPERT_IMPL
     if impl == "auto":
         impl = "gather" if T * K <= E else "ragged"
@@ -292,10 +308,10 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str, imp
     dt = x_TD.dtype
     mm = dict(preferred_element_type=jnp.float32)
     if impl == "gather":
-        g = jnp.einsum("td,tkdf->tkf", x_TD, gate_EDF[ids_TK], **mm)
-        u = jnp.einsum("td,tkdf->tkf", x_TD, up_EDF[ids_TK], **mm)
+        g = jnp.einsum("td,tkfd->tkf", x_TD, gate_EFD[ids_TK], **mm)
+        u = jnp.einsum("td,tkfd->tkf", x_TD, up_EFD[ids_TK], **mm)
         h = (f(g) * u).astype(dt)
-        y = jnp.einsum("tkf,tkfd->tkd", h, down_EFD[ids_TK], **mm)
+        y = jnp.einsum("tkf,tkdf->tkd", h, down_EDF[ids_TK], **mm)
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
     if impl == "slices":
         rows = []
@@ -304,8 +320,8 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str, imp
             for k in range(K):
                 e = ids_TK[t, k]
                 pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: B023
-                h = (f(jnp.dot(x_TD[t], pick(gate_EDF), **mm)) * jnp.dot(x_TD[t], pick(up_EDF), **mm)).astype(dt)
-                acc = acc + w_TK[t, k] * jnp.dot(h, pick(down_EFD), **mm)
+                h = (f(jnp.dot(pick(gate_EFD), x_TD[t], **mm)) * jnp.dot(pick(up_EFD), x_TD[t], **mm)).astype(dt)
+                acc = acc + w_TK[t, k] * jnp.dot(pick(down_EDF), h, **mm)
             rows.append(acc)
         return jnp.stack(rows).astype(dt)
     flat = ids_TK.reshape(-1)
@@ -313,10 +329,12 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EDF, up_EDF, down_EFD, act: str, imp
     tok = order // K
     xs = x_TD[tok]
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    g = jax.lax.ragged_dot(xs, gate_EDF, sizes, **mm)
-    u = jax.lax.ragged_dot(xs, up_EDF, sizes, **mm)
+    # Grouped matmuls contracting the weights' minor (input) dimension: [E, out, in] as stored.
+    dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+    rdot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, **mm)
+    g, u = rdot(xs, gate_EFD), rdot(xs, up_EFD)
     h = (f(g) * u).astype(dt)
-    y = jax.lax.ragged_dot(h, down_EFD, sizes, **mm)
+    y = rdot(h, down_EDF)
     y = y * w_TK.reshape(-1)[order][:, None]
     return jnp.zeros((T, x_TD.shape[1]), jnp.float32).at[tok].add(y).astype(dt)
 

@@ -66,4 +66,4 @@ class MoETransformer(nnx.Module):
         if self.lm_head is None:
             w = self.embed.embedding[...]
             return jnp.einsum("...d,vd->...v", h_TD, w, preferred_element_type=jnp.float32)
-        return jnp.einsum("...d,dv->...v", h_TD, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,vd->...v", h_TD, self.lm_head.weight[...], preferred_element_type=jnp.float32)
