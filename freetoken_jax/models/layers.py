@@ -295,7 +295,7 @@ EXPERT_IMPL = "auto"
 def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, impl: str | None = None) -> jax.Array:
     """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts.
 
-    - "gather": gather the chosen experts' weights and run one batched matvec (few pairs);
+    - "gather": one fused gather-and-reduce per projection over the chosen experts (few pairs);
     - "slices": one dynamic slice per pair, each feeding its own matvec (no gathered copy);
     - "ragged": sort the pairs by expert and run grouped matmuls, each expert read once.
     """
@@ -308,10 +308,14 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, imp
     dt = x_TD.dtype
     mm = dict(preferred_element_type=jnp.float32)
     if impl == "gather":
-        g = jnp.einsum("td,tkfd->tkf", x_TD, gate_EFD[ids_TK], **mm)
-        u = jnp.einsum("td,tkfd->tkf", x_TD, up_EFD[ids_TK], **mm)
-        h = (f(g) * u).astype(dt)
-        y = jnp.einsum("tkf,tkdf->tkd", h, down_EDF[ids_TK], **mm)
+        # Written as multiply + reduce over the weights' contiguous rows so that XLA fuses the
+        # gather into one reduction per projection: each chosen expert is read once, in place.
+        def matvec(v_TKI, w_TKOI):
+            return jnp.sum(v_TKI[:, :, None, :].astype(jnp.float32) * w_TKOI.astype(jnp.float32), axis=-1)
+
+        xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
+        h = (f(matvec(xk, gate_EFD[ids_TK])) * matvec(xk, up_EFD[ids_TK])).astype(dt)
+        y = matvec(h, down_EDF[ids_TK])
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
     if impl == "slices":
         rows = []
