@@ -15,7 +15,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_fused_decode import PRESETS  # noqa: E402
@@ -69,7 +68,7 @@ def main() -> int:
                 f.write(compiled.as_text())
             box = [state]
 
-            def run(n, box=box, compiled=compiled):
+            def run(n, box=box, compiled=compiled, batch=batch):
                 tok = None
                 for _ in range(n):
                     tok, box[0] = compiled(engine.weights, box[0], batch)
@@ -81,7 +80,9 @@ def main() -> int:
             wall = (time.perf_counter() - t) / 20 * 1e3
             nk, ksum, top = kernel_profile(run)
             engine.cache = box[0].cache
-            print(f"\n== B={B} {variant}: {wall:.3f} ms/step wall, {nk:.0f} kernels/step, {ksum:.3f} ms summed kernel time, compile {compile_s:.0f} s")
+            print(
+                f"\n== B={B} {variant}: {wall:.3f} ms/step wall, {nk:.0f} kernels/step, {ksum:.3f} ms summed kernel time, compile {compile_s:.0f} s"
+            )
             for ms, cnt, name in top:
                 print(f"   {ms:7.3f} ms {cnt:5.0f}x  {name}")
             summary.append((B, variant, wall, nk, ksum))

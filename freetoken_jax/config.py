@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-SUPPORTED_STRATEGIES = ("fused",)
+SUPPORTED_STRATEGIES = ("fused", "offload")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -204,10 +204,20 @@ class EngineConfig:
     `max_context` bounds prompt + generated tokens of one sequence; `max_batch` bounds the
     sequences decoded together. KV memory is `kv_pages` pages of `page_size` tokens per layer
     (default: enough for `max_batch` full-length sequences).
+
+    Expert placement: `moe_strategy` "fused" keeps every expert on the device; "offload" keeps
+    them in host RAM with `expert_slots` slots on the device — given directly, or planned from
+    FreeToken's budget fields (`total_vram_gb`, `base_model_vram_gb` for the dense weights,
+    `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory.
     """
 
     dtype: str = "bfloat16"
     moe_strategy: str = "fused"
+    expert_slots: int | None = None
+    total_vram_gb: float | None = None
+    base_model_vram_gb: float | None = None
+    reserved_vram_gb: float | None = None
+    initial_expert_capacity: int | None = None
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
@@ -225,6 +235,12 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prefill_chunk & (self.prefill_chunk - 1):
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        for name in ("expert_slots", "initial_expert_capacity"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("total_vram_gb", "base_model_vram_gb", "reserved_vram_gb"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.kv_pages is not None and self.kv_pages < 2:
             raise ConfigError(f"kv_pages must be at least 2 (page 0 is reserved), got {self.kv_pages}")
 

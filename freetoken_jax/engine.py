@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -21,13 +22,15 @@ from collections.abc import Iterator, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
+from freetoken_jax.memory.budget import GB, device_memory_bytes, host_memory_available, plan_memory
+from freetoken_jax.memory.expert_cache import init_slot_cache
 from freetoken_jax.memory.kv_pages import PageAllocator
-from freetoken_jax.models import abstract_graphdef, build_random, jnp_dtype
+from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.runtime import buckets
-from freetoken_jax.runtime.kv_cache import init_cache
+from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
+from freetoken_jax.runtime.offload import host_memory_kind, to_host_banks
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling, Weights, decode_step, prefill_step, score_step
 
 log = logging.getLogger("freetoken_jax")
@@ -48,13 +51,34 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
-def _traced(step, dtype: str):
+def _host_bank_placer(cfg: MoEModelConfig):
+    """Puts each layer's experts into a host bank (one flattened row per expert) as soon as the
+    layer is read or generated; other leaves go to the device."""
+    dev = jax.devices()[0]
+    kind = host_memory_kind()
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind) if kind else jax.sharding.SingleDeviceSharding(dev)
+
+    def place(path, a):
+        if not is_expert_path(path):
+            return jnp.asarray(a)
+        bank = jax.device_put(a.reshape(a.shape[0], -1), host)
+        bank.block_until_ready()
+        if isinstance(a, jax.Array) and a is not bank:
+            a.delete()
+        return bank
+
+    return place
+
+
+def _traced(step, dtype: str, traces: dict[str, int]):
     """A fresh function object per engine (jit caches executables per function object), traced
     with full-precision float32 matmuls when the model runs in float32 (GPUs otherwise use
-    reduced-precision passes for float32 dots)."""
+    reduced-precision passes for float32 dots). `traces` counts how often each step is traced,
+    which is how often it is compiled."""
 
     @functools.wraps(step)
     def run(*args):
+        traces[step.__name__] = traces.get(step.__name__, 0) + 1
         if dtype == "float32":
             with jax.default_matmul_precision("highest"):
                 return step(*args)
@@ -71,20 +95,53 @@ class FreeTokenEngine:
     """
 
     def __init__(
-        self, model_config: MoEModelConfig, engine_config: EngineConfig | None = None, *, params=None, tokenizer=None, name: str = "random"
+        self,
+        model_config: MoEModelConfig,
+        engine_config: EngineConfig | None = None,
+        *,
+        params=None,
+        load=None,
+        tokenizer=None,
+        name: str = "random",
     ):
+        """`params`: a parameter state to use; `load(place)`: a loader to call once the memory plan
+        is accepted; neither: seeded random weights (`EngineConfig.seed`)."""
         ecfg = engine_config or EngineConfig()
-        self.model_config, self.engine_config, self.tokenizer, self.name = model_config, ecfg, tokenizer, name
+        cfg = model_config
+        self.model_config, self.engine_config, self.tokenizer, self.name = cfg, ecfg, tokenizer, name
+        dtype = jnp_dtype(ecfg.dtype)
+        itemsize = jnp.dtype(dtype).itemsize
+        dense = sum(
+            math.prod(v.get_value().shape) * v.get_value().dtype.itemsize
+            for p, v in build_abstract(cfg, ecfg.dtype).flat_state()
+            if not is_expert_path(p)
+        )
+        self.plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
+        log.info("memory plan: %s", self.plan.describe())
+        offload = ecfg.moe_strategy == "offload"
+        place = None
+        if offload:
+            avail = host_memory_available()
+            if avail is not None and self.plan.all_experts_bytes > avail:
+                raise ConfigError(
+                    f"the expert banks need {self.plan.all_experts_bytes / GB:.1f} GiB of host RAM but only {avail / GB:.1f} GiB is available"
+                )
+            place = _host_bank_placer(cfg)
+        graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)
         if params is None:
-            graphdef, params = nnx.split(build_random(model_config, ecfg.dtype, ecfg.seed), nnx.Param)
-        else:
-            graphdef, _ = abstract_graphdef(model_config, ecfg.dtype)
-        self.weights = Weights(params, graphdef)
-        self.cache = init_cache(model_config, ecfg, jnp_dtype(ecfg.dtype))
+            params = load(place) if load is not None else random_params(cfg, ecfg.dtype, ecfg.seed, place)
+        elif offload:
+            params = to_host_banks(cfg, params)
+        self.weights = Weights(params, graphdef, ecfg.moe_strategy)
+        self.cache = init_cache(cfg, ecfg, dtype)
+        # Committed to the device like every later version of the state, so the first decode step
+        # and the following ones share one executable.
+        self.slots = jax.device_put(init_slot_cache(cfg, self.plan.slots, ecfg.max_batch, dtype), jax.devices()[0]) if offload else None
         self.pages = PageAllocator(ecfg.total_kv_pages, ecfg.page_size)
-        self._prefill = jax.jit(_traced(prefill_step, ecfg.dtype), donate_argnums=(1,))
-        self._score = jax.jit(_traced(score_step, ecfg.dtype), donate_argnums=(1,))
-        self._decode = jax.jit(_traced(decode_step, ecfg.dtype), donate_argnums=(1,))
+        self._traces: dict[str, int] = {}
+        self._prefill = jax.jit(_traced(prefill_step, ecfg.dtype, self._traces), donate_argnums=(1,))
+        self._score = jax.jit(_traced(score_step, ecfg.dtype, self._traces), donate_argnums=(1,))
+        self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
         self._m = dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
 
@@ -114,8 +171,8 @@ class FreeTokenEngine:
         family = family_for(raw)
         cfg = family.parse(raw)
         ecfg = engine_config or EngineConfig()
-        params = load_params(path, cfg, family, ecfg.dtype)
-        return cls(cfg, ecfg, params=params, tokenizer=load_tokenizer(path), name=os.path.basename(os.path.normpath(path)))
+        load = functools.partial(load_params, path, cfg, family, ecfg.dtype)
+        return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=os.path.basename(os.path.normpath(path)))
 
     # Validation -----------------------------------------------------------------------------------
     def _check(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
@@ -239,8 +296,8 @@ class FreeTokenEngine:
                 first = self._pick(jnp.asarray(ends), tok, first)
             lengths = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
             active = np.array([True] * n + [False] * (B - n))
-            state = DecodeState(self.cache, jnp.copy(first), jnp.asarray(lengths))
-            self.cache = None  # owned by `state` until the loop ends
+            state = DecodeState(self.cache, jnp.copy(first), jnp.asarray(lengths), self.slots)
+            self.cache = self.slots = None  # owned by `state` until the loop ends
             stops = [set(q.stop_token_ids) | (set() if q.ignore_eos else set(self.model_config.eos_token_ids)) for q in ps]
             produced = [0] * n
             pending = first
@@ -264,11 +321,11 @@ class FreeTokenEngine:
                 if nxt is None:
                     break
                 pending = nxt
-            self.cache = state.cache
+            self.cache, self.slots = state.cache, state.experts
             self._m["decode_seconds"] += time.perf_counter() - t0
         finally:
-            if self.cache is None:  # the generator was closed mid-way: recover the cache
-                self.cache = state.cache
+            if self.cache is None:  # the generator was closed mid-way: recover the caches
+                self.cache, self.slots = state.cache, state.experts
             for r in rows:
                 self.pages.release(r)
 
@@ -290,7 +347,7 @@ class FreeTokenEngine:
     # Telemetry ------------------------------------------------------------------------------------
     def compilations(self) -> dict[str, int]:
         """Executables compiled so far per step kind (one per bucket)."""
-        return {k: f._cache_size() for k, f in (("prefill", self._prefill), ("decode", self._decode), ("score", self._score))}
+        return {k: self._traces.get(f"{k}_step", 0) for k in ("prefill", "decode", "score")}
 
     def get_metrics(self) -> dict:
         m = dict(self._m)
@@ -299,4 +356,22 @@ class FreeTokenEngine:
         m["kv_pages_free"] = self.pages.free_pages
         m["kv_pages_total"] = self.pages.num_pages - 1
         m["moe_strategy"] = self.engine_config.moe_strategy
+        m["memory_plan"] = self.plan.describe()
+        if self.slots is not None:
+            m.update(self.expert_cache_metrics())
         return m
+
+    def expert_cache_metrics(self) -> dict:
+        """Slot-cache telemetry (strategy "offload"): hit rates counted per distinct routed expert
+        per layer step, experts and bytes fetched, slot occupancy."""
+        c = self.slots
+        hits, misses = np.asarray(c.hits_L).astype(np.int64), np.asarray(c.misses_L).astype(np.int64)
+        total = hits + misses
+        return dict(
+            expert_slots=int(c.num_slots),
+            slots_occupied=int((np.asarray(c.id_of_slot) >= 0).sum()),
+            expert_hit_rate=float(hits.sum() / total.sum()) if total.sum() else 0.0,
+            expert_hit_rate_per_layer=[float(h / t) if t else 0.0 for h, t in zip(hits, total)],
+            experts_fetched=int(misses.sum()),
+            bytes_fetched=int(misses.sum()) * self.plan.expert_bytes,
+        )

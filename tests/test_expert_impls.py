@@ -27,6 +27,8 @@ def test_impls_match_reference(impl, T, K, E, D, F):
     down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, K)).astype(np.float32)
-    got = routed_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), "silu", impl=impl)
+    got = routed_experts(
+        jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), "silu", impl=impl
+    )
     ref = reference(x, ids, w, gate, up, down)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5

@@ -48,11 +48,12 @@ def read_param(ckpt: SafetensorsDir, path: tuple, fam: Family, cfg: MoEModelConf
     return ckpt.get(f"{name}.{leaf}")
 
 
-def load_params(path: str, cfg: MoEModelConfig, fam: Family, dtype: str):
+def load_params(path: str, cfg: MoEModelConfig, fam: Family, dtype: str, place=None):
     """The parameter state of `cfg` filled from the safetensors checkpoint at `path`.
 
     Every tensor is read and shape-checked before any device array is made, so a bad
-    checkpoint raises `CheckpointError` with nothing allocated."""
+    checkpoint raises `CheckpointError` with nothing allocated. `place(path, host_array)`, when
+    given, makes the array of a leaf (e.g. a host bank for experts) instead of the device."""
     ckpt = SafetensorsDir(path)
     abstract = build_abstract(cfg, dtype)
     host = {}
@@ -66,5 +67,6 @@ def load_params(path: str, cfg: MoEModelConfig, fam: Family, dtype: str):
     for p, var in abstract.flat_state():
         dt = var.get_value().dtype
         a = host[p]
-        flat.append((p, var.replace(jnp.asarray(a if a.dtype == dt else np.asarray(a, np.float32), dtype=dt))))
+        a = a if a.dtype == dt else np.asarray(np.asarray(a, np.float32), dtype=dt)
+        flat.append((p, var.replace(place(p, a) if place else jnp.asarray(a))))
     return nnx.State.from_flat_path(flat)

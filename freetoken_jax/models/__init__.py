@@ -19,6 +19,29 @@ def build_random(cfg: MoEModelConfig, dtype: str = "float32", seed: int = 0) -> 
     return MoETransformer(cfg, jnp_dtype(dtype), nnx.Rngs(seed))
 
 
+def is_expert_path(path: tuple) -> bool:
+    return len(path) >= 2 and path[-2] == "experts"
+
+
+def random_params(cfg: MoEModelConfig, dtype: str = "float32", seed: int = 0, place=None) -> nnx.State:
+    """Seeded random parameters built leaf by leaf (normal, std 0.02; norms at one, biases at
+    zero). `place(path, array)` may move each leaf as soon as it exists (e.g. experts to host
+    banks), so the device never holds more than one leaf beyond what stays there."""
+    abstract = build_abstract(cfg, dtype)
+    key = jax.random.PRNGKey(seed)
+    out = []
+    for i, (path, var) in enumerate(abstract.flat_state()):
+        sds = var.get_value()
+        if path[-1] == "bias":
+            a = jnp.zeros(sds.shape, sds.dtype)
+        elif path[-1] == "weight" and len(sds.shape) == 1 and "norm" in str(path[-2]):
+            a = jnp.ones(sds.shape, sds.dtype)
+        else:
+            a = (jax.random.normal(jax.random.fold_in(key, i), sds.shape, jnp.float32) * 0.02).astype(sds.dtype)
+        out.append((path, var.replace(place(path, a) if place else a)))
+    return nnx.State.from_flat_path(out)
+
+
 def build_abstract(cfg: MoEModelConfig, dtype: str = "float32") -> nnx.State:
     """Shapes and dtypes of every parameter, allocating nothing."""
     model = nnx.eval_shape(lambda: MoETransformer(cfg, jnp_dtype(dtype), nnx.Rngs(0)))
@@ -36,4 +59,4 @@ def abstract_graphdef(cfg: MoEModelConfig, dtype: str = "float32"):
     return nnx.split(model, nnx.Param)
 
 
-__all__ = ["MoETransformer", "build_random", "build_abstract", "split_model", "abstract_graphdef", "jax"]
+__all__ = ["MoETransformer", "abstract_graphdef", "build_abstract", "build_random", "is_expert_path", "random_params", "split_model"]

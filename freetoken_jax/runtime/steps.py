@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from freetoken_jax.memory.expert_cache import SlotCache
 from freetoken_jax.runtime.kv_cache import KVCache, KVView
 from freetoken_jax.runtime.sampling import sample
 
@@ -21,10 +22,13 @@ from freetoken_jax.runtime.sampling import sample
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Weights:
-    """The model's parameters with its (static) NNX graph definition."""
+    """The model's parameters with its (static) NNX graph definition and how routed experts run:
+    "fused" (every expert resident) or "offload" (experts in host banks, a slot cache in the
+    decode state)."""
 
     params: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
+    strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
@@ -48,12 +52,13 @@ class Sampling:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
-    """What one decode step reads and replaces: the paged KV cache and each row's last token and
-    its position."""
+    """What one decode step reads and replaces: the paged KV cache, each row's last token and
+    its position, and (strategy "offload") the expert slot cache."""
 
     cache: KVCache
     tokens_B: jax.Array  # int32
     positions_B: jax.Array  # int32
+    experts: SlotCache | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -78,28 +83,38 @@ def _page_size(cache: KVCache) -> int:
     return cache[0][0].shape[1]
 
 
-def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT, page_table_BP, expert_fns=None):
-    """Final hidden states [B, T, D] of this step's tokens and the extended cache."""
+def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT, page_table_BP, experts: SlotCache | None = None):
+    """Final hidden states [B, T, D] of this step's tokens, the extended KV cache and the expert
+    slot cache (None unless decoding under "offload")."""
     model = weights.model()
     view = KVView.build(positions_BT, valid_BT, page_table_BP, _page_size(cache))
-    return model(tokens_BT, positions_BT, view, cache, expert_fns)
+    if weights.strategy == "fused":
+        h, cache = model(tokens_BT, positions_BT, view, cache)
+        return h, cache, experts
+    from freetoken_jax.runtime.offload import OffloadExecutor
+
+    ex = OffloadExecutor(model.cfg, model, experts, valid_BT.reshape(-1))
+    h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
+    return h, cache, ex.cache
 
 
 def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch) -> tuple[jax.Array, DecodeState]:
     """One token for every active row: returns the sampled tokens [B] and the next state."""
     active = batch.active_B
-    h, cache = forward(weights, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP)
+    h, cache, experts = forward(
+        weights, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP, state.experts
+    )
     logits = weights.model().logits(h[:, 0])
     s = batch.sampling
     nxt = sample(logits, s.seeds_B, state.positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
     nxt = jnp.where(active, nxt, state.tokens_B)
-    return nxt, DecodeState(cache, nxt, state.positions_B + active.astype(jnp.int32))
+    return nxt, DecodeState(cache, nxt, state.positions_B + active.astype(jnp.int32), experts)
 
 
 def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
     """Writes a chunk of each row's prompt into the cache and samples the token that follows
     each row's last valid position in this chunk (meaningful for the chunk that ends a prompt)."""
-    h, cache = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    h, cache, _ = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
     last = jnp.maximum(batch.valid_BT.sum(axis=1) - 1, 0)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     logits = weights.model().logits(h_last)
@@ -110,5 +125,5 @@ def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple
 
 def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
     """Like `prefill_step`, but returns the float32 logits at every position [B, T, V]."""
-    h, cache = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    h, cache, _ = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
     return weights.model().logits(h), cache

@@ -1,0 +1,107 @@
+"""The memory planner: how device memory is divided between dense weights, KV pages and expert
+slots, decided (and explained) before anything is allocated."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
+
+GB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    strategy: str
+    dense_bytes: int
+    kv_bytes: int
+    expert_bytes: int  # one routed expert (gate + up + down)
+    all_experts_bytes: int
+    slots: int  # expert slots on the device (offload); every expert (fused)
+    budget_bytes: int | None  # device bytes the plan may use; None when unknown
+    source: str  # where the slot count came from
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slots * self.expert_bytes
+
+    def describe(self) -> str:
+        g = lambda b: f"{b / GB:.2f} GiB"  # noqa: E731
+        budget = g(self.budget_bytes) if self.budget_bytes is not None else "unknown"
+        return (
+            f"strategy {self.strategy}: dense weights {g(self.dense_bytes)}, KV pages {g(self.kv_bytes)}, "
+            f"expert slots {self.slots} x {self.expert_bytes / (1 << 20):.1f} MiB = {g(self.slot_bytes)} "
+            f"(all experts {g(self.all_experts_bytes)}); budget {budget}; slots from {self.source}"
+        )
+
+
+def device_memory_bytes() -> int | None:
+    """The device allocator's limit where the backend reports one (GPU), else None."""
+    import jax
+
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return None
+    return stats.get("bytes_limit")
+
+
+def plan_memory(
+    cfg: MoEModelConfig, ecfg: EngineConfig, dense_bytes: int, kv_bytes: int, itemsize: int, device_bytes: int | None
+) -> MemoryPlan:
+    expert = cfg.expert_params * itemsize
+    all_experts = cfg.num_moe_layers * cfg.num_experts * expert
+    budget = None
+    if ecfg.total_vram_gb is not None:
+        budget = int(ecfg.total_vram_gb * GB)
+    elif device_bytes is not None:
+        budget = device_bytes
+    reserved = int((ecfg.reserved_vram_gb or 0.0) * GB)
+    base = int(ecfg.base_model_vram_gb * GB) if ecfg.base_model_vram_gb is not None else dense_bytes
+    if ecfg.moe_strategy == "fused":
+        if budget is not None and base + kv_bytes + all_experts + reserved > budget:
+            raise ConfigError(
+                f"strategy 'fused' needs {(base + kv_bytes + all_experts + reserved) / GB:.1f} GiB (dense {base / GB:.1f}, "
+                f"experts {all_experts / GB:.1f}, KV {kv_bytes / GB:.1f}) but the budget is {budget / GB:.1f} GiB; use "
+                "moe_strategy='offload' or a smaller max_context / max_batch"
+            )
+        return MemoryPlan("fused", dense_bytes, kv_bytes, expert, all_experts, cfg.num_moe_layers * cfg.num_experts, budget, "all resident")
+    need = ecfg.max_batch * cfg.top_k
+    most = cfg.num_moe_layers * cfg.num_experts
+    if ecfg.expert_slots is not None:
+        slots, source = ecfg.expert_slots, "expert_slots"
+        if budget is not None and base + kv_bytes + slots * expert + reserved > budget:
+            raise ConfigError(
+                f"expert_slots={slots} ({slots * expert / GB:.2f} GiB) + dense {base / GB:.2f} GiB + KV {kv_bytes / GB:.2f} GiB "
+                f"exceed the budget of {budget / GB:.2f} GiB"
+            )
+    elif budget is not None:
+        free = budget - reserved - base - kv_bytes
+        if free < 0:
+            raise ConfigError(
+                f"the dense weights ({base / GB:.2f} GiB) and KV pages ({kv_bytes / GB:.2f} GiB) alone exceed the budget of "
+                f"{(budget - reserved) / GB:.2f} GiB; lower max_context / max_batch / kv_pages or raise total_vram_gb"
+            )
+        slots, source = free // expert, "the VRAM budget"
+        if ecfg.initial_expert_capacity is not None:
+            slots, source = min(slots, ecfg.initial_expert_capacity), "initial_expert_capacity"
+    else:
+        slots, source = max(need, most // 4), "a default (no device memory figure: a quarter of all experts)"
+    if slots < need:
+        raise ConfigError(
+            f"room for {slots} expert slots, but one decode step at max_batch={ecfg.max_batch} routes up to {need} experts per layer "
+            f"({need * expert / GB:.2f} GiB of slots); raise the budget, or lower max_batch"
+        )
+    return MemoryPlan("offload", dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
+
+
+def host_memory_available() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), in bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

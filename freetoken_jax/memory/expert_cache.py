@@ -1,0 +1,106 @@
+"""The unified expert slot cache: device state of the decode step.
+
+S slots per weight kind are shared by all MoE layers. An expert is addressed by its flat id
+`moe_layer * num_experts + expert` (moe_layer counts MoE layers only). `slot_for_id[id]` is its
+slot or -1, `id_of_slot[s]` the id held by slot s or -1, `last_use[s]` the clock value of the
+layer step that last used it; one global LRU over all layers (the clock advances once per MoE
+layer per step). Every update has fixed shapes: a layer's needs are the B × k routed entries,
+misses padded with a mask, so the step compiles once per batch bucket.
+
+Each slot array holds one expert per row, flattened: gate and up as [F·D] (rows of the [F, D]
+matrix), down as [D·F]; the host banks use the same row layout, so a fetch copies rows verbatim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from freetoken_jax.config import MoEModelConfig
+
+_NEVER = jnp.iinfo(jnp.int32).max
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotCache:
+    gate_SR: jax.Array  # [S, F*D] expert rows
+    up_SR: jax.Array
+    down_SR: jax.Array  # [S, D*F]
+    slot_for_id: jax.Array  # int32 [L_moe * E]
+    id_of_slot: jax.Array  # int32 [S]
+    last_use: jax.Array  # int32 [S]; -1: never used
+    clock: jax.Array  # int32 []
+    hits_L: jax.Array  # int32 [L_moe], cumulative distinct-expert hits per MoE layer
+    misses_L: jax.Array  # int32 [L_moe], cumulative fetches per MoE layer
+    routed_LN: jax.Array  # int32 [L_moe, max_batch * k]: flat ids each layer needed last step (-1 pad)
+
+    @property
+    def num_slots(self) -> int:
+        return self.id_of_slot.shape[0]
+
+    def with_(self, **kw) -> SlotCache:
+        return dataclasses.replace(self, **kw)
+
+
+def init_slot_cache(cfg: MoEModelConfig, slots: int, max_batch: int, dtype) -> SlotCache:
+    L, E, F, D = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_dim, cfg.hidden_dim
+    z = lambda: jnp.zeros((slots, F * D), dtype)  # noqa: E731
+    return SlotCache(
+        z(), z(), z(),
+        jnp.full((L * E,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32),
+        jnp.zeros((), jnp.int32), jnp.zeros((L,), jnp.int32), jnp.zeros((L,), jnp.int32),
+        jnp.full((L, max_batch * cfg.top_k), -1, jnp.int32),
+    )  # fmt: skip
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FetchPlan:
+    """What a layer must bring in: expert `src_N` of the layer into slot `dst_N` where `valid_N`."""
+
+    src_N: jax.Array
+    dst_N: jax.Array
+    valid_N: jax.Array
+
+
+def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int):
+    """Maps every routed (layer, expert) of valid tokens to a slot, choosing least-recently-used
+    victims for misses among the slots this layer does not need. Returns the new cache, each
+    entry's slot [T, k] and the fetch plan. Requires S ≥ T·k."""
+    T, K = ids_TK.shape
+    N, S = T * K, c.num_slots
+    flat = moe_layer * num_experts + ids_TK.reshape(N).astype(jnp.int32)
+    valid = jnp.repeat(valid_T, K)
+    same = (flat[:, None] == flat[None, :]) & valid[None, :]
+    first = valid & ~jnp.any(jnp.tril(same, -1), axis=1)  # first valid occurrence of each id
+    slot = c.slot_for_id[flat]
+    resident = slot >= 0
+    miss = first & ~resident
+    in_use = jnp.zeros((S,), bool).at[jnp.where(valid & resident, slot, S)].set(True, mode="drop")
+    # Victims: the N least recently used slots not in use (empty slots first; ties by index).
+    _, order = jax.lax.top_k(-jnp.where(in_use, _NEVER, c.last_use), N)
+    rank = jnp.clip(jnp.cumsum(miss) - 1, 0, N - 1)
+    victim = jnp.where(miss, order[rank], S)  # S: out of range, dropped
+    evicted = jnp.where(miss, c.id_of_slot[jnp.clip(victim, 0, S - 1)], -1)
+    oob = c.slot_for_id.shape[0]
+    slot_for_id = c.slot_for_id.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
+    slot_for_id = slot_for_id.at[jnp.where(miss, flat, oob)].set(victim, mode="drop")
+    id_of_slot = c.id_of_slot.at[victim].set(flat, mode="drop")
+    slots_TK = jnp.where(valid, slot_for_id[flat], 0).reshape(T, K)
+    last_use = c.last_use.at[jnp.where(valid, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
+    routed = (
+        jnp.full((c.routed_LN.shape[1],), -1, jnp.int32)
+        .at[: min(N, c.routed_LN.shape[1])]
+        .set(jnp.where(valid, flat, -1)[: c.routed_LN.shape[1]])
+    )
+    new = c.with_(
+        slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1,
+        hits_L=c.hits_L.at[moe_layer].add(jnp.sum(first & resident)),
+        misses_L=c.misses_L.at[moe_layer].add(jnp.sum(miss)),
+        routed_LN=c.routed_LN.at[moe_layer].set(routed),
+    )  # fmt: skip
+    plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
+    return new, slots_TK, plan

@@ -1,0 +1,101 @@
+"""Expert execution with the experts in host memory (strategy "offload").
+
+Decode: per MoE layer, `ensure` maps the routed experts to slots of the unified slot cache, the
+Pallas fetch kernel copies the misses from the host banks into their victim slots (in place, on
+the donated slot arrays), and the experts are computed from the slots. Prefill (many tokens
+touch most experts of a layer): each layer's whole bank is copied to the device, used, and
+dropped; the slot cache is left as it was.
+
+Under this strategy the experts' parameters in the weights tree are the host banks themselves,
+one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for gate and up,
+[E, D·F] for down) — the layout of the slot arrays.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.memory.expert_cache import SlotCache, ensure
+from freetoken_jax.models.layers import routed_experts
+from pallas_kernels.expert_fetch import fetch_rows_unjitted
+
+KINDS = ("gate", "up", "down")
+
+
+def host_memory_kind() -> str | None:
+    """`pinned_host` where a GPU reads host memory over PCIe; None (default memory) on the CPU
+    backend, where host memory is device memory and Pallas interpret mode refuses pinned_host."""
+    return "pinned_host" if jax.default_backend() == "gpu" else None
+
+
+def _bank_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, int]]:
+    F, D = cfg.moe_intermediate_dim, cfg.hidden_dim
+    return {"gate": (F, D), "up": (F, D), "down": (D, F)}
+
+
+class OffloadExecutor:
+    """Builds each MoE layer's expert function for one traced step, threading the slot cache
+    through the layers (`self.cache` holds the latest version while tracing)."""
+
+    def __init__(self, cfg: MoEModelConfig, model, cache: SlotCache | None, valid_T: jax.Array):
+        self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
+        self.banks = [
+            (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
+        ]
+        self.interpret = jax.default_backend() == "cpu"
+
+    def expert_fns(self, model) -> list:
+        fns, m = [], 0
+        for layer in model.layers:
+            fns.append((self._decode_fn if self.cache is not None else self._prefill_fn)(m) if layer.is_moe else None)
+            m += layer.is_moe
+        return fns
+
+    def _shaped(self, gate, up, down):
+        F, D = self.cfg.moe_intermediate_dim, self.cfg.hidden_dim
+        n = gate.shape[0]
+        return gate.reshape(n, F, D), up.reshape(n, F, D), down.reshape(n, D, F)
+
+    def _decode_fn(self, m: int):
+        def fn(x_TD, ids_TK, w_TK):
+            c, slots_TK, plan = ensure(self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts)
+            fetched = [
+                fetch_rows_unjitted(bank, arr, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
+                for bank, arr in zip(self.banks[m], (c.gate_SR, c.up_SR, c.down_SR))
+            ]
+            self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
+            return routed_experts(x_TD, slots_TK, w_TK, *self._shaped(*fetched), self.cfg.hidden_act)
+
+        return fn
+
+    def _prefill_fn(self, m: int):
+        def fn(x_TD, ids_TK, w_TK):
+            banks = self.banks[m]
+            if host_memory_kind() is not None:
+                dev = jax.devices()[0]
+                banks = [jax.device_put(b, jax.sharding.SingleDeviceSharding(dev, memory_kind="device")) for b in banks]
+            return routed_experts(x_TD, ids_TK, w_TK, *self._shaped(*banks), self.cfg.hidden_act)
+
+        return fn
+
+
+def to_host_banks(cfg: MoEModelConfig, params):
+    """Replaces every MoE layer's stacked experts in `params` by flattened banks in host memory,
+    one layer at a time (the device copy of a layer is freed as soon as its bank exists)."""
+    from flax import nnx
+
+    kind = host_memory_kind()
+    dev = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind) if kind else jax.sharding.SingleDeviceSharding(dev)
+    flat = []
+    for path, var in params.flat_state():
+        if len(path) >= 2 and path[-2] == "experts":
+            a = var.get_value()
+            host = jax.device_put(a.reshape(a.shape[0], -1), sharding)
+            host.block_until_ready()
+            if isinstance(a, jax.Array) and not a.is_deleted() and a is not host:
+                a.delete()
+            var = var.replace(host)
+        flat.append((path, var))
+    return nnx.State.from_flat_path(flat)
