@@ -56,7 +56,9 @@ def run_variant(engine, name, B, slots, prompt_len, steps, bp, hbm):
     prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
     pages = [engine.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
     table, _ = engine._page_table(pages, B)
-    sampling = Sampling.greedy(B)
+    # Sampled at temperature 1 (seeded): greedy decoding of random weights falls into repeating
+    # tokens whose routing never changes, which would make every cache look perfect.
+    sampling = Sampling(jnp.arange(B, dtype=jnp.uint32) + 11, jnp.ones((B,), jnp.float32), jnp.zeros((B,), jnp.int32), jnp.ones((B,), jnp.float32))
     first = None
     for _s, _t, tok in engine._prefill_chunks(prompts, table, sampling, engine._prefill):
         first = tok
