@@ -147,10 +147,14 @@ class FreeTokenEngine:
 
     # Construction ---------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, engine_config: EngineConfig | None = None) -> FreeTokenEngine:
-        """Loads a Hugging Face safetensors directory of a supported family, an engine-native
-        directory, or `"demo"` (the built-in demo model, created locally on first use)."""
+    def from_pretrained(cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False) -> FreeTokenEngine:
+        """Loads an FTW directory, a Hugging Face safetensors directory of a supported family, an
+        engine-native directory, or `"demo"` (the built-in demo model, created locally on first
+        use). `verify` checks every FTW tensor's checksum while loading."""
+        from freetoken_jax.checkpoint.convert import load_ftw
+        from freetoken_jax.checkpoint.ftw import FTWReader, is_ftw
         from freetoken_jax.checkpoint.hf import load_params
+        from freetoken_jax.models.generic import config_from_json
         from freetoken_jax.models.registry import family_for
         from freetoken_jax.tokenizer import load_tokenizer
 
@@ -161,6 +165,13 @@ class FreeTokenEngine:
             path = demo_path()
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no checkpoint directory at {path!r} (pass a directory with config.json, or 'demo')")
+        ecfg = engine_config or EngineConfig()
+        name = os.path.basename(os.path.normpath(path))
+        if is_ftw(path):
+            with FTWReader(path) as r:
+                cfg = config_from_json(r.index.get("model_config") or {})
+            load = lambda place: load_ftw(path, ecfg.dtype, place, verify=verify)[1]  # noqa: E731
+            return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name)
         try:
             with open(os.path.join(path, "config.json")) as f:
                 raw = json.load(f)
@@ -170,9 +181,15 @@ class FreeTokenEngine:
             raise ConfigError(f"{path}/config.json is not valid JSON: {e}") from e
         family = family_for(raw)
         cfg = family.parse(raw)
-        ecfg = engine_config or EngineConfig()
         load = functools.partial(load_params, path, cfg, family, ecfg.dtype)
-        return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=os.path.basename(os.path.normpath(path)))
+        return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name)
+
+    def export_orbax(self, path: str) -> str:
+        """Writes the parameters as an Orbax checkpoint (for JAX users who fine-tune);
+        `python -m freetoken_jax.convert` turns it back into FTW."""
+        from freetoken_jax.checkpoint.convert import export_orbax
+
+        return export_orbax(self.model_config, self.weights.params, path)
 
     # Validation -----------------------------------------------------------------------------------
     def _check(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
