@@ -58,11 +58,15 @@ def run_variant(engine, name, B, slots, prompt_len, steps, bp, hbm):
     table, _ = engine._page_table(pages, B)
     # Sampled at temperature 1 (seeded): greedy decoding of random weights falls into repeating
     # tokens whose routing never changes, which would make every cache look perfect.
-    sampling = Sampling(jnp.arange(B, dtype=jnp.uint32) + 11, jnp.ones((B,), jnp.float32), jnp.zeros((B,), jnp.int32), jnp.ones((B,), jnp.float32))
+    sampling = Sampling(
+        jnp.arange(B, dtype=jnp.uint32) + 11, jnp.ones((B,), jnp.float32), jnp.zeros((B,), jnp.int32), jnp.ones((B,), jnp.float32)
+    )
     first = None
     for _s, _t, tok in engine._prefill_chunks(prompts, table, sampling, engine._prefill):
         first = tok
-    experts = None if slots is None else jax.device_put(init_slot_cache(cfg, slots, ecfg.max_batch, jnp.dtype(ecfg.dtype)), jax.devices()[0])
+    experts = (
+        None if slots is None else jax.device_put(init_slot_cache(cfg, slots, ecfg.max_batch, jnp.dtype(ecfg.dtype)), jax.devices()[0])
+    )
     state = DecodeState(engine.cache, jnp.copy(first), jnp.full((B,), prompt_len, jnp.int32), experts)
     engine.cache = None
     batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), sampling)

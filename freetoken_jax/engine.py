@@ -147,7 +147,9 @@ class FreeTokenEngine:
 
     # Construction ---------------------------------------------------------------------------------
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False) -> FreeTokenEngine:
+    def from_pretrained(
+        cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False
+    ) -> FreeTokenEngine:
         """Loads an FTW directory, a Hugging Face safetensors directory of a supported family, an
         engine-native directory, or `"demo"` (the built-in demo model, created locally on first
         use). `verify` checks every FTW tensor's checksum while loading."""

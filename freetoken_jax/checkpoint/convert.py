@@ -90,7 +90,11 @@ def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float 
     want = DTYPES[dtype] if dtype else None
     abstract = list(build_abstract(cfg, want or "float32").flat_state())
     total = sum(int(np.prod(v.get_value().shape)) * v.get_value().dtype.itemsize for _, v in abstract)
-    meta = dict(model_config=config_to_json(cfg), dtype=want or "source", source=dict(path=os.path.abspath(src), kind=kind, fingerprint=fingerprint(src)))
+    meta = dict(
+        model_config=config_to_json(cfg),
+        dtype=want or "source",
+        source=dict(path=os.path.abspath(src), kind=kind, fingerprint=fingerprint(src)),
+    )
     shard_bytes = max(2 * 4096, int(shard_gib * (1 << 30)) // 4096 * 4096)
     bar = _progress(total, "convert") if progress else None
     try:
@@ -138,7 +142,9 @@ def load_ftw(path: str, dtype: str, place=None, *, verify: bool = False, progres
             if n not in r:
                 raise CheckpointError(f"{path}: tensor {n!r} is missing from the checkpoint")
             if tuple(r.tensors[n]["shape"]) != tuple(var.get_value().shape):
-                raise CheckpointError(f"{path}: {n} has shape {tuple(r.tensors[n]['shape'])}, the config needs {tuple(var.get_value().shape)}")
+                raise CheckpointError(
+                    f"{path}: {n} has shape {tuple(r.tensors[n]['shape'])}, the config needs {tuple(var.get_value().shape)}"
+                )
         buf = aligned_empty(max(r.tensors[_name(p)]["nbytes"] for p, _ in abstract))
         bar = _progress(r.nbytes(), "load") if progress else None
         flat = []
@@ -180,7 +186,9 @@ def export_orbax(cfg: MoEModelConfig, params, path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m freetoken_jax.convert", description="Convert a Hugging Face safetensors or Orbax checkpoint to FTW.")
+    ap = argparse.ArgumentParser(
+        prog="python -m freetoken_jax.convert", description="Convert a Hugging Face safetensors or Orbax checkpoint to FTW."
+    )
     ap.add_argument("src")
     ap.add_argument("dst")
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -194,4 +202,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(out)
     return 0
-
