@@ -1,0 +1,105 @@
+"""Continuous batching: concurrent requests equal what each gets alone; prefix reuse; cancellation
+frees pages; back-pressure; requests that can never fit fail fast."""
+
+import threading
+
+import pytest
+
+from freetoken_jax import EngineConfig, FreeTokenEngine, RequestError
+from freetoken_jax.engine import GenerationParams
+from freetoken_jax.scheduler.radix import RadixCache
+from freetoken_jax.scheduler.scheduler import Overloaded, Scheduler, wait_idle
+
+EC = EngineConfig(dtype="float32", max_context=96, max_batch=4, page_size=8, prefill_chunk=16)
+PROMPTS = [[256] + list(b"the same long shared preamble, then request %d" % i) for i in range(9)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    eng = FreeTokenEngine.from_pretrained("demo", EC)
+    return {
+        i: list(eng.generate(p, max_new_tokens=12, seed=i, temperature=0.0 if i % 2 else 0.9, ignore_eos=True))
+        for i, p in enumerate(PROMPTS)
+    }
+
+
+@pytest.fixture
+def sched():
+    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC))
+    yield s
+    s.shutdown()
+
+
+def params(i, n=12):
+    return GenerationParams(max_new_tokens=n, seed=i, temperature=0.0 if i % 2 else 0.9, ignore_eos=True)
+
+
+def test_concurrent_equals_alone(sched, reference):
+    results = {}
+
+    def client(i):
+        results[i] = sched.submit(PROMPTS[i], params(i)).result(120)[0]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == reference
+    m = sched.get_metrics()
+    assert m["requests_finished"] == len(PROMPTS) and m["prefix_hit_tokens"] > 0
+    assert wait_idle(sched)
+    # all pages back, except those the prefix tree keeps
+    assert m["kv_pages_free"] + m["prefix_cached_pages"] == sched.engine.pages.num_pages - 1
+
+
+def test_prefix_hit_gives_identical_output(sched, reference):
+    a = sched.submit(PROMPTS[1], params(1))
+    assert a.result(60)[0] == reference[1] and a.prefix_hit_tokens == 0
+    b = sched.submit(PROMPTS[1], params(1))
+    assert b.result(60)[0] == reference[1]
+    assert b.prefix_hit_tokens == (len(PROMPTS[1]) - 1) // 8 * 8 > 0
+
+
+def test_cancel_frees_pages(sched):
+    free = sched.engine.pages.free_pages
+    h = sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=40, ignore_eos=True))
+    for ev in h.events(60):
+        if ev.kind == "token":
+            h.cancel()
+            break
+    kinds = [ev.kind for ev in h.events(60)]
+    assert kinds[-1] == "done"
+    assert wait_idle(sched)
+    m = sched.get_metrics()
+    assert m["requests_cancelled"] == 1
+    assert sched.engine.pages.free_pages + m["prefix_cached_pages"] == free
+
+
+def test_back_pressure_and_impossible_requests():
+    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC), max_queue=2)
+    try:
+        hs, rejected = [], 0
+        for i in range(12):
+            try:
+                hs.append(s.submit(PROMPTS[i % 9], GenerationParams(max_new_tokens=40, ignore_eos=True)))
+            except Overloaded:
+                rejected += 1
+        assert rejected > 0
+        for h in hs:
+            h.result(120)
+        with pytest.raises(RequestError, match="exceeds the configured context"):
+            s.submit([1] * 90, GenerationParams(max_new_tokens=20))
+    finally:
+        s.shutdown()
+
+
+def test_radix_against_a_dict_model():
+    r = RadixCache(page_size=2)
+    assert r.insert([1, 2, 3, 4, 5], [10, 11, 12]) == [12]  # the partial third page is not kept
+    nodes = r.match([1, 2, 3, 4, 9, 9])
+    assert [n.page for n in nodes] == [10, 11]
+    assert r.insert([1, 2, 7, 7], [10, 20]) == []
+    assert r.evict(5) == [20]  # 11 is locked (matched above), 10 is its parent
+    r.unlock(nodes)
+    assert sorted(r.evict(5)) == [10, 11] and r.cached_pages == 0
