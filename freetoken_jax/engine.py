@@ -109,6 +109,7 @@ class FreeTokenEngine:
         ecfg = engine_config or EngineConfig()
         cfg = model_config
         self.model_config, self.engine_config, self.tokenizer, self.name = cfg, ecfg, tokenizer, name
+        self.model_path: str | None = None  # the checkpoint directory, when loaded from one
         dtype = jnp_dtype(ecfg.dtype)
         itemsize = jnp.dtype(dtype).itemsize
         dense = sum(
@@ -173,7 +174,9 @@ class FreeTokenEngine:
             with FTWReader(path) as r:
                 cfg = config_from_json(r.index.get("model_config") or {})
             load = lambda place: load_ftw(path, ecfg.dtype, place, verify=verify)[1]  # noqa: E731
-            return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name)
+            engine = cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name)
+            engine.model_path = path
+            return engine
         try:
             with open(os.path.join(path, "config.json")) as f:
                 raw = json.load(f)
@@ -184,7 +187,9 @@ class FreeTokenEngine:
         family = family_for(raw)
         cfg = family.parse(raw)
         load = functools.partial(load_params, path, cfg, family, ecfg.dtype)
-        return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name)
+        engine = cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name)
+        engine.model_path = path
+        return engine
 
     def export_orbax(self, path: str) -> str:
         """Writes the parameters as an Orbax checkpoint (for JAX users who fine-tune);

@@ -1,0 +1,91 @@
+"""Text around the token stream: chat templates, incremental detokenization and stop strings."""
+
+from __future__ import annotations
+
+import json
+import os
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def chat_template(model_path: str | None) -> str:
+    """The `chat_template` of the model's tokenizer_config.json, or a plain role-tagged default."""
+    if model_path:
+        p = os.path.join(model_path, "tokenizer_config.json")
+        if os.path.isfile(p):
+            with open(p) as f:
+                t = json.load(f).get("chat_template")
+            if isinstance(t, list):  # named templates
+                t = next((x["template"] for x in t if x.get("name") == "default"), t[0]["template"] if t else None)
+            if t:
+                return t
+    return DEFAULT_CHAT_TEMPLATE
+
+
+def render_chat(template: str, messages: list[dict], **extra) -> str:
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg):
+        raise ValueError(msg)
+
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True, **extra)
+
+
+def message_text(content) -> str:
+    """OpenAI/Anthropic message content: a string, or a list of parts of which text is kept."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise ValueError("only text content parts are supported")
+            parts.append(p["text"])
+        return "".join(parts)
+    raise ValueError("message content must be a string or a list of text parts")
+
+
+class TextStream:
+    """Turns generated token ids into text deltas, holding back what might still become a stop
+    string or an incomplete UTF-8 character. `push` returns (delta, stopped)."""
+
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, [s for s in stops if s]
+        self.ids: list[int] = []
+        self.sent = 0
+        self.stop_string: str | None = None
+
+    def push(self, token: int) -> tuple[str, bool]:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        for s in self.stops:
+            k = text.find(s, max(0, self.sent - len(s)))
+            if k >= 0:
+                self.stop_string = s
+                delta = text[self.sent : k] if k > self.sent else ""
+                self.sent = max(self.sent, k)
+                return delta, True
+        hold = len(text)
+        if text.endswith("\ufffd"):
+            hold = len(text) - 1
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = min(hold, len(text) - n)
+                    break
+        delta = text[self.sent : hold] if hold > self.sent else ""
+        self.sent = max(self.sent, hold)
+        return delta, False
+
+    def flush(self) -> str:
+        if self.stop_string is not None:
+            return ""
+        text = self.tok.decode(self.ids)
+        delta = text[self.sent :]
+        self.sent = len(text)
+        return delta
