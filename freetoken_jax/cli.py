@@ -37,6 +37,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import signal
+    import threading
+
+    from freetoken_jax import EngineConfig, FreeTokenEngine
+    from freetoken_jax.scheduler.scheduler import Scheduler
+    from freetoken_jax.server.grpc_service import serve_grpc
+    from freetoken_jax.server.http import serve_http
+    from freetoken_jax.server.service import Service
+
+    ecfg = EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=args.max_batch, moe_strategy=args.strategy,
+                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots)  # fmt: skip
+    engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
+    print(f"model {engine.name}: {engine.plan.describe()}", file=sys.stderr)
+    sched = Scheduler(engine, max_queue=args.max_queue)
+    service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path)
+    httpd = serve_http(service, args.host, args.port)
+    grpc_server, gport = serve_grpc(service, args.host, args.grpc_port) if args.grpc_port >= 0 else (None, None)
+    print(f"HTTP on http://{args.host}:{httpd.server_address[1]} (OpenAI /v1/chat/completions, Anthropic /v1/messages)", file=sys.stderr)
+    if grpc_server is not None:
+        print(f"gRPC on {args.host}:{gport}", file=sys.stderr)
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    print("shutting down: finishing running requests", file=sys.stderr)
+    httpd.shutdown()
+    if grpc_server is not None:
+        grpc_server.stop(5)
+    sched.shutdown()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freetoken-jax", description="MoE serving beyond GPU memory, on JAX/XLA.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -51,6 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--max-context", type=int, default=4096)
     g.set_defaults(fn=cmd_generate)
+    v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC")
+    v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
+    v.add_argument("--served-name", default=None, help="the model id clients send (default: the directory name)")
+    v.add_argument("--host", default="127.0.0.1")
+    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC")
+    v.add_argument("--strategy", default="fused", choices=["fused", "offload"])
+    v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
+    v.add_argument("--expert-slots", type=int, default=None)
+    v.add_argument("--max-batch", type=int, default=4, help="requests decoded together")
+    v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
+    v.add_argument("--max-context", type=int, default=4096)
+    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    v.set_defaults(fn=cmd_serve)
     return p
 
 

@@ -1,0 +1,100 @@
+"""The gRPC service (`proto/freetoken.proto`) over the same `Service` as the HTTP shim.
+
+`Generate` streams one `Chunk` per token (its id and the text it completes) and ends with
+`Done` (finish reason and usage); a client that cancels the call cancels the request, which
+frees its KV pages at the next step. Bad requests end with INVALID_ARGUMENT, an unknown model
+with NOT_FOUND, a full queue with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from concurrent import futures
+
+import grpc
+
+from freetoken_jax.server.pb import freetoken_pb2 as pb
+from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
+from freetoken_jax.server.service import ApiError, Service
+
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
+class FreeTokenServicer(pb_grpc.FreeTokenServicer):
+    def __init__(self, service: Service):
+        self.s = service
+
+    def _abort(self, context, e: ApiError):
+        context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+
+    def Generate(self, request, context):  # noqa: N802
+        s = self.s
+        try:
+            s.check_model({"model": request.model or None})
+            which = request.WhichOneof("input")
+            if which == "text":
+                ids = s.encode(request.text)
+            elif which == "tokens":
+                ids = list(request.tokens.ids)
+            else:
+                raise ApiError(400, "give 'text' or 'tokens'")
+            if request.max_new_tokens <= 0:
+                raise ApiError(400, "max_new_tokens must be at least 1")
+            sp = request.sampling
+            body = {"temperature": float(sp.temperature), "top_k": int(sp.top_k), "top_p": float(sp.top_p) or 1.0}
+            if sp.HasField("seed"):
+                body["seed"] = int(sp.seed)
+            params = s.params(body, int(request.max_new_tokens))
+            params = dataclasses.replace(params, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+            handle = s.submit(ids, params)
+        except ApiError as e:
+            self._abort(context, e)
+            return
+        context.add_callback(handle.cancel)
+        gen = s.run(handle, list(request.stop))
+        sent = 0
+        try:
+            while True:
+                try:
+                    text = next(gen)
+                except StopIteration as stop:
+                    finish, _, usage = stop.value
+                    break
+                new = handle.generated[sent:]
+                sent = len(handle.generated)
+                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=new, text=text))
+        except ApiError as e:
+            self._abort(context, e)
+            return
+        if sent < len(handle.generated):
+            yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=handle.generated[sent:], text=""))
+        u = usage or {}
+        yield pb.GenerateResponse(done=pb.Done(finish_reason=finish, usage=pb.Usage(prompt_tokens=u.get("prompt_tokens", 0),
+                                  completion_tokens=u.get("completion_tokens", 0), prefix_hit_tokens=u.get("prefix_hit_tokens", 0))))  # fmt: skip
+
+    def Tokenize(self, request, context):  # noqa: N802
+        try:
+            return pb.TokenizeResponse(ids=self.s.encode(request.text))
+        except ApiError as e:
+            self._abort(context, e)
+
+    def Health(self, request, context):  # noqa: N802
+        alive = self.s.scheduler.thread.is_alive()
+        return pb.HealthResponse(status=pb.HealthResponse.SERVING if alive else pb.HealthResponse.NOT_SERVING,
+                                 detail="ok" if alive else "the scheduler thread has stopped")  # fmt: skip
+
+    def GetMetrics(self, request, context):  # noqa: N802
+        return pb.MetricsResponse(json=json.dumps({**self.s.engine.get_metrics(), **self.s.scheduler.get_metrics()}))
+
+    def ListModels(self, request, context):  # noqa: N802
+        return pb.ListModelsResponse(models=[pb.Model(id=self.s.model_name, strategy=self.s.engine.engine_config.moe_strategy)])
+
+
+def serve_grpc(service: Service, host: str = "127.0.0.1", port: int = 50051, workers: int = 32) -> tuple[grpc.Server, int]:
+    """Starts the gRPC server; returns it and the bound port (`port=0` picks a free one)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    pb_grpc.add_FreeTokenServicer_to_server(FreeTokenServicer(service), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    server.start()
+    return server, bound

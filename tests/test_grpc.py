@@ -1,0 +1,119 @@
+"""The gRPC service on a loopback port, driven by a generated client stub."""
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.scheduler.scheduler import Scheduler, wait_idle
+from freetoken_jax.server.grpc_service import serve_grpc
+from freetoken_jax.server.pb import freetoken_pb2 as pb
+from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
+from freetoken_jax.server.service import Service
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def stub():
+    engine = FreeTokenEngine.from_pretrained(
+        "demo", EngineConfig(dtype="float32", max_context=128, max_batch=4, page_size=8, prefill_chunk=32)
+    )
+    sched = Scheduler(engine)
+    service = Service(sched, "demo", engine.model_path)
+    server, port = serve_grpc(service, "127.0.0.1", 0)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    yield pb_grpc.FreeTokenStub(channel), service
+    channel.close()
+    server.stop(None)
+    sched.shutdown()
+
+
+def generate(stub, **kw):
+    chunks, done = [], None
+    for r in stub.Generate(pb.GenerateRequest(**kw)):
+        if r.WhichOneof("event") == "chunk":
+            chunks.append(r.chunk)
+        else:
+            done = r.done
+    return chunks, done
+
+
+def test_generate_streams_tokens_and_usage(stub):
+    s, service = stub
+    chunks, done = generate(s, text="Hello", max_new_tokens=9, sampling=pb.SamplingParams(temperature=0.0), ignore_eos=True)
+    ids = [t for c in chunks for t in c.token_ids]
+    assert len(ids) == 9 and done.finish_reason == "length" and done.usage.completion_tokens == 9
+    want = list(
+        FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=128)).generate(
+            service.tokenizer.encode("Hello"), max_new_tokens=9, ignore_eos=True
+        )
+    )
+    assert ids == want
+    assert "".join(c.text for c in chunks) == service.tokenizer.decode(ids)
+
+
+def test_tokenize_health_metrics_models(stub):
+    s, service = stub
+    assert list(s.Tokenize(pb.TokenizeRequest(text="ab")).ids) == service.tokenizer.encode("ab")
+    assert s.Health(pb.HealthRequest()).status == pb.HealthResponse.SERVING
+    assert "requests_finished" in json.loads(s.GetMetrics(pb.MetricsRequest()).json)
+    assert [m.id for m in s.ListModels(pb.ListModelsRequest()).models] == ["demo"]
+
+
+def test_errors(stub):
+    s, _ = stub
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s, model="other", text="x", max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s, tokens=pb.TokenIds(ids=[1, 99999]), max_new_tokens=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "out of range" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s, text="x", max_new_tokens=0)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_cancel_frees_pages(stub):
+    s, service = stub
+    sched = service.scheduler
+    assert wait_idle(sched)
+    free = sched.engine.pages.free_pages + sched.get_metrics()["prefix_cached_pages"]
+    call = s.Generate(pb.GenerateRequest(text="go on", max_new_tokens=100, ignore_eos=True))
+    next(call)
+    call.cancel()
+    assert wait_idle(sched, 60)
+    assert sched.engine.pages.free_pages + sched.get_metrics()["prefix_cached_pages"] == free
+
+
+def test_concurrent_streams_equal_alone(stub):
+    s, _ = stub
+    kw = lambda i: dict(text=f"stream {i}", max_new_tokens=8, sampling=pb.SamplingParams(temperature=0.7, seed=i), ignore_eos=True)  # noqa: E731
+    alone = [[t for c in generate(s, **kw(i))[0] for t in c.token_ids] for i in range(8)]
+    got = {}
+    ts = [
+        threading.Thread(target=lambda i=i: got.__setitem__(i, [t for c in generate(s, **kw(i))[0] for t in c.token_ids])) for i in range(8)
+    ]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert [got[i] for i in range(8)] == alone
+
+
+def test_stubs_are_current(tmp_path):
+    out = tmp_path / "gen"
+    out.mkdir()
+    # the same command as `make protos`, writing elsewhere
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", "-Ifreetoken_jax/server/pb=proto", f"--python_out={out}",
+                    f"--grpc_python_out={out}", "proto/freetoken.proto"], check=True, cwd=ROOT)  # fmt: skip
+    for f in ("freetoken_pb2.py", "freetoken_pb2_grpc.py"):
+        assert filecmp.cmp(out / "freetoken_jax/server/pb" / f, os.path.join(ROOT, "freetoken_jax/server/pb", f), shallow=False), (
+            f"{f} is stale: run `make protos`"
+        )
