@@ -102,6 +102,9 @@ class Scheduler:
         self.lock = threading.Lock()
         self.wake = threading.Event()
         self.stopping = False
+        self.failed: str | None = None  # set when the engine can no longer serve correctly
+        self.control: queue.Queue = queue.Queue()  # (fn, reply queue) run on the loop thread when idle
+        self.draining = False
         self.metrics = dict(requests_submitted=0, requests_finished=0, requests_cancelled=0, requests_rejected=0, prefix_hit_tokens=0,
                             prompt_tokens=0, generated_tokens=0, decode_steps=0)  # fmt: skip
         self.state = DecodeState(engine.cache, jnp.zeros((self.B,), jnp.int32), jnp.zeros((self.B,), jnp.int32), engine.slots)
@@ -124,8 +127,10 @@ class Scheduler:
             raise RequestError(f"this request needs {need} KV pages; the pool has {self.engine.pages.num_pages - 1} in all")
         h = RequestHandle(ids, params)
         with self.lock:
-            if self.stopping:
-                raise Overloaded("the server is shutting down")
+            if self.failed:
+                raise Overloaded(f"the engine is in a failed state: {self.failed}")
+            if self.stopping or self.draining:
+                raise Overloaded("the server is shutting down" if self.stopping else "the engine is being resized; retry shortly")
             if len(self.waiting) >= self.max_queue:
                 self.metrics["requests_rejected"] += 1
                 raise Overloaded(f"{len(self.waiting)} requests are already waiting; try again later")
@@ -162,7 +167,9 @@ class Scheduler:
             busy = False
             try:
                 self._cancellations()
-                self._admit()
+                self._control()
+                if not self.draining:
+                    self._admit()
                 busy |= self._prefill_one()
                 busy |= self._decode()
             except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
@@ -170,6 +177,41 @@ class Scheduler:
             if not busy:
                 self.wake.wait(0.05)
                 self.wake.clear()
+
+    def _control(self) -> None:
+        """Runs queued control functions (cache rebuilds) once no request is running."""
+        if self.control.empty() or any(r is not None for r in self.rows):
+            return
+        fn, reply = self.control.get()
+        try:
+            reply.put((True, fn()))
+        except Exception as e:  # noqa: BLE001 - the caller gets the exception
+            reply.put((False, e))
+        finally:
+            with self.lock:
+                self.draining = not self.control.empty()
+
+    def rebuild_cache(
+        self, expert_slots: int | None = None, kv_pages: int | None = None, *, drain: bool = False, timeout: float = 600.0
+    ) -> dict:
+        """Resizes expert slots and/or KV pages (see `elastic`). Without `drain`, answers `Busy` if
+        any request is running or waiting; with it, stops admitting, lets running requests finish,
+        then rebuilds (waiting requests run afterwards)."""
+        from freetoken_jax.scheduler import elastic
+
+        with self.lock:
+            busy = bool(self.waiting) or any(r is not None for r in self.rows)
+            if busy and not drain:
+                raise elastic.Busy("requests are running; retry when idle or pass drain=True")
+            self.draining = True
+        reply: queue.Queue = queue.Queue()
+        self.control.put((lambda: elastic.rebuild(self, expert_slots, kv_pages), reply))
+        self.wake.set()
+        ok, value = reply.get(timeout=timeout)
+        self.wake.set()
+        if not ok:
+            raise value
+        return value
 
     def _fail_all(self, message: str) -> None:
         for i, r in enumerate(self.rows):

@@ -79,7 +79,13 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802
         s = self.service
         if self.path == "/health":
+            if s.scheduler.failed:
+                return self._send_json(503, {"status": "failed", "model": s.model_name, "detail": s.scheduler.failed})
             return self._send_json(200, {"status": "ok", "model": s.model_name})
+        if self.path == "/v1/cache/status":
+            from freetoken_jax.scheduler.elastic import status
+
+            return self._send_json(200, status(s.scheduler))
         if self.path == "/v1/models":
             return self._send_json(
                 200,
@@ -95,6 +101,7 @@ class Handler(BaseHTTPRequestHandler):
             "/v1/chat/completions": self._chat,
             "/v1/messages": self._messages,
             "/v1/messages/count_tokens": self._count_tokens,
+            "/v1/cache/rebuild": self._rebuild,
         }
         fn = routes.get(self.path.split("?")[0])
         try:
@@ -123,6 +130,23 @@ class Handler(BaseHTTPRequestHandler):
         except BaseException:
             h.cancel()
             raise
+
+    def _rebuild(self, body):
+        from freetoken_jax.config import ConfigError
+        from freetoken_jax.scheduler.elastic import Busy, RebuildFailed
+
+        unknown = set(body) - {"expert_slots", "kv_pages", "drain", "model"}
+        if unknown:
+            raise ApiError(400, f"unknown fields {sorted(unknown)}; give expert_slots and/or kv_pages (and drain)")
+        try:
+            st = self.service.scheduler.rebuild_cache(body.get("expert_slots"), body.get("kv_pages"), drain=bool(body.get("drain")))
+        except ConfigError as e:
+            raise ApiError(400, str(e)) from e
+        except Busy as e:
+            raise ApiError(409, str(e), "busy") from e
+        except RebuildFailed as e:
+            raise ApiError(500, str(e), "api_error") from e
+        self._send_json(200, st)
 
     # OpenAI ---------------------------------------------------------------------------------------
     def _max_tokens(self, body: dict, keys=("max_tokens", "max_completion_tokens"), default=16) -> int:

@@ -1,0 +1,90 @@
+"""A bounded load test of the HTTP server on loopback: C concurrent clients send R requests in
+all (OpenAI completions, streaming off), then it stops. Reports requests/s, output tokens/s and
+latency percentiles.
+
+    python benchmarks/bench_serve.py --model demo --concurrency 1 4 16 --requests 48 --max-tokens 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+import urllib.request
+
+import numpy as np
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.scheduler.scheduler import Scheduler
+from freetoken_jax.server.http import serve_http
+from freetoken_jax.server.service import Service
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.load(r)
+
+
+def run(url: str, concurrency: int, total: int, max_tokens: int) -> dict:
+    lat, toks, lock = [], [], threading.Lock()
+    counter = iter(range(total))
+
+    def client():
+        for i in counter:
+            t = time.perf_counter()
+            r = post(
+                url + "/v1/completions",
+                {"prompt": f"request {i}: tell me a story", "max_tokens": max_tokens, "temperature": 0.8, "seed": i},
+            )
+            with lock:
+                lat.append(time.perf_counter() - t)
+                toks.append(r["usage"]["completion_tokens"])
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return dict(concurrency=concurrency, requests=total, seconds=wall, requests_per_s=total / wall, output_tokens_per_s=sum(toks) / wall,
+                p50_ms=float(np.percentile(lat, 50) * 1e3), p99_ms=float(np.percentile(lat, 99) * 1e3))  # fmt: skip
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="demo")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--strategy", default="fused")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    engine = FreeTokenEngine.from_pretrained(
+        args.model, EngineConfig(dtype=args.dtype, max_context=256, max_batch=args.max_batch, moe_strategy=args.strategy)
+    )
+    sched = Scheduler(engine, max_queue=4 * args.requests)
+    httpd = serve_http(Service(sched, "m", engine.model_path), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    run(url, 2, 4, args.max_tokens)  # compile the executables first
+    rows = [run(url, c, args.requests, args.max_tokens) for c in args.concurrency]
+    httpd.shutdown()
+    sched.shutdown()
+    for r in rows:
+        print(json.dumps(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    print(f"\n{'clients':>7} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    for r in rows:
+        print(f"{r['concurrency']:>7} {r['requests_per_s']:7.2f} {r['output_tokens_per_s']:8.1f} {r['p50_ms']:8.0f} {r['p99_ms']:8.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

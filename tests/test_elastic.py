@@ -1,0 +1,166 @@
+"""Elastic memory on a live scheduler: grow and shrink expert slots and KV pages between requests
+with identical outputs; invalid targets change nothing; injected failures roll back."""
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from freetoken_jax import ConfigError, EngineConfig, FreeTokenEngine
+from freetoken_jax.engine import GenerationParams
+from freetoken_jax.scheduler import elastic
+from freetoken_jax.scheduler.scheduler import Overloaded, Scheduler, wait_idle
+from freetoken_jax.server.http import serve_http
+from freetoken_jax.server.service import Service
+
+EC = EngineConfig(
+    dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16, moe_strategy="offload", expert_slots=6, kv_pages=20
+)
+PROMPTS = [[256] + list(b"elastic memory request %d" % i) for i in range(3)]
+
+
+def outputs(s):
+    return [
+        s.submit(p, GenerationParams(max_new_tokens=10, seed=i, temperature=0.7, ignore_eos=True)).result(120)[0]
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+@pytest.fixture
+def sched():
+    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC))
+    yield s
+    s.shutdown()
+
+
+def test_grow_and_shrink_keep_outputs(sched):
+    want = outputs(sched)
+    for slots, pages in ((20, 40), (4, 12), (6, None), (None, 9)):
+        st = sched.rebuild_cache(slots, pages)
+        if slots is not None:
+            assert st["expert_slots"] == slots and sched.state.experts.num_slots == slots
+        if pages is not None:
+            assert st["kv_pages"] == pages and sched.state.cache[0][0].shape[0] == pages
+        assert outputs(sched) == want, (slots, pages)
+    assert sched.get_metrics()["prefix_hit_tokens"] > 0
+
+
+def test_prefix_cache_survives_growth(sched):
+    outputs(sched)
+    cached = sched.radix.cached_pages
+    assert cached > 0
+    sched.rebuild_cache(kv_pages=40)
+    assert sched.radix.cached_pages == cached
+    h = sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=10, seed=0, temperature=0.7, ignore_eos=True))
+    h.result(60)
+    assert h.prefix_hit_tokens > 0
+    sched.rebuild_cache(kv_pages=12)
+    assert sched.radix.cached_pages == 0 and sched.engine.pages.free_pages == 11
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(expert_slots=0), "positive"),
+        (dict(expert_slots=-3), "positive"),
+        (dict(expert_slots=3), "routes up to 4 experts"),
+        (dict(kv_pages=1), "at least 2"),
+        (dict(kv_pages=5), "one full-length sequence"),
+        (dict(), "give expert_slots"),
+        (dict(expert_slots=10**9), None),
+    ],
+)
+def test_invalid_targets_change_nothing(sched, kw, match):
+    before = elastic.status(sched)
+    if match is None:  # more slots than experts is clamped, not refused
+        sched.rebuild_cache(**kw)
+        assert elastic.status(sched)["expert_slots"] == sched.engine.model_config.num_moe_layers * sched.engine.model_config.num_experts
+        return
+    with pytest.raises(ConfigError, match=match):
+        sched.rebuild_cache(**kw)
+    assert elastic.status(sched) == before
+
+
+def test_busy_then_drain(sched):
+    h = sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=36, ignore_eos=True))
+    next(h.events(60))
+    with pytest.raises(elastic.Busy):
+        sched.rebuild_cache(kv_pages=30)
+    st = sched.rebuild_cache(kv_pages=30, drain=True)
+    assert st["kv_pages"] == 30
+    toks, reason = h.result(60)
+    assert reason == "length" and 1 + len(toks) == 36  # one token was read above
+
+
+def test_compile_failure_changes_nothing(sched, monkeypatch):
+    want = outputs(sched)
+    before = elastic.status(sched)
+
+    def boom(*a):
+        raise ConfigError("compile check failed (injected)")
+
+    monkeypatch.setattr(elastic, "_compile_check", boom)
+    with pytest.raises(ConfigError, match="injected"):
+        sched.rebuild_cache(expert_slots=12)
+    assert elastic.status(sched) == before and outputs(sched) == want
+
+
+def test_allocation_failure_rolls_back(sched, monkeypatch):
+    want = outputs(sched)
+    real = elastic.init_slot_cache
+    calls = {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the 1st call only traces shapes for the compile check
+            raise MemoryError("out of device memory (injected)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(elastic, "init_slot_cache", flaky)
+    with pytest.raises(elastic.RebuildFailed, match="previous geometry was restored"):
+        sched.rebuild_cache(expert_slots=12, kv_pages=30)
+    st = elastic.status(sched)
+    assert st["expert_slots"] == 6 and st["kv_pages"] == 20 and not st["failed"]
+    assert outputs(sched) == want
+
+
+def test_double_failure_latches_failed_state(sched, monkeypatch):
+    real = elastic.init_slot_cache
+    calls = {"n": 0}
+
+    def always(*a, **k):  # every allocation fails, the compile check's shape tracing does not
+        calls["n"] += 1
+        if calls["n"] == 1:
+            return real(*a, **k)
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(elastic, "init_slot_cache", always)
+    with pytest.raises(elastic.RebuildFailed, match="restoring the previous geometry failed too"):
+        sched.rebuild_cache(expert_slots=12)
+    with pytest.raises(Overloaded, match="failed state"):
+        sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=2))
+
+
+def test_http_endpoints(sched):
+    httpd = serve_http(Service(sched, "demo", sched.engine.model_path), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+
+        def post(body):
+            req = urllib.request.Request(
+                url + "/v1/cache/rebuild", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+            )
+            return json.load(urllib.request.urlopen(req))
+
+        assert post({"expert_slots": 10})["expert_slots"] == 10
+        assert json.load(urllib.request.urlopen(url + "/v1/cache/status"))["expert_slots"] == 10
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post({"expert_slots": -1})
+        assert e.value.code == 400
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post({"slots": 4})
+        assert e.value.code == 400 and "unknown fields" in json.load(e.value)["error"]["message"]
+    finally:
+        httpd.shutdown()
+    assert wait_idle(sched)
