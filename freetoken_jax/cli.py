@@ -70,6 +70,32 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_ctl(args) -> int:
+    """Talks to a running server over HTTP."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    if args.what == "status":
+        req = urllib.request.Request(args.url + "/v1/cache/status")
+    else:
+        body = {k: v for k, v in (("expert_slots", args.slots), ("kv_pages", args.kv_pages)) if v is not None}
+        body["drain"] = args.drain
+        req = urllib.request.Request(
+            args.url + "/v1/cache/rebuild", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+    try:
+        with urllib.request.urlopen(req, timeout=args.timeout) as r:
+            print(json.dumps(json.load(r), indent=1))
+        return 0
+    except urllib.error.HTTPError as e:
+        print(f"error {e.code}: {json.load(e).get('error', {}).get('message', '')}", file=sys.stderr)
+        return 2
+    except urllib.error.URLError as e:
+        print(f"error: cannot reach {args.url}: {e.reason}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freetoken-jax", description="MoE serving beyond GPU memory, on JAX/XLA.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--max-context", type=int, default=4096)
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     v.set_defaults(fn=cmd_serve)
+    c = sub.add_parser("ctl", help="control a running server")
+    c.add_argument("what", choices=["cache", "status"], help="cache: resize expert slots / KV pages; status: show them")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--slots", type=int, default=None)
+    c.add_argument("--kv-pages", type=int, default=None)
+    c.add_argument("--drain", action="store_true", help="let running requests finish first instead of failing with 'busy'")
+    c.add_argument("--timeout", type=float, default=600)
+    c.set_defaults(fn=cmd_ctl)
     return p
 
 

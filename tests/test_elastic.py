@@ -164,3 +164,31 @@ def test_http_endpoints(sched):
     finally:
         httpd.shutdown()
     assert wait_idle(sched)
+
+
+def test_grpc_and_cli(sched, capsys):
+    import grpc
+
+    from freetoken_jax.cli import main
+    from freetoken_jax.server.grpc_service import serve_grpc
+    from freetoken_jax.server.pb import freetoken_pb2 as pb
+    from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
+
+    service = Service(sched, "demo", sched.engine.model_path)
+    server, port = serve_grpc(service, "127.0.0.1", 0)
+    httpd = serve_http(service, "127.0.0.1", 0)
+    try:
+        stub = pb_grpc.FreeTokenStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        assert json.loads(stub.RebuildCache(pb.RebuildCacheRequest(expert_slots=9)).json)["expert_slots"] == 9
+        with pytest.raises(grpc.RpcError) as e:
+            stub.RebuildCache(pb.RebuildCacheRequest(kv_pages=1))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        assert main(["ctl", "cache", "--url", url, "--kv-pages", "25"]) == 0
+        assert json.loads(capsys.readouterr().out)["kv_pages"] == 25
+        assert main(["ctl", "cache", "--url", url, "--slots", "0"]) == 2
+        assert "positive" in capsys.readouterr().err
+        assert json.loads(stub.GetCacheStatus(pb.CacheStatusRequest()).json)["kv_pages"] == 25
+    finally:
+        server.stop(None)
+        httpd.shutdown()

@@ -80,9 +80,30 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
             self._abort(context, e)
 
     def Health(self, request, context):  # noqa: N802
-        alive = self.s.scheduler.thread.is_alive()
-        return pb.HealthResponse(status=pb.HealthResponse.SERVING if alive else pb.HealthResponse.NOT_SERVING,
-                                 detail="ok" if alive else "the scheduler thread has stopped")  # fmt: skip
+        sched = self.s.scheduler
+        problem = sched.failed or (None if sched.thread.is_alive() else "the scheduler thread has stopped")
+        return pb.HealthResponse(status=pb.HealthResponse.NOT_SERVING if problem else pb.HealthResponse.SERVING, detail=problem or "ok")
+
+    def RebuildCache(self, request, context):  # noqa: N802
+        from freetoken_jax.config import ConfigError
+        from freetoken_jax.scheduler.elastic import Busy, RebuildFailed, status
+
+        slots = request.expert_slots if request.HasField("expert_slots") else None
+        pages = request.kv_pages if request.HasField("kv_pages") else None
+        try:
+            self.s.scheduler.rebuild_cache(slots, pages, drain=request.drain)
+        except ConfigError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Busy as e:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except RebuildFailed as e:
+            context.abort(grpc.StatusCode.INTERNAL, str(e))
+        return pb.CacheStatus(json=json.dumps(status(self.s.scheduler)))
+
+    def GetCacheStatus(self, request, context):  # noqa: N802
+        from freetoken_jax.scheduler.elastic import status
+
+        return pb.CacheStatus(json=json.dumps(status(self.s.scheduler)))
 
     def GetMetrics(self, request, context):  # noqa: N802
         return pb.MetricsResponse(json=json.dumps({**self.s.engine.get_metrics(), **self.s.scheduler.get_metrics()}))

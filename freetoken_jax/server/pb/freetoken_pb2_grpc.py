@@ -59,6 +59,16 @@ class FreeTokenStub:
                 request_serializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.RebuildCache = channel.unary_unary(
+                '/freetoken.v1.FreeToken/RebuildCache',
+                request_serializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.RebuildCacheRequest.SerializeToString,
+                response_deserializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatus.FromString,
+                _registered_method=True)
+        self.GetCacheStatus = channel.unary_unary(
+                '/freetoken.v1.FreeToken/GetCacheStatus',
+                request_serializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatusRequest.SerializeToString,
+                response_deserializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatus.FromString,
+                _registered_method=True)
 
 
 class FreeTokenServicer:
@@ -95,6 +105,19 @@ class FreeTokenServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RebuildCache(self, request, context):
+        """Resizes expert slots and/or KV pages while idle (elastic memory).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetCacheStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FreeTokenServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -122,6 +145,16 @@ def add_FreeTokenServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.ListModelsRequest.FromString,
                     response_serializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'RebuildCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.RebuildCache,
+                    request_deserializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.RebuildCacheRequest.FromString,
+                    response_serializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatus.SerializeToString,
+            ),
+            'GetCacheStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCacheStatus,
+                    request_deserializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatusRequest.FromString,
+                    response_serializer=freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -259,6 +292,60 @@ class FreeToken:
             '/freetoken.v1.FreeToken/ListModels',
             freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.ListModelsRequest.SerializeToString,
             freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RebuildCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/freetoken.v1.FreeToken/RebuildCache',
+            freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.RebuildCacheRequest.SerializeToString,
+            freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCacheStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/freetoken.v1.FreeToken/GetCacheStatus',
+            freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatusRequest.SerializeToString,
+            freetoken__jax_dot_server_dot_pb_dot_freetoken__pb2.CacheStatus.FromString,
             options,
             channel_credentials,
             insecure,
