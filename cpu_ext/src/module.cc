@@ -1,11 +1,46 @@
 // The nanobind module `freetoken_jax._cpu_ext`: the CPU side of expert execution.
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
+#include <string>
+
 #include "cpu_features.h"
+#include "moe_executor.h"
 
 namespace nb = nanobind;
+using namespace freetoken;
+
+namespace {
+
+IsaTier ParseTier(const std::string& name) {
+  for (int t = 0; t <= static_cast<int>(IsaTier::kAmxBf16); ++t)
+    if (name == TierName(static_cast<IsaTier>(t))) return static_cast<IsaTier>(t);
+  throw std::invalid_argument("unknown ISA tier '" + name + "'; use scalar, avx2_fma, avx512f, avx512_bf16 or amx_bf16");
+}
+
+Act ParseAct(const std::string& name) {
+  if (name == "silu") return Act::kSilu;
+  if (name == "gelu") return Act::kGelu;
+  if (name == "gelu_tanh") return Act::kGeluTanh;
+  throw std::invalid_argument("unknown activation '" + name + "'; use silu, gelu or gelu_tanh");
+}
+
+using Bank = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F32x2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Out = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using I32 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using F32 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+
+BankType TypeOf(const Bank& a, const char* name) {
+  if (a.dtype() == nb::dtype<float>()) return BankType::kF32;
+  if (a.dtype() == nb::dtype<uint16_t>()) return BankType::kBF16;  // bfloat16 bits
+  throw std::invalid_argument(std::string(name) + " must be float32, or bfloat16 viewed as uint16");
+}
+
+}  // namespace
 
 NB_MODULE(_cpu_ext, m) {
   m.doc() = "freetoken_jax CPU expert executor (C++).";
@@ -13,8 +48,45 @@ NB_MODULE(_cpu_ext, m) {
       "supported_tiers",
       [] {
         std::vector<std::string> names;
-        for (auto t : freetoken::SupportedTiers()) names.emplace_back(freetoken::TierName(t));
+        for (auto t : SupportedTiers()) names.emplace_back(TierName(t));
         return names;
       },
       "ISA tiers usable on this CPU, lowest first (scalar, avx2_fma, avx512f, avx512_bf16, amx_bf16).");
+
+  nb::class_<MoeExecutor>(m, "CpuMoeExecutor")
+      .def(
+          "__init__",
+          [](MoeExecutor* self, int threads, const std::string& max_tier, bool pin) {
+            if (threads <= 0) throw std::invalid_argument("threads must be positive");
+            new (self) MoeExecutor(threads, ParseTier(max_tier), pin);
+          },
+          nb::arg("threads"), nb::arg("max_tier") = "amx_bf16", nb::arg("pin") = false)
+      .def_prop_ro("tier", [](const MoeExecutor& e) { return std::string(TierName(e.tier())); })
+      .def_prop_ro("threads", &MoeExecutor::threads)
+      .def(
+          "run",
+          [](MoeExecutor& self, F32x2 x, I32 tokens, I32 experts, F32 weights, Bank gate, Bank up, Bank down, int64_t ffn,
+             const std::string& act, Out out) {
+            const int64_t T = static_cast<int64_t>(x.shape(0)), H = static_cast<int64_t>(x.shape(1));
+            const int64_t N = static_cast<int64_t>(tokens.shape(0)), E = static_cast<int64_t>(gate.shape(0));
+            auto dim = [](const auto& a, int i) { return static_cast<int64_t>(a.shape(i)); };
+            BankType type = TypeOf(gate, "gate");
+            if (TypeOf(up, "up") != type || TypeOf(down, "down") != type) throw std::invalid_argument("gate, up and down must share one dtype");
+            if (ffn <= 0) throw std::invalid_argument("ffn must be positive");
+            if (dim(gate, 1) != ffn * H || dim(up, 0) != E || dim(up, 1) != ffn * H || dim(down, 0) != E || dim(down, 1) != H * ffn)
+              throw std::invalid_argument("banks must be gate/up [E, ffn*H] and down [E, H*ffn] for x of width H");
+            if (dim(experts, 0) != N || dim(weights, 0) != N) throw std::invalid_argument("tokens, experts and weights must have one length");
+            if (dim(out, 0) != T || dim(out, 1) != H) throw std::invalid_argument("out must have x's shape");
+            for (int64_t i = 0; i < N; ++i) {
+              if (tokens.data()[i] < 0 || tokens.data()[i] >= T) throw std::invalid_argument("token index out of range");
+              if (experts.data()[i] < 0 || experts.data()[i] >= E) throw std::invalid_argument("expert id out of range");
+            }
+            Banks b{gate.data(), up.data(), down.data(), type, E, H, ffn};
+            Act a = ParseAct(act);
+            nb::gil_scoped_release release;
+            self.Run(x.data(), T, tokens.data(), experts.data(), weights.data(), N, b, a, out.data());
+          },
+          nb::arg("x"), nb::arg("tokens"), nb::arg("experts"), nb::arg("weights"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("ffn"),
+          nb::arg("act"), nb::arg("out"),
+          "out[t] += w * down_e(act(gate_e x_t) * up_e x_t) for every (t, e, w); x and out float32 [T, H].");
 }

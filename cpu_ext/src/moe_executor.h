@@ -1,0 +1,71 @@
+// The CPU expert executor: routed-expert FFNs computed straight from host expert banks.
+//
+// For work items (token t, expert e, weight w) it computes
+//   out[t] += w * down_e( act(gate_e x_t) * (up_e x_t) )
+// with gate/up banks [E, F*H] (row f of expert e is its f-th output row, length H) and the
+// down bank [E, H*F] (row h of length F), in float32 or bfloat16. Work is split in two phases
+// over a persistent thread pool: (1) every item's F hidden units in chunks, (2) the H output rows
+// in chunks, each chunk looping over all items, so no two threads write the same output row.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu_features.h"
+
+namespace freetoken {
+
+enum class Act { kSilu, kGelu, kGeluTanh };
+enum class BankType { kF32, kBF16 };
+
+// A pool of worker threads (optionally pinned one per core) that runs `fn(task)` for
+// task in [0, n); the calling thread takes tasks too.
+class ThreadPool {
+ public:
+  ThreadPool(int threads, bool pin);
+  ~ThreadPool();
+  void Run(int64_t n, const std::function<void(int64_t)>& fn);
+  int size() const { return static_cast<int>(workers_.size()) + 1; }
+
+ private:
+  void Work(int index);
+  std::vector<std::thread> workers_;
+  std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  const std::function<void(int64_t)>* fn_ = nullptr;
+  std::atomic<int64_t> next_{0};
+  int64_t n_ = 0;
+  uint64_t generation_ = 0;
+  int finished_ = 0;
+  bool stop_ = false;
+};
+
+struct Banks {
+  const void* gate;
+  const void* up;
+  const void* down;
+  BankType type;
+  int64_t experts, hidden, ffn;  // E, H, F
+};
+
+class MoeExecutor {
+ public:
+  MoeExecutor(int threads, IsaTier max_tier, bool pin);
+  IsaTier tier() const { return tier_; }
+  int threads() const { return pool_.size(); }
+  // x: [T, H] float32; out: [T, H] float32, accumulated into.
+  void Run(const float* x, int64_t tokens, const int32_t* token_of, const int32_t* expert_of, const float* weight_of, int64_t items,
+           const Banks& banks, Act act, float* out);
+
+ private:
+  IsaTier tier_;
+  ThreadPool pool_;
+};
+
+}  // namespace freetoken

@@ -1,0 +1,70 @@
+"""The C++ CPU expert executor on every ISA tier this machine has, against a float64 reference."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from freetoken_jax.runtime.cpu_executor import CpuExecutor, supported_tiers
+
+
+def reference(x, tokens, experts, weights, gate, up, down, F, act):
+    x = x.astype(np.float64)
+    T, H = x.shape
+    g64, u64, d64 = (np.asarray(b, np.float64) for b in (gate, up, down))
+    out = np.zeros((T, H))
+    f = {"silu": lambda v: v / (1 + np.exp(-v)), "gelu": lambda v: 0.5 * v * (1 + np.vectorize(__import__("math").erf)(v / np.sqrt(2))),
+         "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))}[act]  # fmt: skip
+    for t, e, w in zip(tokens, experts, weights):
+        G, U, D = g64[e].reshape(F, H), u64[e].reshape(F, H), d64[e].reshape(H, F)
+        out[t] += w * D @ (f(G @ x[t]) * (U @ x[t]))
+    return out
+
+
+@pytest.mark.parametrize("tier", supported_tiers())
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("T,H,F,E,N", [(1, 64, 32, 4, 2), (3, 37, 45, 5, 7), (64, 96, 40, 8, 100), (5, 130, 17, 3, 0), (2, 256, 128, 6, 8)])
+def test_matches_float64(tier, dtype, T, H, F, E, N):
+    rng = np.random.default_rng(T * 7 + H + F + N)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    gate, up = ((rng.standard_normal((E, F * H)).astype(np.float32) * 0.2).astype(dtype) for _ in range(2))
+    down = (rng.standard_normal((E, H * F)).astype(np.float32) * 0.2).astype(dtype)
+    tokens = rng.integers(0, T, N)
+    experts = rng.integers(0, E, N)  # repeats included
+    weights = rng.random(N).astype(np.float32)
+    ex = CpuExecutor(threads=3, max_tier=tier)
+    assert ex.tier == (tier if tier != "amx_bf16" else "avx512_bf16")
+    for act in ("silu", "gelu", "gelu_tanh"):
+        got = ex.run(x, tokens, experts, weights, gate, up, down, act)
+        ref = reference(x, tokens, experts, weights, gate, up, down, F, act)
+        if N == 0:
+            assert not got.any()
+            continue
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        # bf16 dot products round the activations to bf16 too; every other tier is float32 math
+        tol = 2e-2 if (tier in ("avx512_bf16", "amx_bf16") and dtype == ml_dtypes.bfloat16) else 2e-5
+        assert err < tol, (tier, act, err)
+
+
+def test_bad_input_raises():
+    ex = CpuExecutor(threads=2)
+    x = np.ones((2, 8), np.float32)
+    g = np.ones((3, 4 * 8), np.float32)
+    d = np.ones((3, 8 * 4), np.float32)
+    ok = dict(tokens=[0], experts=[1], weights=[1.0])
+    ex.run(x, gate=g, up=g, down=d, **ok)
+    with pytest.raises(ValueError, match="expert id out of range"):
+        ex.run(x, [0], [3], [1.0], g, g, d)
+    with pytest.raises(ValueError, match="token index out of range"):
+        ex.run(x, [2], [0], [1.0], g, g, d)
+    with pytest.raises(ValueError, match="one length"):
+        ex.run(x, [0, 1], [0], [1.0], g, g, d)
+    with pytest.raises(ValueError, match="banks must be"):
+        ex.run(x, [0], [0], [1.0], g, g, np.ones((3, 30), np.float32))
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        ex.run(x, [0], [0], [1.0], g.astype(np.float64), g, d)
+    with pytest.raises(ValueError, match="share one dtype"):
+        ex.run(x, [0], [0], [1.0], g, g.astype(ml_dtypes.bfloat16), d)
+    with pytest.raises(ValueError, match="activation"):
+        ex.run(x, [0], [0], [1.0], g, g, d, act="relu")
+    with pytest.raises(ValueError):
+        CpuExecutor(max_tier="sse9")
