@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-SUPPORTED_STRATEGIES = ("fused", "offload")
+SUPPORTED_STRATEGIES = ("fused", "offload", "cpu")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -208,7 +208,9 @@ class EngineConfig:
     Expert placement: `moe_strategy` "fused" keeps every expert on the device; "offload" keeps
     them in host RAM with `expert_slots` slots on the device — given directly, or planned from
     FreeToken's budget fields (`total_vram_gb`, `base_model_vram_gb` for the dense weights,
-    `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory.
+    `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory; "cpu"
+    computes every routed expert on the CPU from host RAM (no slots), for devices with almost
+    no memory to spare.
     """
 
     dtype: str = "bfloat16"

@@ -51,6 +51,17 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+class _Static(tuple):
+    """Host bank views carried as static jit metadata: hashed and compared by identity (the
+    arrays themselves are never traced)."""
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+
 def _host_bank_placer(cfg: MoEModelConfig):
     """Puts each layer's experts into a host bank (one flattened row per expert) as soon as the
     layer is read or generated; other leaves go to the device."""
@@ -121,7 +132,7 @@ class FreeTokenEngine:
         log.info("memory plan: %s", self.plan.describe())
         offload = ecfg.moe_strategy == "offload"
         place = None
-        if offload:
+        if ecfg.moe_strategy in ("offload", "cpu"):
             avail = host_memory_available()
             if avail is not None and self.plan.all_experts_bytes > avail:
                 raise ConfigError(
@@ -131,9 +142,18 @@ class FreeTokenEngine:
         graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)
         if params is None:
             params = load(place) if load is not None else random_params(cfg, ecfg.dtype, ecfg.seed, place)
-        elif offload:
+        elif ecfg.moe_strategy in ("offload", "cpu"):
             params = to_host_banks(cfg, params)
-        self.weights = Weights(params, graphdef, ecfg.moe_strategy)
+        host = None
+        if ecfg.moe_strategy == "cpu":
+            from freetoken_jax.runtime.cpu_executor import host_view
+
+            host = tuple(
+                tuple(host_view(layer["mlp"]["experts"][k].get_value()) for k in ("gate", "up", "down"))
+                for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"]
+            )  # fmt: skip
+            host = _Static(host)
+        self.weights = Weights(params, graphdef, ecfg.moe_strategy, host)
         self.cache = init_cache(cfg, ecfg, dtype)
         # Committed to the device like every later version of the state, so the first decode step
         # and the following ones share one executable.

@@ -28,7 +28,7 @@ Act ParseAct(const std::string& name) {
   throw std::invalid_argument("unknown activation '" + name + "'; use silu, gelu or gelu_tanh");
 }
 
-using Bank = nb::ndarray<nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using Bank = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using F32x2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using Out = nb::ndarray<float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using I32 = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;

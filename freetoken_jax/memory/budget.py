@@ -66,6 +66,12 @@ def plan_memory(
                 "moe_strategy='offload' or a smaller max_context / max_batch"
             )
         return MemoryPlan("fused", dense_bytes, kv_bytes, expert, all_experts, cfg.num_moe_layers * cfg.num_experts, budget, "all resident")
+    if ecfg.moe_strategy == "cpu":
+        if budget is not None and base + kv_bytes + reserved > budget:
+            raise ConfigError(
+                f"the dense weights ({base / GB:.2f} GiB) and KV pages ({kv_bytes / GB:.2f} GiB) exceed the budget of {budget / GB:.2f} GiB"
+            )
+        return MemoryPlan("cpu", dense_bytes, kv_bytes, expert, all_experts, 0, budget, "none: experts run on the CPU")
     need = ecfg.max_batch * cfg.top_k
     most = cfg.num_moe_layers * cfg.num_experts
     if ecfg.expert_slots is not None:

@@ -21,6 +21,33 @@ def supported_tiers() -> list[str]:
     return list(_cpu_ext.supported_tiers())
 
 
+def host_view(a) -> np.ndarray:
+    """A numpy array over the memory of a host-resident jax array, without copying.
+
+    The pointer comes from `unsafe_buffer_pointer()`: for a bank in host memory (`pinned_host`
+    on a GPU, the default memory on the CPU backend) it is the address of the one copy of the
+    bank in RAM, the same memory the GPU fetch kernel reads. It stays valid while the jax array
+    lives and is not donated; the engine holds every bank for its whole life and never donates
+    one, and the returned view keeps a reference to the array."""
+    import ctypes
+
+    import jax
+
+    if not isinstance(a, jax.Array):
+        return np.asarray(a)
+    kind = getattr(a.sharding, "memory_kind", None)
+    if jax.default_backend() != "cpu" and kind not in ("pinned_host", "unpinned_host"):
+        raise ValueError(f"expected a bank in host memory, got memory kind {kind!r}")
+    buf = (ctypes.c_char * a.nbytes).from_address(a.unsafe_buffer_pointer())
+    view = np.frombuffer(buf, dtype=a.dtype).reshape(a.shape)
+    view.flags.writeable = False
+    _KEEP[id(view)] = a  # the array outlives the view
+    return view
+
+
+_KEEP: dict[int, object] = {}
+
+
 def _bank_view(a) -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != 2:
@@ -30,6 +57,17 @@ def _bank_view(a) -> np.ndarray:
     if a.dtype != np.float32:
         raise TypeError(f"expert banks must be float32 or bfloat16, got {a.dtype}")
     return np.ascontiguousarray(a)
+
+
+_SHARED: CpuExecutor | None = None
+
+
+def shared_executor() -> CpuExecutor:
+    """One executor (one thread pool, one per core) for the whole process."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = CpuExecutor()
+    return _SHARED
 
 
 class CpuExecutor:

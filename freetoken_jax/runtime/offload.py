@@ -14,6 +14,7 @@ one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.expert_cache import SlotCache, ensure
@@ -99,3 +100,42 @@ def to_host_banks(cfg: MoEModelConfig, params):
             var = var.replace(host)
         flat.append((path, var))
     return nnx.State.from_flat_path(flat)
+
+
+class CpuExpertExecutor:
+    """Strategy "cpu": every routed expert computed by the C++ executor straight from the host
+    banks, handed over with `jax.pure_callback` (no slots on the device at all)."""
+
+    def __init__(self, cfg: MoEModelConfig, host_banks: list, valid_T: jax.Array):
+        self.cfg, self.host_banks, self.valid_T = cfg, host_banks, valid_T
+
+    def expert_fns(self, model) -> list:
+        fns, m = [], 0
+        for layer in model.layers:
+            fns.append(self._fn(m) if layer.is_moe else None)
+            m += layer.is_moe
+        return fns
+
+    def _fn(self, m: int):
+        import numpy as np
+
+        from freetoken_jax.runtime.cpu_executor import shared_executor
+
+        gate, up, down = self.host_banks[m]
+        act = self.cfg.hidden_act
+
+        def on_host(x, ids, w, valid):
+            x = np.asarray(x)
+            K = ids.shape[1]
+            keep = np.repeat(np.asarray(valid), K)
+            tokens = np.repeat(np.arange(x.shape[0], dtype=np.int32), K)[keep]
+            return shared_executor().run(x, tokens, np.asarray(ids).reshape(-1)[keep], np.asarray(w).reshape(-1)[keep], gate, up, down, act)
+
+        def fn(x_TD, ids_TK, w_TK):
+            out = jax.pure_callback(
+                on_host, jax.ShapeDtypeStruct(x_TD.shape, jnp.float32), x_TD.astype(jnp.float32), ids_TK.astype(jnp.int32),
+                w_TK.astype(jnp.float32), self.valid_T,
+            )  # fmt: skip
+            return out.astype(x_TD.dtype)
+
+        return fn

@@ -23,12 +23,14 @@ from freetoken_jax.runtime.sampling import sample
 @dataclasses.dataclass(frozen=True)
 class Weights:
     """The model's parameters with its (static) NNX graph definition and how routed experts run:
-    "fused" (every expert resident) or "offload" (experts in host banks, a slot cache in the
-    decode state)."""
+    "fused" (every expert resident), "offload" (experts in host banks, a slot cache in the
+    decode state) or "cpu" (experts computed on the host by the C++ executor; `host_banks`
+    holds numpy views of the banks per MoE layer)."""
 
     params: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
+    host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
@@ -91,7 +93,12 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
     if weights.strategy == "fused":
         h, cache = model(tokens_BT, positions_BT, view, cache)
         return h, cache, experts
-    from freetoken_jax.runtime.offload import OffloadExecutor
+    from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
+
+    if weights.strategy == "cpu":
+        ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1))
+        h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
+        return h, cache, experts
 
     ex = OffloadExecutor(model.cfg, model, experts, valid_BT.reshape(-1))
     h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
