@@ -10,7 +10,7 @@ import time
 def _engine_config(args):
     from freetoken_jax import EngineConfig
 
-    return EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=1)
+    return EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=1, moe_strategy=args.strategy, total_vram_gb=args.vram_gb)
 
 
 def cmd_generate(args) -> int:
@@ -48,7 +48,7 @@ def cmd_serve(args) -> int:
     from freetoken_jax.server.service import Service
 
     ecfg = EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=args.max_batch, moe_strategy=args.strategy,
-                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots)  # fmt: skip
+                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, hybrid_q=args.hybrid_q)  # fmt: skip
     engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
     print(f"model {engine.name}: {engine.plan.describe()}", file=sys.stderr)
     sched = Scheduler(engine, max_queue=args.max_queue)
@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--max-context", type=int, default=4096)
+    g.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu"])
+    g.add_argument(
+        "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
+    )
     g.set_defaults(fn=cmd_generate)
     v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC")
     v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
@@ -116,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC")
-    v.add_argument("--strategy", default="fused", choices=["fused", "offload"])
+    v.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu"])
+    v.add_argument("--hybrid-q", type=float, default=0.35, help="hybrid: share of missed experts fetched over PCIe (q* = Bp / (Bp + Bh))")
     v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
     v.add_argument("--expert-slots", type=int, default=None)
     v.add_argument("--max-batch", type=int, default=4, help="requests decoded together")

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-SUPPORTED_STRATEGIES = ("fused", "offload", "cpu")
+SUPPORTED_STRATEGIES = ("fused", "offload", "hybrid", "cpu")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -220,6 +220,9 @@ class EngineConfig:
     base_model_vram_gb: float | None = None
     reserved_vram_gb: float | None = None
     initial_expert_capacity: int | None = None
+    # Strategy "hybrid": q* = Bp / (Bp + Bh), the share of a layer's missed experts fetched over
+    # PCIe; the rest are computed by the CPU where they lie. Measured values replace this default.
+    hybrid_q: float = 0.35
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
@@ -237,6 +240,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prefill_chunk & (self.prefill_chunk - 1):
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        if not 0.0 <= self.hybrid_q <= 1.0:
+            raise ConfigError(f"hybrid_q must be in [0, 1], got {self.hybrid_q}")
         for name in ("expert_slots", "initial_expert_capacity"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -245,6 +250,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.kv_pages is not None and self.kv_pages < 2:
             raise ConfigError(f"kv_pages must be at least 2 (page 0 is reserved), got {self.kv_pages}")
+
+    @property
+    def uses_slots(self) -> bool:
+        """Whether the strategy keeps an expert slot cache on the device."""
+        return self.moe_strategy in ("offload", "hybrid")
 
     @property
     def pages_per_sequence(self) -> int:

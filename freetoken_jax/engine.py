@@ -130,9 +130,9 @@ class FreeTokenEngine:
         )
         self.plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
         log.info("memory plan: %s", self.plan.describe())
-        offload = ecfg.moe_strategy == "offload"
+        offload = ecfg.uses_slots
         place = None
-        if ecfg.moe_strategy in ("offload", "cpu"):
+        if ecfg.moe_strategy in ("offload", "hybrid", "cpu"):
             avail = host_memory_available()
             if avail is not None and self.plan.all_experts_bytes > avail:
                 raise ConfigError(
@@ -142,10 +142,10 @@ class FreeTokenEngine:
         graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)
         if params is None:
             params = load(place) if load is not None else random_params(cfg, ecfg.dtype, ecfg.seed, place)
-        elif ecfg.moe_strategy in ("offload", "cpu"):
+        elif ecfg.moe_strategy in ("offload", "hybrid", "cpu"):
             params = to_host_banks(cfg, params)
         host = None
-        if ecfg.moe_strategy == "cpu":
+        if ecfg.moe_strategy in ("cpu", "hybrid"):
             from freetoken_jax.runtime.cpu_executor import host_view
 
             host = tuple(
@@ -153,7 +153,7 @@ class FreeTokenEngine:
                 for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"]
             )  # fmt: skip
             host = _Static(host)
-        self.weights = Weights(params, graphdef, ecfg.moe_strategy, host)
+        self.weights = Weights(params, graphdef, ecfg.moe_strategy, host, ecfg.hybrid_q if ecfg.moe_strategy == "hybrid" else None)
         self.cache = init_cache(cfg, ecfg, dtype)
         # Committed to the device like every later version of the state, so the first decode step
         # and the following ones share one executable.
@@ -418,4 +418,6 @@ class FreeTokenEngine:
             expert_hit_rate_per_layer=[float(h / t) if t else 0.0 for h, t in zip(hits, total)],
             experts_fetched=int(misses.sum()),
             bytes_fetched=int(misses.sum()) * self.plan.expert_bytes,
+            experts_on_cpu=int(np.asarray(c.cpu_L).sum()),
+            hybrid_q=self.engine_config.hybrid_q if self.engine_config.moe_strategy == "hybrid" else None,
         )

@@ -98,7 +98,7 @@ def plan_memory(
             f"room for {slots} expert slots, but one decode step at max_batch={ecfg.max_batch} routes up to {need} experts per layer "
             f"({need * expert / GB:.2f} GiB of slots); raise the budget, or lower max_batch"
         )
-    return MemoryPlan("offload", dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
+    return MemoryPlan(ecfg.moe_strategy, dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
 
 
 def host_memory_available() -> int | None:

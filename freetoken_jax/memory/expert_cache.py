@@ -36,6 +36,8 @@ class SlotCache:
     hits_L: jax.Array  # int32 [L_moe], cumulative distinct-expert hits per MoE layer
     misses_L: jax.Array  # int32 [L_moe], cumulative fetches per MoE layer
     routed_LN: jax.Array  # int32 [L_moe, max_batch * k]: flat ids each layer needed last step (-1 pad)
+    last_routed: jax.Array  # int32 [L_moe * E]: clock when each expert was last routed to (-1: never)
+    cpu_L: jax.Array  # int32 [L_moe], cumulative misses computed on the CPU (strategy "hybrid")
 
     @property
     def num_slots(self) -> int:
@@ -53,6 +55,7 @@ def init_slot_cache(cfg: MoEModelConfig, slots: int, max_batch: int, dtype) -> S
         jnp.full((L * E,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32),
         jnp.zeros((), jnp.int32), jnp.zeros((L,), jnp.int32), jnp.zeros((L,), jnp.int32),
         jnp.full((L, max_batch * cfg.top_k), -1, jnp.int32),
+        jnp.full((L * E,), -1, jnp.int32), jnp.zeros((L,), jnp.int32),
     )  # fmt: skip
 
 
@@ -66,10 +69,22 @@ class FetchPlan:
     valid_N: jax.Array
 
 
-def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int):
+def fetch_count(M, q):
+    """How many of M misses to fetch when a fraction q should go over PCIe: ⌊qM⌋ or ⌊qM⌋+1,
+    whichever makes the later of the two sides (F·(1−q) on the GPU, (M−F)·q on the CPU, both in
+    units of M/(Bp+Bh)) finish sooner."""
+    lo = jnp.floor(M * q).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, M)
+    cost = lambda F: jnp.maximum(F * (1 - q), (M - F) * q)  # noqa: E731
+    return jnp.where(cost(hi) < cost(lo), hi, lo)
+
+
+def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, q=None):
     """Maps every routed (layer, expert) of valid tokens to a slot, choosing least-recently-used
     victims for misses among the slots this layer does not need. Returns the new cache, each
-    entry's slot [T, k] and the fetch plan. Requires S ≥ T·k."""
+    entry's slot [T, k], the fetch plan and which entries run on the CPU [T, k] (strategy
+    "hybrid": with `q` given, only `fetch_count(M, q)` of the M misses — the most recently routed
+    ones — are fetched; the rest stay in host RAM and are computed there). Requires S ≥ T·k."""
     T, K = ids_TK.shape
     N, S = T * K, c.num_slots
     flat = moe_layer * num_experts + ids_TK.reshape(N).astype(jnp.int32)
@@ -79,6 +94,16 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
     slot = c.slot_for_id[flat]
     resident = slot >= 0
     miss = first & ~resident
+    to_cpu = jnp.zeros_like(miss)
+    if q is not None:
+        recent = jnp.where(miss, c.last_routed[flat], -2)
+        idx = jnp.arange(N)
+        ahead = miss[None, :] & (
+            (recent[None, :] > recent[:, None]) | ((recent[None, :] == recent[:, None]) & (idx[None, :] < idx[:, None]))
+        )
+        rank = jnp.sum(ahead, axis=1)  # among misses, most recently routed first
+        to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q))
+        miss = miss & ~to_cpu
     in_use = jnp.zeros((S,), bool).at[jnp.where(valid & resident, slot, S)].set(True, mode="drop")
     # Victims: the N least recently used slots not in use (empty slots first; ties by index).
     _, order = jax.lax.top_k(-jnp.where(in_use, _NEVER, c.last_use), N)
@@ -89,8 +114,9 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
     slot_for_id = c.slot_for_id.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
     slot_for_id = slot_for_id.at[jnp.where(miss, flat, oob)].set(victim, mode="drop")
     id_of_slot = c.id_of_slot.at[victim].set(flat, mode="drop")
-    slots_TK = jnp.where(valid, slot_for_id[flat], 0).reshape(T, K)
-    last_use = c.last_use.at[jnp.where(valid, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
+    on_cpu = valid & (slot_for_id[flat] < 0)  # every entry of an expert left in host RAM
+    slots_TK = jnp.where(valid & ~on_cpu, slot_for_id[flat], 0).reshape(T, K)
+    last_use = c.last_use.at[jnp.where(valid & ~on_cpu, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
     routed = (
         jnp.full((c.routed_LN.shape[1],), -1, jnp.int32)
         .at[: min(N, c.routed_LN.shape[1])]
@@ -101,6 +127,8 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
         hits_L=c.hits_L.at[moe_layer].add(jnp.sum(first & resident)),
         misses_L=c.misses_L.at[moe_layer].add(jnp.sum(miss)),
         routed_LN=c.routed_LN.at[moe_layer].set(routed),
+        last_routed=c.last_routed.at[jnp.where(valid, flat, oob)].set(c.clock, mode="drop"),
+        cpu_L=c.cpu_L.at[moe_layer].add(jnp.sum(to_cpu)),
     )  # fmt: skip
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
-    return new, slots_TK, plan
+    return new, slots_TK, plan, on_cpu.reshape(T, K)

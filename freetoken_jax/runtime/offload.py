@@ -39,8 +39,11 @@ class OffloadExecutor:
     """Builds each MoE layer's expert function for one traced step, threading the slot cache
     through the layers (`self.cache` holds the latest version while tracing)."""
 
-    def __init__(self, cfg: MoEModelConfig, model, cache: SlotCache | None, valid_T: jax.Array):
+    def __init__(
+        self, cfg: MoEModelConfig, model, cache: SlotCache | None, valid_T: jax.Array, hybrid_q: float | None = None, host_banks=None
+    ):
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
+        self.hybrid_q, self.host_banks = hybrid_q, host_banks
         self.banks = [
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
@@ -59,14 +62,19 @@ class OffloadExecutor:
         return gate.reshape(n, F, D), up.reshape(n, F, D), down.reshape(n, D, F)
 
     def _decode_fn(self, m: int):
+        cpu = None if self.hybrid_q is None else CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T)._fn(m)
+
         def fn(x_TD, ids_TK, w_TK):
-            c, slots_TK, plan = ensure(self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts)
+            c, slots_TK, plan, on_cpu = ensure(self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts, self.hybrid_q)
             fetched = [
                 fetch_rows_unjitted(bank, arr, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 for bank, arr in zip(self.banks[m], (c.gate_SR, c.up_SR, c.down_SR))
             ]
             self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
-            return routed_experts(x_TD, slots_TK, w_TK, *self._shaped(*fetched), self.cfg.hidden_act)
+            gpu = routed_experts(x_TD, slots_TK, jnp.where(on_cpu, 0.0, w_TK), *self._shaped(*fetched), self.cfg.hidden_act)
+            if cpu is None:
+                return gpu
+            return (gpu.astype(jnp.float32) + cpu(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0)).astype(jnp.float32)).astype(x_TD.dtype)
 
         return fn
 
@@ -127,7 +135,8 @@ class CpuExpertExecutor:
         def on_host(x, ids, w, valid):
             x = np.asarray(x)
             K = ids.shape[1]
-            keep = np.repeat(np.asarray(valid), K)
+            # rows of invalid tokens and entries with no weight (those left to the GPU) are skipped
+            keep = np.repeat(np.asarray(valid), K) & (np.asarray(w).reshape(-1) != 0)
             tokens = np.repeat(np.arange(x.shape[0], dtype=np.int32), K)[keep]
             return shared_executor().run(x, tokens, np.asarray(ids).reshape(-1)[keep], np.asarray(w).reshape(-1)[keep], gate, up, down, act)
 

@@ -24,13 +24,15 @@ from freetoken_jax.runtime.sampling import sample
 class Weights:
     """The model's parameters with its (static) NNX graph definition and how routed experts run:
     "fused" (every expert resident), "offload" (experts in host banks, a slot cache in the
-    decode state) or "cpu" (experts computed on the host by the C++ executor; `host_banks`
-    holds numpy views of the banks per MoE layer)."""
+    decode state), "hybrid" (offload, with a fraction 1 − `hybrid_q` of each layer's misses
+    computed on the host instead of fetched) or "cpu" (every expert computed on the host by the
+    C++ executor); `host_banks` holds numpy views of the banks per MoE layer."""
 
     params: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
@@ -100,7 +102,8 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
         h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
         return h, cache, experts
 
-    ex = OffloadExecutor(model.cfg, model, experts, valid_BT.reshape(-1))
+    hybrid = weights.strategy == "hybrid" and experts is not None  # prefill streams whole layers either way
+    ex = OffloadExecutor(model.cfg, model, experts, valid_BT.reshape(-1), weights.hybrid_q if hybrid else None, weights.host_banks)
     h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
     return h, cache, ex.cache
 

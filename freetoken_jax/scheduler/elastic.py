@@ -44,7 +44,7 @@ def status(sched) -> dict:
     e = sched.engine
     return dict(
         moe_strategy=e.engine_config.moe_strategy,
-        expert_slots=e.plan.slots if e.engine_config.moe_strategy == "offload" else None,
+        expert_slots=e.plan.slots if e.engine_config.uses_slots else None,
         kv_pages=e.pages.num_pages,
         kv_pages_free=e.pages.free_pages,
         prefix_cached_pages=sched.radix.cached_pages if sched.radix else 0,
@@ -60,8 +60,8 @@ def _validate(sched, expert_slots, kv_pages):
     if expert_slots is None and kv_pages is None:
         raise ConfigError("give expert_slots and/or kv_pages")
     if expert_slots is not None:
-        if ecfg.moe_strategy != "offload":
-            raise ConfigError(f"strategy {ecfg.moe_strategy!r} has no expert slots to resize (only 'offload' does)")
+        if not ecfg.uses_slots:
+            raise ConfigError(f"strategy {ecfg.moe_strategy!r} has no expert slots to resize (only 'offload' and 'hybrid' do)")
         if not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots <= 0:
             raise ConfigError(f"expert_slots must be a positive integer, got {expert_slots!r}")
     if kv_pages is not None:
@@ -74,7 +74,7 @@ def _validate(sched, expert_slots, kv_pages):
             )
     new = ecfg.replace(
         kv_pages=kv_pages if kv_pages is not None else eng.pages.num_pages,
-        expert_slots=expert_slots if expert_slots is not None else (eng.plan.slots if ecfg.moe_strategy == "offload" else None),
+        expert_slots=expert_slots if expert_slots is not None else (eng.plan.slots if ecfg.uses_slots else None),
         total_vram_gb=ecfg.total_vram_gb,
         initial_expert_capacity=None,
     )
@@ -94,7 +94,7 @@ def _validate(sched, expert_slots, kv_pages):
 def _abstract_state(eng, new, plan):
     cfg, dtype = eng.model_config, jnp_dtype(new.dtype)
     kv = jax.eval_shape(lambda: init_cache(cfg, new, dtype))
-    slots = jax.eval_shape(lambda: init_slot_cache(cfg, plan.slots, new.max_batch, dtype)) if new.moe_strategy == "offload" else None
+    slots = jax.eval_shape(lambda: init_slot_cache(cfg, plan.slots, new.max_batch, dtype)) if new.uses_slots else None
     B = new.max_batch
     return DecodeState(kv, jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32), slots)
 
@@ -113,9 +113,7 @@ def _compile_check(sched, new, plan) -> None:
         stats = jax.devices()[0].memory_stats() or {}
         in_use = stats.get("bytes_in_use", 0)
         old = sum(x.nbytes for x in jax.tree.leaves((sched.state.cache, sched.state.experts)))
-        need = cache_bytes(eng.model_config, new, jnp.dtype(jnp_dtype(new.dtype)).itemsize) + plan.slot_bytes * (
-            new.moe_strategy == "offload"
-        )
+        need = cache_bytes(eng.model_config, new, jnp.dtype(jnp_dtype(new.dtype)).itemsize) + plan.slot_bytes * (new.uses_slots)
         need += getattr(ma, "temp_size_in_bytes", 0)
         if in_use - old + need > limit:
             raise ConfigError(
@@ -144,9 +142,7 @@ def _allocate(sched, new, plan, keep_prefix: bool) -> None:
     if old_state.experts is not None:
         for a in jax.tree.leaves(old_state.experts):
             a.delete()
-    experts = (
-        jax.device_put(init_slot_cache(cfg, plan.slots, new.max_batch, dtype), jax.devices()[0]) if new.moe_strategy == "offload" else None
-    )
+    experts = jax.device_put(init_slot_cache(cfg, plan.slots, new.max_batch, dtype), jax.devices()[0]) if new.uses_slots else None
     sched.state = DecodeState(kv, jnp.zeros((new.max_batch,), jnp.int32), jnp.zeros((new.max_batch,), jnp.int32), experts)
     eng.pages, eng.engine_config, eng.plan = alloc, new, plan
 

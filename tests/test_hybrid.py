@@ -1,0 +1,47 @@
+"""Strategy "hybrid": of each layer's misses, fetch_count(M, q*) go to the GPU (most recently
+routed first) and the rest are computed by the CPU executor; tokens equal fused for any q*."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import make_checkpoint
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.memory.expert_cache import fetch_count
+
+BASE = dict(dtype="float32", max_context=48, max_batch=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid")
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
+
+
+def test_fetch_count_balances_both_sides():
+    for M in range(0, 40):
+        for q in (0.0, 0.1, 0.3, 0.35, 0.5, 0.9, 1.0):
+            F = int(fetch_count(jnp.int32(M), q))
+            cost = lambda f: max(f * (1 - q), (M - f) * q)  # noqa: E731
+            lo = int(np.floor(M * q))
+            assert F in (lo, min(lo + 1, M)) and 0 <= F <= M
+            assert cost(F) <= min(cost(lo), cost(min(lo + 1, M))) + 1e-9, (M, q, F)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+def test_hybrid_matches_fused(family, ckpt_root):
+    path = make_checkpoint(family, ckpt_root)
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**{**BASE, "moe_strategy": "fused"}))
+    want = fused.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
+    cfg = fused.model_config
+    for q, slots in ((0.35, 2 * cfg.top_k), (0.0, 2 * cfg.top_k), (1.0, 2 * cfg.top_k), (0.5, 1000)):
+        eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, expert_slots=slots, hybrid_q=q))
+        assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want, (family, q, slots)
+        m = eng.get_metrics()
+        if q == 0.0:
+            assert m["experts_fetched"] == 0 and m["experts_on_cpu"] > 0
+        if q == 1.0:
+            assert m["experts_on_cpu"] == 0
+        if q == 0.35:
+            assert 0 < m["experts_fetched"] < m["experts_fetched"] + m["experts_on_cpu"]
+            # no slot ever holds an expert that was left to the CPU in the same step: the maps stay a bijection
+            c = eng.slots
+            ids = np.asarray(c.id_of_slot)
+            sfi = np.asarray(c.slot_for_id)
+            assert all(sfi[i] == s for s, i in enumerate(ids) if i >= 0) and (sfi >= 0).sum() == (ids >= 0).sum()
+    np.testing.assert_allclose(eng.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
