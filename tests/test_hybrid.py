@@ -17,7 +17,7 @@ def test_fetch_count_balances_both_sides():
     for M in range(0, 40):
         for q in (0.0, 0.1, 0.3, 0.35, 0.5, 0.9, 1.0):
             F = int(fetch_count(jnp.int32(M), q))
-            cost = lambda f: max(f * (1 - q), (M - f) * q)  # noqa: E731
+            cost = lambda f, M=M, q=q: max(f * (1 - q), (M - f) * q)  # noqa: E731
             lo = int(np.floor(M * q))
             assert F in (lo, min(lo + 1, M)) and 0 <= F <= M
             assert cost(F) <= min(cost(lo), cost(min(lo + 1, M))) + 1e-9, (M, q, F)
