@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--max-context", type=int, default=4096)
-    g.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu"])
+    g.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu", "auto"])
     g.add_argument(
         "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
     )
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC")
-    v.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu"])
+    v.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu", "auto"])
     v.add_argument("--hybrid-q", type=float, default=0.35, help="hybrid: share of missed experts fetched over PCIe (q* = Bp / (Bp + Bh))")
     v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
     v.add_argument("--expert-slots", type=int, default=None)

@@ -16,7 +16,7 @@ import os
 from typing import Any
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-SUPPORTED_STRATEGIES = ("fused", "offload", "hybrid", "cpu")
+SUPPORTED_STRATEGIES = ("fused", "offload", "hybrid", "cpu", "auto")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -210,7 +210,9 @@ class EngineConfig:
     FreeToken's budget fields (`total_vram_gb`, `base_model_vram_gb` for the dense weights,
     `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory; "cpu"
     computes every routed expert on the CPU from host RAM (no slots), for devices with almost
-    no memory to spare.
+    no memory to spare; "auto" picks fused when everything fits the budget, otherwise what a
+    matching `benchbw.json` (`python -m freetoken_jax.bench bw`) recommends, otherwise offload —
+    never hybrid without evidence.
     """
 
     dtype: str = "bfloat16"

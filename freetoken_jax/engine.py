@@ -51,6 +51,27 @@ class GenerationParams:
     ignore_eos: bool = False
 
 
+def _resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, itemsize: int) -> tuple[EngineConfig, str]:
+    """fused when everything fits; else a matching benchbw.json's recommendation; else offload."""
+    from freetoken_jax.bench.bw import load_profile
+
+    try:
+        plan_memory(cfg, ecfg.replace(moe_strategy="fused"), dense, kv, itemsize, device_memory_bytes())
+        return ecfg.replace(moe_strategy="fused"), "every expert fits the device budget"
+    except ConfigError:
+        pass
+    prof = load_profile()
+    if prof is not None:
+        rec = prof["recommendation"]
+        strategy = rec["strategy"] if rec["strategy"] in ("offload", "hybrid") else "offload"
+        q = rec.get("q")
+        new = ecfg.replace(moe_strategy=strategy, hybrid_q=float(q) if q is not None else ecfg.hybrid_q)
+        return new, f"the experts do not fit; benchbw.json recommends {strategy} ({rec.get('reason', '')})"
+    return ecfg.replace(
+        moe_strategy="offload"
+    ), "the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"
+
+
 class _Static(tuple):
     """Host bank views carried as static jit metadata: hashed and compared by identity (the
     arrays themselves are never traced)."""
@@ -128,6 +149,11 @@ class FreeTokenEngine:
             for p, v in build_abstract(cfg, ecfg.dtype).flat_state()
             if not is_expert_path(p)
         )
+        self.strategy_reason = f"moe_strategy={ecfg.moe_strategy!r} was asked for"
+        if ecfg.moe_strategy == "auto":
+            ecfg, self.strategy_reason = _resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
+            self.engine_config = ecfg
+            log.info("moe_strategy auto -> %s: %s", ecfg.moe_strategy, self.strategy_reason)
         self.plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
         log.info("memory plan: %s", self.plan.describe())
         offload = ecfg.uses_slots
@@ -401,6 +427,7 @@ class FreeTokenEngine:
         m["kv_pages_total"] = self.pages.num_pages - 1
         m["moe_strategy"] = self.engine_config.moe_strategy
         m["memory_plan"] = self.plan.describe()
+        m["strategy_reason"] = self.strategy_reason
         if self.slots is not None:
             m.update(self.expert_cache_metrics())
         return m

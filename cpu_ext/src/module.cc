@@ -4,8 +4,11 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "cpu_features.h"
 #include "moe_executor.h"
@@ -52,6 +55,35 @@ NB_MODULE(_cpu_ext, m) {
         return names;
       },
       "ISA tiers usable on this CPU, lowest first (scalar, avx2_fma, avx512f, avx512_bf16, amx_bf16).");
+
+  m.def(
+      "stream_read",
+      [](nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, int threads) {
+        // STREAM-like read: every 64-bit word summed, split across threads (the sum defeats
+        // dead-code elimination and is returned).
+        const uint64_t* p = static_cast<const uint64_t*>(a.data());
+        const int64_t n = static_cast<int64_t>(a.nbytes() / 8);
+        threads = std::max(1, threads);
+        std::vector<uint64_t> sums(threads, 0);
+        {
+          nb::gil_scoped_release release;
+          std::vector<std::thread> ts;
+          for (int t = 0; t < threads; ++t)
+            ts.emplace_back([&, t] {
+              const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+              uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+              int64_t i = lo;
+              for (; i + 4 <= hi; i += 4) { s0 += p[i]; s1 += p[i + 1]; s2 += p[i + 2]; s3 += p[i + 3]; }
+              for (; i < hi; ++i) s0 += p[i];
+              sums[t] = s0 + s1 + s2 + s3;
+            });
+          for (auto& t : ts) t.join();
+        }
+        uint64_t total = 0;
+        for (auto s : sums) total += s;
+        return total;
+      },
+      nb::arg("array"), nb::arg("threads"), "Sums an array's 64-bit words with `threads` threads (a read-bandwidth probe).");
 
   nb::class_<MoeExecutor>(m, "CpuMoeExecutor")
       .def(

@@ -1,0 +1,199 @@
+"""`python -m freetoken_jax.bench bw`: measure the machine with the engine's own kernels and decide.
+
+Figures (GB/s): STREAM-like host read (C++, every core); the CPU expert executor at batch 1 over
+bf16 experts rotating through a working set far beyond the last-level cache; and, on a GPU,
+pinned host → device `device_put`, the Pallas fetch kernel moving experts from a pinned bank
+into slots, and the executor and the fetch again running at the same time (contended). The
+recommendation is `hybrid` only when the CPU executor moves more than `threshold` × what PCIe
+moves (contended figures when there are some), else `offload`; q* = Bp / (Bp + Bh).
+
+The result is written atomically to `<cache dir>/benchbw.json` (schema version, time, device,
+CPU model and ISA tier, dtype, figures, recommendation). `load_profile` ignores — with a message,
+never an exception — a missing, corrupt, old-schema or foreign (other GPU or CPU) profile.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+log = logging.getLogger("freetoken_jax")
+
+SCHEMA = 1
+THRESHOLD = 2.0
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+
+
+def profile_path(path: str | None = None) -> str:
+    from freetoken_jax.demo import cache_dir
+
+    return path or os.path.join(cache_dir(), "benchbw.json")
+
+
+def recommend(fig: dict, threshold: float = THRESHOLD) -> dict:
+    """Strategy and q* from measured figures (contended ones when present)."""
+    cpu = fig.get("contended_cpu_moe_gb_s") or fig.get("cpu_moe_gb_s")
+    pcie = fig.get("contended_fetch_gb_s") or fig.get("fetch_gb_s") or fig.get("h2d_gb_s")
+    if not pcie:
+        return dict(strategy="fused", q=None, reason="no accelerator link measured: the experts are in host memory already")
+    if not cpu:
+        return dict(strategy="offload", q=1.0, reason="no CPU executor figure")
+    q = min(1.0, max(0.0, pcie / (pcie + cpu)))
+    if cpu > threshold * pcie:
+        return dict(strategy="hybrid", q=q, reason=f"CPU {cpu:.1f} GB/s > {threshold} x PCIe {pcie:.1f} GB/s")
+    return dict(strategy="offload", q=q, reason=f"CPU {cpu:.1f} GB/s <= {threshold} x PCIe {pcie:.1f} GB/s")
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
+def measure(
+    *, hidden: int = 2048, ffn: int = 768, working_set_gb: float = 1.0, host_read_gb: float = 1.0, threads: int = 0, reps: int = 3
+) -> dict:
+    """Runs the probes; sizes default to Qwen3-30B-A3B experts (bf16)."""
+    import jax
+    import ml_dtypes
+
+    from freetoken_jax import _cpu_ext
+    from freetoken_jax.runtime.cpu_executor import CpuExecutor
+
+    threads = threads or os.cpu_count() or 1
+    fig: dict = {}
+    buf = np.ones(int(host_read_gb * 1e9) // 8 * 8, np.uint8)
+    fig["host_read_gb_s"] = buf.nbytes / _time(lambda: _cpu_ext.stream_read(buf, threads), reps) / 1e9
+    del buf
+    expert_bytes = 3 * hidden * ffn * 2
+    E = max(2, int(working_set_gb * 1e9 // expert_bytes))
+    rng = np.random.default_rng(0)
+    banks = [(rng.standard_normal((E, ffn * hidden), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16) for _ in range(2)]
+    banks.append((rng.standard_normal((E, hidden * ffn), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16))
+    ex = CpuExecutor(threads)
+    x = rng.standard_normal((1, hidden), dtype=np.float32)
+    order = iter(range(1 << 62))
+
+    def cpu_pass():  # batch 1, one expert at a time, rotating through the whole working set
+        for _ in range(E):
+            e = next(order) % E
+            ex.run(x, [0], [e], [1.0], *banks)
+
+    fig["cpu_moe_gb_s"] = E * expert_bytes / _time(cpu_pass, reps) / 1e9
+    fig["cpu_tier"] = ex.tier
+    if jax.default_backend() == "gpu":
+        fig.update(_gpu_probes(banks, E, expert_bytes, cpu_pass, reps))
+    return fig
+
+
+def _gpu_probes(banks, E, expert_bytes, cpu_pass, reps) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.expert_fetch import fetch_rows
+
+    dev = jax.devices()[0]
+    pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
+    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    out = {}
+    bank = jax.device_put(np.asarray(banks[0]), pinned)
+    out["h2d_gb_s"] = bank.nbytes / _time(lambda: jax.device_put(bank, device).block_until_ready(), reps) / 1e9
+    n = min(E, 64)
+    slots = jnp.zeros((n, bank.shape[1]), bank.dtype)
+    src, dst, valid = jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
+    box = [slots]
+
+    def fetch():
+        box[0] = fetch_rows(bank, box[0], src, dst, valid)
+        box[0].block_until_ready()
+
+    row_bytes = bank.shape[1] * bank.dtype.itemsize
+    out["fetch_gb_s"] = n * row_bytes / _time(fetch, reps) / 1e9
+    # contended: the CPU executor and the fetch at the same time
+    t_cpu = {}
+
+    def cpu_job():
+        t = time.perf_counter()
+        cpu_pass()
+        t_cpu["s"] = time.perf_counter() - t
+
+    th = threading.Thread(target=cpu_job)
+    th.start()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fetch()
+    t_fetch = (time.perf_counter() - t) / reps
+    th.join()
+    out["contended_fetch_gb_s"] = n * row_bytes / t_fetch / 1e9
+    out["contended_cpu_moe_gb_s"] = E * expert_bytes / t_cpu["s"] / 1e9
+    return out
+
+
+def run_bw(
+    *, path: str | None = None, json_path: str | None = None, threshold: float = THRESHOLD, dtype: str = "bfloat16", **sizes
+) -> dict:
+    fig = measure(**sizes)
+    prof = dict(schema=SCHEMA, time=time.time(), device=device_name(), cpu_model=cpu_model(), dtype=dtype, figures=fig,
+                threshold=threshold, recommendation=recommend(fig, threshold))  # fmt: skip
+    for p in filter(None, (profile_path(path), json_path)):
+        os.makedirs(os.path.dirname(os.path.abspath(p)), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(p)), prefix=".benchbw-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(prof, f, indent=1)
+        os.replace(tmp, p)
+    return prof
+
+
+def load_profile(path: str | None = None) -> dict | None:
+    """The saved profile if it is readable, current and from this machine's device and CPU."""
+    p = profile_path(path)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p) as f:
+            prof = json.load(f)
+        if not isinstance(prof, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: unreadable (%s); run `python -m freetoken_jax.bench bw` again", p, e)
+        return None
+    if prof.get("schema") != SCHEMA:
+        log.warning("ignoring %s: schema %s, this engine writes %s; run the bench again", p, prof.get("schema"), SCHEMA)
+        return None
+    if prof.get("device") != device_name() or prof.get("cpu_model") != cpu_model():
+        log.warning(
+            "ignoring %s: measured on %s / %s, this is %s / %s", p, prof.get("device"), prof.get("cpu_model"), device_name(), cpu_model()
+        )
+        return None
+    if not isinstance(prof.get("recommendation"), dict) or "strategy" not in prof["recommendation"]:
+        log.warning("ignoring %s: no recommendation in it", p)
+        return None
+    return prof

@@ -1,0 +1,89 @@
+"""`bench bw`: the recommendation rule, the profile file, and strategy "auto"."""
+
+import json
+import logging
+
+import pytest
+
+from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
+from freetoken_jax.bench import bw
+
+
+@pytest.mark.parametrize(
+    "fig, strategy",
+    [
+        (dict(cpu_moe_gb_s=100.0, fetch_gb_s=49.0), "hybrid"),
+        (dict(cpu_moe_gb_s=98.0, fetch_gb_s=49.0), "offload"),  # exactly 2x: not more than the threshold
+        (dict(cpu_moe_gb_s=98.1, fetch_gb_s=49.0), "hybrid"),
+        (dict(cpu_moe_gb_s=200.0, fetch_gb_s=49.0, contended_cpu_moe_gb_s=80.0, contended_fetch_gb_s=45.0), "offload"),  # contended decides
+        (dict(cpu_moe_gb_s=30.0), "fused"),  # no accelerator link
+    ],
+)
+def test_recommendation(fig, strategy):
+    r = bw.recommend(fig)
+    assert r["strategy"] == strategy
+    if strategy != "fused":
+        cpu = fig.get("contended_cpu_moe_gb_s", fig["cpu_moe_gb_s"])
+        pcie = fig.get("contended_fetch_gb_s", fig["fetch_gb_s"])
+        assert r["q"] == pytest.approx(pcie / (pcie + cpu))
+    assert bw.recommend(dict(cpu_moe_gb_s=100.0, fetch_gb_s=49.0), threshold=2.5)["strategy"] == "offload"
+
+
+def test_run_writes_profile(tmp_path):
+    prof = bw.run_bw(
+        path=str(tmp_path / "p.json"), json_path=str(tmp_path / "copy.json"), working_set_gb=0.02, host_read_gb=0.05, hidden=128, ffn=64
+    )
+    for f in ("p.json", "copy.json"):
+        d = json.loads((tmp_path / f).read_text())
+        assert d["schema"] == bw.SCHEMA and d["device"] == bw.device_name() and d["cpu_model"] == bw.cpu_model()
+        assert d["figures"]["host_read_gb_s"] > 0 and d["figures"]["cpu_moe_gb_s"] > 0 and d["figures"]["cpu_tier"]
+        assert d["recommendation"]["strategy"] in ("fused", "offload", "hybrid")
+    assert bw.load_profile(str(tmp_path / "p.json"))["schema"] == bw.SCHEMA
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".benchbw-")]  # no temporary left
+
+
+def test_bad_profiles_are_ignored_with_a_message(tmp_path, caplog):
+    p = tmp_path / "benchbw.json"
+    good = dict(
+        schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures={}, recommendation=dict(strategy="hybrid", q=0.3)
+    )
+    cases = {
+        "unreadable": "{corrupt",
+        "schema": json.dumps({**good, "schema": 0}),
+        "measured on": json.dumps({**good, "device": "gpu:Some Other GPU"}),
+        "no recommendation": json.dumps({**good, "recommendation": None}),
+    }
+    for word, text in cases.items():
+        p.write_text(text)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="freetoken_jax"):
+            assert bw.load_profile(str(p)) is None
+        assert word in caplog.text
+    p.write_text(json.dumps(good))
+    assert bw.load_profile(str(p))["recommendation"]["strategy"] == "hybrid"
+
+
+def test_auto_strategy(tmp_path, monkeypatch):
+    cfg = MoEModelConfig(
+        vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
+    )
+    base = EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="auto")
+    assert FreeTokenEngine(cfg, base.replace(total_vram_gb=1.0)).engine_config.moe_strategy == "fused"
+    small = base.replace(total_vram_gb=0.0004)  # the dense weights and KV fit, all experts do not
+    monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    e = FreeTokenEngine(cfg, small)
+    assert e.engine_config.moe_strategy == "offload" and "no benchbw.json" in e.get_metrics()["strategy_reason"]
+    prof = dict(
+        schema=bw.SCHEMA,
+        device=bw.device_name(),
+        cpu_model=bw.cpu_model(),
+        figures={},
+        recommendation=dict(strategy="hybrid", q=0.3, reason="made up"),
+    )
+    (tmp_path / "benchbw.json").write_text(json.dumps(prof))
+    e = FreeTokenEngine(cfg, small)
+    assert e.engine_config.moe_strategy == "hybrid" and e.engine_config.hybrid_q == 0.3
+    assert (
+        e.generate_batch([[1, 2, 3]], max_new_tokens=3, ignore_eos=True)[0]
+        == FreeTokenEngine(cfg, base.replace(moe_strategy="fused")).generate_batch([[1, 2, 3]], max_new_tokens=3, ignore_eos=True)[0]
+    )
