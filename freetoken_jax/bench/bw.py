@@ -85,14 +85,11 @@ def measure(
     import jax
     import ml_dtypes
 
-    from freetoken_jax import _cpu_ext
     from freetoken_jax.runtime.cpu_executor import CpuExecutor
 
     threads = threads or os.cpu_count() or 1
     fig: dict = {}
-    buf = np.ones(int(host_read_gb * 1e9) // 8 * 8, np.uint8)
-    fig["host_read_gb_s"] = buf.nbytes / _time(lambda: _cpu_ext.stream_read(buf, threads), reps) / 1e9
-    del buf
+    fig["host_read_gb_s"] = _host_read(host_read_gb, threads, reps)
     expert_bytes = 3 * hidden * ffn * 2
     E = max(2, int(working_set_gb * 1e9 // expert_bytes))
     rng = np.random.default_rng(0)
