@@ -78,6 +78,13 @@ def _time(fn, reps: int) -> float:
     return float(np.median(ts))
 
 
+def _host_read(gb: float, threads: int, reps: int) -> float:
+    from freetoken_jax import _cpu_ext
+
+    buf = np.ones(int(gb * 1e9) // 8 * 8, np.uint8)
+    return buf.nbytes / _time(lambda: _cpu_ext.stream_read(buf, threads), reps) / 1e9
+
+
 def measure(
     *, hidden: int = 2048, ffn: int = 768, working_set_gb: float = 1.0, host_read_gb: float = 1.0, threads: int = 0, reps: int = 3
 ) -> dict:
