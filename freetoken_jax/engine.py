@@ -119,6 +119,17 @@ def _traced(step, dtype: str, traces: dict[str, int]):
     return run
 
 
+def sampling_rows(ps: Sequence[GenerationParams | None]) -> Sampling:
+    """Per-row sampling arrays; rows without a request (None) are greedy."""
+    ps = [p or GenerationParams() for p in ps]
+    return Sampling(
+        jnp.asarray([p.seed for p in ps], jnp.uint32),
+        jnp.asarray([p.temperature for p in ps], jnp.float32),
+        jnp.asarray([p.top_k for p in ps], jnp.int32),
+        jnp.asarray([p.top_p for p in ps], jnp.float32),
+    )
+
+
 class FreeTokenEngine:
     """Generates tokens from an MoE model.
 
@@ -309,15 +320,6 @@ class FreeTokenEngine:
                 out[start + row].append(tok)
         return out
 
-    def _sampling(self, ps: Sequence[GenerationParams], B: int) -> Sampling:
-        pad = B - len(ps)
-        return Sampling(
-            jnp.asarray([p.seed for p in ps] + [0] * pad, jnp.uint32),
-            jnp.asarray([p.temperature for p in ps] + [0.0] * pad, jnp.float32),
-            jnp.asarray([p.top_k for p in ps] + [0] * pad, jnp.int32),
-            jnp.asarray([p.top_p for p in ps] + [1.0] * pad, jnp.float32),
-        )
-
     def _page_table(self, rows: list[list[int]], B: int) -> tuple[np.ndarray, int]:
         ecfg = self.engine_config
         P = buckets.pages_bucket(max(len(r) for r in rows), ecfg.pages_per_sequence)
@@ -358,7 +360,7 @@ class FreeTokenEngine:
             self._m["requests"] += n
             self._m["prompt_tokens"] += sum(map(len, prompts))
             table, _ = self._page_table(rows, B)
-            sampling = self._sampling(ps, B)
+            sampling = sampling_rows(list(ps) + [None] * (B - n))
             t0 = time.perf_counter()
             first = jnp.zeros((B,), jnp.int32)
             for start, T, tok in self._prefill_chunks(prompts, table, sampling, self._prefill):

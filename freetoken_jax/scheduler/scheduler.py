@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.engine import FreeTokenEngine, GenerationParams, RequestError
+from freetoken_jax.engine import FreeTokenEngine, GenerationParams, RequestError, sampling_rows
 from freetoken_jax.memory.kv_pages import OutOfPages
 from freetoken_jax.runtime import buckets
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch
 from freetoken_jax.scheduler.radix import RadixCache
 
 
@@ -266,15 +266,6 @@ class Scheduler:
             self.table[row] = 0
             self.table[row, : len(cached) + len(own)] = cached + own
 
-    def _sampling(self, params: list[GenerationParams | None]) -> Sampling:
-        ps = [p or GenerationParams() for p in params]
-        return Sampling(
-            jnp.asarray([p.seed for p in ps], jnp.uint32),
-            jnp.asarray([p.temperature for p in ps], jnp.float32),
-            jnp.asarray([p.top_k for p in ps], jnp.int32),
-            jnp.asarray([p.top_p for p in ps], jnp.float32),
-        )
-
     def _prefill_one(self) -> bool:
         todo = [(i, r) for i, r in enumerate(self.rows) if r is not None and not r.decoding]
         if not todo:
@@ -289,7 +280,7 @@ class Scheduler:
         valid[0, : len(seg)] = True
         pos = np.arange(r.start, r.start + T, dtype=np.int32)[None]
         batch = PrefillBatch(
-            jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(self.table[i : i + 1]), self._sampling([r.handle.params])
+            jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(self.table[i : i + 1]), sampling_rows([r.handle.params])
         )
         first, cache = eng._prefill(eng.weights, self.state.cache, batch)
         self.state = dataclasses.replace(self.state, cache=cache)
@@ -306,7 +297,7 @@ class Scheduler:
             return False
         eng = self.engine
         batch = DecodeBatch(
-            jnp.asarray(self.table), jnp.asarray(active), self._sampling([r.handle.params if r else None for r in self.rows])
+            jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
         )
         nxt, self.state = eng._decode(eng.weights, self.state, batch)
         self.metrics["decode_steps"] += 1
