@@ -15,7 +15,8 @@ def jnp_dtype(name: str):
 
 
 def build_random(cfg: MoEModelConfig, dtype: str = "float32", seed: int = 0) -> MoETransformer:
-    """A model with seeded random weights (normal, std 0.02; norms at one)."""
+    """A model module with seeded random weights from NNX's initialisers (the demo checkpoint's
+    weights; engines built without a checkpoint use `random_params`)."""
     return MoETransformer(cfg, jnp_dtype(dtype), nnx.Rngs(seed))
 
 
@@ -48,15 +49,9 @@ def build_abstract(cfg: MoEModelConfig, dtype: str = "float32") -> nnx.State:
     return nnx.state(model, nnx.Param)
 
 
-def split_model(model: MoETransformer):
-    """(graphdef, params): the static structure and the parameter pytree, split once."""
-    graphdef, params = nnx.split(model, nnx.Param)
-    return graphdef, params
-
-
 def abstract_graphdef(cfg: MoEModelConfig, dtype: str = "float32"):
     model = nnx.eval_shape(lambda: MoETransformer(cfg, jnp_dtype(dtype), nnx.Rngs(0)))
     return nnx.split(model, nnx.Param)
 
 
-__all__ = ["MoETransformer", "abstract_graphdef", "build_abstract", "build_random", "is_expert_path", "random_params", "split_model"]
+__all__ = ["MoETransformer", "abstract_graphdef", "build_abstract", "build_random", "is_expert_path", "random_params"]

@@ -9,6 +9,7 @@ never handed to a sequence: writes of padding tokens go there and are never read
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -59,5 +60,5 @@ def init_cache(cfg: MoEModelConfig, ecfg: EngineConfig, dtype) -> KVCache:
 
 
 def cache_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, itemsize: int) -> int:
-    per_token = sum(int(jnp.prod(jnp.array(s))) for s in cfg.kv_entry_shapes())
+    per_token = sum(math.prod(s) for s in cfg.kv_entry_shapes())
     return cfg.num_layers * ecfg.total_kv_pages * ecfg.page_size * per_token * itemsize
