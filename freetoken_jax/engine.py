@@ -30,7 +30,7 @@ from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
-from freetoken_jax.runtime.offload import host_memory_kind, to_host_banks
+from freetoken_jax.runtime.offload import host_bank_placer, to_host_banks
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling, Weights, decode_step, prefill_step, score_step
 
 log = logging.getLogger("freetoken_jax")
@@ -81,25 +81,6 @@ class _Static(tuple):
 
     def __eq__(self, other):
         return self is other
-
-
-def _host_bank_placer(cfg: MoEModelConfig):
-    """Puts each layer's experts into a host bank (one flattened row per expert) as soon as the
-    layer is read or generated; other leaves go to the device."""
-    dev = jax.devices()[0]
-    kind = host_memory_kind()
-    host = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind) if kind else jax.sharding.SingleDeviceSharding(dev)
-
-    def place(path, a):
-        if not is_expert_path(path):
-            return jnp.asarray(a)
-        bank = jax.device_put(a.reshape(a.shape[0], -1), host)
-        bank.block_until_ready()
-        if isinstance(a, jax.Array) and a is not bank:
-            a.delete()
-        return bank
-
-    return place
 
 
 def _traced(step, dtype: str, traces: dict[str, int]):
@@ -175,12 +156,12 @@ class FreeTokenEngine:
                 raise ConfigError(
                     f"the expert banks need {self.plan.all_experts_bytes / GB:.1f} GiB of host RAM but only {avail / GB:.1f} GiB is available"
                 )
-            place = _host_bank_placer(cfg)
+            place = host_bank_placer()
         graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)
         if params is None:
             params = load(place) if load is not None else random_params(cfg, ecfg.dtype, ecfg.seed, place)
         elif ecfg.moe_strategy in ("offload", "hybrid", "cpu"):
-            params = to_host_banks(cfg, params)
+            params = to_host_banks(params)
         host = None
         if ecfg.moe_strategy in ("cpu", "hybrid"):
             from freetoken_jax.runtime.cpu_executor import host_view

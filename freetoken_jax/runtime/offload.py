@@ -30,9 +30,13 @@ def host_memory_kind() -> str | None:
     return "pinned_host" if jax.default_backend() == "gpu" else None
 
 
-def _bank_shapes(cfg: MoEModelConfig) -> dict[str, tuple[int, int]]:
-    F, D = cfg.moe_intermediate_dim, cfg.hidden_dim
-    return {"gate": (F, D), "up": (F, D), "down": (D, F)}
+def moe_layer_fns(model, make) -> list:
+    """One expert function per layer: `make(m)` for the m-th MoE layer, None for dense layers."""
+    fns, m = [], 0
+    for layer in model.layers:
+        fns.append(make(m) if layer.is_moe else None)
+        m += layer.is_moe
+    return fns
 
 
 class OffloadExecutor:
@@ -50,11 +54,7 @@ class OffloadExecutor:
         self.interpret = jax.default_backend() == "cpu"
 
     def expert_fns(self, model) -> list:
-        fns, m = [], 0
-        for layer in model.layers:
-            fns.append((self._decode_fn if self.cache is not None else self._prefill_fn)(m) if layer.is_moe else None)
-            m += layer.is_moe
-        return fns
+        return moe_layer_fns(model, self._decode_fn if self.cache is not None else self._prefill_fn)
 
     def _shaped(self, gate, up, down):
         F, D = self.cfg.moe_intermediate_dim, self.cfg.hidden_dim
@@ -89,25 +89,33 @@ class OffloadExecutor:
         return fn
 
 
-def to_host_banks(cfg: MoEModelConfig, params):
-    """Replaces every MoE layer's stacked experts in `params` by flattened banks in host memory,
-    one layer at a time (the device copy of a layer is freed as soon as its bank exists)."""
+def host_bank_placer():
+    """`place(path, array)`: puts a layer's stacked experts into a host bank (one flattened row
+    per expert) and frees the device copy; other leaves go to the device."""
+    from freetoken_jax.models import is_expert_path
+
+    dev = jax.devices()[0]
+    kind = host_memory_kind()
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind) if kind else jax.sharding.SingleDeviceSharding(dev)
+
+    def place(path, a):
+        if not is_expert_path(path):
+            return jnp.asarray(a)
+        bank = jax.device_put(a.reshape(a.shape[0], -1), host)
+        bank.block_until_ready()
+        if isinstance(a, jax.Array) and a is not bank and not a.is_deleted():
+            a.delete()
+        return bank
+
+    return place
+
+
+def to_host_banks(params):
+    """`params` with every MoE layer's stacked experts moved into host banks, one layer at a time."""
     from flax import nnx
 
-    kind = host_memory_kind()
-    dev = jax.devices()[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev, memory_kind=kind) if kind else jax.sharding.SingleDeviceSharding(dev)
-    flat = []
-    for path, var in params.flat_state():
-        if len(path) >= 2 and path[-2] == "experts":
-            a = var.get_value()
-            host = jax.device_put(a.reshape(a.shape[0], -1), sharding)
-            host.block_until_ready()
-            if isinstance(a, jax.Array) and not a.is_deleted() and a is not host:
-                a.delete()
-            var = var.replace(host)
-        flat.append((path, var))
-    return nnx.State.from_flat_path(flat)
+    place = host_bank_placer()
+    return nnx.State.from_flat_path([(p, v.replace(place(p, v.get_value()))) for p, v in params.flat_state()])
 
 
 class CpuExpertExecutor:
@@ -118,11 +126,7 @@ class CpuExpertExecutor:
         self.cfg, self.host_banks, self.valid_T = cfg, host_banks, valid_T
 
     def expert_fns(self, model) -> list:
-        fns, m = [], 0
-        for layer in model.layers:
-            fns.append(self._fn(m) if layer.is_moe else None)
-            m += layer.is_moe
-        return fns
+        return moe_layer_fns(model, self._fn)
 
     def _fn(self, m: int):
         import numpy as np
