@@ -225,6 +225,10 @@ class EngineConfig:
     # Strategy "hybrid": q* = Bp / (Bp + Bh), the share of a layer's missed experts fetched over
     # PCIe; the rest are computed by the CPU where they lie. Measured values replace this default.
     hybrid_q: float = 0.35
+    # How CPU expert work leaves the jitted step (strategies "cpu" and "hybrid"): "ffi" (split
+    # XLA FFI submit/wait: the CPU job overlaps the layer's fetch and GPU experts), "callback"
+    # (jax.pure_callback, no overlap) or "auto" (ffi on a GPU, callback on the CPU backend).
+    cpu_handoff: str = "auto"
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
@@ -242,6 +246,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prefill_chunk & (self.prefill_chunk - 1):
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
+        if self.cpu_handoff not in ("auto", "ffi", "callback"):
+            raise ConfigError(f"cpu_handoff must be auto, ffi or callback, got {self.cpu_handoff!r}")
         if not 0.0 <= self.hybrid_q <= 1.0:
             raise ConfigError(f"hybrid_q must be in [0, 1], got {self.hybrid_q}")
         for name in ("expert_slots", "initial_expert_capacity"):

@@ -30,6 +30,7 @@ from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
+from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.offload import host_bank_placer, to_host_banks
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling, Weights, decode_step, prefill_step, score_step
 
@@ -171,7 +172,8 @@ class FreeTokenEngine:
                 for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"]
             )  # fmt: skip
             host = _Static(host)
-        self.weights = Weights(params, graphdef, ecfg.moe_strategy, host, ecfg.hybrid_q if ecfg.moe_strategy == "hybrid" else None)
+        hybrid_q = ecfg.hybrid_q if ecfg.moe_strategy == "hybrid" else None
+        self.weights = Weights(params, graphdef, ecfg.moe_strategy, host, hybrid_q, resolve_mode(ecfg.cpu_handoff))
         self.cache = init_cache(cfg, ecfg, dtype)
         # Committed to the device like every later version of the state, so the first decode step
         # and the following ones share one executable.

@@ -1,5 +1,6 @@
 """Strategy "cpu": every routed expert computed by the C++ executor from the host banks (handed
-over with pure_callback) gives the fused strategy's tokens and logits on every family."""
+over with pure_callback, and with the split FFI submit/wait targets) gives the fused strategy's
+tokens and logits on every family."""
 
 import jax
 import numpy as np
@@ -17,12 +18,13 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
 def test_cpu_matches_fused(family, ckpt_root):
     path = make_checkpoint(family, ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
-    cpu = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="cpu"))
-    assert cpu.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True) == fused.generate_batch(
-        PROMPTS, max_new_tokens=12, ignore_eos=True
-    )
-    np.testing.assert_allclose(cpu.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
-    assert cpu.plan.slots == 0 and cpu.compilations()["decode"] == 1
+    want = fused.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True)
+    for handoff in ("callback", "ffi"):
+        cpu = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="cpu", cpu_handoff=handoff))
+        assert cpu.weights.handoff == handoff
+        assert cpu.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True) == want, handoff
+        np.testing.assert_allclose(cpu.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
+        assert cpu.plan.slots == 0 and cpu.compilations()["decode"] == 1
 
 
 def test_host_view_is_the_bank_itself():

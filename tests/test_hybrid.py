@@ -1,5 +1,6 @@
 """Strategy "hybrid": of each layer's misses, fetch_count(M, q*) go to the GPU (most recently
-routed first) and the rest are computed by the CPU executor; tokens equal fused for any q*."""
+routed first) and the rest are computed by the CPU executor; tokens equal fused for any q*, with
+either CPU handoff (pure_callback or the split FFI submit/wait)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -29,9 +30,11 @@ def test_hybrid_matches_fused(family, ckpt_root):
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**{**BASE, "moe_strategy": "fused"}))
     want = fused.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
     cfg = fused.model_config
-    for q, slots in ((0.35, 2 * cfg.top_k), (0.0, 2 * cfg.top_k), (1.0, 2 * cfg.top_k), (0.5, 1000)):
-        eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, expert_slots=slots, hybrid_q=q))
-        assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want, (family, q, slots)
+    runs = ((0.35, 2 * cfg.top_k, "callback"), (0.0, 2 * cfg.top_k, "ffi"), (1.0, 2 * cfg.top_k, "callback"), (0.5, 1000, "callback"))
+    runs += ((0.35, 2 * cfg.top_k, "ffi"),)
+    for q, slots, handoff in runs:
+        eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, expert_slots=slots, hybrid_q=q, cpu_handoff=handoff))
+        assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want, (family, q, slots, handoff)
         m = eng.get_metrics()
         if q == 0.0:
             assert m["experts_fetched"] == 0 and m["experts_on_cpu"] > 0

@@ -1,6 +1,7 @@
 // The nanobind module `freetoken_jax._cpu_ext`: the CPU side of expert execution.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "ffi_handoff.h"
 #include "moe_executor.h"
 
 namespace nb = nanobind;
@@ -41,6 +43,18 @@ BankType TypeOf(const Bank& a, const char* name) {
   if (a.dtype() == nb::dtype<float>()) return BankType::kF32;
   if (a.dtype() == nb::dtype<uint16_t>()) return BankType::kBF16;  // bfloat16 bits
   throw std::invalid_argument(std::string(name) + " must be float32, or bfloat16 viewed as uint16");
+}
+
+// Checks gate/up [E, ffn*H] and down [E, H*ffn] of one dtype and describes them.
+Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, int64_t ffn) {
+  auto dim = [](const Bank& a, int i) { return static_cast<int64_t>(a.shape(i)); };
+  BankType type = TypeOf(gate, "gate");
+  if (TypeOf(up, "up") != type || TypeOf(down, "down") != type) throw std::invalid_argument("gate, up and down must share one dtype");
+  if (ffn <= 0 || H <= 0) throw std::invalid_argument("ffn and the hidden size must be positive");
+  const int64_t E = dim(gate, 0);
+  if (dim(gate, 1) != ffn * H || dim(up, 0) != E || dim(up, 1) != ffn * H || dim(down, 0) != E || dim(down, 1) != H * ffn)
+    throw std::invalid_argument("banks must be gate/up [E, ffn*H] and down [E, H*ffn] for x of width H");
+  return Banks{gate.data(), up.data(), down.data(), type, E, H, ffn};
 }
 
 }  // namespace
@@ -100,20 +114,16 @@ NB_MODULE(_cpu_ext, m) {
           [](MoeExecutor& self, F32x2 x, I32 tokens, I32 experts, F32 weights, Bank gate, Bank up, Bank down, int64_t ffn,
              const std::string& act, Out out) {
             const int64_t T = static_cast<int64_t>(x.shape(0)), H = static_cast<int64_t>(x.shape(1));
-            const int64_t N = static_cast<int64_t>(tokens.shape(0)), E = static_cast<int64_t>(gate.shape(0));
+            const int64_t N = static_cast<int64_t>(tokens.shape(0));
             auto dim = [](const auto& a, int i) { return static_cast<int64_t>(a.shape(i)); };
-            BankType type = TypeOf(gate, "gate");
-            if (TypeOf(up, "up") != type || TypeOf(down, "down") != type) throw std::invalid_argument("gate, up and down must share one dtype");
-            if (ffn <= 0) throw std::invalid_argument("ffn must be positive");
-            if (dim(gate, 1) != ffn * H || dim(up, 0) != E || dim(up, 1) != ffn * H || dim(down, 0) != E || dim(down, 1) != H * ffn)
-              throw std::invalid_argument("banks must be gate/up [E, ffn*H] and down [E, H*ffn] for x of width H");
+            Banks b = MakeBanks(gate, up, down, H, ffn);
+            const int64_t E = b.experts;
             if (dim(experts, 0) != N || dim(weights, 0) != N) throw std::invalid_argument("tokens, experts and weights must have one length");
             if (dim(out, 0) != T || dim(out, 1) != H) throw std::invalid_argument("out must have x's shape");
             for (int64_t i = 0; i < N; ++i) {
               if (tokens.data()[i] < 0 || tokens.data()[i] >= T) throw std::invalid_argument("token index out of range");
               if (experts.data()[i] < 0 || experts.data()[i] >= E) throw std::invalid_argument("expert id out of range");
             }
-            Banks b{gate.data(), up.data(), down.data(), type, E, H, ffn};
             Act a = ParseAct(act);
             nb::gil_scoped_release release;
             self.Run(x.data(), T, tokens.data(), experts.data(), weights.data(), N, b, a, out.data());
@@ -121,4 +131,25 @@ NB_MODULE(_cpu_ext, m) {
           nb::arg("x"), nb::arg("tokens"), nb::arg("experts"), nb::arg("weights"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("ffn"),
           nb::arg("act"), nb::arg("out"),
           "out[t] += w * down_e(act(gate_e x_t) * up_e x_t) for every (t, e, w); x and out float32 [T, H].");
+
+  m.def(
+      "register_handoff_layer",
+      [](MoeExecutor& executor, Bank gate, Bank up, Bank down, int64_t hidden, int64_t ffn, const std::string& act) {
+        return RegisterHandoffLayer(&executor, MakeBanks(gate, up, down, hidden, ffn), ParseAct(act));
+      },
+      nb::arg("executor"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("hidden"), nb::arg("ffn"), nb::arg("act"),
+      "Registers one MoE layer's host banks for the FFI handoff; returns its handle. The banks and the executor must outlive "
+      "every call that uses the handle.");
+  m.def(
+      "ffi_handlers",
+      [] {
+        auto cap = [](void* fn) { return nb::capsule(fn); };
+        std::map<std::string, std::map<std::string, nb::capsule>> h;
+        h["freetoken_moe_submit"]["cpu"] = cap(SubmitHandlerCpu());
+        h["freetoken_moe_wait"]["cpu"] = cap(WaitHandlerCpu());
+        h["freetoken_moe_submit"]["CUDA"] = cap(SubmitHandlerCuda());
+        h["freetoken_moe_wait"]["CUDA"] = cap(WaitHandlerCuda());
+        return h;
+      },
+      "XLA FFI handlers of the split CPU handoff: {target name: {platform: capsule}}.");
 }

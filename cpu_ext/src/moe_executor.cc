@@ -241,6 +241,7 @@ MoeExecutor::MoeExecutor(int threads, IsaTier max_tier, bool pin) : pool_(thread
 void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, const int32_t* expert_of, const float* weight_of, int64_t items,
                       const Banks& b, Act act, float* out) {
   if (items == 0) return;
+  std::lock_guard<std::mutex> lock(run_mu_);
   const int64_t H = b.hidden, F = b.ffn;
   const DotFn dot = DotFor(tier_);
   const bool bf16_dot = tier_ == IsaTier::kAvx512Bf16 && b.type == BankType::kBF16;

@@ -66,6 +66,7 @@ class MoeExecutor {
  private:
   IsaTier tier_;
   ThreadPool pool_;
+  std::mutex run_mu_;  // one Run at a time: the pool serves one caller
 };
 
 }  // namespace freetoken

@@ -13,6 +13,8 @@ one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -44,10 +46,17 @@ class OffloadExecutor:
     through the layers (`self.cache` holds the latest version while tracing)."""
 
     def __init__(
-        self, cfg: MoEModelConfig, model, cache: SlotCache | None, valid_T: jax.Array, hybrid_q: float | None = None, host_banks=None
+        self,
+        cfg: MoEModelConfig,
+        model,
+        cache: SlotCache | None,
+        valid_T: jax.Array,
+        hybrid_q: float | None = None,
+        host_banks=None,
+        handoff: str = "callback",
     ):
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
-        self.hybrid_q, self.host_banks = hybrid_q, host_banks
+        self.hybrid_q, self.host_banks, self.handoff = hybrid_q, host_banks, handoff
         self.banks = [
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
@@ -62,19 +71,32 @@ class OffloadExecutor:
         return gate.reshape(n, F, D), up.reshape(n, F, D), down.reshape(n, D, F)
 
     def _decode_fn(self, m: int):
-        cpu = None if self.hybrid_q is None else CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T)._fn(m)
+        cpu = None
+        if self.hybrid_q is not None:
+            cpu = CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T, self.handoff).layer(m)
 
         def fn(x_TD, ids_TK, w_TK):
             c, slots_TK, plan, on_cpu = ensure(self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts, self.hybrid_q)
+            arrays = (c.gate_SR, c.up_SR, c.down_SR)
+            if cpu is not None:
+                # The CPU job starts first; the barriers keep the fetch and the GPU experts between
+                # its submit and its wait, so the three run at once.
+                pending = cpu.submit(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0), self.valid_T)
+                if pending.token is not None:
+                    token, arrays = jax.lax.optimization_barrier((pending.token, arrays))
+                    pending = dataclasses.replace(pending, token=token)
             fetched = [
                 fetch_rows_unjitted(bank, arr, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
-                for bank, arr in zip(self.banks[m], (c.gate_SR, c.up_SR, c.down_SR))
+                for bank, arr in zip(self.banks[m], arrays)
             ]
             self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
             gpu = routed_experts(x_TD, slots_TK, jnp.where(on_cpu, 0.0, w_TK), *self._shaped(*fetched), self.cfg.hidden_act)
             if cpu is None:
                 return gpu
-            return (gpu.astype(jnp.float32) + cpu(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0)).astype(jnp.float32)).astype(x_TD.dtype)
+            if pending.token is not None:
+                gpu, token = jax.lax.optimization_barrier((gpu, pending.token))
+                pending = dataclasses.replace(pending, token=token)
+            return (gpu.astype(jnp.float32) + cpu.collect(pending, x_TD.shape[0])).astype(x_TD.dtype)
 
         return fn
 
@@ -120,35 +142,19 @@ def to_host_banks(params):
 
 class CpuExpertExecutor:
     """Strategy "cpu": every routed expert computed by the C++ executor straight from the host
-    banks, handed over with `jax.pure_callback` (no slots on the device at all)."""
+    banks (no slots on the device at all); also the CPU share of strategy "hybrid"."""
 
-    def __init__(self, cfg: MoEModelConfig, host_banks: list, valid_T: jax.Array):
-        self.cfg, self.host_banks, self.valid_T = cfg, host_banks, valid_T
+    def __init__(self, cfg: MoEModelConfig, host_banks: list, valid_T: jax.Array, mode: str = "callback"):
+        self.cfg, self.host_banks, self.valid_T, self.mode = cfg, host_banks, valid_T, mode
 
     def expert_fns(self, model) -> list:
-        return moe_layer_fns(model, self._fn)
+        def make(m):
+            h = self.layer(m)
+            return lambda x_TD, ids_TK, w_TK: h.collect(h.submit(x_TD, ids_TK, w_TK, self.valid_T), x_TD.shape[0]).astype(x_TD.dtype)
 
-    def _fn(self, m: int):
-        import numpy as np
+        return moe_layer_fns(model, make)
 
-        from freetoken_jax.runtime.cpu_executor import shared_executor
+    def layer(self, m: int):
+        from freetoken_jax.runtime.handoff import LayerHandoff
 
-        gate, up, down = self.host_banks[m]
-        act = self.cfg.hidden_act
-
-        def on_host(x, ids, w, valid):
-            x = np.asarray(x)
-            K = ids.shape[1]
-            # rows of invalid tokens and entries with no weight (those left to the GPU) are skipped
-            keep = np.repeat(np.asarray(valid), K) & (np.asarray(w).reshape(-1) != 0)
-            tokens = np.repeat(np.arange(x.shape[0], dtype=np.int32), K)[keep]
-            return shared_executor().run(x, tokens, np.asarray(ids).reshape(-1)[keep], np.asarray(w).reshape(-1)[keep], gate, up, down, act)
-
-        def fn(x_TD, ids_TK, w_TK):
-            out = jax.pure_callback(
-                on_host, jax.ShapeDtypeStruct(x_TD.shape, jnp.float32), x_TD.astype(jnp.float32), ids_TK.astype(jnp.int32),
-                w_TK.astype(jnp.float32), self.valid_T,
-            )  # fmt: skip
-            return out.astype(x_TD.dtype)
-
-        return fn
+        return LayerHandoff(self.mode, *self.host_banks[m], self.cfg.hidden_dim, self.cfg.moe_intermediate_dim, self.cfg.hidden_act)

@@ -26,13 +26,15 @@ class Weights:
     "fused" (every expert resident), "offload" (experts in host banks, a slot cache in the
     decode state), "hybrid" (offload, with a fraction 1 − `hybrid_q` of each layer's misses
     computed on the host instead of fetched) or "cpu" (every expert computed on the host by the
-    C++ executor); `host_banks` holds numpy views of the banks per MoE layer."""
+    C++ executor); `host_banks` holds numpy views of the banks per MoE layer and `handoff` says
+    how CPU work leaves the jitted step ("ffi" or "callback", see `runtime/handoff.py`)."""
 
     params: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
     hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # "ffi" or "callback"
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
@@ -98,12 +100,14 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
     from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
 
     if weights.strategy == "cpu":
-        ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1))
+        ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1), weights.handoff)
         h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
         return h, cache, experts
 
     hybrid = weights.strategy == "hybrid" and experts is not None  # prefill streams whole layers either way
-    ex = OffloadExecutor(model.cfg, model, experts, valid_BT.reshape(-1), weights.hybrid_q if hybrid else None, weights.host_banks)
+    ex = OffloadExecutor(
+        model.cfg, model, experts, valid_BT.reshape(-1), weights.hybrid_q if hybrid else None, weights.host_banks, weights.handoff
+    )
     h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
     return h, cache, ex.cache
 

@@ -1,0 +1,35 @@
+// The split handoff from a jitted XLA program to the CPU expert executor, as XLA FFI targets.
+//
+//   token = freetoken_moe_submit(x[T,H] f32, ids[T,K] s32, w[T,K] f32, valid[T] s32; handle)
+//   out   = freetoken_moe_wait(token; handle) -> [T,H] f32
+//
+// `submit` copies its inputs into a staging job and posts the job to the dispatcher thread, which
+// runs the MoE executor on the layer's host banks; it returns at once. `wait` blocks until that
+// job is done and copies the result out. Work placed between the two (in the program's order,
+// which the caller fixes with optimization barriers) runs while the CPU computes.
+//
+// CUDA handlers enqueue everything on XLA's stream: device-to-host copies into pinned staging,
+// a host function that posts the job, and — for `wait` — a host function that blocks the stream
+// until the job is done followed by the host-to-device copy. The CUDA driver API is reached
+// through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any machine.
+// CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are skipped
+// (those the GPU computes, padding).
+#pragma once
+
+#include <cstdint>
+
+#include "moe_executor.h"
+
+namespace freetoken {
+
+// Registers one MoE layer (its executor, banks and activation) and returns the handle that
+// the FFI calls take as their `handle` attribute. The banks must outlive every call.
+int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act);
+
+// XLA FFI handler entry points (XLA_FFI_Handler*), for jax.ffi.register_ffi_target.
+void* SubmitHandlerCpu();
+void* WaitHandlerCpu();
+void* SubmitHandlerCuda();
+void* WaitHandlerCuda();
+
+}  // namespace freetoken

@@ -1,0 +1,93 @@
+"""Handing a layer's CPU share of routed experts from the jitted step to the C++ executor.
+
+One interface, two paths: `submit(x, ids, w, valid)` starts the CPU job and returns a pending
+value; `collect(pending)` returns the job's float32 [T, D] sums. Work traced between the two,
+tied in order with `jax.lax.optimization_barrier` (see `OffloadExecutor`), runs while the CPU
+computes.
+
+- "ffi": the XLA FFI targets `freetoken_moe_submit` / `freetoken_moe_wait` of the C++ module.
+  On a GPU, `submit` enqueues the device-to-host copies and a host function that posts the job,
+  and returns; `wait` blocks XLA's stream until the job is done and copies the result back. On
+  the CPU backend the same targets run with plain copies.
+- "callback": `jax.pure_callback` at `collect` (nothing overlaps: the stream waits for the
+  whole round trip). The default on the CPU backend.
+
+Entries with weight 0 (experts the GPU computes) and rows with valid == 0 are skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MODES = ("auto", "ffi", "callback")
+
+
+def resolve_mode(mode: str) -> str:
+    """"auto" is "ffi" on a GPU and "callback" on the CPU backend."""
+    if mode not in MODES:
+        raise ValueError(f"cpu_handoff must be one of {MODES}, got {mode!r}")
+    if mode == "auto":
+        return "ffi" if jax.default_backend() == "gpu" else "callback"
+    return mode
+
+
+@functools.cache
+def _register_targets() -> None:
+    from freetoken_jax import _cpu_ext
+
+    gpu = jax.default_backend() == "gpu"
+    for name, by_platform in _cpu_ext.ffi_handlers().items():
+        for platform, capsule in by_platform.items():
+            if platform == "cpu" or gpu:
+                jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    token: jax.Array | None
+    args: tuple
+
+
+class LayerHandoff:
+    """The handoff of one MoE layer whose host banks (numpy views) are gate/up [E, F·D] and
+    down [E, D·F]."""
+
+    def __init__(self, mode: str, gate, up, down, hidden: int, ffn: int, act: str):
+        from freetoken_jax.runtime.cpu_executor import shared_executor
+
+        self.mode = resolve_mode(mode)
+        self.banks, self.hidden, self.ffn, self.act = (gate, up, down), hidden, ffn, act
+        self.handle = None
+        if self.mode == "ffi":
+            _register_targets()
+            self.handle = shared_executor().register_layer(gate, up, down, hidden, ffn, act)
+
+    def submit(self, x_TD, ids_TK, w_TK, valid_T) -> Pending:
+        args = (x_TD.astype(jnp.float32), ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32), valid_T.astype(jnp.int32))
+        if self.mode == "callback":
+            return Pending(None, args)
+        token = jax.ffi.ffi_call("freetoken_moe_submit", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
+            *args, handle=np.int64(self.handle)
+        )
+        return Pending(token, (args[1],))
+
+    def collect(self, p: Pending, T: int) -> jax.Array:
+        out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)
+        if self.mode == "ffi":
+            return jax.ffi.ffi_call("freetoken_moe_wait", out, has_side_effect=True)(p.token, p.args[0], handle=np.int64(self.handle))
+        return jax.pure_callback(self._on_host, out, *p.args)
+
+    def _on_host(self, x, ids, w, valid):
+        from freetoken_jax.runtime.cpu_executor import shared_executor
+
+        x = np.asarray(x)
+        K = ids.shape[1]
+        keep = np.repeat(np.asarray(valid) != 0, K) & (np.asarray(w).reshape(-1) != 0)
+        tokens = np.repeat(np.arange(x.shape[0], dtype=np.int32), K)[keep]
+        ids, w = np.asarray(ids).reshape(-1)[keep], np.asarray(w).reshape(-1)[keep]
+        return shared_executor().run(x, tokens, ids, w, *self.banks, self.act)
