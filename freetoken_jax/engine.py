@@ -29,9 +29,9 @@ from freetoken_jax.memory.expert_cache import init_slot_cache
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.runtime import buckets
-from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
 from freetoken_jax.runtime.handoff import resolve_mode
-from freetoken_jax.runtime.offload import host_bank_placer, to_host_banks
+from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
+from freetoken_jax.runtime.offload import host_bank_placer, host_bank_views, to_host_banks
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling, Weights, decode_step, prefill_step, score_step
 
 log = logging.getLogger("freetoken_jax")
@@ -71,17 +71,6 @@ def _resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, 
     return ecfg.replace(
         moe_strategy="offload"
     ), "the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"
-
-
-class _Static(tuple):
-    """Host bank views carried as static jit metadata: hashed and compared by identity (the
-    arrays themselves are never traced)."""
-
-    def __hash__(self):
-        return id(self)
-
-    def __eq__(self, other):
-        return self is other
 
 
 def _traced(step, dtype: str, traces: dict[str, int]):
@@ -163,15 +152,7 @@ class FreeTokenEngine:
             params = load(place) if load is not None else random_params(cfg, ecfg.dtype, ecfg.seed, place)
         elif ecfg.moe_strategy in ("offload", "hybrid", "cpu"):
             params = to_host_banks(params)
-        host = None
-        if ecfg.moe_strategy in ("cpu", "hybrid"):
-            from freetoken_jax.runtime.cpu_executor import host_view
-
-            host = tuple(
-                tuple(host_view(layer["mlp"]["experts"][k].get_value()) for k in ("gate", "up", "down"))
-                for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"]
-            )  # fmt: skip
-            host = _Static(host)
+        host = host_bank_views(params) if ecfg.moe_strategy in ("cpu", "hybrid") else None
         hybrid_q = ecfg.hybrid_q if ecfg.moe_strategy == "hybrid" else None
         self.weights = Weights(params, graphdef, ecfg.moe_strategy, host, hybrid_q, resolve_mode(ecfg.cpu_handoff))
         self.cache = init_cache(cfg, ecfg, dtype)

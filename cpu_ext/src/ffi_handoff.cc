@@ -2,7 +2,9 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
@@ -81,10 +83,19 @@ struct Job {
   std::vector<int32_t> token_of, expert_of;
   std::vector<float> weight_of;
   std::atomic<bool> done{false};
+  int64_t t_post = 0, t_done = 0;  // steady-clock ns: the stream reached submit; the job ended
   std::mutex mu;
   std::condition_variable cv;
   std::string error;
 };
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// Per-handoff timing, summed: window = the stream reaching submit to leaving wait; gpu = to
+// reaching wait (the work between the two); cpu = to the job's end.
+std::atomic<int64_t> stat_count{0}, stat_window{0}, stat_gpu{0}, stat_cpu{0}, stat_ideal{0};
 
 std::mutex registry_mu;
 std::vector<std::unique_ptr<Layer>> layers;
@@ -121,6 +132,7 @@ void RunJob(Job* j) {
   }
   {
     std::lock_guard<std::mutex> g(j->mu);
+    j->t_done = NowNs();
     j->done.store(true, std::memory_order_release);
   }
   j->cv.notify_all();
@@ -159,12 +171,16 @@ class Dispatcher {
   std::deque<Job*> queue_;
 };
 
-void Post(void* job) { Dispatcher::Get().Post(static_cast<Job*>(job)); }
+void Post(void* job) {
+  static_cast<Job*>(job)->t_post = NowNs();
+  Dispatcher::Get().Post(static_cast<Job*>(job));
+}
 
 // Blocks until the job is done: spins briefly (the GPU side usually ends near the CPU side),
 // then sleeps. Leaves the job ready for its next submit.
 void Await(void* job) {
   Job* j = static_cast<Job*>(job);
+  const int64_t t_in = NowNs();
   for (int i = 0; i < 20000 && !j->done.load(std::memory_order_acquire); ++i) {
 #if defined(__x86_64__)
     _mm_pause();
@@ -175,6 +191,12 @@ void Await(void* job) {
     j->cv.wait(g, [&] { return j->done.load(std::memory_order_acquire); });
   }
   j->done.store(false, std::memory_order_relaxed);
+  const int64_t t_out = NowNs();
+  stat_count.fetch_add(1, std::memory_order_relaxed);
+  stat_window.fetch_add(t_out - j->t_post, std::memory_order_relaxed);
+  stat_gpu.fetch_add(t_in - j->t_post, std::memory_order_relaxed);
+  stat_cpu.fetch_add(j->t_done - j->t_post, std::memory_order_relaxed);
+  stat_ideal.fetch_add(std::max(t_in, j->t_done) - j->t_post, std::memory_order_relaxed);
   if (!j->error.empty()) std::fprintf(stderr, "freetoken_jax CPU expert job failed: %s\n", j->error.c_str());
 }
 
@@ -337,6 +359,18 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
   }
   layers.push_back(std::make_unique<Layer>(Layer{executor, banks, act}));
   return static_cast<int64_t>(layers.size()) - 1;
+}
+
+HandoffStats TakeHandoffStats(bool reset) {
+  HandoffStats s{stat_count.load(), stat_window.load() * 1e-9, stat_gpu.load() * 1e-9, stat_cpu.load() * 1e-9, stat_ideal.load() * 1e-9};
+  if (reset) {
+    stat_count = 0;
+    stat_window = 0;
+    stat_gpu = 0;
+    stat_cpu = 0;
+    stat_ideal = 0;
+  }
+  return s;
 }
 
 void* SubmitHandlerCpu() { return reinterpret_cast<void*>(&FreetokenSubmitCpu); }

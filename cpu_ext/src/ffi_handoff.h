@@ -26,6 +26,15 @@ namespace freetoken {
 // the FFI calls take as their `handle` attribute. The banks must outlive every call.
 int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act);
 
+// Handoff timing summed over calls (seconds): `window` from the stream reaching submit to it
+// leaving wait, `gpu` from submit to the stream reaching wait, `cpu` from submit to the job's
+// end; `ideal` sums max(gpu, cpu) per call, so window - ideal is the handoff's exposed latency.
+struct HandoffStats {
+  int64_t count;
+  double window, gpu, cpu, ideal;
+};
+HandoffStats TakeHandoffStats(bool reset);
+
 // XLA FFI handler entry points (XLA_FFI_Handler*), for jax.ffi.register_ffi_target.
 void* SubmitHandlerCpu();
 void* WaitHandlerCpu();

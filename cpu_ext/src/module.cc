@@ -141,6 +141,20 @@ NB_MODULE(_cpu_ext, m) {
       "Registers one MoE layer's host banks for the FFI handoff; returns its handle. The banks and the executor must outlive "
       "every call that uses the handle.");
   m.def(
+      "handoff_stats",
+      [](bool reset) {
+        HandoffStats s = TakeHandoffStats(reset);
+        nb::dict d;
+        d["count"] = s.count;
+        d["window_s"] = s.window;
+        d["gpu_s"] = s.gpu;
+        d["cpu_s"] = s.cpu;
+        d["ideal_s"] = s.ideal;
+        return d;
+      },
+      nb::arg("reset") = false,
+      "FFI handoff timing summed over calls: window (submit reached to wait left), gpu (to wait reached), cpu (to the job's end), ideal (max of the two per call).");
+  m.def(
       "ffi_handlers",
       [] {
         auto cap = [](void* fn) { return nb::capsule(fn); };

@@ -28,7 +28,7 @@ MODES = ("auto", "ffi", "callback")
 
 
 def resolve_mode(mode: str) -> str:
-    """"auto" is "ffi" on a GPU and "callback" on the CPU backend."""
+    """ "auto" is "ffi" on a GPU and "callback" on the CPU backend."""
     if mode not in MODES:
         raise ValueError(f"cpu_handoff must be one of {MODES}, got {mode!r}")
     if mode == "auto":

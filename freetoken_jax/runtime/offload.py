@@ -140,6 +140,28 @@ def to_host_banks(params):
     return nnx.State.from_flat_path([(p, v.replace(place(p, v.get_value()))) for p, v in params.flat_state()])
 
 
+class _Static(tuple):
+    """Host bank views carried as static jit metadata: hashed and compared by identity (the
+    arrays themselves are never traced)."""
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+
+def host_bank_views(params) -> tuple:
+    """Numpy views (no copies) of every MoE layer's host banks, (gate, up, down) per layer, for
+    the CPU executor; static metadata of `Weights`."""
+    from freetoken_jax.runtime.cpu_executor import host_view
+
+    return _Static(
+        tuple(host_view(layer["mlp"]["experts"][k].get_value()) for k in ("gate", "up", "down"))
+        for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"]
+    )  # fmt: skip
+
+
 class CpuExpertExecutor:
     """Strategy "cpu": every routed expert computed by the C++ executor straight from the host
     banks (no slots on the device at all); also the CPU share of strategy "hybrid"."""
