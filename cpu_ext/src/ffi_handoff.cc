@@ -234,81 +234,65 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out) {
     field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p);
     p += count * 4;
   };
-  take(job->x, T * H);
-  take(job->out, T * H);
+  take(job->x, T * H);  // x, ids, w, valid: one contiguous block, the layout of the packed input
   take(job->ids, T * K);
   take(job->w, T * K);
   take(job->valid, T);
+  take(job->out, T * H);
   slot = std::move(job);
   *out = slot.get();
   return ffi::Error::Success();
 }
 
-ffi::Error CheckShapes(const Layer& l, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& w,
-                       ffi::Buffer<ffi::S32>& valid) {
-  auto xd = x.dimensions(), id = ids.dimensions(), wd = w.dimensions(), vd = valid.dimensions();
-  if (xd.size() != 2 || id.size() != 2 || wd.size() != 2 || vd.size() != 1)
-    return ffi::Error::InvalidArgument("expected x [T,H], ids [T,K], w [T,K], valid [T]");
-  if (xd[1] != l.banks.hidden) return ffi::Error::InvalidArgument("x's width differs from the banks' hidden size");
-  if (id[0] != xd[0] || wd[0] != xd[0] || vd[0] != xd[0] || wd[1] != id[1])
-    return ffi::Error::InvalidArgument("x, ids, w and valid disagree on T or K");
+// The packed input: x [T*H], ids [T*K] (int32 bits), w [T*K], valid [T] (int32 bits), as one
+// float32 vector, so that it crosses to the host in one copy.
+ffi::Error CheckPacked(const Layer& l, const ffi::Buffer<ffi::F32>& packed, int64_t T, int64_t K) {
+  if (T <= 0 || K <= 0) return ffi::Error::InvalidArgument("tokens and top_k must be positive");
+  if (static_cast<int64_t>(packed.element_count()) != T * (l.banks.hidden + 2 * K + 1))
+    return ffi::Error::InvalidArgument("packed input length is not tokens * (hidden + 2 * top_k + 1): x's width differs from the banks'");
   return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
 // Handlers.
 
-ffi::Error SubmitCpu(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> valid,
-                     ffi::ResultBuffer<ffi::S32> token, int64_t handle) {
+ffi::Error SubmitCpu(ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::S32> token, int64_t handle, int64_t T, int64_t K) {
   const Layer* l = FindLayer(handle);
   if (!l) return ffi::Error::InvalidArgument("unknown handoff layer handle");
-  if (auto e = CheckShapes(*l, x, ids, w, valid); e.failure()) return e;
-  const int64_t T = x.dimensions()[0], K = ids.dimensions()[1];
+  if (auto e = CheckPacked(*l, packed, T, K); e.failure()) return e;
   Job* j;
   if (auto e = GetJob(handle, T, K, false, &j); e.failure()) return e;
-  std::memcpy(j->x, x.typed_data(), x.size_bytes());
-  std::memcpy(j->ids, ids.typed_data(), ids.size_bytes());
-  std::memcpy(j->w, w.typed_data(), w.size_bytes());
-  std::memcpy(j->valid, valid.typed_data(), valid.size_bytes());
+  std::memcpy(j->x, packed.typed_data(), packed.size_bytes());
   token->typed_data()[0] = 0;
   Post(j);
   return ffi::Error::Success();
 }
 
-ffi::Error WaitCpu(ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out, int64_t handle) {
-  auto od = out->dimensions();
+ffi::Error WaitCpu(ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32> out, int64_t handle, int64_t K) {
   Job* j;
-  if (auto e = GetJob(handle, od[0], ids.dimensions()[1], false, &j); e.failure()) return e;
+  if (auto e = GetJob(handle, out->dimensions()[0], K, false, &j); e.failure()) return e;
   Await(j);
   if (!j->error.empty()) return ffi::Error::Internal("CPU expert job failed: " + j->error);
   std::memcpy(out->typed_data(), j->out, out->size_bytes());
   return ffi::Error::Success();
 }
 
-ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> valid, ffi::ResultBuffer<ffi::S32>, int64_t handle) {
+ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::S32>, int64_t handle, int64_t T, int64_t K) {
   const Layer* l = FindLayer(handle);
   if (!l) return ffi::Error::InvalidArgument("unknown handoff layer handle");
-  if (auto e = CheckShapes(*l, x, ids, w, valid); e.failure()) return e;
-  const int64_t T = x.dimensions()[0], K = ids.dimensions()[1];
+  if (auto e = CheckPacked(*l, packed, T, K); e.failure()) return e;
   Job* j;
   if (auto e = GetJob(handle, T, K, true, &j); e.failure()) return e;
   const Cuda& c = Driver();
-  auto dev = [](const void* p) { return reinterpret_cast<uint64_t>(p); };
-  int rc = c.memcpy_dtoh(j->x, dev(x.untyped_data()), x.size_bytes(), stream);
-  rc |= c.memcpy_dtoh(j->ids, dev(ids.untyped_data()), ids.size_bytes(), stream);
-  rc |= c.memcpy_dtoh(j->w, dev(w.untyped_data()), w.size_bytes(), stream);
-  rc |= c.memcpy_dtoh(j->valid, dev(valid.untyped_data()), valid.size_bytes(), stream);
+  int rc = c.memcpy_dtoh(j->x, reinterpret_cast<uint64_t>(packed.untyped_data()), packed.size_bytes(), stream);
   rc |= c.launch_host_func(stream, Post, j);
   if (rc) return ffi::Error::Internal("enqueueing the CPU expert job on the stream failed");
   return ffi::Error::Success();
 }
 
-ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32> ids, ffi::ResultBuffer<ffi::F32> out,
-                    int64_t handle) {
-  auto od = out->dimensions();
+ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32> out, int64_t handle, int64_t K) {
   Job* j;
-  if (auto e = GetJob(handle, od[0], ids.dimensions()[1], true, &j); e.failure()) return e;
+  if (auto e = GetJob(handle, out->dimensions()[0], K, true, &j); e.failure()) return e;
   const Cuda& c = Driver();
   int rc = c.launch_host_func(stream, Await, j);
   rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()), j->out, out->size_bytes(), stream);
@@ -318,36 +302,16 @@ ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::Buffer<ffi::S32> i
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCpu, SubmitCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("handle"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCpu, WaitCpu,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("handle"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCuda, SubmitCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("handle"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCuda, WaitCuda,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<void*>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("handle"));
+#define FREETOKEN_SUBMIT_BINDING(...)                                                               \
+  ffi::Ffi::Bind() __VA_ARGS__.Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::S32>>().Attr<int64_t>("handle").Attr<int64_t>( \
+      "tokens").Attr<int64_t>("top_k")
+#define FREETOKEN_WAIT_BINDING(...) \
+  ffi::Ffi::Bind() __VA_ARGS__.Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::Buffer<ffi::F32>>().Attr<int64_t>("handle").Attr<int64_t>("top_k")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCpu, SubmitCpu, FREETOKEN_SUBMIT_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCpu, WaitCpu, FREETOKEN_WAIT_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCuda, SubmitCuda, FREETOKEN_SUBMIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCuda, WaitCuda, FREETOKEN_WAIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
 
 int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act) {
   std::lock_guard<std::mutex> g(registry_mu);

@@ -1,14 +1,15 @@
 // The split handoff from a jitted XLA program to the CPU expert executor, as XLA FFI targets.
 //
-//   token = freetoken_moe_submit(x[T,H] f32, ids[T,K] s32, w[T,K] f32, valid[T] s32; handle)
-//   out   = freetoken_moe_wait(token; handle) -> [T,H] f32
+//   token = freetoken_moe_submit(packed f32[T*(H+2K+1)]; handle, tokens=T, top_k=K)
+//   out   = freetoken_moe_wait(token; handle, top_k=K) -> f32[T,H]
 //
-// `submit` copies its inputs into a staging job and posts the job to the dispatcher thread, which
+// `packed` is x [T,H], ids [T,K] (int32 bits), w [T,K] and valid [T] (int32 bits) end to end,
+// so the input crosses to the host in one copy. `submit` copies it into a staging job and posts the job to the dispatcher thread, which
 // runs the MoE executor on the layer's host banks; it returns at once. `wait` blocks until that
 // job is done and copies the result out. Work placed between the two (in the program's order,
 // which the caller fixes with optimization barriers) runs while the CPU computes.
 //
-// CUDA handlers enqueue everything on XLA's stream: device-to-host copies into pinned staging,
+// CUDA handlers enqueue everything on XLA's stream: the device-to-host copy into pinned staging,
 // a host function that posts the job, and — for `wait` — a host function that blocks the stream
 // until the job is done followed by the host-to-device copy. The CUDA driver API is reached
 // through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any machine.

@@ -71,15 +71,20 @@ class LayerHandoff:
         args = (x_TD.astype(jnp.float32), ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32), valid_T.astype(jnp.int32))
         if self.mode == "callback":
             return Pending(None, args)
+        x, ids, w, valid = args
+        bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32).reshape(-1)  # noqa: E731
+        packed = jnp.concatenate([x.reshape(-1), bits(ids), w.reshape(-1), bits(valid)])  # one copy to the host
+        T, K = ids.shape
         token = jax.ffi.ffi_call("freetoken_moe_submit", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
-            *args, handle=np.int64(self.handle)
+            packed, handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
         )
-        return Pending(token, (args[1],))
+        return Pending(token, (K,))
 
     def collect(self, p: Pending, T: int) -> jax.Array:
         out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)
         if self.mode == "ffi":
-            return jax.ffi.ffi_call("freetoken_moe_wait", out, has_side_effect=True)(p.token, p.args[0], handle=np.int64(self.handle))
+            wait = jax.ffi.ffi_call("freetoken_moe_wait", out, has_side_effect=True)
+            return wait(p.token, handle=np.int64(self.handle), top_k=np.int64(p.args[0]))
         return jax.pure_callback(self._on_host, out, *p.args)
 
     def _on_host(self, x, ids, w, valid):
