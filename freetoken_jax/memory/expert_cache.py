@@ -69,17 +69,22 @@ class FetchPlan:
     valid_N: jax.Array
 
 
-def fetch_count(M, q):
+def fetch_count(M, q, overhead: float = 0.0):
     """How many of M misses to fetch when a fraction q should go over PCIe: ⌊qM⌋ or ⌊qM⌋+1,
     whichever makes the later of the two sides (F·(1−q) on the GPU, (M−F)·q on the CPU, both in
-    units of M/(Bp+Bh)) finish sooner."""
+    units of M/(Bp+Bh)) finish sooner. `overhead` is the CPU handoff's fixed cost per layer in
+    units of one expert's PCIe fetch time; with it, all M are fetched when that is sooner than
+    paying the handoff (a lone miss is fetched, and then cached, rather than sent to the CPU at
+    every step)."""
+    M = jnp.asarray(M, jnp.int32)
     lo = jnp.floor(M * q).astype(jnp.int32)
     hi = jnp.minimum(lo + 1, M)
-    cost = lambda F: jnp.maximum(F * (1 - q), (M - F) * q)  # noqa: E731
-    return jnp.where(cost(hi) < cost(lo), hi, lo)
+    cost = lambda F: jnp.maximum(F * (1 - q), (M - F) * q + jnp.where(F < M, overhead * (1 - q), 0.0))  # noqa: E731
+    best = jnp.where(cost(hi) < cost(lo), hi, lo)
+    return jnp.where(cost(M) <= cost(best), M, best) if overhead else best
 
 
-def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, q=None):
+def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, q=None, overhead: float = 0.0):
     """Maps every routed (layer, expert) of valid tokens to a slot, choosing least-recently-used
     victims for misses among the slots this layer does not need. Returns the new cache, each
     entry's slot [T, k], the fetch plan and which entries run on the CPU [T, k] (strategy
@@ -102,7 +107,7 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
             (recent[None, :] > recent[:, None]) | ((recent[None, :] == recent[:, None]) & (idx[None, :] < idx[:, None]))
         )
         rank = jnp.sum(ahead, axis=1)  # among misses, most recently routed first
-        to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q))
+        to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q, overhead))
         miss = miss & ~to_cpu
     in_use = jnp.zeros((S,), bool).at[jnp.where(valid & resident, slot, S)].set(True, mode="drop")
     # Victims: the N least recently used slots not in use (empty slots first; ties by index).

@@ -54,9 +54,10 @@ class OffloadExecutor:
         hybrid_q: float | None = None,
         host_banks=None,
         handoff: str = "callback",
+        hybrid_overhead: float = 0.0,
     ):
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
-        self.hybrid_q, self.host_banks, self.handoff = hybrid_q, host_banks, handoff
+        self.hybrid_q, self.host_banks, self.handoff, self.hybrid_overhead = hybrid_q, host_banks, handoff, hybrid_overhead
         self.banks = [
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
@@ -76,7 +77,9 @@ class OffloadExecutor:
             cpu = CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T, self.handoff).layer(m)
 
         def fn(x_TD, ids_TK, w_TK):
-            c, slots_TK, plan, on_cpu = ensure(self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts, self.hybrid_q)
+            c, slots_TK, plan, on_cpu = ensure(
+                self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts, self.hybrid_q, self.hybrid_overhead
+            )
             arrays = (c.gate_SR, c.up_SR, c.down_SR)
             if cpu is not None:
                 # The CPU job starts first; the barriers keep the fetch and the GPU experts between

@@ -35,6 +35,7 @@ class Weights:
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
     hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
     handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # "ffi" or "callback"
+    hybrid_overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # see EngineConfig
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
@@ -106,7 +107,14 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
 
     hybrid = weights.strategy == "hybrid" and experts is not None  # prefill streams whole layers either way
     ex = OffloadExecutor(
-        model.cfg, model, experts, valid_BT.reshape(-1), weights.hybrid_q if hybrid else None, weights.host_banks, weights.handoff
+        model.cfg,
+        model,
+        experts,
+        valid_BT.reshape(-1),
+        weights.hybrid_q if hybrid else None,
+        weights.host_banks,
+        weights.handoff,
+        weights.hybrid_overhead,
     )
     h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
     return h, cache, ex.cache
