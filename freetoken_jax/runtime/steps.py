@@ -36,6 +36,9 @@ class Weights:
     hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
     handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # "ffi" or "callback"
     hybrid_overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # see EngineConfig
+    # Benchmarks only: a Zipf exponent; routed experts are then drawn from that popularity
+    # instead of taken from the router (`runtime/routing.py`). None: the model's own routing.
+    routing_skew: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
@@ -95,29 +98,34 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
     slot cache (None unless decoding under "offload")."""
     model = weights.model()
     view = KVView.build(positions_BT, valid_BT, page_table_BP, _page_size(cache))
+    fns, ex = None, None
     if weights.strategy == "fused":
-        h, cache = model(tokens_BT, positions_BT, view, cache)
-        return h, cache, experts
-    from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
+        if weights.routing_skew is not None:
+            fns = [layer.mlp.fused_expert_fn() if layer.is_moe else None for layer in model.layers]
+    else:
+        from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
 
-    if weights.strategy == "cpu":
-        ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1), weights.handoff)
-        h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
-        return h, cache, experts
+        if weights.strategy == "cpu":
+            ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1), weights.handoff)
+        else:
+            hybrid = weights.strategy == "hybrid" and experts is not None  # prefill streams whole layers either way
+            ex = OffloadExecutor(
+                model.cfg,
+                model,
+                experts,
+                valid_BT.reshape(-1),
+                weights.hybrid_q if hybrid else None,
+                weights.host_banks,
+                weights.handoff,
+                weights.hybrid_overhead,
+            )
+        fns = ex.expert_fns(model)
+    if weights.routing_skew is not None:
+        from freetoken_jax.runtime.routing import with_synthetic_routing
 
-    hybrid = weights.strategy == "hybrid" and experts is not None  # prefill streams whole layers either way
-    ex = OffloadExecutor(
-        model.cfg,
-        model,
-        experts,
-        valid_BT.reshape(-1),
-        weights.hybrid_q if hybrid else None,
-        weights.host_banks,
-        weights.handoff,
-        weights.hybrid_overhead,
-    )
-    h, cache = model(tokens_BT, positions_BT, view, cache, ex.expert_fns(model))
-    return h, cache, ex.cache
+        fns = with_synthetic_routing(fns, positions_BT.reshape(-1), model.cfg.num_experts, weights.routing_skew)
+    h, cache = model(tokens_BT, positions_BT, view, cache, fns)
+    return h, cache, getattr(ex, "cache", experts)  # the slot cache after this step (offload, hybrid)
 
 
 def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch) -> tuple[jax.Array, DecodeState]:

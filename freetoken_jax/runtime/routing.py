@@ -1,0 +1,46 @@
+"""Synthetic routing for benchmarks: replaces each token's routed experts by a seeded draw from a
+Zipf popularity over the layer's experts, so that decode can be measured under a chosen routing
+distribution instead of what the (random) router of a benchmark model gives.
+
+Expert popularity in a layer is p_e ∝ 1 / rank_e^s, the ranks a fixed random permutation per
+layer (the hot experts differ between layers); s = 0 is uniform, trained routers look like s ≈ 1.
+Each token draws its top-k without replacement (Gumbel top-k) from a key folded from the layer,
+its position and its row, so a step's routing is fixed by the sequence and reproducible, but
+changes from step to step. The router's weights are kept (only the ids change).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def log_popularity(num_experts: int, skew: float, layer: int) -> np.ndarray:
+    ranks = np.random.default_rng(10_007 + layer).permutation(num_experts) + 1
+    logp = -skew * np.log(ranks.astype(np.float64))
+    return (logp - np.logaddexp.reduce(logp)).astype(np.float32)
+
+
+def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew: float, seed: int = 0) -> jax.Array:
+    T, K = ids_TK.shape
+    logp = jnp.asarray(log_popularity(num_experts, skew, layer))
+    base = jax.random.fold_in(jax.random.PRNGKey(seed), layer)
+
+    def draw(pos, row):
+        key = jax.random.fold_in(jax.random.fold_in(base, pos), row)
+        return jax.lax.top_k(logp + jax.random.gumbel(key, (num_experts,)), K)[1]
+
+    return jax.vmap(draw)(positions_T.astype(jnp.uint32), jnp.arange(T, dtype=jnp.uint32)).astype(ids_TK.dtype)
+
+
+def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew: float) -> list:
+    """Wraps each layer's expert function so that it computes the synthetic routing's experts."""
+    out, m = [], 0
+    for fn in fns:
+        if fn is None:
+            out.append(None)
+            continue
+        out.append(lambda x, ids, w, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w))
+        m += 1
+    return out
