@@ -20,6 +20,7 @@ install-test: $(VENV)/.installed-test
 
 demo: install
 	$(VENV)/bin/freetoken-jax generate --model demo --prompt "Once upon a time" --max-new-tokens 48
+	$(PY) -m freetoken_jax.bench decode --preset demo --strategy offload hybrid naive --vram-gb 0.001 --gen-len 32
 
 test: install-test
 	$(PY) -m pytest -q tests

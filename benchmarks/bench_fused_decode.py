@@ -23,44 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.bench.measure import copy_bandwidth
+from freetoken_jax.bench.presets import PRESETS
 from freetoken_jax.models import layers
 from freetoken_jax.runtime.kv_cache import KVView
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step
-
-PRESETS = {
-    "qwen3-30b-a3b": MoEModelConfig(
-        vocab_size=151936,
-        hidden_dim=2048,
-        intermediate_dim=6144,
-        moe_intermediate_dim=768,
-        num_layers=48,
-        num_experts=128,
-        top_k=8,
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        qk_norm=True,
-        rope_theta=1e6,
-        family="qwen3_moe",
-        max_position_embeddings=40960,
-    ),
-    "demo": None,
-}
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    """Device-to-device copy, bytes read + written per second (median of 20)."""
-    n = int(gib * (1 << 30)) // 2
-    x = jax.jit(lambda: jax.lax.iota(jnp.float32, n).astype(jnp.bfloat16) * jnp.bfloat16(1e-3))()
-    f = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(20):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * n * 2 / float(np.median(ts))
 
 
 def routed_ids(engine, state, batch):

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_fused_decode import PRESETS  # noqa: E402
-
 from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
+from freetoken_jax.bench.presets import PRESETS  # noqa: E402
 from freetoken_jax.models import layers  # noqa: E402
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
 

@@ -1,10 +1,19 @@
-"""`python -m freetoken_jax.bench bw [--json PATH] [--threshold 2.0] [--profile PATH]`."""
+"""`python -m freetoken_jax.bench bw|decode|prefill`: measure the machine, then the strategies.
+
+    python -m freetoken_jax.bench bw [--json PATH] [--threshold 2.0] [--profile PATH]
+    python -m freetoken_jax.bench decode --preset qwen3-30b-a3b --vram-gb 8 16 32 --batch 1 \
+        --strategy offload hybrid naive --routing-skew 0 1 --json decode.json --plot decode.png
+    python -m freetoken_jax.bench prefill --preset qwen3-30b-a3b --prompt-len 2048 8192 --strategy offload
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from freetoken_jax.bench.decode import VARIANTS
+from freetoken_jax.bench.presets import PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,7 +27,36 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--host-read-gb", type=float, default=1.0)
     bw.add_argument("--hidden", type=int, default=2048)
     bw.add_argument("--ffn", type=int, default=768)
+    for name, help_ in (
+        ("decode", "decode tokens/s of several strategies side by side"),
+        ("prefill", "prefill time of several strategies"),
+    ):
+        p = sub.add_parser(name, help=help_)
+        src = p.add_mutually_exclusive_group()
+        src.add_argument("--preset", dest="model", default="demo", choices=sorted(PRESETS), help="a named shape with seeded random weights")
+        src.add_argument("--model", dest="model", help="a checkpoint directory (FTW, Hugging Face or native)")
+        p.add_argument(
+            "--strategy", nargs="+", choices=VARIANTS, default=["offload", "hybrid", "naive"] if name == "decode" else ["offload"]
+        )
+        p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+        p.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
+        p.add_argument("--json", default=None, help="write the figures here")
+        if name == "decode":
+            p.add_argument("--vram-gb", type=float, nargs="+", default=[16.0], help="device memory for expert slots, GB (offload, hybrid)")
+            p.add_argument("--batch", type=int, nargs="+", default=[1])
+            p.add_argument("--routing-skew", type=float, nargs="+", default=[None],
+                           help="Zipf exponent of synthetic routing (0 = uniform); default: the model's own router")  # fmt: skip
+            p.add_argument("--prompt-len", type=int, default=64)
+            p.add_argument("--gen-len", type=int, default=64, help="decode steps per row (the first quarter, at most 16, are warm-up)")
+            p.add_argument("--plot", default=None, help="draw tokens/s against the VRAM budget into this PNG (needs matplotlib)")
+        else:
+            p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
     args = ap.parse_args(argv)
+    if args.cmd in ("decode", "prefill"):
+        from freetoken_jax.bench.decode import run
+
+        run(args)
+        return 0
     from freetoken_jax.bench.bw import profile_path, run_bw
 
     prof = run_bw(path=args.profile, json_path=args.json, threshold=args.threshold, working_set_gb=args.working_set_gb,

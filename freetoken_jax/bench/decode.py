@@ -1,0 +1,299 @@
+"""`python -m freetoken_jax.bench decode|prefill`: strategies side by side on one set of weights.
+
+The weights (a preset's seeded random weights, built straight into host banks, or a checkpoint)
+are loaded once with every expert in host memory; each strategy is then a different `Weights`
+over the same banks:
+
+- offload: the unified slot cache (`--vram-gb` of expert slots), misses fetched over PCIe;
+- hybrid: the same, with a share of each layer's misses computed by the CPU executor (q* =
+  Bp / (Bp + Bh) from bandwidths measured in the same run, unless `--q`);
+- cpu: every routed expert computed by the CPU executor, no slots;
+- naive: every routed expert fetched every step (B × k slots, all evicted by every layer);
+- layer: every MoE layer's whole bank streamed to the device every step (accelerate-style);
+- fused: every expert on the device (a second copy of the weights; only where it fits).
+
+Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
+q* and the ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
+for cpu) + bytes read on the device / device copy bandwidth. Random weights give near-constant
+routing per sequence; `--routing-skew S` replaces it by seeded draws from a Zipf(S) popularity
+(`runtime/routing.py`), the same under every strategy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
+from freetoken_jax.bench.presets import PRESETS, preset_config
+
+VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer")
+
+
+class Bench:
+    """One host-bank engine and the figures the bounds need."""
+
+    def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False):
+        from freetoken_jax import EngineConfig, FreeTokenEngine
+
+        self.ecfg = EngineConfig(dtype=dtype, moe_strategy="offload", max_batch=max_batch, max_context=max_context, page_size=16,
+                                 prefill_chunk=64)  # fmt: skip
+        t0 = time.perf_counter()
+        if model in PRESETS:
+            cfg = preset_config(model)
+            self.engine = FreeTokenEngine(cfg, self.ecfg.replace(expert_slots=max_batch * cfg.top_k))
+        else:
+            self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))
+        self.cfg = self.engine.model_config
+        self.engine.cache = jax.device_put(self.engine.cache, jax.devices()[0])  # committed, as every later version: one executable
+        self.build_s = time.perf_counter() - t0
+        gpu = jax.default_backend() == "gpu"
+        self.hbm = copy_bandwidth(4.0 if gpu else 0.05, 20 if gpu else 3)
+        self.bp = h2d_bandwidth(1.0 if gpu else 0.05)
+        self.bh = executor_bandwidth(self.engine, 3.0 if gpu else 0.3)
+        self.views = None
+        self._fused = None
+        self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
+        self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
+                 f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.cfg.expert_params * jnp.dtype(self.ecfg.dtype).itemsize
+
+    def weights(self, variant: str, q: float, skew: float | None):
+        """The `Weights` of a variant (None when it cannot run here) and its slot count."""
+        from freetoken_jax.runtime.handoff import resolve_mode
+        from freetoken_jax.runtime.offload import host_bank_views
+
+        w = self.engine.weights
+        if variant in ("hybrid", "cpu"):
+            self.views = self.views or host_bank_views(w.params)
+            w = dataclasses.replace(w, strategy=variant, host_banks=self.views, handoff=resolve_mode("auto"),
+                                    hybrid_q=q if variant == "hybrid" else None)  # fmt: skip
+        if variant == "fused":
+            if self._fused is None:
+                from freetoken_jax import FreeTokenEngine
+
+                try:
+                    self._fused = FreeTokenEngine(self.cfg, self.ecfg.replace(moe_strategy="fused", expert_slots=None))
+                except Exception as e:  # no room for a second, device-resident copy of the weights
+                    self.log(f"fused: cannot build ({type(e).__name__}: {e})")
+                    self._fused = False
+            if not self._fused:
+                return None
+            w = self._fused.weights
+        return dataclasses.replace(w, routing_skew=skew)
+
+    def decode(
+        self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew: float | None, weights=None, label=None
+    ) -> dict | None:
+        """One decode row; `weights` replaces the variant's own (a variant of it), `label` names it."""
+        from tqdm import tqdm
+
+        from freetoken_jax import _cpu_ext
+        from freetoken_jax.memory.expert_cache import init_slot_cache
+        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step, prefill_step
+
+        cfg, eng = self.cfg, self.engine
+        weights = weights or self.weights(variant, q, skew)
+        if weights is None:
+            return None
+        slots = {"naive": B * cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
+        if variant in ("offload", "hybrid"):
+            slots = max(B * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes))
+        rng = np.random.default_rng(7 + B)
+        prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
+        pages = [eng.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
+        try:
+            table, _ = eng._page_table(pages, B)
+            sampling = Sampling.greedy(B)
+            prefill = jax.jit(prefill_step, donate_argnums=(1,))
+            step_prefill = lambda w, c, b: prefill(weights, c, b)  # noqa: E731
+            for _pass in range(2):  # the first pass compiles
+                t0 = time.perf_counter()
+                for _s, _t, first in eng._prefill_chunks(prompts, table, sampling, step_prefill):  # noqa: B007
+                    pass
+                first.block_until_ready()
+                ttft = time.perf_counter() - t0
+            experts = (
+                None
+                if slots is None
+                else jax.device_put(init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
+            )
+            state = DecodeState(eng.cache, jnp.copy(first), jnp.full((B,), prompt_len, jnp.int32), experts)
+            eng.cache = None
+            batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), sampling)
+            # Each step reads a seeded random input token per row (random weights make sampled tokens repeat).
+            inputs = list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
+            step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
+            counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
+            warm = max(1, min(16, steps // 4))
+            before, t0 = None, 0.0
+            for i in tqdm(range(steps), desc=f"{variant} B={B}", leave=False, disable=None):
+                if i == warm:
+                    state.tokens_B.block_until_ready()
+                    before = None if slots is None else counters(state.experts)
+                    _cpu_ext.handoff_stats(True)
+                    t0 = time.perf_counter()
+                _tok, state = step(weights, state, batch, inputs[i])
+            state.tokens_B.block_until_ready()
+            n = steps - warm
+            dt = (time.perf_counter() - t0) / n
+            hs = _cpu_ext.handoff_stats(True)
+            eng.cache = state.cache
+        finally:
+            if eng.cache is None:
+                from freetoken_jax.runtime.kv_cache import init_cache
+
+                eng.cache = init_cache(cfg, self.ecfg, jnp.dtype(self.ecfg.dtype))
+            for p in pages:
+                eng.pages.release(p)
+        L, E = cfg.num_moe_layers, cfg.num_experts
+        on_cpu = 0.0
+        if variant == "layer":
+            fetched, hit, distinct = float(L * E), 0.0, float(min(E, B * cfg.top_k))
+        elif variant in ("cpu", "fused"):
+            fetched, hit, distinct = 0.0, (1.0 if variant == "fused" else 0.0), float(min(E, B * cfg.top_k))
+            on_cpu = L * distinct if variant == "cpu" else 0.0
+        else:
+            hits, misses, cpu = counters(state.experts) - before
+            fetched, on_cpu, hit = misses / n, cpu / n, hits / max(1, hits + misses + cpu)
+            distinct = (hits + misses + cpu) / n / L
+        plan = eng.plan
+        kv = cfg.num_layers * B * table.shape[1] * self.ecfg.page_size * sum(int(np.prod(s)) for s in cfg.kv_entry_shapes()) * 2
+        resident = plan.dense_bytes - cfg.vocab_size * cfg.hidden_dim * 2 + (L * distinct - on_cpu) * self.expert_bytes + kv
+        link = fetched * self.expert_bytes / self.bp
+        if variant == "hybrid":
+            link = (fetched + on_cpu) * self.expert_bytes / (self.bp + self.bh)
+        elif variant == "cpu":
+            link = on_cpu * self.expert_bytes / self.bh
+        bound = link + resident / self.hbm
+        r = dict(
+            strategy=label or variant, batch=B, vram_gb=vram_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
+            routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=ttft * 1e3, hit_rate=float(hit),
+            gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
+            q=weights.hybrid_q, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
+        )  # fmt: skip
+        if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
+            c = hs["count"]
+            r.update(handoff_window_us=hs["window_s"] / c * 1e6, handoff_gpu_side_us=hs["gpu_s"] / c * 1e6,
+                     handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_exposed_us=(hs["window_s"] - hs["ideal_s"]) / c * 1e6)  # fmt: skip
+        return r
+
+    def prefill(self, variant: str, prompt_len: int, q: float) -> dict | None:
+        from freetoken_jax.runtime.steps import Sampling, prefill_step
+
+        eng, cfg = self.engine, self.cfg
+        weights = self.weights(variant, q, None)
+        if weights is None:
+            return None
+        prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len))
+        pages = [eng.pages.allocate(prompt_len + 1)]
+        try:
+            table, _ = eng._page_table(pages, 1)
+            step = jax.jit(prefill_step, donate_argnums=(1,))
+            for _ in range(2):  # the first pass compiles
+                t0 = time.perf_counter()
+                for _s, _t, first in eng._prefill_chunks([prompt], table, Sampling.greedy(1), lambda w, c, b: step(weights, c, b)):  # noqa: B007
+                    pass
+                first.block_until_ready()
+                ttft = time.perf_counter() - t0
+        finally:
+            for p in pages:
+                eng.pages.release(p)
+        chunks = -(-prompt_len // self.ecfg.prefill_chunk)
+        all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
+        bound = chunks * all_experts / self.bp if variant in ("offload", "hybrid") else None
+        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
+                    pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
+
+
+def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    head = " ".join(f"{h:>{len(h) if len(h) > 7 else 7}}" for _, h, _ in cols)
+    lines = [head]
+    for r in rows:
+        cells = []
+        for key, h, fmt in cols:
+            v = r.get(key)
+            w = len(h) if len(h) > 7 else 7
+            cells.append(f"{'-' if v is None else format(v, fmt):>{w}}")
+        lines.append(" ".join(cells))
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """tokens/s against the expert VRAM budget, one line per strategy (and batch, skew)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit(f"--plot needs matplotlib ({e}); install it with `pip install matplotlib`") from e
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    keys = sorted({(r["strategy"], r["batch"], r["routing_skew"]) for r in rows}, key=str)
+    budgets = sorted({r["vram_gb"] for r in rows if r["vram_gb"] is not None})
+    for s, b, k in keys:
+        pts = sorted(
+            (r["vram_gb"], r["tokens_per_s"])
+            for r in rows
+            if (r["strategy"], r["batch"], r["routing_skew"]) == (s, b, k) and r["vram_gb"] is not None
+        )
+        flat = [r["tokens_per_s"] for r in rows if (r["strategy"], r["batch"], r["routing_skew"]) == (s, b, k) and r["vram_gb"] is None]
+        if not pts and flat and budgets:
+            pts = [(v, flat[0]) for v in budgets]  # strategies without slots: flat across budgets
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=f"{s} B={b} skew={k}")
+    ax.set_xlabel("expert slot budget (GB)")
+    ax.set_ylabel("decode tokens / s")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args) -> dict:
+    steps = getattr(args, "gen_len", 0)
+    bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
+                  max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16)  # fmt: skip
+    q = args.q if args.q is not None else bench.bp / (bench.bp + bench.bh)
+    out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+               dtype=args.dtype, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
+               executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
+    if args.cmd == "decode":
+        for skew in args.routing_skew:
+            for B in args.batch:
+                for s in args.strategy:
+                    for vram in args.vram_gb if s in ("offload", "hybrid") else [None]:
+                        r = bench.decode(s, B, vram, args.prompt_len, args.gen_len, q, skew)
+                        if r is not None:
+                            out["rows"].append(r)
+        cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
+                ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
+                ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q*", ".2f"),
+                ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
+    else:
+        for n in args.prompt_len:
+            for s in args.strategy:
+                r = bench.prefill(s, n, q)
+                if r is not None:
+                    out["rows"].append(r)
+        cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
+                ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
+    print(_table(out["rows"], cols))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if getattr(args, "plot", None):
+        plot(out["rows"], args.plot)
+    return out

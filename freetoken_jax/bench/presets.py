@@ -1,0 +1,36 @@
+"""Named model shapes for `python -m freetoken_jax.bench decode|prefill` (seeded random weights of
+the real architecture's shape: no checkpoint needed). "demo" is the engine's built-in demo model."""
+
+from __future__ import annotations
+
+from freetoken_jax.config import MoEModelConfig
+
+PRESETS: dict[str, MoEModelConfig | None] = {
+    "qwen3-30b-a3b": MoEModelConfig(
+        vocab_size=151936, hidden_dim=2048, intermediate_dim=6144, moe_intermediate_dim=768, num_layers=48, num_experts=128,
+        top_k=8, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, rope_theta=1e6, family="qwen3_moe",
+        max_position_embeddings=40960,
+    ),
+    "deepseek-v2-lite": MoEModelConfig(
+        vocab_size=102400, hidden_dim=2048, intermediate_dim=10944, moe_intermediate_dim=1408, num_layers=27, num_experts=64,
+        top_k=6, attention="mla", num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        shared_expert_dim=2 * 1408, moe_layers=(False,) + (True,) * 26, norm_topk_prob=False, family="deepseek_v2",
+        max_position_embeddings=163840,
+    ),
+    "mixtral-8x7b": MoEModelConfig(
+        vocab_size=32000, hidden_dim=4096, intermediate_dim=14336, moe_intermediate_dim=14336, num_layers=32, num_experts=8,
+        top_k=2, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-5, family="mixtral",
+        max_position_embeddings=32768,
+    ),
+    "demo": None,
+}  # fmt: skip
+
+
+def preset_config(name: str) -> MoEModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    if PRESETS[name] is None:
+        from freetoken_jax.demo import DEMO_CONFIG
+
+        return DEMO_CONFIG
+    return PRESETS[name]

@@ -1,0 +1,71 @@
+"""`python -m freetoken_jax.bench decode|prefill` on the demo model: the JSON it writes, the
+figures' consistency across strategies, and the plot option."""
+
+import json
+
+import pytest
+
+from freetoken_jax.bench.__main__ import main
+from freetoken_jax.bench.decode import plot
+
+ROW_KEYS = {"strategy", "batch", "vram_gb", "slots", "routing_skew", "ms_per_token", "tokens_per_s", "ttft_ms", "hit_rate",
+            "gb_fetched_per_token", "experts_on_cpu_per_step", "q", "bound_ms", "ratio_to_bound"}  # fmt: skip
+
+
+def test_decode_side_by_side(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    argv = ["decode", "--preset", "demo", "--strategy", "offload", "hybrid", "naive", "cpu", "--vram-gb", "0.0005", "0.002",
+            "--gen-len", "8", "--routing-skew", "0", "--q", "0.1", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    d = json.loads(out.read_text())
+    assert d["kind"] == "decode" and d["q"] == 0.1 and d["h2d_gb_s"] > 0 and d["executor_gb_s"] > 0
+    rows = {(r["strategy"], r["vram_gb"]): r for r in d["rows"]}
+    assert set(rows) == {("offload", 0.0005), ("offload", 0.002), ("hybrid", 0.0005), ("hybrid", 0.002), ("naive", None), ("cpu", None)}
+    for r in d["rows"]:
+        assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bound_ms"] > 0 and r["routing_skew"] == 0
+    assert rows[("naive", None)]["hit_rate"] == 0 and rows[("naive", None)]["gb_fetched_per_token"] > 0
+    # more slots, no fewer hits (same seeded routing); the hybrid sends work to the CPU
+    assert rows[("offload", 0.002)]["hit_rate"] >= rows[("offload", 0.0005)]["hit_rate"]
+    assert rows[("offload", 0.002)]["slots"] > rows[("offload", 0.0005)]["slots"]
+    assert rows[("hybrid", 0.0005)]["experts_on_cpu_per_step"] > 0 and rows[("hybrid", 0.0005)]["q"] == 0.1
+    assert "of bound" in capsys.readouterr().out
+
+
+def test_prefill(tmp_path):
+    out = tmp_path / "prefill.json"
+    assert (
+        main(
+            [
+                "prefill",
+                "--preset",
+                "demo",
+                "--strategy",
+                "offload",
+                "fused",
+                "--prompt-len",
+                "40",
+                "--dtype",
+                "float32",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["prompt_len"], r["chunks"]) for r in rows] == [("offload", 40, 1), ("fused", 40, 1)]
+    assert rows[0]["pcie_bound_ms"] > 0 and rows[1]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_plot_draws_or_says_what_is_missing(tmp_path):
+    rows = [dict(strategy="offload", batch=1, routing_skew=0, vram_gb=v, tokens_per_s=t) for v, t in ((8, 10.0), (16, 20.0))]
+    rows.append(dict(strategy="naive", batch=1, routing_skew=0, vram_gb=None, tokens_per_s=5.0))
+    path = tmp_path / "p.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="matplotlib"):
+            plot(rows, str(path))
+    else:
+        plot(rows, str(path))
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
