@@ -32,7 +32,17 @@ from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
 from freetoken_jax.runtime.offload import host_bank_placer, host_bank_views, to_host_banks
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, Sampling, Weights, decode_step, prefill_step, score_step
+from freetoken_jax.runtime.steps import (
+    DecodeBatch,
+    DecodeState,
+    PrefillBatch,
+    Sampling,
+    Weights,
+    decode_step,
+    prefill_step,
+    prefill_step_buffered,
+    score_step,
+)
 
 log = logging.getLogger("freetoken_jax")
 
@@ -162,6 +172,8 @@ class FreeTokenEngine:
         self.pages = PageAllocator(ecfg.total_kv_pages, ecfg.page_size)
         self._traces: dict[str, int] = {}
         self._prefill = jax.jit(_traced(prefill_step, ecfg.dtype, self._traces), donate_argnums=(1,))
+        self._prefill_buffered = jax.jit(_traced(prefill_step_buffered, ecfg.dtype, self._traces), donate_argnums=(1, 3))
+        self._prefill_note = None
         self._score = jax.jit(_traced(score_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
@@ -292,6 +304,25 @@ class FreeTokenEngine:
             table[b, : len(r)] = r
         return table, P
 
+    def _prefill_call(self, weights: Weights, cache, batch: PrefillBatch, slots):
+        """One prefill chunk; returns (tokens, KV cache, slot cache). Under "offload"/"hybrid" it
+        goes through two borrowed layer buffers of the slot cache when it has 2 × num_experts
+        slots; otherwise (logged once) each layer's whole bank is streamed to the device."""
+        E = self.model_config.num_experts
+        if slots is not None and weights.strategy in ("offload", "hybrid"):
+            if slots.num_slots >= 2 * E:
+                return self._prefill_buffered(weights, cache, batch, slots)
+            if self._prefill_note is None:
+                self._prefill_note = f"prefill streams whole layers without double buffering: {slots.num_slots} slots < 2 x {E} experts"
+                log.info(self._prefill_note)
+        tok, cache = self._prefill(weights, cache, batch)
+        return tok, cache, slots
+
+    def _prefill_held(self, weights: Weights, cache, batch: PrefillBatch):
+        """`_prefill_call` with the engine's own slot cache (held by the engine between requests)."""
+        tok, cache, self.slots = self._prefill_call(weights, cache, batch, self.slots)
+        return tok, cache
+
     def _prefill_chunks(self, prompts: list[list[int]], table: np.ndarray, sampling: Sampling, step_fn):
         """Runs `step_fn` over the prompts chunk by chunk; yields (chunk start, T, output)."""
         B = table.shape[0]
@@ -327,7 +358,7 @@ class FreeTokenEngine:
             sampling = sampling_rows(list(ps) + [None] * (B - n))
             t0 = time.perf_counter()
             first = jnp.zeros((B,), jnp.int32)
-            for start, T, tok in self._prefill_chunks(prompts, table, sampling, self._prefill):
+            for start, T, tok in self._prefill_chunks(prompts, table, sampling, self._prefill_held):
                 ends = np.array([start < len(p) <= start + T for p in prompts] + [False] * (B - n))
                 first = self._pick(jnp.asarray(ends), tok, first)
             lengths = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
@@ -383,7 +414,12 @@ class FreeTokenEngine:
     # Telemetry ------------------------------------------------------------------------------------
     def compilations(self) -> dict[str, int]:
         """Executables compiled so far per step kind (one per bucket)."""
-        return {k: self._traces.get(f"{k}_step", 0) for k in ("prefill", "decode", "score")}
+        t = self._traces
+        return dict(
+            prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0),
+            decode=t.get("decode_step", 0),
+            score=t.get("score_step", 0),
+        )
 
     def get_metrics(self) -> dict:
         m = dict(self._m)

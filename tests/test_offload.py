@@ -29,12 +29,14 @@ def test_offload_matches_fused(family, ckpt_root):
     want = fused.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True)
     cfg = fused.model_config
     minimum = 2 * cfg.top_k
-    for slots in (minimum, cfg.num_moe_layers * cfg.num_experts + 5):
+    for slots in (minimum, (cfg.num_moe_layers + 2) * cfg.num_experts + 5):
         _, off = engines(path, expert_slots=slots)
         assert off.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True) == want, (family, slots)
         m = off.get_metrics()
-        assert m["expert_slots"] == min(slots, cfg.num_moe_layers * cfg.num_experts)
-        assert m["experts_fetched"] > 0 and m["bytes_fetched"] == m["experts_fetched"] * 3 * cfg.hidden_dim * cfg.moe_intermediate_dim * 4
+        assert m["expert_slots"] == min(slots, (cfg.num_moe_layers + 2) * cfg.num_experts)
+        assert m["bytes_fetched"] == m["experts_fetched"] * 3 * cfg.hidden_dim * cfg.moe_intermediate_dim * 4
+        # with the minimum, decode must fetch; with room for all, prefill's buffers may have left every expert needed resident
+        assert m["experts_fetched"] > 0 or slots != minimum
         np.testing.assert_allclose(off.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
         assert off.compilations()["decode"] == 1
 
@@ -153,7 +155,7 @@ def test_budget_plans_slots():
     assert eng.plan.slots == 10 and eng.plan.kv_bytes == kv and eng.plan.expert_bytes == expert
     assert eng.get_metrics()["expert_slots"] == 10
     roomy = FreeTokenEngine(cfg, base.replace(total_vram_gb=1.0))
-    assert roomy.plan.slots == cfg.num_moe_layers * cfg.num_experts  # never more slots than experts
+    assert roomy.plan.slots == (cfg.num_moe_layers + 2) * cfg.num_experts  # every expert and the two prefill buffers, no more
     capped = FreeTokenEngine(cfg, base.replace(total_vram_gb=1.0, initial_expert_capacity=5))
     assert capped.plan.slots == 5 and "initial_expert_capacity" in capped.get_metrics()["memory_plan"]
 

@@ -73,7 +73,9 @@ def plan_memory(
             )
         return MemoryPlan("cpu", dense_bytes, kv_bytes, expert, all_experts, 0, budget, "none: experts run on the CPU")
     need = ecfg.max_batch * cfg.top_k
-    most = cfg.num_moe_layers * cfg.num_experts
+    # every expert, plus prefill's two layer buffers, so that a cache with room for everything
+    # never evicts
+    most = (cfg.num_moe_layers + 2) * cfg.num_experts
     if ecfg.expert_slots is not None:
         slots, source = ecfg.expert_slots, "expert_slots"
         if budget is not None and base + kv_bytes + slots * expert + reserved > budget:

@@ -137,3 +137,33 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
     )  # fmt: skip
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
     return new, slots_TK, plan, on_cpu.reshape(T, K)
+
+
+def borrow_for_prefill(c: SlotCache, num_experts: int) -> tuple[SlotCache, jax.Array]:
+    """Lends prefill two layer buffers of E slots each, [2, E]: the 2E least recently used slots
+    (empty ones first), emptied — the experts they held leave the maps, so the maps stay a
+    bijection whatever prefill writes there. Requires S ≥ 2E."""
+    n = 2 * num_experts
+    _, bufs = jax.lax.top_k(-c.last_use, n)
+    held = c.id_of_slot[bufs]
+    oob = c.slot_for_id.shape[0]
+    c = c.with_(
+        slot_for_id=c.slot_for_id.at[jnp.where(held >= 0, held, oob)].set(-1, mode="drop"),
+        id_of_slot=c.id_of_slot.at[bufs].set(-1),
+        last_use=c.last_use.at[bufs].set(-1),
+    )
+    return c, bufs.reshape(2, num_experts)
+
+
+def keep_buffer(c: SlotCache, buf_E: jax.Array, moe_layer: int) -> SlotCache:
+    """After prefill: buffer `buf_E` holds every expert of `moe_layer`; each one not resident
+    elsewhere becomes resident there (used now), the others leave their buffer slot empty."""
+    E, S = buf_E.shape[0], c.num_slots
+    ids = moe_layer * E + jnp.arange(E, dtype=jnp.int32)
+    free = c.slot_for_id[ids] < 0
+    oob = c.slot_for_id.shape[0]
+    return c.with_(
+        slot_for_id=c.slot_for_id.at[jnp.where(free, ids, oob)].set(buf_E, mode="drop"),
+        id_of_slot=c.id_of_slot.at[jnp.where(free, buf_E, S)].set(ids, mode="drop"),
+        last_use=c.last_use.at[jnp.where(free, buf_E, S)].set(c.clock, mode="drop"),
+    )

@@ -2,9 +2,15 @@
 
 Decode: per MoE layer, `ensure` maps the routed experts to slots of the unified slot cache, the
 Pallas fetch kernel copies the misses from the host banks into their victim slots (in place, on
-the donated slot arrays), and the experts are computed from the slots. Prefill (many tokens
-touch most experts of a layer): each layer's whole bank is copied to the device, used, and
-dropped; the slot cache is left as it was.
+the donated slot arrays), and the experts are computed from the slots.
+
+Prefill (many tokens touch most experts of a layer) loads whole layers. With at least 2E slots
+it borrows the 2E least recently used slots as two layer buffers (`borrow_for_prefill` empties
+them): layer L+1 is loaded into one while layer L computes; experts already resident in the
+cache are used where they are (not sent again, not even copied), the rest are fetched from the
+host bank into the buffer, and banks with rows under 256 KB move as one whole-layer copy. At
+the end the last two layers' fetched experts stay resident in their buffers (`keep_buffer`). Without 2E slots each layer's whole bank is copied to
+the device, used and dropped, and the slot cache is left as it was.
 
 Under this strategy the experts' parameters in the weights tree are the host banks themselves,
 one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for gate and up,
@@ -19,11 +25,12 @@ import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.expert_cache import SlotCache, ensure
+from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, ensure, keep_buffer
 from freetoken_jax.models.layers import routed_experts
 from pallas_kernels.expert_fetch import fetch_rows_unjitted
 
 KINDS = ("gate", "up", "down")
+SMALL_ROW_BYTES = 256 << 10  # below this, a layer's bank moves as one copy
 
 
 def host_memory_kind() -> str | None:
@@ -55,16 +62,65 @@ class OffloadExecutor:
         host_banks=None,
         handoff: str = "callback",
         hybrid_overhead: float = 0.0,
+        prefill: bool = False,
     ):
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
         self.hybrid_q, self.host_banks, self.handoff, self.hybrid_overhead = hybrid_q, host_banks, handoff, hybrid_overhead
+        self.prefill = prefill
+        if prefill and cache is not None:
+            self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
+            self.layer_slots: dict = {}
         self.banks = [
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
         self.interpret = jax.default_backend() == "cpu"
 
     def expert_fns(self, model) -> list:
-        return moe_layer_fns(model, self._decode_fn if self.cache is not None else self._prefill_fn)
+        if self.cache is None:
+            return moe_layer_fns(model, self._prefill_fn)
+        return moe_layer_fns(model, self._buffered_prefill_fn if self.prefill else self._decode_fn)
+
+    def _load_layer(self, m: int) -> None:
+        """Brings MoE layer m's experts in: the resident ones are used where they are, the rest
+        fetched into the buffer `buffers[m % 2]` (for rows under 256 KB, the whole bank in one
+        copy). Records in `self.layer_slots[m]` the slot of each of its experts."""
+        E, c, buf = self.cfg.num_experts, self.cache, self.buffers[m % 2]
+        idx = jnp.arange(E, dtype=jnp.int32)
+        s = c.slot_for_id[m * E + idx]
+        resident = s >= 0  # elsewhere: borrowing emptied the buffers
+        small = self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize < SMALL_ROW_BYTES
+        out = []
+        for bank, arr in zip(self.banks[m], (c.gate_SR, c.up_SR, c.down_SR)):
+            if small:
+                arr = arr.at[buf].set(self._on_device(bank))
+            else:
+                arr = fetch_rows_unjitted(bank, arr, idx, buf, ~resident, interpret=self.interpret)
+            out.append(arr)
+        self.cache = c.with_(gate_SR=out[0], up_SR=out[1], down_SR=out[2])
+        self.layer_slots[m] = buf if small else jnp.where(resident, s, buf)
+
+    def _buffered_prefill_fn(self, m: int):
+        def fn(x_TD, ids_TK, w_TK):
+            n = len(self.banks)
+            if m == 0:
+                self._load_layer(0)
+            if m + 1 < n:
+                self._load_layer(m + 1)  # issued before layer m computes
+            c, slots = self.cache, self.layer_slots.pop(m)
+            layer = [a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR)]
+            out = routed_experts(x_TD, ids_TK, w_TK, *self._shaped(*layer), self.cfg.hidden_act)
+            if m == n - 1:  # the last two layers' fetched experts stay resident
+                for last in range(max(0, n - 2), n):
+                    self.cache = keep_buffer(self.cache, self.buffers[last % 2], last)
+            return out
+
+        return fn
+
+    @staticmethod
+    def _on_device(bank):
+        if host_memory_kind() is None:
+            return bank
+        return jax.device_put(bank, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
 
     def _shaped(self, gate, up, down):
         F, D = self.cfg.moe_intermediate_dim, self.cfg.hidden_dim
@@ -105,10 +161,7 @@ class OffloadExecutor:
 
     def _prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK):
-            banks = self.banks[m]
-            if host_memory_kind() is not None:
-                dev = jax.devices()[0]
-                banks = [jax.device_put(b, jax.sharding.SingleDeviceSharding(dev, memory_kind="device")) for b in banks]
+            banks = [self._on_device(b) for b in self.banks[m]]
             return routed_experts(x_TD, ids_TK, w_TK, *self._shaped(*banks), self.cfg.hidden_act)
 
         return fn

@@ -93,9 +93,12 @@ def _page_size(cache: KVCache) -> int:
     return cache[0][0].shape[1]
 
 
-def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT, page_table_BP, experts: SlotCache | None = None):
+def forward(
+    weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT, page_table_BP, experts: SlotCache | None = None, prefill=False
+):
     """Final hidden states [B, T, D] of this step's tokens, the extended KV cache and the expert
-    slot cache (None unless decoding under "offload")."""
+    slot cache (given for decode under "offload"/"hybrid", and for prefill through its borrowed
+    layer buffers, `prefill=True`)."""
     model = weights.model()
     view = KVView.build(positions_BT, valid_BT, page_table_BP, _page_size(cache))
     fns, ex = None, None
@@ -108,7 +111,7 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
         if weights.strategy == "cpu":
             ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1), weights.handoff)
         else:
-            hybrid = weights.strategy == "hybrid" and experts is not None  # prefill streams whole layers either way
+            hybrid = weights.strategy == "hybrid" and experts is not None and not prefill  # prefill loads whole layers either way
             ex = OffloadExecutor(
                 model.cfg,
                 model,
@@ -118,6 +121,7 @@ def forward(weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT,
                 weights.host_banks,
                 weights.handoff,
                 weights.hybrid_overhead,
+                prefill,
             )
         fns = ex.expert_fns(model)
     if weights.routing_skew is not None:
@@ -145,12 +149,27 @@ def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple
     """Writes a chunk of each row's prompt into the cache and samples the token that follows
     each row's last valid position in this chunk (meaningful for the chunk that ends a prompt)."""
     h, cache, _ = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    return _sample_last(weights, h, batch), cache
+
+
+def _sample_last(weights: Weights, h, batch: PrefillBatch) -> jax.Array:
+    """The token after each row's last valid position of the chunk."""
     last = jnp.maximum(batch.valid_BT.sum(axis=1) - 1, 0)
     h_last = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
     logits = weights.model().logits(h_last)
     pos = jnp.take_along_axis(batch.positions_BT, last[:, None], axis=1)[:, 0] + 1
     s = batch.sampling
-    return sample(logits, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B), cache
+    return sample(logits, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B)
+
+
+def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: SlotCache):
+    """`prefill_step` under "offload"/"hybrid" with at least 2 × num_experts slots: layers are
+    loaded into two borrowed slot buffers, layer L+1 while layer L computes (`OffloadExecutor`).
+    Returns (tokens, KV cache, slot cache) with the maps coherent again."""
+    h, cache, experts = forward(
+        weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts, prefill=True
+    )
+    return _sample_last(weights, h, batch), cache, experts
 
 
 def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:

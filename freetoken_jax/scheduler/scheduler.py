@@ -282,8 +282,8 @@ class Scheduler:
         batch = PrefillBatch(
             jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(self.table[i : i + 1]), sampling_rows([r.handle.params])
         )
-        first, cache = eng._prefill(eng.weights, self.state.cache, batch)
-        self.state = dataclasses.replace(self.state, cache=cache)
+        first, cache, experts = eng._prefill_call(eng.weights, self.state.cache, batch, self.state.experts)
+        self.state = dataclasses.replace(self.state, cache=cache, experts=experts)
         r.start += len(seg)
         if r.start >= len(prompt):
             self.state = self._set_row(self.state, i, first[0], len(prompt))

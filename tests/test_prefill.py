@@ -1,0 +1,109 @@
+"""Prefill under "offload" through two borrowed layer buffers of the slot cache: logits equal
+fused on every family for prompts of 1, page − 1, page + 1 tokens and several chunks, with both
+load paths (whole-layer copy of small banks; per-expert fetch with resident experts used in
+place); the slot maps stay coherent and the decode that follows gives the fused tokens."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hf_models import make_checkpoint
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.runtime import offload
+from freetoken_jax.runtime.steps import Sampling, forward
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
+BASE = dict(dtype="float32", max_context=40, max_batch=2, page_size=4, prefill_chunk=8)
+
+
+def buffered_logits(eng, prompt):
+    """Logits at every prompt position, computed chunk by chunk through the buffered prefill."""
+    pages = eng.pages.allocate(len(prompt) + 1)
+    table, _ = eng._page_table([pages], 1)
+
+    @jax.jit
+    def f(weights, cache, batch, experts):
+        h, cache, experts = forward(
+            weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts, prefill=True
+        )
+        return weights.model().logits(h), cache, experts
+
+    box = [eng.slots]
+
+    def step(w, c, b):
+        lg, c, box[0] = f(w, c, b, box[0])
+        return lg, c
+
+    out = [np.asarray(lg[0, : min(T, len(prompt) - s)]) for s, T, lg in eng._prefill_chunks([prompt], table, Sampling.greedy(1), step)]
+    eng.pages.release(pages)
+    eng.slots = box[0]
+    return np.concatenate(out)
+
+
+def check_maps(c):
+    ids, sfi = np.asarray(c.id_of_slot), np.asarray(c.slot_for_id)
+    assert all(sfi[i] == s for s, i in enumerate(ids) if i >= 0)
+    assert (sfi >= 0).sum() == (ids >= 0).sum()  # a bijection between held slots and resident ids
+
+
+@pytest.mark.parametrize("family, small_rows", [(f, True) for f in FAMILIES] + [("mixtral", False), ("deepseek_v2", False)])
+def test_buffered_prefill_matches_fused(family, small_rows, ckpt_root, monkeypatch):
+    if not small_rows:
+        monkeypatch.setattr(offload, "SMALL_ROW_BYTES", 0)  # every bank takes the per-expert path
+    path = make_checkpoint(family, ckpt_root)
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
+    cfg = fused.model_config
+    off = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * cfg.num_experts))
+    rng = np.random.default_rng(5)
+    for n in (1, 3, 5, 19):  # 1, page − 1, page + 1, three chunks
+        prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, n)]
+        np.testing.assert_allclose(buffered_logits(off, prompt), fused.logits(prompt), atol=1e-5, rtol=0, err_msg=f"{family} n={n}")
+        check_maps(off.slots)
+    prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (13, 6)]
+    want = fused.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
+    for _ in range(2):  # the second time, experts the first left resident are used in place
+        assert off.generate_batch(prompts, max_new_tokens=8, ignore_eos=True) == want
+        check_maps(off.slots)
+    assert off.compilations()["decode"] == 1
+
+
+def test_buffers_keep_the_last_layers_and_fallback_is_logged(ckpt_root, caplog):
+    path = make_checkpoint("qwen3_moe", ckpt_root)
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
+    cfg = fused.model_config
+    E, L = cfg.num_experts, cfg.num_moe_layers
+    off = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=(L + 2) * E))
+    prompt = list(range(3, 20))
+    buffered_logits(off, prompt)
+    sfi = np.asarray(off.slots.slot_for_id).reshape(L, E)
+    assert (sfi[-2:] >= 0).all()  # the last two layers stay resident after prefill
+    # too few slots for two buffers: whole layers are streamed, logged once, results unchanged
+    small = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=2 * E - 1))
+    with caplog.at_level(logging.INFO, logger="freetoken_jax"):
+        got = small.generate_batch([prompt], max_new_tokens=6, ignore_eos=True)
+    assert got == fused.generate_batch([prompt], max_new_tokens=6, ignore_eos=True)
+    assert any("without double buffering" in r.message for r in caplog.records)
+    assert small.compilations()["prefill"] >= 1 and "prefill_step_buffered" not in small._traces
+
+
+def test_borrow_takes_least_recently_used_and_empties_them():
+    from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, keep_buffer
+
+    S, E, L = 10, 3, 4
+    ids = jnp.array([0, 1, 2, 3, 4, 5, 6, -1, 8, 9], jnp.int32)
+    last = jnp.array([5, 1, 7, 2, 9, 0, 8, -1, 3, 6], jnp.int32)
+    sfi = jnp.full((L * E,), -1, jnp.int32).at[jnp.where(ids >= 0, ids, L * E)].set(jnp.arange(S), mode="drop")
+    z = jnp.zeros((S, 2))
+    c = SlotCache(z, z, z, sfi, ids, last, jnp.int32(10), *(jnp.zeros((L,), jnp.int32),) * 2, jnp.zeros((L, 2), jnp.int32),
+                  jnp.full((L * E,), -1, jnp.int32), jnp.zeros((L,), jnp.int32))  # fmt: skip
+    c2, bufs = borrow_for_prefill(c, E)
+    assert sorted(np.asarray(bufs).reshape(-1).tolist()) == [0, 1, 3, 5, 7, 8]  # the 6 least recently used, empty first
+    assert (np.asarray(c2.id_of_slot)[np.asarray(bufs).reshape(-1)] == -1).all()
+    check_maps(c2)
+    c3 = keep_buffer(c2, bufs[0], 3)  # layer 3's experts (ids 9, 10, 11): 9 is resident elsewhere
+    check_maps(c3)
+    sfi3 = np.asarray(c3.slot_for_id)
+    assert sfi3[9] == 9 and sfi3[10] in np.asarray(bufs[0]) and sfi3[11] in np.asarray(bufs[0])
