@@ -3,7 +3,7 @@
     python -m freetoken_jax.bench bw [--json PATH] [--threshold 2.0] [--profile PATH]
     python -m freetoken_jax.bench decode --preset qwen3-30b-a3b --vram-gb 8 16 32 --batch 1 \
         --strategy offload hybrid naive --routing-skew 0 1 --json decode.json --plot decode.png
-    python -m freetoken_jax.bench prefill --preset qwen3-30b-a3b --prompt-len 2048 8192 --strategy offload
+    python -m freetoken_jax.bench prefill --preset qwen3-30b-a3b --vram-gb 16 --prompt-len 2048 8192 --strategy offload stream per-token
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from freetoken_jax.bench.decode import VARIANTS
+from freetoken_jax.bench.decode import PREFILL_VARIANTS, VARIANTS
 from freetoken_jax.bench.presets import PRESETS
 
 
@@ -35,14 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         src = p.add_mutually_exclusive_group()
         src.add_argument("--preset", dest="model", default="demo", choices=sorted(PRESETS), help="a named shape with seeded random weights")
         src.add_argument("--model", dest="model", help="a checkpoint directory (FTW, Hugging Face or native)")
-        p.add_argument(
-            "--strategy", nargs="+", choices=VARIANTS, default=["offload", "hybrid", "naive"] if name == "decode" else ["offload"]
-        )
+        choices, default = (VARIANTS, ["offload", "hybrid", "naive"]) if name == "decode" else (PREFILL_VARIANTS, ["offload", "stream"])
+        p.add_argument("--strategy", nargs="+", choices=choices, default=default)
+        p.add_argument("--vram-gb", type=float, nargs="+", default=[16.0], help="device memory for expert slots, GB (offload, hybrid)")
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         p.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
         p.add_argument("--json", default=None, help="write the figures here")
         if name == "decode":
-            p.add_argument("--vram-gb", type=float, nargs="+", default=[16.0], help="device memory for expert slots, GB (offload, hybrid)")
             p.add_argument("--batch", type=int, nargs="+", default=[1])
             p.add_argument("--routing-skew", type=float, nargs="+", default=[None],
                            help="Zipf exponent of synthetic routing (0 = uniform); default: the model's own router")  # fmt: skip

@@ -12,6 +12,10 @@ over the same banks:
 - layer: every MoE layer's whole bank streamed to the device every step (accelerate-style);
 - fused: every expert on the device (a second copy of the weights; only where it fits).
 
+Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
+(the decode path: each token's routed experts looked up in the slot cache and fetched) as
+baselines for the buffered prefill of offload / hybrid.
+
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q* and the ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
 for cpu) + bytes read on the device / device copy bandwidth. Random weights give near-constant
@@ -22,6 +26,7 @@ routing per sequence; `--routing-skew S` replaces it by seeded draws from a Zipf
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -35,6 +40,7 @@ from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_
 from freetoken_jax.bench.presets import PRESETS, preset_config
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer")
+PREFILL_VARIANTS = ("offload", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
 class Bench:
@@ -188,21 +194,52 @@ class Bench:
                      handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_exposed_us=(hs["window_s"] - hs["ideal_s"]) / c * 1e6)  # fmt: skip
         return r
 
-    def prefill(self, variant: str, prompt_len: int, q: float) -> dict | None:
-        from freetoken_jax.runtime.steps import Sampling, prefill_step
+    def prefill(self, variant: str, prompt_len: int, q: float, vram_gb: float) -> dict | None:
+        """Time to prefill one prompt. offload / hybrid: through two borrowed layer buffers of a
+        `vram_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
+        dropped; per-token: the decode path (routed experts looked up and fetched per token)."""
+        from freetoken_jax.memory.expert_cache import init_slot_cache
+        from freetoken_jax.runtime.steps import Sampling, _sample_last, forward, prefill_step
 
         eng, cfg = self.engine, self.cfg
-        weights = self.weights(variant, q, None)
+        weights = self.weights({"stream": "offload", "per-token": "offload"}.get(variant, variant), q, None)
         if weights is None:
             return None
+        slots = None
+        if variant in ("offload", "hybrid", "per-token"):
+            n = max(self.ecfg.max_batch * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes))
+            from freetoken_jax.runtime.buckets import chunk_bucket
+
+            need = chunk_bucket(prompt_len, self.ecfg.prefill_chunk) * cfg.top_k
+            if variant == "per-token" and n < need:
+                self.log(f"per-token prefill needs {need} slots (a chunk's routed experts), the budget gives {n}: skipped")
+                return None
+            slots = jax.device_put(init_slot_cache(cfg, n, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
+        plain = jax.jit(prefill_step, donate_argnums=(1,))
+
+        @functools.partial(jax.jit, donate_argnums=(1, 3))
+        def per_token(w, cache, batch, experts):
+            h, cache, experts = forward(w, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts)
+            return _sample_last(w, h, batch), cache, experts
+
+        box = [slots]
+
+        def step(w, c, b):
+            if variant == "per-token":
+                tok, c, box[0] = per_token(weights, c, b, box[0])
+            elif box[0] is not None:
+                tok, c, box[0] = eng._prefill_call(weights, c, b, box[0])
+            else:
+                tok, c = plain(weights, c, b)
+            return tok, c
+
         prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len))
         pages = [eng.pages.allocate(prompt_len + 1)]
         try:
             table, _ = eng._page_table(pages, 1)
-            step = jax.jit(prefill_step, donate_argnums=(1,))
             for _ in range(2):  # the first pass compiles
                 t0 = time.perf_counter()
-                for _s, _t, first in eng._prefill_chunks([prompt], table, Sampling.greedy(1), lambda w, c, b: step(weights, c, b)):  # noqa: B007
+                for _s, _t, first in eng._prefill_chunks([prompt], table, Sampling.greedy(1), step):  # noqa: B007
                     pass
                 first.block_until_ready()
                 ttft = time.perf_counter() - t0
@@ -211,8 +248,10 @@ class Bench:
                 eng.pages.release(p)
         chunks = -(-prompt_len // self.ecfg.prefill_chunk)
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = chunks * all_experts / self.bp if variant in ("offload", "hybrid") else None
-        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
+        bound = chunks * all_experts / self.bp if variant in ("offload", "hybrid", "stream", "per-token") else None
+        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, vram_gb=vram_gb if slots is not None else None,
+                    buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
+                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
 
 
@@ -284,7 +323,7 @@ def run(args) -> dict:
     else:
         for n in args.prompt_len:
             for s in args.strategy:
-                r = bench.prefill(s, n, q)
+                r = bench.prefill(s, n, q, args.vram_gb[0])
                 if r is not None:
                     out["rows"].append(r)
         cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
