@@ -33,28 +33,16 @@ def test_decode_side_by_side(tmp_path, capsys):
 
 def test_prefill(tmp_path):
     out = tmp_path / "prefill.json"
-    assert (
-        main(
-            [
-                "prefill",
-                "--preset",
-                "demo",
-                "--strategy",
-                "offload",
-                "fused",
-                "--prompt-len",
-                "40",
-                "--dtype",
-                "float32",
-                "--json",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "stream", "fused", "--vram-gb", "0.01", "--prompt-len", "40",
+            "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["strategy"], r["prompt_len"], r["chunks"]) for r in rows] == [("offload", 40, 1), ("fused", 40, 1)]
-    assert rows[0]["pcie_bound_ms"] > 0 and rows[1]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
+    assert [(r["strategy"], r["prompt_len"], r["chunks"], r["buffered"]) for r in rows] == [
+        ("offload", 40, 1, True),  # 0.01 GB holds more than 2 x 16 demo experts: two layer buffers
+        ("stream", 40, 1, False),
+        ("fused", 40, 1, False),
+    ]
+    assert rows[0]["pcie_bound_ms"] > 0 and rows[2]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_plot_draws_or_says_what_is_missing(tmp_path):

@@ -74,6 +74,12 @@ class Bench:
     def expert_bytes(self) -> int:
         return self.cfg.expert_params * jnp.dtype(self.ecfg.dtype).itemsize
 
+    def slots_for(self, vram_gb: float, B: int) -> int:
+        """Slots a budget buys: at least one step's experts, at most every expert and the two
+        prefill buffers (as the engine's planner)."""
+        cfg = self.cfg
+        return min(max(B * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes)), (cfg.num_moe_layers + 2) * cfg.num_experts)
+
     def weights(self, variant: str, q: float, skew: float | None):
         """The `Weights` of a variant (None when it cannot run here) and its slot count."""
         from freetoken_jax.runtime.handoff import resolve_mode
@@ -114,7 +120,7 @@ class Bench:
             return None
         slots = {"naive": B * cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
         if variant in ("offload", "hybrid"):
-            slots = max(B * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes))
+            slots = self.slots_for(vram_gb, B)
         rng = np.random.default_rng(7 + B)
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
         pages = [eng.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
@@ -207,7 +213,7 @@ class Bench:
             return None
         slots = None
         if variant in ("offload", "hybrid", "per-token"):
-            n = max(self.ecfg.max_batch * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes))
+            n = self.slots_for(vram_gb, self.ecfg.max_batch)
             from freetoken_jax.runtime.buckets import chunk_bucket
 
             need = chunk_bucket(prompt_len, self.ecfg.prefill_chunk) * cfg.top_k
