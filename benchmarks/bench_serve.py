@@ -3,6 +3,13 @@ all (OpenAI completions, streaming off), then it stops. Reports requests/s, outp
 latency percentiles.
 
     python benchmarks/bench_serve.py --model demo --concurrency 1 4 16 --requests 48 --max-tokens 32
+    python benchmarks/bench_serve.py --preset qwen3-30b-a3b --strategy offload --expert-gb 16 --dtype bfloat16 \
+        --concurrency 1 4 16 --resize 800 2400 1695
+
+`--preset` builds a named shape with seeded random weights (no checkpoint). `--resize N ...`
+then times `rebuild_cache(expert_slots=N)` on the idle server for each N (validation, compile of
+the new geometry, reallocation), and checks that a greedy request gives the same text before
+and after each resize.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ def run(url: str, concurrency: int, total: int, max_tokens: int) -> dict:
             t = time.perf_counter()
             r = post(
                 url + "/v1/completions",
-                {"prompt": f"request {i}: tell me a story", "max_tokens": max_tokens, "temperature": 0.8, "seed": i},
+                # token ids: presets have random weights and no tokenizer
+                {"prompt": [3 + (i * 7 + j * 13) % 250 for j in range(12)], "max_tokens": max_tokens, "temperature": 0.8, "seed": i},
             )
             with lock:
                 lat.append(time.perf_counter() - t)
@@ -56,7 +64,11 @@ def run(url: str, concurrency: int, total: int, max_tokens: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="demo")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default="demo")
+    src.add_argument("--preset", default=None, help="a named shape with seeded random weights (freetoken_jax.bench.presets)")
+    ap.add_argument("--expert-gb", type=float, default=None, help="expert slot budget for offload / hybrid (GB)")
+    ap.add_argument("--resize", type=int, nargs="*", default=[], help="expert slot counts to resize to, in turn, after the load test")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -65,24 +77,43 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    engine = FreeTokenEngine.from_pretrained(
-        args.model, EngineConfig(dtype=args.dtype, max_context=256, max_batch=args.max_batch, moe_strategy=args.strategy)
-    )
+    ecfg = EngineConfig(dtype=args.dtype, max_context=256, max_batch=args.max_batch, moe_strategy=args.strategy)
+    if args.preset:
+        from freetoken_jax.bench.presets import preset_config
+
+        cfg = preset_config(args.preset)
+        if args.expert_gb is not None:
+            ecfg = ecfg.replace(expert_slots=max(args.max_batch * cfg.top_k, int(args.expert_gb * 1e9 // (cfg.expert_params * 2))))
+        engine = FreeTokenEngine(cfg, ecfg)
+    else:
+        engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
     sched = Scheduler(engine, max_queue=4 * args.requests)
     httpd = serve_http(Service(sched, "m", engine.model_path), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
     run(url, 2, 4, args.max_tokens)  # compile the executables first
     rows = [run(url, c, args.requests, args.max_tokens) for c in args.concurrency]
+    resizes = []
+    probe = dict(model="m", prompt=[5, 9, 14, 77, 31], max_tokens=16, temperature=0)
+    before = post(url + "/v1/completions", probe)["choices"][0]["text"]
+    for n in args.resize:
+        t = time.perf_counter()
+        status = sched.rebuild_cache(expert_slots=n, drain=True)
+        dt = time.perf_counter() - t
+        after = post(url + "/v1/completions", probe)["choices"][0]["text"]
+        resizes.append(dict(expert_slots=n, seconds=dt, same_output=after == before, status=status))
+        print(json.dumps(resizes[-1], default=str), flush=True)
     httpd.shutdown()
     sched.shutdown()
     for r in rows:
         print(json.dumps(r))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(dict(load=rows, resize=resizes), f, indent=1, default=str)
     print(f"\n{'clients':>7} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['concurrency']:>7} {r['requests_per_s']:7.2f} {r['output_tokens_per_s']:8.1f} {r['p50_ms']:8.0f} {r['p99_ms']:8.0f}")
+    for r in resizes:
+        print(f"resize to {r['expert_slots']} slots: {r['seconds']:.2f} s, same output: {r['same_output']}")
     return 0
 
 
