@@ -46,7 +46,6 @@ def test_hybrid_matches_fused(family, ckpt_root):
     want = fused.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
     cfg = fused.model_config
     runs = ((0.35, 2 * cfg.top_k, "callback"), (0.0, 2 * cfg.top_k, "ffi"), (1.0, 2 * cfg.top_k, "callback"), (0.5, 1000, "callback"))
-    runs += ((0.35, 2 * cfg.top_k, "ffi"),)
     for q, slots, handoff in runs:
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, expert_slots=slots, hybrid_q=q, cpu_handoff=handoff))
         assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want, (family, q, slots, handoff)
