@@ -73,9 +73,10 @@ def test_prefix_cache_survives_growth(sched):
 )
 def test_invalid_targets_change_nothing(sched, kw, match):
     before = elastic.status(sched)
-    if match is None:  # more slots than experts is clamped, not refused
+    if match is None:  # more slots than experts (and prefill's two layer buffers) is clamped, not refused
         sched.rebuild_cache(**kw)
-        assert elastic.status(sched)["expert_slots"] == sched.engine.model_config.num_moe_layers * sched.engine.model_config.num_experts
+        cfg = sched.engine.model_config
+        assert elastic.status(sched)["expert_slots"] == (cfg.num_moe_layers + 2) * cfg.num_experts
         return
     with pytest.raises(ConfigError, match=match):
         sched.rebuild_cache(**kw)
