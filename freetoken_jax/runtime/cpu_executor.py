@@ -77,7 +77,7 @@ class CpuExecutor:
         if max_tier not in TIERS:
             raise ValueError(f"max_tier must be one of {TIERS}")
         self._ex = _cpu_ext.CpuMoeExecutor(threads or os.cpu_count() or 1, max_tier, pin)
-        self._registered: list = []  # banks registered for the FFI handoff, kept alive with the executor
+        self._registered: dict = {}  # banks registered for the FFI handoff, kept alive with the executor
 
     @property
     def tier(self) -> str:
@@ -109,5 +109,6 @@ class CpuExecutor:
         """Registers one layer's banks for the FFI handoff (`freetoken_jax.runtime.handoff`);
         returns the handle its calls carry. The banks stay referenced for the executor's life."""
         views = (_bank_view(gate), _bank_view(up), _bank_view(down))
-        self._registered.append(((gate, up, down), views))
-        return int(_cpu_ext.register_handoff_layer(self._ex, *views, hidden, ffn, act))
+        handle = int(_cpu_ext.register_handoff_layer(self._ex, *views, hidden, ffn, act))  # the same banks: the same handle
+        self._registered[handle] = ((gate, up, down), views)
+        return handle
