@@ -57,3 +57,19 @@ def test_plot_draws_or_says_what_is_missing(tmp_path):
     else:
         plot(rows, str(path))
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_transformers_baseline_beside_the_engine(tmp_path, ckpt_root, capsys):
+    from hf_models import make_checkpoint
+
+    path = make_checkpoint("qwen3_moe", ckpt_root)
+    out = tmp_path / "t.json"
+    argv = ["decode", "--model", path, "--strategy", "offload", "transformers", "--vram-gb", "0.001", "--gen-len", "6",
+            "--prompt-len", "8", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"offload", "transformers"}
+    assert rows["transformers"]["tokens_per_s"] > 0 and rows["transformers"]["placement"] == "cpu"  # no GPU here
+    # a preset has no Hugging Face checkpoint: the baseline is skipped with a message, the rest runs
+    assert main(["decode", "--preset", "demo", "--strategy", "transformers", "naive", "--gen-len", "6", "--dtype", "float32"]) == 0
+    assert "needs --model with a Hugging Face checkpoint" in capsys.readouterr().err

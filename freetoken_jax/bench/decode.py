@@ -10,7 +10,9 @@ over the same banks:
 - cpu: every routed expert computed by the CPU executor, no slots;
 - naive: every routed expert fetched every step (B × k slots, all evicted by every layer);
 - layer: every MoE layer's whole bank streamed to the device every step (accelerate-style);
-- fused: every expert on the device (a second copy of the weights; only where it fits).
+- fused: every expert on the device (a second copy of the weights; only where it fits);
+- transformers: the checkpoint (`--model`, Hugging Face) decoded by transformers, placed by
+  accelerate's device_map under the same GPU memory cap (`bench/hf_baseline.py`).
 
 Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
@@ -39,7 +41,7 @@ import numpy as np
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
 
-VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer")
+VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
 PREFILL_VARIANTS = ("offload", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
@@ -318,8 +320,13 @@ def run(args) -> dict:
         for skew in args.routing_skew:
             for B in args.batch:
                 for s in args.strategy:
-                    for vram in args.vram_gb if s in ("offload", "hybrid") else [None]:
-                        r = bench.decode(s, B, vram, args.prompt_len, args.gen_len, q, skew)
+                    for vram in args.vram_gb if s in ("offload", "hybrid", "transformers") else [None]:
+                        if s == "transformers":
+                            from freetoken_jax.bench.hf_baseline import transformers_decode
+
+                            r = transformers_decode(args.model, B, args.prompt_len, args.gen_len, vram, args.dtype, bench.log)
+                        else:
+                            r = bench.decode(s, B, vram, args.prompt_len, args.gen_len, q, skew)
                         if r is not None:
                             out["rows"].append(r)
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
