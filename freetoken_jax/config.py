@@ -232,6 +232,7 @@ class EngineConfig:
     # Strategy "hybrid": the handoff's fixed cost per layer in units of one expert's PCIe fetch
     # time; misses go to the CPU only when that pays (0: FreeToken's split as is). Measured on the
     # H200 with Qwen3-30B-A3B experts: 268 µs per layer against 190 µs per 9.4 MB expert → 1.4.
+    # Strategy "auto" takes it from benchbw.json (`handoff_ffi_us` over one expert's fetch time).
     hybrid_overhead: float = 1.4
     page_size: int = 16
     max_context: int = 4096

@@ -77,6 +77,11 @@ def _resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, 
         strategy = rec["strategy"] if rec["strategy"] in ("offload", "hybrid") else "offload"
         q = rec.get("q")
         new = ecfg.replace(moe_strategy=strategy, hybrid_q=float(q) if q is not None else ecfg.hybrid_q)
+        fig = prof.get("figures") or {}
+        us, link = fig.get("handoff_ffi_us"), fig.get("contended_fetch_gb_s", fig.get("fetch_gb_s"))
+        if isinstance(us, (int, float)) and isinstance(link, (int, float)) and us > 0 and link > 0:
+            # the handoff's measured cost in units of one expert's PCIe fetch time
+            new = new.replace(hybrid_overhead=us * 1e-6 / (cfg.expert_params * itemsize / (link * 1e9)))
         return new, f"the experts do not fit; benchbw.json recommends {strategy} ({rec.get('reason', '')})"
     return ecfg.replace(
         moe_strategy="offload"

@@ -37,6 +37,7 @@ def test_run_writes_profile(tmp_path):
         d = json.loads((tmp_path / f).read_text())
         assert d["schema"] == bw.SCHEMA and d["device"] == bw.device_name() and d["cpu_model"] == bw.cpu_model()
         assert d["figures"]["host_read_gb_s"] > 0 and d["figures"]["cpu_moe_gb_s"] > 0 and d["figures"]["cpu_tier"]
+        assert {"handoff_ffi_us", "handoff_callback_us"} <= set(d["figures"])
         assert d["recommendation"]["strategy"] in ("fused", "offload", "hybrid")
     assert bw.load_profile(str(tmp_path / "p.json"))["recommendation"] == prof["recommendation"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".benchbw-")]  # no temporary left
@@ -77,12 +78,14 @@ def test_auto_strategy(tmp_path, monkeypatch):
         schema=bw.SCHEMA,
         device=bw.device_name(),
         cpu_model=bw.cpu_model(),
-        figures={},
+        figures=dict(handoff_ffi_us=50.0, fetch_gb_s=10.0),
         recommendation=dict(strategy="hybrid", q=0.3, reason="made up"),
     )
     (tmp_path / "benchbw.json").write_text(json.dumps(prof))
     e = FreeTokenEngine(cfg, small)
     assert e.engine_config.moe_strategy == "hybrid" and e.engine_config.hybrid_q == 0.3
+    # the measured handoff cost becomes hybrid_overhead, in expert fetch times: 50 us / (3 x 32 x 48 x 4 B / 10 GB/s)
+    assert e.engine_config.hybrid_overhead == pytest.approx(50e-6 / (3 * 32 * 48 * 4 / 10e9))
     assert (
         e.generate_batch([[1, 2, 3]], max_new_tokens=3, ignore_eos=True)[0]
         == FreeTokenEngine(cfg, base.replace(moe_strategy="fused")).generate_batch([[1, 2, 3]], max_new_tokens=3, ignore_eos=True)[0]

@@ -122,9 +122,44 @@ def measure(
     E = E // k * k
     fig["cpu_moe_gb_s"] = E * expert_bytes / _time(cpu_pass, reps) / 1e9
     fig["cpu_tier"] = ex.tier
+    fig.update(handoff_cost(reps=reps))
     if jax.default_backend() == "gpu":
         fig.update(_gpu_probes(banks, E, expert_bytes, cpu_pass, reps))
     return fig
+
+
+def handoff_cost(layers: int = 48, reps: int = 3) -> dict:
+    """Microseconds one CPU handoff adds to a jitted step when the CPU has nothing to do: a chain
+    of `layers` small device ops with a submit/wait pair (FFI) or a pure_callback each (every
+    routing weight 0, so the job is empty), against the same chain without."""
+    import jax
+    import jax.numpy as jnp
+
+    from freetoken_jax.runtime.handoff import LayerHandoff
+
+    H, F = 64, 16
+    rng = np.random.default_rng(1)
+    banks = [rng.standard_normal((2, F * H), dtype=np.float32) for _ in range(3)]
+    ids, w, valid = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 2), jnp.float32), jnp.ones((1,), jnp.int32)
+
+    def chain(h):
+        def f(x):
+            for _ in range(layers):
+                x = jnp.tanh(x * 0.5 + 0.1)
+                if h is not None:
+                    x = x + h.collect(h.submit(x, ids, w, valid), 1)
+            return x
+
+        return jax.jit(f)
+
+    x = jnp.ones((1, H), jnp.float32)
+    out = {}
+    base = chain(None)
+    t0 = _time(lambda: base(x).block_until_ready(), max(reps, 5))
+    for mode in ("ffi", "callback"):
+        f = chain(LayerHandoff(mode, *banks, H, F, "silu"))
+        out[f"handoff_{mode}_us"] = (_time(lambda f=f: f(x).block_until_ready(), max(reps, 5)) - t0) / layers * 1e6
+    return out
 
 
 def _gpu_probes(banks, E, expert_bytes, cpu_pass, reps) -> dict:
