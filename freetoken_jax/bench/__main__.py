@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                            help="Zipf exponent of synthetic routing (0 = uniform); default: the model's own router")  # fmt: skip
             p.add_argument("--prompt-len", type=int, default=64)
             p.add_argument("--gen-len", type=int, default=64, help="decode steps per row (the first quarter, at most 16, are warm-up)")
+            p.add_argument("--layer-steps", type=int, default=8, help="decode steps of the `layer` baseline (each moves every expert)")
             p.add_argument("--plot", default=None, help="draw tokens/s against the VRAM budget into this PNG (needs matplotlib)")
         else:
             p.add_argument("--prompt-len", type=int, nargs="+", default=[256])

@@ -326,7 +326,8 @@ def run(args) -> dict:
 
                             r = transformers_decode(args.model, B, args.prompt_len, args.gen_len, vram, args.dtype, bench.log)
                         else:
-                            r = bench.decode(s, B, vram, args.prompt_len, args.gen_len, q, skew)
+                            steps = min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len
+                            r = bench.decode(s, B, vram, args.prompt_len, steps, q, skew)
                         if r is not None:
                             out["rows"].append(r)
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
