@@ -1,5 +1,5 @@
 """Decode with the experts in pinned host RAM against its bound, with the baselines and the
-hybrid variants in the same process on the same weights (built on `freetoken_jax.bench.decode`):
+hybrid variants in the same process on the same weights (built on `freetoken_jax.bench.compare`):
 
 - cached: strategy "offload", the unified slot cache with the given expert budget;
 - hybrid: the slot cache, fetch_count(M, q*) of each layer's M misses fetched and the rest
@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from freetoken_jax.bench.decode import Bench  # noqa: E402
+from freetoken_jax.bench.compare import Bench  # noqa: E402
 from freetoken_jax.bench.presets import PRESETS  # noqa: E402
 from freetoken_jax.memory.expert_cache import init_slot_cache  # noqa: E402
 

@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from freetoken_jax.bench.decode import PREFILL_VARIANTS, VARIANTS
+from freetoken_jax.bench.compare import PREFILL_VARIANTS, VARIANTS
 from freetoken_jax.bench.presets import PRESETS
 
 
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
     args = ap.parse_args(argv)
     if args.cmd in ("decode", "prefill"):
-        from freetoken_jax.bench.decode import run
+        from freetoken_jax.bench.compare import run
 
         run(args)
         return 0

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from freetoken_jax.bench.__main__ import main
-from freetoken_jax.bench.decode import plot
+from freetoken_jax.bench.compare import plot
 
 ROW_KEYS = {"strategy", "batch", "vram_gb", "slots", "routing_skew", "ms_per_token", "tokens_per_s", "ttft_ms", "hit_rate",
             "gb_fetched_per_token", "experts_on_cpu_per_step", "q", "bound_ms", "ratio_to_bound"}  # fmt: skip
