@@ -2,6 +2,8 @@
 against a float64 reference over a sweep of shapes, several handoffs in one jitted program with
 work between submit and wait, and clear errors for bad calls."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -73,11 +75,11 @@ def test_chained_layers_with_work_between_submit_and_wait():
                 y = x
                 if p.token is not None:
                     tok, y = jax.lax.optimization_barrier((p.token, y))
-                    p = type(p)(tok, p.args)
+                    p = dataclasses.replace(p, token=tok)
                 y = jnp.tanh(y @ A)
                 if p.token is not None:
                     y, tok = jax.lax.optimization_barrier((y, p.token))
-                    p = type(p)(tok, p.args)
+                    p = dataclasses.replace(p, token=tok)
                 x = y + 0.1 * h.collect(p, T)
             return x
 

@@ -24,6 +24,8 @@ import time
 
 import numpy as np
 
+from freetoken_jax.bench.measure import executor_pass, h2d_bandwidth, median_time
+
 log = logging.getLogger("freetoken_jax")
 
 SCHEMA = 1
@@ -68,21 +70,11 @@ def recommend(fig: dict, threshold: float = THRESHOLD) -> dict:
     return dict(strategy="offload", q=q, reason=f"CPU {cpu:.1f} GB/s <= {threshold} x PCIe {pcie:.1f} GB/s")
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
-
-
 def _host_read(gb: float, threads: int, reps: int) -> float:
     from freetoken_jax import _cpu_ext
 
     buf = np.ones(int(gb * 1e9) // 8 * 8, np.uint8)
-    return buf.nbytes / _time(lambda: _cpu_ext.stream_read(buf, threads), reps) / 1e9
+    return buf.nbytes / median_time(lambda: _cpu_ext.stream_read(buf, threads), reps) / 1e9
 
 
 def measure(
@@ -111,20 +103,12 @@ def measure(
     banks.append((rng.standard_normal((E, hidden * ffn), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16))
     ex = CpuExecutor(threads)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
-    order = iter(range(1 << 62))
-    k = min(top_k, E)
-
-    def cpu_pass():  # batch 1: one token's top-k experts per call, rotating through the whole working set
-        for _ in range(E // k):
-            start = next(order) * k
-            ex.run(x, [0] * k, [(start + i) % E for i in range(k)], [1.0 / k] * k, *banks)
-
-    E = E // k * k
-    fig["cpu_moe_gb_s"] = E * expert_bytes / _time(cpu_pass, reps) / 1e9
+    cpu_pass, cpu_bytes = executor_pass(ex, [banks], x, top_k)  # the whole working set, batch 1
+    fig["cpu_moe_gb_s"] = cpu_bytes / median_time(cpu_pass, reps) / 1e9
     fig["cpu_tier"] = ex.tier
     fig.update(handoff_cost(reps=reps))
     if jax.default_backend() == "gpu":
-        fig.update(_gpu_probes(banks, E, expert_bytes, cpu_pass, reps))
+        fig.update(_gpu_probes(banks, E, cpu_bytes, cpu_pass, reps))
     return fig
 
 
@@ -155,14 +139,14 @@ def handoff_cost(layers: int = 48, reps: int = 3) -> dict:
     x = jnp.ones((1, H), jnp.float32)
     out = {}
     base = chain(None)
-    t0 = _time(lambda: base(x).block_until_ready(), max(reps, 5))
+    t0 = median_time(lambda: base(x).block_until_ready(), max(reps, 5))
     for mode in ("ffi", "callback"):
         f = chain(LayerHandoff(mode, *banks, H, F, "silu"))
-        out[f"handoff_{mode}_us"] = (_time(lambda f=f: f(x).block_until_ready(), max(reps, 5)) - t0) / layers * 1e6
+        out[f"handoff_{mode}_us"] = (median_time(lambda f=f: f(x).block_until_ready(), max(reps, 5)) - t0) / layers * 1e6
     return out
 
 
-def _gpu_probes(banks, E, expert_bytes, cpu_pass, reps) -> dict:
+def _gpu_probes(banks, E, cpu_bytes, cpu_pass, reps) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -170,10 +154,9 @@ def _gpu_probes(banks, E, expert_bytes, cpu_pass, reps) -> dict:
 
     dev = jax.devices()[0]
     pinned = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host")
-    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
     out = {}
     bank = jax.device_put(np.asarray(banks[0]), pinned)
-    out["h2d_gb_s"] = bank.nbytes / _time(lambda: jax.device_put(bank, device).block_until_ready(), reps) / 1e9
+    out["h2d_gb_s"] = h2d_bandwidth(bank, reps=reps) / 1e9
     n = min(E, 64)
     slots = jnp.zeros((n, bank.shape[1]), bank.dtype)
     src, dst, valid = jnp.arange(n, dtype=jnp.int32), jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), bool)
@@ -184,7 +167,7 @@ def _gpu_probes(banks, E, expert_bytes, cpu_pass, reps) -> dict:
         box[0].block_until_ready()
 
     row_bytes = bank.shape[1] * bank.dtype.itemsize
-    out["fetch_gb_s"] = n * row_bytes / _time(fetch, reps) / 1e9
+    out["fetch_gb_s"] = n * row_bytes / median_time(fetch, reps) / 1e9
     # contended: the CPU executor and the fetch at the same time
     t_cpu = {}
 
@@ -201,7 +184,7 @@ def _gpu_probes(banks, E, expert_bytes, cpu_pass, reps) -> dict:
     t_fetch = (time.perf_counter() - t) / reps
     th.join()
     out["contended_fetch_gb_s"] = n * row_bytes / t_fetch / 1e9
-    out["contended_cpu_moe_gb_s"] = E * expert_bytes / t_cpu["s"] / 1e9
+    out["contended_cpu_moe_gb_s"] = cpu_bytes / t_cpu["s"] / 1e9
     return out
 
 

@@ -64,9 +64,11 @@ class Bench:
         self.build_s = time.perf_counter() - t0
         gpu = jax.default_backend() == "gpu"
         self.hbm = copy_bandwidth(4.0 if gpu else 0.05, 20 if gpu else 3)
-        self.bp = h2d_bandwidth(1.0 if gpu else 0.05)
-        self.bh = executor_bandwidth(self.engine, 3.0 if gpu else 0.3)
-        self.views = None
+        from freetoken_jax.runtime.offload import host_bank_views
+
+        self.views = host_bank_views(self.engine.weights.params)  # one static object: one executable per variant
+        self.bp = h2d_bandwidth(gib=1.0 if gpu else 0.05)
+        self.bh = executor_bandwidth(self.engine, self.views)
         self._fused = None
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
@@ -83,13 +85,11 @@ class Bench:
         return min(max(B * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes)), (cfg.num_moe_layers + 2) * cfg.num_experts)
 
     def weights(self, variant: str, q: float, skew: float | None):
-        """The `Weights` of a variant (None when it cannot run here) and its slot count."""
+        """The `Weights` of a variant, or None when it cannot run here."""
         from freetoken_jax.runtime.handoff import resolve_mode
-        from freetoken_jax.runtime.offload import host_bank_views
 
         w = self.engine.weights
         if variant in ("hybrid", "cpu"):
-            self.views = self.views or host_bank_views(w.params)
             w = dataclasses.replace(w, strategy=variant, host_banks=self.views, handoff=resolve_mode("auto"),
                                     hybrid_q=q if variant == "hybrid" else None)  # fmt: skip
         if variant == "fused":

@@ -9,51 +9,62 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def median_time(fn, reps: int) -> float:
+    """Seconds `fn()` takes: one warm-up call, then the median of `reps` calls."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts))
+
+
 def copy_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
     """Device-to-device copy, bytes read + written per second (median)."""
     n = int(gib * (1 << 30)) // 2
     x = jax.jit(lambda: jax.lax.iota(jnp.float32, n).astype(jnp.bfloat16) * jnp.bfloat16(1e-3))()
     f = jax.jit(lambda a: a * jnp.bfloat16(1.0001))
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * n * 2 / float(np.median(ts))
+    return 2 * n * 2 / median_time(lambda: f(x).block_until_ready(), reps)
 
 
-def h2d_bandwidth(gib: float = 1.0) -> float:
-    """Host bank memory (pinned_host on a GPU) -> device `device_put` (median of 5)."""
+def h2d_bandwidth(host=None, gib: float = 1.0, reps: int = 5) -> float:
+    """Host bank memory (pinned_host on a GPU) -> device `device_put` of `host`, or of a fresh
+    `gib` GiB array (median)."""
     from freetoken_jax.runtime.offload import host_memory_kind
 
     dev = jax.devices()[0]
-    n = int(gib * (1 << 30)) // 2
-    host = jax.device_put(
-        np.arange(n, dtype=np.float32).astype(jnp.bfloat16), jax.sharding.SingleDeviceSharding(dev, memory_kind=host_memory_kind())
-    )
-    ts = []
-    for _ in range(6):
-        t = time.perf_counter()
-        jax.device_put(host, jax.sharding.SingleDeviceSharding(dev, memory_kind="device")).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * n / float(np.median(ts[1:]))
+    if host is None:
+        n = int(gib * (1 << 30)) // 2
+        host = jax.device_put(
+            np.arange(n, dtype=np.float32).astype(jnp.bfloat16), jax.sharding.SingleDeviceSharding(dev, memory_kind=host_memory_kind())
+        )
+    device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    return host.nbytes / median_time(lambda: jax.device_put(host, device).block_until_ready(), reps)
 
 
-def executor_bandwidth(engine, seconds: float = 3.0) -> float:
-    """The CPU executor at batch 1 (one token's top-k experts per call) over the engine's own host
-    banks, rotating through every layer: bytes of expert weights read per second."""
+def executor_pass(ex, layers, x, top_k: int, act: str = "silu"):
+    """One batch-1 pass of the CPU executor over every expert of `layers` ([(gate, up, down)],
+    host banks): one token's top-k experts per call, in turn. Returns (run, bytes one run reads)."""
+    E = layers[0][0].shape[0]
+    k = min(top_k, E)
+    calls = E // k
+
+    def run():
+        for banks in layers:
+            for c in range(calls):
+                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, *banks, act)
+
+    expert_bytes = sum(b.nbytes // b.shape[0] for b in layers[0])
+    return run, len(layers) * calls * k * expert_bytes
+
+
+def executor_bandwidth(engine, views, reps: int = 3) -> float:
+    """The CPU executor at batch 1 over the engine's own host banks (`views`, from
+    `host_bank_views`), every layer in turn: bytes of expert weights read per second."""
     from freetoken_jax.runtime.cpu_executor import shared_executor
-    from freetoken_jax.runtime.offload import host_bank_views
 
     cfg = engine.model_config
-    views = host_bank_views(engine.weights.params)
-    ex = shared_executor()
     x = np.random.default_rng(0).standard_normal((1, cfg.hidden_dim), dtype=np.float32)
-    k, E = cfg.top_k, cfg.num_experts
-    n, t0, i = 0, time.perf_counter(), 0
-    while time.perf_counter() - t0 < seconds:
-        ex.run(x, [0] * k, [(i * k + j) % E for j in range(k)], [1.0 / k] * k, *views[i % len(views)], cfg.hidden_act)
-        n, i = n + k, i + 1
-    itemsize = np.dtype(views[0][0].dtype).itemsize
-    return n * cfg.expert_params * itemsize / (time.perf_counter() - t0)
+    run, nbytes = executor_pass(shared_executor(), views, x, cfg.top_k, cfg.hidden_act)
+    return nbytes / median_time(run, reps)

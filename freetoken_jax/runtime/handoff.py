@@ -49,8 +49,11 @@ def _register_targets() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    token: jax.Array | None
-    args: tuple
+    """A started CPU job: the FFI token (and top-k, which `wait` needs), or the callback's inputs."""
+
+    token: jax.Array | None = None
+    top_k: int = 0
+    inputs: tuple = ()
 
 
 class LayerHandoff:
@@ -70,7 +73,7 @@ class LayerHandoff:
     def submit(self, x_TD, ids_TK, w_TK, valid_T) -> Pending:
         args = (x_TD.astype(jnp.float32), ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32), valid_T.astype(jnp.int32))
         if self.mode == "callback":
-            return Pending(None, args)
+            return Pending(inputs=args)
         x, ids, w, valid = args
         bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32).reshape(-1)  # noqa: E731
         packed = jnp.concatenate([x.reshape(-1), bits(ids), w.reshape(-1), bits(valid)])  # one copy to the host
@@ -78,14 +81,14 @@ class LayerHandoff:
         token = jax.ffi.ffi_call("freetoken_moe_submit", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
             packed, handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
         )
-        return Pending(token, (K,))
+        return Pending(token, K)
 
     def collect(self, p: Pending, T: int) -> jax.Array:
         out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)
         if self.mode == "ffi":
             wait = jax.ffi.ffi_call("freetoken_moe_wait", out, has_side_effect=True)
-            return wait(p.token, handle=np.int64(self.handle), top_k=np.int64(p.args[0]))
-        return jax.pure_callback(self._on_host, out, *p.args)
+            return wait(p.token, handle=np.int64(self.handle), top_k=np.int64(p.top_k))
+        return jax.pure_callback(self._on_host, out, *p.inputs)
 
     def _on_host(self, x, ids, w, valid):
         from freetoken_jax.runtime.cpu_executor import shared_executor

@@ -9,8 +9,9 @@ it borrows the 2E least recently used slots as two layer buffers (`borrow_for_pr
 them): layer L+1 is loaded into one while layer L computes; experts already resident in the
 cache are used where they are (not sent again, not even copied), the rest are fetched from the
 host bank into the buffer, and banks with rows under 256 KB move as one whole-layer copy. At
-the end the last two layers' fetched experts stay resident in their buffers (`keep_buffer`). Without 2E slots each layer's whole bank is copied to
-the device, used and dropped, and the slot cache is left as it was.
+the end the last two layers' fetched experts stay resident in their buffers (`keep_buffer`).
+Without 2E slots each layer's whole bank is copied to the device, used and dropped, and the
+slot cache is left as it was.
 
 Under this strategy the experts' parameters in the weights tree are the host banks themselves,
 one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for gate and up,
