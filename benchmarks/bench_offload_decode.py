@@ -5,7 +5,8 @@ hybrid variants in the same process on the same weights (built on `freetoken_jax
 - hybrid: the slot cache, fetch_count(M, q*) of each layer's M misses fetched and the rest
   computed by the CPU executor, handed over by the split FFI submit/wait; hybrid-cb: by
   jax.pure_callback; hybrid-q1: q = 1, so the CPU jobs are empty and the step time minus the
-  cached step's is the cost of the handoff itself;
+  cached step's is the cost of the handoff itself; a suffix "-hf" (hybrid-hf, hybrid-q1-hf)
+  makes the FFI handoff signal by host functions instead of stream memory operations;
 - naive: every routed expert fetched every step; layer: every bank streamed every step.
 
     python benchmarks/bench_offload_decode.py --preset qwen3-30b-a3b --expert-gb 16 --batch 1 4 --steps 256 --check
@@ -61,7 +62,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--layer-steps", type=int, default=16, help="steps for the layer-streaming baseline (each moves every expert)")
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--variants", nargs="+", default=["cached", "hybrid", "hybrid-cb", "hybrid-q1", "naive", "layer"])
+    ap.add_argument("--variants", nargs="+", default=["cached", "hybrid", "hybrid-cb", "hybrid-q1", "naive", "layer"],
+                    help="cached hybrid hybrid-cb hybrid-q1 naive layer; hybrid variants take the suffix -hf")  # fmt: skip
     ap.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
     ap.add_argument("--routing-skew", type=float, default=None, help="Zipf exponent of synthetic routing (default: the model's router)")
     ap.add_argument("--check", action="store_true")
@@ -79,12 +81,16 @@ def main(argv=None) -> int:
     if args.check:
         out["check"] = check_against_fused(bench, hybrid)
         print("check against fused:", out["check"], flush=True)
+    from freetoken_jax import _cpu_ext
+
     for B in args.batch:
         for v in args.variants:
-            strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(v, v)
+            base = v.removesuffix("-hf")
+            strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(base, base)
             steps = args.layer_steps if v == "layer" else args.steps
+            _cpu_ext.handoff_sync("host_function" if v.endswith("-hf") else "stream_memops")  # nothing is in flight here
             try:
-                r = bench.decode(strategy, B, args.expert_gb, args.prompt_len, steps, q, args.routing_skew, own.get(v), v)
+                r = bench.decode(strategy, B, args.expert_gb, args.prompt_len, steps, q, args.routing_skew, own.get(base), v)
             except Exception as e:  # one failing variant must not hide the others' figures
                 print(f"variant {v} at batch {B} failed: {type(e).__name__}: {e}", flush=True)
                 continue
@@ -94,12 +100,12 @@ def main(argv=None) -> int:
                 with open(args.json, "w") as f:
                     json.dump(out, f, indent=1)
     print(
-        f"\n{'variant':>9} {'B':>2} {'ms/tok':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'cpu/st':>6} {'bound':>7} {'ratio':>5} {'exp_us':>6}"
+        f"\n{'variant':>9} {'B':>2} {'ms/tok':>8} {'tok/s':>7} {'hit':>5} {'GB/tok':>7} {'cpu/st':>6} {'bound':>7} {'ratio':>5} {'cpu_us':>6}"
     )
     for r in out["rows"]:
         print(f"{r['strategy']:>9} {r['batch']:>2} {r['ms_per_token']:8.2f} {r['tokens_per_s']:7.2f} {r['hit_rate']:5.2f} "
               f"{r['gb_fetched_per_token']:7.3f} {r['experts_on_cpu_per_step']:6.1f} {r['bound_ms']:7.2f} {r['ratio_to_bound']:5.2f} "
-              f"{r.get('handoff_exposed_us', 0):6.1f}")  # fmt: skip
+              f"{r.get('handoff_cpu_side_us', 0):6.1f}")  # fmt: skip
     return 0
 
 

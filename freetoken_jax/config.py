@@ -234,6 +234,11 @@ class EngineConfig:
     # H200 with Qwen3-30B-A3B experts: 268 µs per layer against 190 µs per 9.4 MB expert → 1.4.
     # Strategy "auto" takes it from benchbw.json (`handoff_ffi_us` over one expert's fetch time).
     hybrid_overhead: float = 1.4
+    # Strategies "offload" / "hybrid": how prefill brings a layer's experts into its borrowed
+    # buffer: "fetch" (the Pallas kernel, per missing expert; resident experts are not copied),
+    # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is
+    # under 256 KB, else fetch).
+    prefill_load: str = "auto"
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
@@ -253,6 +258,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
         if self.cpu_handoff not in ("auto", "ffi", "callback"):
             raise ConfigError(f"cpu_handoff must be auto, ffi or callback, got {self.cpu_handoff!r}")
+        if self.prefill_load not in ("auto", "fetch", "copy"):
+            raise ConfigError(f"prefill_load must be auto, fetch or copy, got {self.prefill_load!r}")
         if self.hybrid_overhead < 0:
             raise ConfigError(f"hybrid_overhead must not be negative, got {self.hybrid_overhead}")
         if not 0.0 <= self.hybrid_q <= 1.0:

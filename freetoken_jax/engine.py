@@ -169,7 +169,9 @@ class FreeTokenEngine:
             params = to_host_banks(params)
         host = host_bank_views(params) if ecfg.moe_strategy in ("cpu", "hybrid") else None
         hybrid_q = ecfg.hybrid_q if ecfg.moe_strategy == "hybrid" else None
-        self.weights = Weights(params, graphdef, ecfg.moe_strategy, host, hybrid_q, resolve_mode(ecfg.cpu_handoff), ecfg.hybrid_overhead)
+        self.weights = Weights(
+            params, graphdef, ecfg.moe_strategy, host, hybrid_q, resolve_mode(ecfg.cpu_handoff), ecfg.hybrid_overhead, ecfg.prefill_load
+        )
         self.cache = init_cache(cfg, ecfg, dtype)
         # Committed to the device like every later version of the state, so the first decode step
         # and the following ones share one executable.

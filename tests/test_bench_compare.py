@@ -33,16 +33,17 @@ def test_decode_side_by_side(tmp_path, capsys):
 
 def test_prefill(tmp_path):
     out = tmp_path / "prefill.json"
-    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "stream", "fused", "--vram-gb", "0.01", "--prompt-len", "40",
+    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-copy", "stream", "fused", "--vram-gb", "0.01", "--prompt-len", "40",
             "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["strategy"], r["prompt_len"], r["chunks"], r["buffered"]) for r in rows] == [
         ("offload", 40, 1, True),  # 0.01 GB holds more than 2 x 16 demo experts: two layer buffers
+        ("offload-copy", 40, 1, True),
         ("stream", 40, 1, False),
         ("fused", 40, 1, False),
     ]
-    assert rows[0]["pcie_bound_ms"] > 0 and rows[2]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["pcie_bound_ms"] > 0 and rows[3]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
 
 
 def test_plot_draws_or_says_what_is_missing(tmp_path):
@@ -73,3 +74,24 @@ def test_transformers_baseline_beside_the_engine(tmp_path, ckpt_root, capsys):
     # a preset has no Hugging Face checkpoint: the baseline is skipped with a message, the rest runs
     assert main(["decode", "--preset", "demo", "--strategy", "transformers", "naive", "--gen-len", "6", "--dtype", "float32"]) == 0
     assert "needs --model with a Hugging Face checkpoint" in capsys.readouterr().err
+
+
+def test_plot_command_draws_several_runs_together(tmp_path):
+    runs = []
+    for skew in (0, 1):
+        rows = [dict(strategy="offload", batch=1, routing_skew=skew, vram_gb=v, tokens_per_s=10.0 + v + skew) for v in (8, 16)]
+        runs.append(tmp_path / f"s{skew}.json")
+        runs[-1].write_text(json.dumps(dict(kind="decode", rows=rows)))
+    other = tmp_path / "prefill.json"
+    other.write_text(json.dumps(dict(kind="prefill", rows=[])))
+    with pytest.raises(SystemExit, match="not the JSON of a `bench decode` run"):
+        main(["plot", str(runs[0]), str(other), "--out", str(tmp_path / "x.png")])
+    path = tmp_path / "both.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(SystemExit, match="matplotlib"):
+            main(["plot", *map(str, runs), "--out", str(path)])
+    else:
+        assert main(["plot", *map(str, runs), "--out", str(path)]) == 0
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

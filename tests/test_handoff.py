@@ -110,3 +110,29 @@ def test_bad_calls_raise():
     with pytest.raises(ValueError, match="cpu_handoff"):
         resolve_mode("carrier-pigeon")
     assert resolve_mode("auto") == "callback"  # the CPU backend
+
+
+def test_many_handoffs_in_a_row_follow_their_inputs():
+    """One staging job reused by many calls, dispatched without waiting between them: each call's
+    result follows its own inputs (the ready/arrived/done sequence numbers advance per call)."""
+    rng = np.random.default_rng(11)
+    E, F, H, T, K = 4, 8, 16, 2, 2
+    g, u, d = banks(rng, E, F, H, np.float32)
+    h = LayerHandoff("ffi", g, u, d, H, F, "silu")
+    f = jax.jit(lambda *a: h.collect(h.submit(*a), T))
+    calls = [inputs(rng, T, H, K, E) for _ in range(40)]
+    outs = [f(*c) for c in calls]  # asynchronous dispatch: several may be queued at once
+    for c, out in zip(calls, outs):
+        np.testing.assert_allclose(np.asarray(out), reference(*c, g, u, d, H, F), atol=1e-4, rtol=0)
+
+
+def test_handoff_sync_mode():
+    from freetoken_jax import _cpu_ext
+
+    mode = _cpu_ext.handoff_sync()
+    assert mode in ("stream_memops", "host_function")
+    assert _cpu_ext.handoff_sync("host_function") == "host_function"
+    with pytest.raises(ValueError, match="stream_memops"):
+        _cpu_ext.handoff_sync("carrier-pigeon")
+    _cpu_ext.handoff_sync(mode)
+    assert _cpu_ext.handoff_sync() == mode

@@ -12,7 +12,6 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.runtime import offload
 from freetoken_jax.runtime.steps import Sampling, forward
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
@@ -49,14 +48,14 @@ def check_maps(c):
     assert (sfi >= 0).sum() == (ids >= 0).sum()  # a bijection between held slots and resident ids
 
 
-@pytest.mark.parametrize("family, small_rows", [(f, True) for f in FAMILIES] + [("mixtral", False), ("deepseek_v2", False)])
-def test_buffered_prefill_matches_fused(family, small_rows, ckpt_root, monkeypatch):
-    if not small_rows:
-        monkeypatch.setattr(offload, "SMALL_ROW_BYTES", 0)  # every bank takes the per-expert path
+@pytest.mark.parametrize("family, load", [(f, "auto") for f in FAMILIES] + [("mixtral", "fetch"), ("deepseek_v2", "fetch")])
+def test_buffered_prefill_matches_fused(family, load, ckpt_root):
+    """ "auto" copies these tiny banks whole; "fetch" takes the per-expert path."""
     path = make_checkpoint(family, ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
     cfg = fused.model_config
-    off = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * cfg.num_experts))
+    ecfg = EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * cfg.num_experts, prefill_load=load)
+    off = FreeTokenEngine.from_pretrained(path, ecfg)
     rng = np.random.default_rng(5)
     for n in (1, 3, 5, 19):  # 1, page − 1, page + 1, three chunks
         prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, n)]

@@ -7,6 +7,9 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <cstddef>
+#include <cstdlib>
+#include <new>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -37,6 +40,9 @@ struct Cuda {
   int (*memcpy_htod)(uint64_t, const void*, size_t, Stream) = nullptr;
   int (*launch_host_func)(Stream, void (*)(void*), void*) = nullptr;
   int (*mem_host_alloc)(void**, size_t, unsigned) = nullptr;
+  int (*host_device_pointer)(uint64_t*, void*, unsigned) = nullptr;
+  int (*write_value32)(Stream, uint64_t, uint32_t, unsigned) = nullptr;  // stream memory operations
+  int (*wait_value32)(Stream, uint64_t, uint32_t, unsigned) = nullptr;
   std::string error;
 };
 
@@ -48,17 +54,37 @@ const Cuda& Driver() {
       c.error = "libcuda.so.1 could not be loaded";
       return c;
     }
-    auto sym = [&](auto& fn, const char* name) {
-      fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name));
-      if (!fn && c.error.empty()) c.error = std::string("libcuda.so.1 lacks ") + name;
+    auto sym = [&](auto& fn, std::initializer_list<const char*> names, bool required) {
+      for (const char* name : names)
+        if ((fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name)))) return;
+      if (required && c.error.empty()) c.error = std::string("libcuda.so.1 lacks ") + *names.begin();
     };
-    sym(c.memcpy_dtoh, "cuMemcpyDtoHAsync_v2");
-    sym(c.memcpy_htod, "cuMemcpyHtoDAsync_v2");
-    sym(c.launch_host_func, "cuLaunchHostFunc");
-    sym(c.mem_host_alloc, "cuMemHostAlloc");
+    sym(c.memcpy_dtoh, {"cuMemcpyDtoHAsync_v2"}, true);
+    sym(c.memcpy_htod, {"cuMemcpyHtoDAsync_v2"}, true);
+    sym(c.launch_host_func, {"cuLaunchHostFunc"}, true);
+    sym(c.mem_host_alloc, {"cuMemHostAlloc"}, true);
+    sym(c.host_device_pointer, {"cuMemHostGetDevicePointer_v2"}, true);
+    sym(c.write_value32, {"cuStreamWriteValue32_v2", "cuStreamWriteValue32"}, false);
+    sym(c.wait_value32, {"cuStreamWaitValue32_v2", "cuStreamWaitValue32"}, false);
     return c;
   }();
   return cuda;
+}
+
+// How a CUDA stream and the dispatcher signal each other: stream memory operations (the stream
+// writes a flag in mapped host memory, and waits for one), or host functions launched on the
+// stream. FREETOKEN_HANDOFF_SYNC=host_function forces the second; `SetHandoffSync` switches.
+std::atomic<int> sync_mode{-1};  // -1: not chosen yet
+
+int SyncMode() {
+  int m = sync_mode.load(std::memory_order_relaxed);
+  if (m >= 0) return m;
+  const char* env = std::getenv("FREETOKEN_HANDOFF_SYNC");
+  const Cuda& c = Driver();
+  m = (env && std::string(env) == "host_function") || !c.error.empty() || !c.write_value32 || !c.wait_value32 ? kSyncHostFunction
+                                                                                                             : kSyncStreamMemOps;
+  sync_mode.store(m, std::memory_order_relaxed);
+  return m;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -70,6 +96,17 @@ struct Layer {
   Act act;
 };
 
+// Flags in (mapped) host memory, each on its own cache line, holding handoff sequence numbers:
+// `ready` (the inputs are staged), `arrived` (the stream reached wait), `done` (the result is
+// staged). Written by the stream or by host code; compared cyclically, so they may wrap.
+struct Flags {
+  alignas(64) volatile uint32_t ready;
+  alignas(64) volatile uint32_t arrived;
+  alignas(64) volatile uint32_t done;
+};
+
+bool Reached(uint32_t flag, uint32_t seq) { return static_cast<int32_t>(flag - seq) >= 0; }
+
 // One staging job per (layer, T, K). A layer's submit/wait pairs follow one another in stream
 // order (each wait blocks until its job is done), so one job per shape is never in flight twice.
 struct Job {
@@ -80,10 +117,11 @@ struct Job {
   float* w = nullptr;       // [T, K]
   int32_t* valid = nullptr; // [T]
   float* out = nullptr;     // [T, H]
+  Flags* flags = nullptr;
+  uint64_t flags_device = 0;  // the flags' device address (CUDA)
+  uint32_t seq = 0;           // the last handoff enqueued
   std::vector<int32_t> token_of, expert_of;
   std::vector<float> weight_of;
-  std::atomic<bool> done{false};
-  int64_t t_post = 0, t_done = 0;  // steady-clock ns: the stream reached submit; the job ended
   std::mutex mu;
   std::condition_variable cv;
   std::string error;
@@ -93,9 +131,10 @@ int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// Per-handoff timing, summed: window = the stream reaching submit to leaving wait; gpu = to
-// reaching wait (the work between the two); cpu = to the job's end.
-std::atomic<int64_t> stat_count{0}, stat_window{0}, stat_gpu{0}, stat_cpu{0}, stat_ideal{0};
+// Per-handoff timing, summed, from the dispatcher's view: from seeing the inputs staged to the
+// job's end (cpu), to seeing the stream reach wait (gpu; seen only once the job has ended, so
+// when the stream came first this is the cpu time), and the larger of the two (window).
+std::atomic<int64_t> stat_count{0}, stat_window{0}, stat_gpu{0}, stat_cpu{0};
 
 std::mutex registry_mu;
 std::vector<std::unique_ptr<Layer>> layers;
@@ -124,30 +163,53 @@ void RunJob(Job* j) {
     }
   }
   std::memset(j->out, 0, sizeof(float) * j->T * H);
-  try {
-    l.executor->Run(j->x, j->T, j->token_of.data(), j->expert_of.data(), j->weight_of.data(),
-                    static_cast<int64_t>(j->token_of.size()), l.banks, l.act, j->out);
-  } catch (const std::exception& e) {
-    j->error = e.what();
+  if (!j->token_of.empty()) {
+    try {
+      l.executor->Run(j->x, j->T, j->token_of.data(), j->expert_of.data(), j->weight_of.data(),
+                      static_cast<int64_t>(j->token_of.size()), l.banks, l.act, j->out);
+    } catch (const std::exception& e) {
+      j->error = e.what();
+    }
   }
-  {
-    std::lock_guard<std::mutex> g(j->mu);
-    j->t_done = NowNs();
-    j->done.store(true, std::memory_order_release);
-  }
-  j->cv.notify_all();
+  if (!j->error.empty()) std::fprintf(stderr, "freetoken_jax CPU expert job failed: %s\n", j->error.c_str());
 }
 
+void Pause() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+// Spins until `flag` reaches `seq`; after `spin_ns` polls every ~50 us. Returns false if
+// `limit_ns` (when > 0) passed first.
+bool AwaitFlag(const volatile uint32_t* flag, uint32_t seq, int64_t spin_ns, int64_t limit_ns) {
+  const int64_t t0 = NowNs();
+  for (int i = 0;; ++i) {
+    if (Reached(*flag, seq)) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return true;
+    }
+    Pause();
+    if ((i & 255) == 0) {
+      const int64_t dt = NowNs() - t0;
+      if (limit_ns > 0 && dt > limit_ns) return false;
+      if (dt > spin_ns) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+}
+
+// Runs armed handoffs in the order they were enqueued (one stream, so the order the stream
+// reaches them): waits for each one's inputs, runs it, publishes `done`.
 class Dispatcher {
  public:
   static Dispatcher& Get() {
     static Dispatcher* d = new Dispatcher;  // never destroyed: XLA may call in at exit
     return *d;
   }
-  void Post(Job* j) {
+  void Arm(Job* j, uint32_t seq) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      queue_.push_back(j);
+      queue_.emplace_back(j, seq);
     }
     cv_.notify_one();
   }
@@ -156,48 +218,57 @@ class Dispatcher {
   Dispatcher() { std::thread([this] { Loop(); }).detach(); }
   void Loop() {
     for (;;) {
-      Job* j;
+      std::pair<Job*, uint32_t> next;
       {
         std::unique_lock<std::mutex> g(mu_);
         cv_.wait(g, [&] { return !queue_.empty(); });
-        j = queue_.front();
+        next = queue_.front();
         queue_.pop_front();
       }
+      auto [j, seq] = next;
+      AwaitFlag(&j->flags->ready, seq, 5'000'000, 0);  // the host enqueues ahead of the stream
+      const int64_t t_ready = NowNs();
       RunJob(j);
+      const int64_t t_done = NowNs();
+      {
+        std::lock_guard<std::mutex> g(j->mu);
+        std::atomic_thread_fence(std::memory_order_release);
+        j->flags->done = seq;
+      }
+      j->cv.notify_all();
+      // The stream reaches wait after the GPU work placed between the two; nothing else on it
+      // can run before, so waiting for that (bounded) costs nothing.
+      const bool seen = AwaitFlag(&j->flags->arrived, seq, 50'000'000, 50'000'000);
+      const int64_t t_arrived = seen ? NowNs() : t_done;
+      stat_count.fetch_add(1, std::memory_order_relaxed);
+      stat_cpu.fetch_add(t_done - t_ready, std::memory_order_relaxed);
+      stat_gpu.fetch_add(t_arrived - t_ready, std::memory_order_relaxed);
+      stat_window.fetch_add(std::max(t_arrived, t_done) - t_ready, std::memory_order_relaxed);
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Job*> queue_;
+  std::deque<std::pair<Job*, uint32_t>> queue_;
 };
 
-void Post(void* job) {
-  static_cast<Job*>(job)->t_post = NowNs();
-  Dispatcher::Get().Post(static_cast<Job*>(job));
+// Host functions (the fallback when the stream cannot signal through memory), and the CPU
+// backend's handlers: the flags written and awaited by host code. They run once per handoff in
+// stream order, so each one advances its flag by one (the host has enqueued ahead: `seq` may
+// already name a later handoff).
+void MarkReady(void* job) {
+  Job* j = static_cast<Job*>(job);
+  std::atomic_thread_fence(std::memory_order_release);
+  j->flags->ready = j->flags->ready + 1;
 }
 
-// Blocks until the job is done: spins briefly (the GPU side usually ends near the CPU side),
-// then sleeps. Leaves the job ready for its next submit.
 void Await(void* job) {
   Job* j = static_cast<Job*>(job);
-  const int64_t t_in = NowNs();
-  for (int i = 0; i < 20000 && !j->done.load(std::memory_order_acquire); ++i) {
-#if defined(__x86_64__)
-    _mm_pause();
-#endif
-  }
-  if (!j->done.load(std::memory_order_acquire)) {
+  const uint32_t seq = j->flags->arrived + 1;
+  j->flags->arrived = seq;
+  if (!AwaitFlag(&j->flags->done, seq, 2'000'000, 2'000'000)) {
     std::unique_lock<std::mutex> g(j->mu);
-    j->cv.wait(g, [&] { return j->done.load(std::memory_order_acquire); });
+    j->cv.wait(g, [&] { return Reached(j->flags->done, seq); });
   }
-  j->done.store(false, std::memory_order_relaxed);
-  const int64_t t_out = NowNs();
-  stat_count.fetch_add(1, std::memory_order_relaxed);
-  stat_window.fetch_add(t_out - j->t_post, std::memory_order_relaxed);
-  stat_gpu.fetch_add(t_in - j->t_post, std::memory_order_relaxed);
-  stat_cpu.fetch_add(j->t_done - j->t_post, std::memory_order_relaxed);
-  stat_ideal.fetch_add(std::max(t_in, j->t_done) - j->t_post, std::memory_order_relaxed);
-  if (!j->error.empty()) std::fprintf(stderr, "freetoken_jax CPU expert job failed: %s\n", j->error.c_str());
 }
 
 const Layer* FindLayer(int64_t handle) {
@@ -206,24 +277,31 @@ const Layer* FindLayer(int64_t handle) {
   return layers[handle].get();
 }
 
-// The staging job of (layer, T, K); pinned host memory for CUDA, plain memory on the CPU.
-ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out) {
+// The staging job of (layer, T, K): its buffers and flags in pinned, mapped host memory for
+// CUDA, plain memory on the CPU. Checks the packed input's length against the layer's banks.
+ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, int64_t packed_count = -1) {
   const Layer* layer = FindLayer(handle);
   if (!layer) return ffi::Error::InvalidArgument("unknown handoff layer handle " + std::to_string(handle));
+  if (T <= 0 || K <= 0) return ffi::Error::InvalidArgument("tokens and top_k must be positive");
+  const int64_t H = layer->banks.hidden;
+  if (packed_count >= 0 && packed_count != T * (H + 2 * K + 1))
+    return ffi::Error::InvalidArgument("packed input length is not tokens * (hidden + 2 * top_k + 1): x's width differs from the banks'");
   std::lock_guard<std::mutex> g(registry_mu);
   auto& slot = jobs[{handle, T, K, cuda}];
   *out = slot.get();
   if (slot) return ffi::Error::Success();
-  const int64_t H = layer->banks.hidden;
-  const size_t bytes = sizeof(float) * (2 * T * H + 2 * T * K + T);
+  const size_t data = sizeof(float) * (2 * T * H + 2 * T * K + T);
+  const size_t bytes = (data + 63) / 64 * 64 + sizeof(Flags);
   void* mem = nullptr;
+  uint64_t device = 0;
   if (cuda) {
     const Cuda& c = Driver();
     if (!c.error.empty()) return ffi::Error::Internal(c.error);
-    if (c.mem_host_alloc(&mem, bytes, /*CU_MEMHOSTALLOC_PORTABLE*/ 1) != 0)
+    if (c.mem_host_alloc(&mem, bytes, /*CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP*/ 3) != 0)
       return ffi::Error::Internal("cuMemHostAlloc of " + std::to_string(bytes) + " bytes failed");
+    if (c.host_device_pointer(&device, mem, 0) != 0) return ffi::Error::Internal("cuMemHostGetDevicePointer failed");
   } else {
-    mem = ::operator new(bytes);
+    mem = ::operator new(bytes, std::align_val_t(64));
   }
   auto job = std::make_unique<Job>();
   job->layer = layer;
@@ -239,32 +317,27 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out) {
   take(job->w, T * K);
   take(job->valid, T);
   take(job->out, T * H);
+  const size_t flags_at = (data + 63) / 64 * 64;
+  job->flags = new (static_cast<char*>(mem) + flags_at) Flags{0, 0, 0};
+  job->flags_device = device ? device + flags_at : 0;
   slot = std::move(job);
   *out = slot.get();
   return ffi::Error::Success();
 }
 
-// The packed input: x [T*H], ids [T*K] (int32 bits), w [T*K], valid [T] (int32 bits), as one
-// float32 vector, so that it crosses to the host in one copy.
-ffi::Error CheckPacked(const Layer& l, const ffi::Buffer<ffi::F32>& packed, int64_t T, int64_t K) {
-  if (T <= 0 || K <= 0) return ffi::Error::InvalidArgument("tokens and top_k must be positive");
-  if (static_cast<int64_t>(packed.element_count()) != T * (l.banks.hidden + 2 * K + 1))
-    return ffi::Error::InvalidArgument("packed input length is not tokens * (hidden + 2 * top_k + 1): x's width differs from the banks'");
-  return ffi::Error::Success();
-}
+uint64_t FlagAddress(const Job* j, size_t offset) { return j->flags_device + offset; }
 
 // ---------------------------------------------------------------------------------------------
-// Handlers.
+// Handlers. `packed` is x [T*H], ids [T*K] (int32 bits), w [T*K], valid [T] (int32 bits), as
+// one float32 vector, so that it crosses to the host in one copy.
 
 ffi::Error SubmitCpu(ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::S32> token, int64_t handle, int64_t T, int64_t K) {
-  const Layer* l = FindLayer(handle);
-  if (!l) return ffi::Error::InvalidArgument("unknown handoff layer handle");
-  if (auto e = CheckPacked(*l, packed, T, K); e.failure()) return e;
   Job* j;
-  if (auto e = GetJob(handle, T, K, false, &j); e.failure()) return e;
+  if (auto e = GetJob(handle, T, K, false, &j, packed.element_count()); e.failure()) return e;
   std::memcpy(j->x, packed.typed_data(), packed.size_bytes());
   token->typed_data()[0] = 0;
-  Post(j);
+  Dispatcher::Get().Arm(j, ++j->seq);
+  MarkReady(j);
   return ffi::Error::Success();
 }
 
@@ -278,15 +351,17 @@ ffi::Error WaitCpu(ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32> out, int64
 }
 
 ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::S32>, int64_t handle, int64_t T, int64_t K) {
-  const Layer* l = FindLayer(handle);
-  if (!l) return ffi::Error::InvalidArgument("unknown handoff layer handle");
-  if (auto e = CheckPacked(*l, packed, T, K); e.failure()) return e;
   Job* j;
-  if (auto e = GetJob(handle, T, K, true, &j); e.failure()) return e;
+  if (auto e = GetJob(handle, T, K, true, &j, packed.element_count()); e.failure()) return e;
   const Cuda& c = Driver();
+  const uint32_t seq = ++j->seq;
   int rc = c.memcpy_dtoh(j->x, reinterpret_cast<uint64_t>(packed.untyped_data()), packed.size_bytes(), stream);
-  rc |= c.launch_host_func(stream, Post, j);
+  if (SyncMode() == kSyncStreamMemOps)
+    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, ready)), seq, 0);  // ordered after the copy, with a fence
+  else
+    rc |= c.launch_host_func(stream, MarkReady, j);
   if (rc) return ffi::Error::Internal("enqueueing the CPU expert job on the stream failed");
+  Dispatcher::Get().Arm(j, seq);
   return ffi::Error::Success();
 }
 
@@ -294,7 +369,13 @@ ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::
   Job* j;
   if (auto e = GetJob(handle, out->dimensions()[0], K, true, &j); e.failure()) return e;
   const Cuda& c = Driver();
-  int rc = c.launch_host_func(stream, Await, j);
+  int rc = 0;
+  if (SyncMode() == kSyncStreamMemOps) {
+    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, arrived)), j->seq, 0);
+    rc |= c.wait_value32(stream, FlagAddress(j, offsetof(Flags, done)), j->seq, /*CU_STREAM_WAIT_VALUE_GEQ (cyclic)*/ 0);
+  } else {
+    rc |= c.launch_host_func(stream, Await, j);
+  }
   rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()), j->out, out->size_bytes(), stream);
   if (rc) return ffi::Error::Internal("enqueueing the wait for the CPU expert job failed");
   return ffi::Error::Success();
@@ -326,15 +407,22 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
 }
 
 HandoffStats TakeHandoffStats(bool reset) {
-  HandoffStats s{stat_count.load(), stat_window.load() * 1e-9, stat_gpu.load() * 1e-9, stat_cpu.load() * 1e-9, stat_ideal.load() * 1e-9};
+  HandoffStats s{stat_count.load(), stat_window.load() * 1e-9, stat_gpu.load() * 1e-9, stat_cpu.load() * 1e-9};
   if (reset) {
     stat_count = 0;
     stat_window = 0;
     stat_gpu = 0;
     stat_cpu = 0;
-    stat_ideal = 0;
   }
   return s;
+}
+
+int HandoffSync() { return SyncMode(); }
+
+void SetHandoffSync(int mode) {
+  const Cuda& c = Driver();
+  const bool memops = c.error.empty() && c.write_value32 && c.wait_value32;
+  sync_mode.store(mode == kSyncStreamMemOps && !memops ? kSyncHostFunction : mode, std::memory_order_relaxed);
 }
 
 void* SubmitHandlerCpu() { return reinterpret_cast<void*>(&FreetokenSubmitCpu); }

@@ -9,9 +9,13 @@
 // job is done and copies the result out. Work placed between the two (in the program's order,
 // which the caller fixes with optimization barriers) runs while the CPU computes.
 //
-// CUDA handlers enqueue everything on XLA's stream: the device-to-host copy into pinned staging,
-// a host function that posts the job, and — for `wait` — a host function that blocks the stream
-// until the job is done followed by the host-to-device copy. The CUDA driver API is reached
+// A dispatcher thread runs the jobs in the order they were enqueued. Each staging job has three
+// flags in mapped host memory holding handoff sequence numbers: ready (inputs staged), arrived
+// (the stream reached wait), done (result staged). CUDA handlers enqueue everything on XLA's
+// stream: `submit` the device-to-host copy into pinned staging and a write of `ready`; `wait` a
+// write of `arrived`, a wait until `done` and the host-to-device copy. The writes and the wait
+// are stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no host thread in
+// the loop), or host functions where those are unavailable or FREETOKEN_HANDOFF_SYNC=host_function. The CUDA driver API is reached
 // through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any machine.
 // CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are skipped
 // (those the GPU computes, padding).
@@ -27,14 +31,21 @@ namespace freetoken {
 // the FFI calls take as their `handle` attribute. The banks must outlive every call.
 int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act);
 
-// Handoff timing summed over calls (seconds): `window` from the stream reaching submit to it
-// leaving wait, `gpu` from submit to the stream reaching wait, `cpu` from submit to the job's
-// end; `ideal` sums max(gpu, cpu) per call, so window - ideal is the handoff's exposed latency.
+// Handoff timing summed over calls (seconds), as the dispatcher sees it: `cpu` from the inputs
+// being staged to the job's end, `gpu` to the stream reaching wait (seen only once the job has
+// ended: when the stream came first, this equals cpu), `window` the larger of the two. The
+// handoff's own cost is not in these; measure it end to end (a step with empty jobs).
 struct HandoffStats {
   int64_t count;
-  double window, gpu, cpu, ideal;
+  double window, gpu, cpu;
 };
 HandoffStats TakeHandoffStats(bool reset);
+
+// How CUDA handlers signal: stream memory operations (where the driver has them) or host
+// functions. Switch only while no handoff is in flight.
+enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1 };
+int HandoffSync();
+void SetHandoffSync(int mode);
 
 // XLA FFI handler entry points (XLA_FFI_Handler*), for jax.ffi.register_ffi_target.
 void* SubmitHandlerCpu();

@@ -149,11 +149,22 @@ NB_MODULE(_cpu_ext, m) {
         d["window_s"] = s.window;
         d["gpu_s"] = s.gpu;
         d["cpu_s"] = s.cpu;
-        d["ideal_s"] = s.ideal;
         return d;
       },
       nb::arg("reset") = false,
-      "FFI handoff timing summed over calls: window (submit reached to wait left), gpu (to wait reached), cpu (to the job's end), ideal (max of the two per call).");
+      "FFI handoff timing summed over calls, from the inputs being staged: cpu (to the job's end), gpu (to the stream reaching "
+      "wait, seen once the job has ended), window (the larger).");
+  m.def(
+      "handoff_sync",
+      [](const std::string& mode) {
+        if (mode == "stream_memops") SetHandoffSync(kSyncStreamMemOps);
+        else if (mode == "host_function") SetHandoffSync(kSyncHostFunction);
+        else if (!mode.empty()) throw std::invalid_argument("handoff sync is 'stream_memops' or 'host_function', got '" + mode + "'");
+        return std::string(HandoffSync() == kSyncStreamMemOps ? "stream_memops" : "host_function");
+      },
+      nb::arg("mode") = "",
+      "How CUDA handoffs signal: 'stream_memops' or 'host_function'; sets it when `mode` is given (only while no handoff is "
+      "in flight); returns the mode in use.");
   m.def(
       "ffi_handlers",
       [] {

@@ -42,6 +42,7 @@ class ThreadPool {
   std::atomic<int64_t> next_{0};
   int64_t n_ = 0;
   uint64_t generation_ = 0;
+  std::atomic<uint64_t> published_{0};  // generation_, readable without the lock
   int finished_ = 0;
   bool stop_ = false;
 };

@@ -1,9 +1,10 @@
-"""`python -m freetoken_jax.bench bw|decode|prefill`: measure the machine, then the strategies.
+"""`python -m freetoken_jax.bench bw|decode|prefill|plot`: measure the machine, then the strategies.
 
     python -m freetoken_jax.bench bw [--json PATH] [--threshold 2.0] [--profile PATH]
     python -m freetoken_jax.bench decode --preset qwen3-30b-a3b --vram-gb 8 16 32 --batch 1 \
         --strategy offload hybrid naive --routing-skew 0 1 --json decode.json --plot decode.png
     python -m freetoken_jax.bench prefill --preset qwen3-30b-a3b --vram-gb 16 --prompt-len 2048 8192 --strategy offload stream per-token
+    python -m freetoken_jax.bench plot skew0.json skew1.json --out decode.png   # decode runs drawn together
 """
 
 from __future__ import annotations
@@ -51,7 +52,23 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--plot", default=None, help="draw tokens/s against the VRAM budget into this PNG (needs matplotlib)")
         else:
             p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
+    pl = sub.add_parser("plot", help="draw the rows of decode --json files together (needs matplotlib)")
+    pl.add_argument("files", nargs="+")
+    pl.add_argument("--out", required=True, help="the PNG to write")
     args = ap.parse_args(argv)
+    if args.cmd == "plot":
+        from freetoken_jax.bench.compare import plot
+
+        rows = []
+        for path in args.files:
+            with open(path) as f:
+                d = json.load(f)
+            if d.get("kind") != "decode":
+                raise SystemExit(f"{path}: not the JSON of a `bench decode` run")
+            rows += d["rows"]
+        plot(rows, args.out)
+        print(f"{len(rows)} rows drawn into {args.out}")
+        return 0
     if args.cmd in ("decode", "prefill"):
         from freetoken_jax.bench.compare import run
 

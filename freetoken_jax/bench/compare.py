@@ -16,7 +16,8 @@ over the same banks:
 
 Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
-baselines for the buffered prefill of offload / hybrid.
+baselines for the buffered prefill of offload / hybrid, and `offload-copy` (the buffered
+prefill loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q* and the ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
@@ -42,7 +43,7 @@ from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_
 from freetoken_jax.bench.presets import PRESETS, preset_config
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
-PREFILL_VARIANTS = ("offload", "hybrid", "stream", "per-token", "cpu", "fused")
+PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
 class Bench:
@@ -199,7 +200,7 @@ class Bench:
         if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
             c = hs["count"]
             r.update(handoff_window_us=hs["window_s"] / c * 1e6, handoff_gpu_side_us=hs["gpu_s"] / c * 1e6,
-                     handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_exposed_us=(hs["window_s"] - hs["ideal_s"]) / c * 1e6)  # fmt: skip
+                     handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_sync=_cpu_ext.handoff_sync())  # fmt: skip
         return r
 
     def prefill(self, variant: str, prompt_len: int, q: float, vram_gb: float) -> dict | None:
@@ -210,11 +211,13 @@ class Bench:
         from freetoken_jax.runtime.steps import Sampling, _sample_last, forward, prefill_step
 
         eng, cfg = self.engine, self.cfg
-        weights = self.weights({"stream": "offload", "per-token": "offload"}.get(variant, variant), q, None)
+        weights = self.weights({"stream": "offload", "per-token": "offload", "offload-copy": "offload"}.get(variant, variant), q, None)
         if weights is None:
             return None
+        if variant == "offload-copy":
+            weights = dataclasses.replace(weights, prefill_load="copy")
         slots = None
-        if variant in ("offload", "hybrid", "per-token"):
+        if variant in ("offload", "offload-copy", "hybrid", "per-token"):
             n = self.slots_for(vram_gb, self.ecfg.max_batch)
             from freetoken_jax.runtime.buckets import chunk_bucket
 
@@ -256,7 +259,7 @@ class Bench:
                 eng.pages.release(p)
         chunks = -(-prompt_len // self.ecfg.prefill_chunk)
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = chunks * all_experts / self.bp if variant in ("offload", "hybrid", "stream", "per-token") else None
+        bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, vram_gb=vram_gb if slots is not None else None,
                     buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
@@ -316,6 +319,16 @@ def run(args) -> dict:
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                dtype=args.dtype, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
+
+    def keep(r: dict | None) -> None:  # the JSON is rewritten after every row: a run cut short keeps its figures
+        if r is None:
+            return
+        out["rows"].append(r)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+
     if args.cmd == "decode":
         for skew in args.routing_skew:
             for B in args.batch:
@@ -328,8 +341,7 @@ def run(args) -> dict:
                         else:
                             steps = min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len
                             r = bench.decode(s, B, vram, args.prompt_len, steps, q, skew)
-                        if r is not None:
-                            out["rows"].append(r)
+                        keep(r)
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q*", ".2f"),
@@ -337,16 +349,10 @@ def run(args) -> dict:
     else:
         for n in args.prompt_len:
             for s in args.strategy:
-                r = bench.prefill(s, n, q, args.vram_gb[0])
-                if r is not None:
-                    out["rows"].append(r)
+                keep(bench.prefill(s, n, q, args.vram_gb[0]))
         cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
                 ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
     print(_table(out["rows"], cols))
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
     if getattr(args, "plot", None):
         plot(out["rows"], args.plot)
     return out

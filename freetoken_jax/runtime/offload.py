@@ -64,10 +64,11 @@ class OffloadExecutor:
         handoff: str = "callback",
         hybrid_overhead: float = 0.0,
         prefill: bool = False,
+        prefill_load: str = "auto",
     ):
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
         self.hybrid_q, self.host_banks, self.handoff, self.hybrid_overhead = hybrid_q, host_banks, handoff, hybrid_overhead
-        self.prefill = prefill
+        self.prefill, self.prefill_load = prefill, prefill_load
         if prefill and cache is not None:
             self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
             self.layer_slots: dict = {}
@@ -83,13 +84,16 @@ class OffloadExecutor:
 
     def _load_layer(self, m: int) -> None:
         """Brings MoE layer m's experts in: the resident ones are used where they are, the rest
-        fetched into the buffer `buffers[m % 2]` (for rows under 256 KB, the whole bank in one
-        copy). Records in `self.layer_slots[m]` the slot of each of its experts."""
+        fetched into the buffer `buffers[m % 2]`, or the whole bank copied there in one
+        `device_put` (`prefill_load`; "auto": when rows are under 256 KB). Records in
+        `self.layer_slots[m]` the slot of each of its experts."""
         E, c, buf = self.cfg.num_experts, self.cache, self.buffers[m % 2]
         idx = jnp.arange(E, dtype=jnp.int32)
         s = c.slot_for_id[m * E + idx]
         resident = s >= 0  # elsewhere: borrowing emptied the buffers
-        small = self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize < SMALL_ROW_BYTES
+        small = self.prefill_load == "copy" or (
+            self.prefill_load == "auto" and self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize < SMALL_ROW_BYTES
+        )
         out = []
         for bank, arr in zip(self.banks[m], (c.gate_SR, c.up_SR, c.down_SR)):
             if small:

@@ -36,6 +36,7 @@ class Weights:
     hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
     handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # "ffi" or "callback"
     hybrid_overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # see EngineConfig
+    prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))  # see EngineConfig
     # Benchmarks only: a Zipf exponent; routed experts are then drawn from that popularity
     # instead of taken from the router (`runtime/routing.py`). None: the model's own routing.
     routing_skew: float | None = dataclasses.field(default=None, metadata=dict(static=True))
@@ -122,6 +123,7 @@ def forward(
                 weights.handoff,
                 weights.hybrid_overhead,
                 prefill,
+                weights.prefill_load,
             )
         fns = ex.expert_fns(model)
     if weights.routing_skew is not None:
