@@ -90,9 +90,18 @@ def main(argv=None) -> int:
     sched = Scheduler(engine, max_queue=4 * args.requests)
     httpd = serve_http(Service(sched, "m", engine.model_path), "127.0.0.1", 0)
     url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    run(url, 2, 4, args.max_tokens)  # compile the executables first
-    rows = [run(url, c, args.requests, args.max_tokens) for c in args.concurrency]
-    resizes = []
+    rows, resizes = [], []
+
+    def save() -> None:  # after every figure, so a run cut short keeps what it measured
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(argv=sys.argv, load=rows, resize=resizes), f, indent=1, default=str)
+
+    for c in args.concurrency:
+        run(url, c, 2 * c, args.max_tokens)  # compiles the batch sizes this concurrency reaches, unmeasured
+        rows.append(run(url, c, args.requests, args.max_tokens))
+        print(json.dumps(rows[-1]), flush=True)
+        save()
     probe = dict(model="m", prompt=[5, 9, 14, 77, 31], max_tokens=16, temperature=0)
     before = post(url + "/v1/completions", probe)["choices"][0]["text"]
     for n in args.resize:
@@ -102,13 +111,9 @@ def main(argv=None) -> int:
         after = post(url + "/v1/completions", probe)["choices"][0]["text"]
         resizes.append(dict(expert_slots=n, seconds=dt, same_output=after == before, status=status))
         print(json.dumps(resizes[-1], default=str), flush=True)
+        save()
     httpd.shutdown()
     sched.shutdown()
-    for r in rows:
-        print(json.dumps(r))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(load=rows, resize=resizes), f, indent=1, default=str)
     print(f"\n{'clients':>7} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
     for r in rows:
         print(f"{r['concurrency']:>7} {r['requests_per_s']:7.2f} {r['output_tokens_per_s']:8.1f} {r['p50_ms']:8.0f} {r['p99_ms']:8.0f}")
