@@ -134,7 +134,7 @@ int64_t NowNs() {
 // Per-handoff timing, summed, from the dispatcher's view: from seeing the inputs staged to the
 // job's end (cpu), to seeing the stream reach wait (gpu; seen only once the job has ended, so
 // when the stream came first this is the cpu time), and the larger of the two (window).
-std::atomic<int64_t> stat_count{0}, stat_window{0}, stat_gpu{0}, stat_cpu{0};
+std::atomic<int64_t> stat_count{0}, stat_window{0}, stat_gpu{0}, stat_cpu{0}, stat_unseen{0};
 
 std::mutex registry_mu;
 std::vector<std::unique_ptr<Layer>> layers;
@@ -240,6 +240,7 @@ class Dispatcher {
       // can run before, so waiting for that (bounded) costs nothing.
       const bool seen = AwaitFlag(&j->flags->arrived, seq, 50'000'000, 50'000'000);
       const int64_t t_arrived = seen ? NowNs() : t_done;
+      if (!seen) stat_unseen.fetch_add(1, std::memory_order_relaxed);
       stat_count.fetch_add(1, std::memory_order_relaxed);
       stat_cpu.fetch_add(t_done - t_ready, std::memory_order_relaxed);
       stat_gpu.fetch_add(t_arrived - t_ready, std::memory_order_relaxed);
@@ -407,8 +408,9 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
 }
 
 HandoffStats TakeHandoffStats(bool reset) {
-  HandoffStats s{stat_count.load(), stat_window.load() * 1e-9, stat_gpu.load() * 1e-9, stat_cpu.load() * 1e-9};
+  HandoffStats s{stat_count.load(), stat_window.load() * 1e-9, stat_gpu.load() * 1e-9, stat_cpu.load() * 1e-9, stat_unseen.load()};
   if (reset) {
+    stat_unseen = 0;
     stat_count = 0;
     stat_window = 0;
     stat_gpu = 0;

@@ -35,9 +35,11 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
 // being staged to the job's end, `gpu` to the stream reaching wait (seen only once the job has
 // ended: when the stream came first, this equals cpu), `window` the larger of the two. The
 // handoff's own cost is not in these; measure it end to end (a step with empty jobs).
+// `unseen` counts handoffs whose arrival at wait was not seen within 50 ms of the job's end.
 struct HandoffStats {
   int64_t count;
   double window, gpu, cpu;
+  int64_t unseen;
 };
 HandoffStats TakeHandoffStats(bool reset);
 

@@ -149,6 +149,7 @@ NB_MODULE(_cpu_ext, m) {
         d["window_s"] = s.window;
         d["gpu_s"] = s.gpu;
         d["cpu_s"] = s.cpu;
+        d["unseen"] = s.unseen;
         return d;
       },
       nb::arg("reset") = false,

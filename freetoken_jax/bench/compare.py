@@ -200,7 +200,8 @@ class Bench:
         if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
             c = hs["count"]
             r.update(handoff_window_us=hs["window_s"] / c * 1e6, handoff_gpu_side_us=hs["gpu_s"] / c * 1e6,
-                     handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_sync=_cpu_ext.handoff_sync())  # fmt: skip
+                     handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_sync=_cpu_ext.handoff_sync(),
+                     handoffs_per_step=c / n, handoff_arrivals_unseen=hs["unseen"])  # fmt: skip
         return r
 
     def prefill(self, variant: str, prompt_len: int, q: float, vram_gb: float) -> dict | None:

@@ -82,7 +82,11 @@ class OffloadExecutor:
             return moe_layer_fns(model, self._prefill_fn)
         return moe_layer_fns(model, self._buffered_prefill_fn if self.prefill else self._decode_fn)
 
-    def _load_layer(self, m: int) -> None:
+    def _copies_bank(self, m: int) -> bool:
+        row = self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize
+        return self.prefill_load == "copy" or (self.prefill_load == "auto" and row < SMALL_ROW_BYTES)
+
+    def _load_layer(self, m: int, banks=None) -> None:
         """Brings MoE layer m's experts in: the resident ones are used where they are, the rest
         fetched into the buffer `buffers[m % 2]`, or the whole bank copied there in one
         `device_put` (`prefill_load`; "auto": when rows are under 256 KB). Records in
@@ -91,11 +95,9 @@ class OffloadExecutor:
         idx = jnp.arange(E, dtype=jnp.int32)
         s = c.slot_for_id[m * E + idx]
         resident = s >= 0  # elsewhere: borrowing emptied the buffers
-        small = self.prefill_load == "copy" or (
-            self.prefill_load == "auto" and self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize < SMALL_ROW_BYTES
-        )
+        small = self._copies_bank(m)
         out = []
-        for bank, arr in zip(self.banks[m], (c.gate_SR, c.up_SR, c.down_SR)):
+        for bank, arr in zip(banks or self.banks[m], (c.gate_SR, c.up_SR, c.down_SR)):
             if small:
                 arr = arr.at[buf].set(self._on_device(bank))
             else:
@@ -109,10 +111,16 @@ class OffloadExecutor:
             n = len(self.banks)
             if m == 0:
                 self._load_layer(0)
-            if m + 1 < n:
-                self._load_layer(m + 1)  # issued before layer m computes
             c, slots = self.cache, self.layer_slots.pop(m)
             layer = [a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR)]
+            if m + 1 < n:
+                # Layer m+1's load is issued once layer m's input and weights exist, and before
+                # it computes: the two may overlap, and the load cannot run ahead of the compute
+                # (XLA would otherwise start every layer's load at once, keeping a version of the
+                # slot arrays alive for each). A bank copied whole goes through the barrier too.
+                nxt = self.banks[m + 1] if self._copies_bank(m + 1) else ()
+                x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
+                self._load_layer(m + 1, nxt or None)
             out = routed_experts(x_TD, ids_TK, w_TK, *self._shaped(*layer), self.cfg.hidden_act)
             if m == n - 1:  # the last two layers' fetched experts stay resident
                 for last in range(max(0, n - 2), n):
