@@ -33,15 +33,15 @@ def test_decode_side_by_side(tmp_path, capsys):
 
 def test_prefill(tmp_path):
     out = tmp_path / "prefill.json"
-    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-copy", "stream", "fused", "--vram-gb", "0.01", "--prompt-len", "40",
+    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-copy", "stream", "fused", "--vram-gb", "0.01", "--prompt-len", "40", "--chunk", "16",
             "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["strategy"], r["prompt_len"], r["chunks"], r["buffered"]) for r in rows] == [
-        ("offload", 40, 1, True),  # 0.01 GB holds more than 2 x 16 demo experts: two layer buffers
-        ("offload-copy", 40, 1, True),
-        ("stream", 40, 1, False),
-        ("fused", 40, 1, False),
+        ("offload", 40, 3, True),  # 0.01 GB holds more than 2 x 16 demo experts: two layer buffers
+        ("offload-copy", 40, 3, True),
+        ("stream", 40, 3, False),
+        ("fused", 40, 3, False),
     ]
     assert rows[0]["pcie_bound_ms"] > 0 and rows[3]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
 

@@ -198,8 +198,11 @@ bool AwaitFlag(const volatile uint32_t* flag, uint32_t seq, int64_t spin_ns, int
   }
 }
 
-// Runs armed handoffs in the order they were enqueued (one stream, so the order the stream
-// reaches them): waits for each one's inputs, runs it, publishes `done`.
+// Runs armed handoffs as their inputs become staged: of those staged, the one armed first (a
+// job armed twice has its earlier handoff staged first). Stream order and arming order agree on
+// one stream; taking whichever is staged keeps the dispatcher from waiting on one the stream has
+// not reached while it waits on another. Publishes `done`, then notes when the stream reaches
+// wait, for the timing, without holding up the next job.
 class Dispatcher {
  public:
   static Dispatcher& Get() {
@@ -209,47 +212,87 @@ class Dispatcher {
   void Arm(Job* j, uint32_t seq) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      queue_.emplace_back(j, seq);
+      queue_.push_back({j, seq});
     }
     cv_.notify_one();
   }
 
  private:
+  struct Armed {
+    Job* j;
+    uint32_t seq;
+  };
+  struct Ran {
+    Job* j;
+    uint32_t seq;
+    int64_t t_ready, t_done;
+    bool checked;  // arrival looked for once: seen later means the stream came after the job
+  };
+
   Dispatcher() { std::thread([this] { Loop(); }).detach(); }
+
   void Loop() {
-    for (;;) {
-      std::pair<Job*, uint32_t> next;
+    std::vector<Armed> armed;
+    std::vector<Ran> ran;
+    int64_t idle_since = NowNs();
+    for (int64_t spins = 0;; ++spins) {
       {
         std::unique_lock<std::mutex> g(mu_);
-        cv_.wait(g, [&] { return !queue_.empty(); });
-        next = queue_.front();
-        queue_.pop_front();
+        if (armed.empty() && ran.empty()) {
+          cv_.wait(g, [&] { return !queue_.empty(); });
+          idle_since = NowNs();
+        }
+        armed.insert(armed.end(), queue_.begin(), queue_.end());
+        queue_.clear();
       }
-      auto [j, seq] = next;
-      AwaitFlag(&j->flags->ready, seq, 5'000'000, 0);  // the host enqueues ahead of the stream
-      const int64_t t_ready = NowNs();
-      RunJob(j);
-      const int64_t t_done = NowNs();
-      {
-        std::lock_guard<std::mutex> g(j->mu);
-        std::atomic_thread_fence(std::memory_order_release);
-        j->flags->done = seq;
+      bool progress = false;
+      for (size_t i = 0; i < armed.size(); ++i) {
+        if (!Reached(armed[i].j->flags->ready, armed[i].seq)) continue;
+        std::atomic_thread_fence(std::memory_order_acquire);
+        const Armed a = armed[i];
+        armed.erase(armed.begin() + static_cast<std::ptrdiff_t>(i));
+        const int64_t t_ready = NowNs();
+        RunJob(a.j);
+        const int64_t t_done = NowNs();
+        {
+          std::lock_guard<std::mutex> g(a.j->mu);
+          std::atomic_thread_fence(std::memory_order_release);
+          a.j->flags->done = a.seq;
+        }
+        a.j->cv.notify_all();
+        ran.push_back({a.j, a.seq, t_ready, t_done, false});
+        progress = true;
+        break;
       }
-      j->cv.notify_all();
-      // The stream reaches wait after the GPU work placed between the two; nothing else on it
-      // can run before, so waiting for that (bounded) costs nothing.
-      const bool seen = AwaitFlag(&j->flags->arrived, seq, 50'000'000, 50'000'000);
-      const int64_t t_arrived = seen ? NowNs() : t_done;
-      if (!seen) stat_unseen.fetch_add(1, std::memory_order_relaxed);
-      stat_count.fetch_add(1, std::memory_order_relaxed);
-      stat_cpu.fetch_add(t_done - t_ready, std::memory_order_relaxed);
-      stat_gpu.fetch_add(t_arrived - t_ready, std::memory_order_relaxed);
-      stat_window.fetch_add(std::max(t_arrived, t_done) - t_ready, std::memory_order_relaxed);
+      const int64_t now = NowNs();
+      for (size_t i = 0; i < ran.size();) {
+        Ran& r = ran[i];
+        const bool seen = Reached(r.j->flags->arrived, r.seq);
+        if (seen || now - r.t_done > 50'000'000) {
+          const int64_t t_arrived = !seen ? r.t_done : r.checked ? now : r.t_done;
+          if (!seen) stat_unseen.fetch_add(1, std::memory_order_relaxed);
+          stat_count.fetch_add(1, std::memory_order_relaxed);
+          stat_cpu.fetch_add(r.t_done - r.t_ready, std::memory_order_relaxed);
+          stat_gpu.fetch_add(t_arrived - r.t_ready, std::memory_order_relaxed);
+          stat_window.fetch_add(std::max(t_arrived, r.t_done) - r.t_ready, std::memory_order_relaxed);
+          ran.erase(ran.begin() + static_cast<std::ptrdiff_t>(i));
+          progress = true;
+          continue;
+        }
+        r.checked = true;
+        ++i;
+      }
+      if (progress) {
+        idle_since = now;
+      } else {
+        Pause();  // the host enqueues ahead of the stream: spin for a while, then poll every ~50 us
+        if ((spins & 255) == 0 && now - idle_since > 5'000'000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<std::pair<Job*, uint32_t>> queue_;
+  std::vector<Armed> queue_;
 };
 
 // Host functions (the fallback when the stream cannot signal through memory), and the CPU

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--plot", default=None, help="draw tokens/s against the VRAM budget into this PNG (needs matplotlib)")
         else:
             p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
+            p.add_argument("--chunk", type=int, default=512,
+                           help="prefill chunk (a power of two); under offload every chunk streams the experts not resident")  # fmt: skip
     pl = sub.add_parser("plot", help="draw the rows of decode --json files together (needs matplotlib)")
     pl.add_argument("files", nargs="+")
     pl.add_argument("--out", required=True, help="the PNG to write")

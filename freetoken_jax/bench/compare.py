@@ -49,11 +49,11 @@ PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", 
 class Bench:
     """One host-bank engine and the figures the bounds need."""
 
-    def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False):
+    def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False, prefill_chunk: int = 64):
         from freetoken_jax import EngineConfig, FreeTokenEngine
 
         self.ecfg = EngineConfig(dtype=dtype, moe_strategy="offload", max_batch=max_batch, max_context=max_context, page_size=16,
-                                 prefill_chunk=64)  # fmt: skip
+                                 prefill_chunk=prefill_chunk)  # fmt: skip
         t0 = time.perf_counter()
         if model in PRESETS:
             cfg = preset_config(model)
@@ -315,7 +315,8 @@ def plot(rows: list[dict], path: str) -> None:
 def run(args) -> dict:
     steps = getattr(args, "gen_len", 0)
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
-                  max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16)  # fmt: skip
+                  max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
+                  prefill_chunk=getattr(args, "chunk", 64))  # fmt: skip
     q = args.q if args.q is not None else bench.bp / (bench.bp + bench.bh)
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                dtype=args.dtype, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
