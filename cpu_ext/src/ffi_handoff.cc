@@ -198,6 +198,23 @@ bool AwaitFlag(const volatile uint32_t* flag, uint32_t seq, int64_t spin_ns, int
   }
 }
 
+// FREETOKEN_HANDOFF_TRACE=N prints the first N dispatcher events (arm, run, arrival) to stderr.
+int64_t TraceLimit() {
+  static const int64_t limit = [] {
+    const char* env = std::getenv("FREETOKEN_HANDOFF_TRACE");
+    return env ? std::max<int64_t>(0, std::atoll(env)) : int64_t{0};
+  }();
+  return limit;
+}
+
+void Trace(const char* what, const Job* j, uint32_t seq, int64_t a = 0, int64_t b = 0) {
+  static std::atomic<int64_t> printed{0};
+  if (TraceLimit() == 0 || printed.fetch_add(1) >= TraceLimit()) return;
+  std::fprintf(stderr, "[handoff %.6f] %s job=%p T=%lld K=%lld seq=%u ready=%u arrived=%u done=%u %lld %lld\n", NowNs() * 1e-9, what,
+               static_cast<const void*>(j), static_cast<long long>(j->T), static_cast<long long>(j->K), seq, j->flags->ready,
+               j->flags->arrived, j->flags->done, static_cast<long long>(a), static_cast<long long>(b));
+}
+
 // Runs armed handoffs as their inputs become staged: of those staged, the one armed first (a
 // job armed twice has its earlier handoff staged first). Stream order and arming order agree on
 // one stream; taking whichever is staged keeps the dispatcher from waiting on one the stream has
@@ -214,6 +231,7 @@ class Dispatcher {
       std::lock_guard<std::mutex> g(mu_);
       queue_.push_back({j, seq});
     }
+    Trace("arm", j, seq);
     cv_.notify_one();
   }
 
@@ -261,6 +279,7 @@ class Dispatcher {
         }
         a.j->cv.notify_all();
         ran.push_back({a.j, a.seq, t_ready, t_done, false});
+        Trace("ran (items, us)", a.j, a.seq, static_cast<int64_t>(a.j->token_of.size()), (t_done - t_ready) / 1000);
         progress = true;
         break;
       }
@@ -271,6 +290,7 @@ class Dispatcher {
         if (seen || now - r.t_done > 50'000'000) {
           const int64_t t_arrived = !seen ? r.t_done : r.checked ? now : r.t_done;
           if (!seen) stat_unseen.fetch_add(1, std::memory_order_relaxed);
+          Trace(seen ? "arrived (gpu us, cpu us)" : "arrival unseen", r.j, r.seq, (t_arrived - r.t_ready) / 1000, (r.t_done - r.t_ready) / 1000);
           stat_count.fetch_add(1, std::memory_order_relaxed);
           stat_cpu.fetch_add(r.t_done - r.t_ready, std::memory_order_relaxed);
           stat_gpu.fetch_add(t_arrived - r.t_ready, std::memory_order_relaxed);

@@ -15,7 +15,8 @@
 // stream: `submit` the device-to-host copy into pinned staging and a write of `ready`; `wait` a
 // write of `arrived`, a wait until `done` and the host-to-device copy. The writes and the wait
 // are stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no host thread in
-// the loop), or host functions where those are unavailable or FREETOKEN_HANDOFF_SYNC=host_function. The CUDA driver API is reached
+// the loop), or host functions where those are unavailable or FREETOKEN_HANDOFF_SYNC=host_function.
+// FREETOKEN_HANDOFF_TRACE=N prints the dispatcher's first N events to stderr. The CUDA driver API is reached
 // through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any machine.
 // CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are skipped
 // (those the GPU computes, padding).
