@@ -5,8 +5,8 @@ hybrid variants in the same process on the same weights (built on `freetoken_jax
 - hybrid: the slot cache, fetch_count(M, q*) of each layer's M misses fetched and the rest
   computed by the CPU executor, handed over by the split FFI submit/wait; hybrid-cb: by
   jax.pure_callback; hybrid-q1: q = 1, so the CPU jobs are empty and the step time minus the
-  cached step's is the cost of the handoff itself; a suffix "-hf" (hybrid-hf, hybrid-q1-hf)
-  makes the FFI handoff signal by host functions instead of stream memory operations;
+  cached step's is the cost of the handoff itself; a suffix "-mo" (hybrid-mo, hybrid-q1-mo)
+  makes the FFI handoff signal by stream memory operations instead of host functions;
 - naive: every routed expert fetched every step; layer: every bank streamed every step.
 
     python benchmarks/bench_offload_decode.py --preset qwen3-30b-a3b --expert-gb 16 --batch 1 4 --steps 256 --check
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-steps", type=int, default=16, help="steps for the layer-streaming baseline (each moves every expert)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--variants", nargs="+", default=["cached", "hybrid", "hybrid-cb", "hybrid-q1", "naive", "layer"],
-                    help="cached hybrid hybrid-cb hybrid-q1 naive layer; hybrid variants take the suffix -hf")  # fmt: skip
+                    help="cached hybrid hybrid-cb hybrid-q1 naive layer; hybrid variants take the suffix -mo")  # fmt: skip
     ap.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
     ap.add_argument("--routing-skew", type=float, default=None, help="Zipf exponent of synthetic routing (default: the model's router)")
     ap.add_argument("--check", action="store_true")
@@ -85,10 +85,10 @@ def main(argv=None) -> int:
 
     for B in args.batch:
         for v in args.variants:
-            base = v.removesuffix("-hf")
+            base = v.removesuffix("-mo")
             strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(base, base)
             steps = args.layer_steps if v == "layer" else args.steps
-            _cpu_ext.handoff_sync("host_function" if v.endswith("-hf") else "stream_memops")  # nothing is in flight here
+            _cpu_ext.handoff_sync("stream_memops" if v.endswith("-mo") else "host_function")  # nothing is in flight here
             try:
                 r = bench.decode(strategy, B, args.expert_gb, args.prompt_len, steps, q, args.routing_skew, own.get(base), v)
             except Exception as e:  # one failing variant must not hide the others' figures

@@ -14,8 +14,9 @@
 // (the stream reached wait), done (result staged). CUDA handlers enqueue everything on XLA's
 // stream: `submit` the device-to-host copy into pinned staging and a write of `ready`; `wait` a
 // write of `arrived`, a wait until `done` and the host-to-device copy. The writes and the wait
-// are stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no host thread in
-// the loop), or host functions where those are unavailable or FREETOKEN_HANDOFF_SYNC=host_function.
+// are host functions on the stream, or with FREETOKEN_HANDOFF_SYNC=stream_memops (where the
+// driver has them) stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no
+// host thread in the loop).
 // FREETOKEN_HANDOFF_TRACE=N prints the dispatcher's first N events to stderr. The CUDA driver API is reached
 // through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any machine.
 // CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are skipped
@@ -44,8 +45,8 @@ struct HandoffStats {
 };
 HandoffStats TakeHandoffStats(bool reset);
 
-// How CUDA handlers signal: stream memory operations (where the driver has them) or host
-// functions. Switch only while no handoff is in flight.
+// How CUDA handlers signal: host functions (default) or stream memory operations (where the
+// driver has them). Switch only while no handoff is in flight.
 enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1 };
 int HandoffSync();
 void SetHandoffSync(int mode);

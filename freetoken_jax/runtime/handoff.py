@@ -6,9 +6,11 @@ tied in order with `jax.lax.optimization_barrier` (see `OffloadExecutor`), runs 
 computes.
 
 - "ffi": the XLA FFI targets `freetoken_moe_submit` / `freetoken_moe_wait` of the C++ module.
-  On a GPU, `submit` enqueues the device-to-host copies and a host function that posts the job,
-  and returns; `wait` blocks XLA's stream until the job is done and copies the result back. On
-  the CPU backend the same targets run with plain copies.
+  On a GPU, `submit` enqueues the device-to-host copy and the signal that the job's inputs are
+  staged, and returns; `wait` holds XLA's stream until the job is done and copies the result
+  back (signals: host functions, or stream memory operations with
+  FREETOKEN_HANDOFF_SYNC=stream_memops; see cpu_ext/src/ffi_handoff.h). On the CPU backend the
+  same targets run with plain copies.
 - "callback": `jax.pure_callback` at `collect` (nothing overlaps: the stream waits for the
   whole round trip). The default on the CPU backend.
 
