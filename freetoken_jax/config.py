@@ -239,6 +239,10 @@ class EngineConfig:
     # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is
     # under 256 KB, else fetch).
     prefill_load: str = "auto"
+    # Strategy "auto": when benchbw.json recommends "hybrid", the engine first decodes this many
+    # steps under hybrid and under offload (batch 1, sampled) and keeps the faster; 0: trust the
+    # recommendation. A measured bandwidth rule can be wrong end to end; this checks it.
+    auto_probe_steps: int = 16
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
@@ -258,6 +262,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
         if self.cpu_handoff not in ("auto", "ffi", "callback"):
             raise ConfigError(f"cpu_handoff must be auto, ffi or callback, got {self.cpu_handoff!r}")
+        if self.auto_probe_steps < 0:
+            raise ConfigError(f"auto_probe_steps must not be negative, got {self.auto_probe_steps}")
         if self.prefill_load not in ("auto", "fetch", "copy"):
             raise ConfigError(f"prefill_load must be auto, fetch or copy, got {self.prefill_load!r}")
         if self.hybrid_overhead < 0:

@@ -147,9 +147,11 @@ class FreeTokenEngine:
             if not is_expert_path(p)
         )
         self.strategy_reason = f"moe_strategy={ecfg.moe_strategy!r} was asked for"
+        probe = False
         if ecfg.moe_strategy == "auto":
             ecfg, self.strategy_reason = _resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
             self.engine_config = ecfg
+            probe = ecfg.moe_strategy == "hybrid" and ecfg.auto_probe_steps > 0
             log.info("moe_strategy auto -> %s: %s", ecfg.moe_strategy, self.strategy_reason)
         self.plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
         log.info("memory plan: %s", self.plan.describe())
@@ -185,6 +187,36 @@ class FreeTokenEngine:
         self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
         self._m = dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
+        if probe:
+            self._check_hybrid_choice(ecfg.auto_probe_steps)
+
+    def _decode_rate(self, steps: int) -> float:
+        """Decode tokens/s of the current weights over `steps` steps (batch 1, sampled, after one
+        step that may compile)."""
+        V = self.model_config.vocab_size
+        prompt = [int(t) for t in np.random.default_rng(self.engine_config.seed).integers(0, V, 8)]
+        steps = max(1, min(steps, self.engine_config.max_context - len(prompt) - 2))
+        tokens = self.generate(prompt, max_new_tokens=steps + 2, temperature=1.0, seed=1, ignore_eos=True)
+        next(tokens), next(tokens)  # prefill, then the first decode step (compiles)
+        t0 = time.perf_counter()
+        n = sum(1 for _ in tokens)
+        return n / max(time.perf_counter() - t0, 1e-9)
+
+    def _check_hybrid_choice(self, steps: int) -> None:
+        """Keeps "hybrid" only if it decodes at least as fast as "offload" here (both measured)."""
+        hybrid = self.weights
+        h = self._decode_rate(steps)
+        self.weights = dataclasses.replace(hybrid, strategy="offload", host_banks=None, hybrid_q=None)
+        o = self._decode_rate(steps)
+        if h >= o:
+            self.weights = hybrid
+            self.strategy_reason += f"; decode probe: hybrid {h:.1f} tok/s >= offload {o:.1f} tok/s"
+        else:
+            self.engine_config = self.engine_config.replace(moe_strategy="offload")
+            self.strategy_reason += f"; but the decode probe measured hybrid {h:.1f} tok/s < offload {o:.1f} tok/s: offload"
+        log.info("moe_strategy auto: %s", self.strategy_reason)
+        for k in self._m:
+            self._m[k] = type(self._m[k])(0)
 
     # Construction ---------------------------------------------------------------------------------
     @classmethod

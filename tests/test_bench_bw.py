@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -82,7 +83,7 @@ def test_auto_strategy(tmp_path, monkeypatch):
         recommendation=dict(strategy="hybrid", q=0.3, reason="made up"),
     )
     (tmp_path / "benchbw.json").write_text(json.dumps(prof))
-    e = FreeTokenEngine(cfg, small)
+    e = FreeTokenEngine(cfg, small.replace(auto_probe_steps=0))  # the recommendation as is
     assert e.engine_config.moe_strategy == "hybrid" and e.engine_config.hybrid_q == 0.3
     # the measured handoff cost becomes hybrid_overhead, in expert fetch times: 50 us / (3 x 32 x 48 x 4 B / 10 GB/s)
     assert e.engine_config.hybrid_overhead == pytest.approx(50e-6 / (3 * 32 * 48 * 4 / 10e9))
@@ -90,3 +91,30 @@ def test_auto_strategy(tmp_path, monkeypatch):
         e.generate_batch([[1, 2, 3]], max_new_tokens=3, ignore_eos=True)[0]
         == FreeTokenEngine(cfg, base.replace(moe_strategy="fused")).generate_batch([[1, 2, 3]], max_new_tokens=3, ignore_eos=True)[0]
     )
+
+
+def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
+    """A profile recommending hybrid is kept only if hybrid decodes at least as fast as offload."""
+    cfg = MoEModelConfig(
+        vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
+    )
+    ecfg = EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="auto", total_vram_gb=0.0004, auto_probe_steps=4)
+    monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    prof = dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures={},
+                recommendation=dict(strategy="hybrid", q=0.3, reason="made up"))  # fmt: skip
+    (tmp_path / "benchbw.json").write_text(json.dumps(prof))
+    fused = FreeTokenEngine(cfg, ecfg.replace(moe_strategy="fused", total_vram_gb=None))
+    want = fused.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)
+    for rates, kept in (({"hybrid": 5.0, "offload": 10.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0}, "hybrid")):
+        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.weights.strategy])
+        e = FreeTokenEngine(cfg, ecfg)
+        assert e.engine_config.moe_strategy == e.weights.strategy == kept
+        assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
+        assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
+    monkeypatch.undo()
+    monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    e = FreeTokenEngine(cfg, ecfg)  # measured for real: the choice follows the two figures it reports
+    h, o = (float(x) for x in re.findall(r"hybrid ([0-9.]+) tok/s .* offload ([0-9.]+) tok/s", e.strategy_reason)[0])
+    assert e.engine_config.moe_strategy == ("hybrid" if h >= o else "offload")
+    m = e.get_metrics()
+    assert m["requests"] == 0 and m["generated_tokens"] == 0  # the probe's tokens are not the user's
