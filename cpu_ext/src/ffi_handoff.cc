@@ -312,6 +312,12 @@ class Dispatcher {
       } else {
         Pause();  // the host enqueues ahead of the stream: spin for a while, then poll every ~50 us
         if ((spins & 255) == 0 && now - idle_since > 5'000'000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        if (now - idle_since > 60'000'000'000LL && !armed.empty()) {  // say so rather than wait in silence
+          const Armed& a = armed.front();
+          std::fprintf(stderr, "freetoken_jax: %zu CPU expert jobs armed, the stream has staged none for 60 s (oldest %p, handoff %u; ready=%u)\n",
+                       armed.size(), static_cast<void*>(a.j), a.seq, a.j->flags->ready);
+          idle_since = now;
+        }
       }
     }
   }
@@ -336,7 +342,9 @@ void Await(void* job) {
   j->flags->arrived = seq;
   if (!AwaitFlag(&j->flags->done, seq, 2'000'000, 2'000'000)) {
     std::unique_lock<std::mutex> g(j->mu);
-    j->cv.wait(g, [&] { return Reached(j->flags->done, seq); });
+    for (int waited = 30; !j->cv.wait_for(g, std::chrono::seconds(30), [&] { return Reached(j->flags->done, seq); }); waited += 30)
+      std::fprintf(stderr, "freetoken_jax: the stream has waited %d s for CPU expert job %p (handoff %u; ready=%u done=%u)\n", waited,
+                   static_cast<void*>(j), seq, j->flags->ready, j->flags->done);
   }
 }
 
