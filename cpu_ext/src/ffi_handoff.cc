@@ -125,6 +125,7 @@ struct Job {
   Flags* flags = nullptr;
   uint64_t flags_device = 0;  // the flags' device address (CUDA)
   uint32_t seq = 0;           // the last handoff enqueued
+  bool cuda = false;          // a CUDA job's errors can only be printed (its wait has returned)
   std::vector<int32_t> token_of, expert_of;
   std::vector<float> weight_of;
   std::mutex mu;
@@ -176,7 +177,7 @@ void RunJob(Job* j) {
       j->error = e.what();
     }
   }
-  if (!j->error.empty()) std::fprintf(stderr, "freetoken_jax CPU expert job failed: %s\n", j->error.c_str());
+  if (j->cuda && !j->error.empty()) std::fprintf(stderr, "freetoken_jax CPU expert job failed: %s\n", j->error.c_str());
 }
 
 void Pause() {
@@ -384,6 +385,7 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, in
   job->layer = layer;
   job->T = T;
   job->K = K;
+  job->cuda = cuda;
   char* p = static_cast<char*>(mem);
   auto take = [&](auto*& field, size_t count) {
     field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p);
