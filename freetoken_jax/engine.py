@@ -147,11 +147,11 @@ class FreeTokenEngine:
             if not is_expert_path(p)
         )
         self.strategy_reason = f"moe_strategy={ecfg.moe_strategy!r} was asked for"
-        probe = False
+        probe = False  # set when "auto" picks hybrid from a profile: checked by a decode probe
         if ecfg.moe_strategy == "auto":
             ecfg, self.strategy_reason = _resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
             self.engine_config = ecfg
-            probe = ecfg.moe_strategy == "hybrid" and ecfg.auto_probe_steps > 0
+            probe = ecfg.moe_strategy == "hybrid" and ecfg.auto_probe_steps > 0 and ecfg.max_context >= 4
             log.info("moe_strategy auto -> %s: %s", ecfg.moe_strategy, self.strategy_reason)
         self.plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
         log.info("memory plan: %s", self.plan.describe())
@@ -193,9 +193,9 @@ class FreeTokenEngine:
     def _decode_rate(self, steps: int) -> float:
         """Decode tokens/s of the current weights over `steps` steps (batch 1, sampled, after one
         step that may compile)."""
-        V = self.model_config.vocab_size
-        prompt = [int(t) for t in np.random.default_rng(self.engine_config.seed).integers(0, V, 8)]
-        steps = max(1, min(steps, self.engine_config.max_context - len(prompt) - 2))
+        V, ctx = self.model_config.vocab_size, self.engine_config.max_context
+        prompt = [int(t) for t in np.random.default_rng(self.engine_config.seed).integers(0, V, max(1, min(8, ctx - 3)))]
+        steps = max(1, min(steps, ctx - len(prompt) - 2))
         tokens = self.generate(prompt, max_new_tokens=steps + 2, temperature=1.0, seed=1, ignore_eos=True)
         next(tokens), next(tokens)  # prefill, then the first decode step (compiles)
         t0 = time.perf_counter()
