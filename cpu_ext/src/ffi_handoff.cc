@@ -186,9 +186,8 @@ void Pause() {
 #endif
 }
 
-// Spins until `flag` reaches `seq`; after `spin_ns` polls every ~50 us. Returns false if
-// `limit_ns` (when > 0) passed first.
-bool AwaitFlag(const volatile uint32_t* flag, uint32_t seq, int64_t spin_ns, int64_t limit_ns) {
+// Spins until `flag` reaches `seq`, for at most `limit_ns`; false if it did not.
+bool SpinUntil(const volatile uint32_t* flag, uint32_t seq, int64_t limit_ns) {
   const int64_t t0 = NowNs();
   for (int i = 0;; ++i) {
     if (Reached(*flag, seq)) {
@@ -196,11 +195,7 @@ bool AwaitFlag(const volatile uint32_t* flag, uint32_t seq, int64_t spin_ns, int
       return true;
     }
     Pause();
-    if ((i & 255) == 0) {
-      const int64_t dt = NowNs() - t0;
-      if (limit_ns > 0 && dt > limit_ns) return false;
-      if (dt > spin_ns) std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    if ((i & 255) == 0 && NowNs() - t0 > limit_ns) return false;
   }
 }
 
@@ -327,8 +322,8 @@ class Dispatcher {
   std::vector<Armed> queue_;
 };
 
-// Host functions (the fallback when the stream cannot signal through memory), and the CPU
-// backend's handlers: the flags written and awaited by host code. They run once per handoff in
+// Host functions on the stream (the default signalling), and the CPU backend's handlers: the
+// flags written and awaited by host code. They run once per handoff in
 // stream order, so each one advances its flag by one (the host has enqueued ahead: `seq` may
 // already name a later handoff).
 void MarkReady(void* job) {
@@ -341,7 +336,7 @@ void Await(void* job) {
   Job* j = static_cast<Job*>(job);
   const uint32_t seq = j->flags->arrived + 1;
   j->flags->arrived = seq;
-  if (!AwaitFlag(&j->flags->done, seq, 2'000'000, 2'000'000)) {
+  if (!SpinUntil(&j->flags->done, seq, 2'000'000)) {  // then sleep until the dispatcher notifies
     std::unique_lock<std::mutex> g(j->mu);
     for (int waited = 30; !j->cv.wait_for(g, std::chrono::seconds(30), [&] { return Reached(j->flags->done, seq); }); waited += 30)
       std::fprintf(stderr, "freetoken_jax: the stream has waited %d s for CPU expert job %p (handoff %u; ready=%u done=%u)\n", waited,
@@ -368,8 +363,8 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, in
   auto& slot = jobs[{handle, T, K, cuda}];
   *out = slot.get();
   if (slot) return ffi::Error::Success();
-  const size_t data = sizeof(float) * (2 * T * H + 2 * T * K + T);
-  const size_t bytes = (data + 63) / 64 * 64 + sizeof(Flags);
+  const size_t flags_at = (sizeof(float) * (2 * T * H + 2 * T * K + T) + 63) / 64 * 64;  // the buffers, then the flags
+  const size_t bytes = flags_at + sizeof(Flags);
   void* mem = nullptr;
   uint64_t device = 0;
   if (cuda) {
@@ -396,7 +391,6 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, in
   take(job->w, T * K);
   take(job->valid, T);
   take(job->out, T * H);
-  const size_t flags_at = (data + 63) / 64 * 64;
   job->flags = new (static_cast<char*>(mem) + flags_at) Flags{0, 0, 0};
   job->flags_device = device ? device + flags_at : 0;
   slot = std::move(job);
