@@ -7,7 +7,7 @@ latency percentiles.
         --concurrency 1 4 16 --resize 800 2400 1695
 
 `--preset` builds a named shape with seeded random weights (no checkpoint). `--resize N ...`
-then times `rebuild_cache(expert_slots=N)` on the idle server for each N (validation, compile of
+first times `rebuild_cache(expert_slots=N)` on the idle server for each N (validation, compile of
 the new geometry, reallocation), and checks that a greedy request gives the same text before
 and after each resize.
 """
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     src.add_argument("--model", default="demo")
     src.add_argument("--preset", default=None, help="a named shape with seeded random weights (freetoken_jax.bench.presets)")
     ap.add_argument("--expert-gb", type=float, default=None, help="expert slot budget for offload / hybrid (GB)")
-    ap.add_argument("--resize", type=int, nargs="*", default=[], help="expert slot counts to resize to, in turn, after the load test")
+    ap.add_argument("--resize", type=int, nargs="*", default=[], help="expert slot counts to resize to, in turn, before the load test")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -97,11 +97,6 @@ def main(argv=None) -> int:
             with open(args.json, "w") as f:
                 json.dump(dict(argv=sys.argv, load=rows, resize=resizes), f, indent=1, default=str)
 
-    for c in args.concurrency:
-        run(url, c, 2 * c, args.max_tokens)  # compiles the batch sizes this concurrency reaches, unmeasured
-        rows.append(run(url, c, args.requests, args.max_tokens))
-        print(json.dumps(rows[-1]), flush=True)
-        save()
     probe = dict(model="m", prompt=[5, 9, 14, 77, 31], max_tokens=16, temperature=0)
     before = post(url + "/v1/completions", probe)["choices"][0]["text"]
     for n in args.resize:
@@ -111,6 +106,11 @@ def main(argv=None) -> int:
         after = post(url + "/v1/completions", probe)["choices"][0]["text"]
         resizes.append(dict(expert_slots=n, seconds=dt, same_output=after == before, status=status))
         print(json.dumps(resizes[-1], default=str), flush=True)
+        save()
+    for c in args.concurrency:
+        run(url, c, 2 * c, args.max_tokens)  # compiles the batch sizes this concurrency reaches, unmeasured
+        rows.append(run(url, c, args.requests, args.max_tokens))
+        print(json.dumps(rows[-1]), flush=True)
         save()
     httpd.shutdown()
     sched.shutdown()

@@ -31,7 +31,7 @@ from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_pa
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
-from freetoken_jax.runtime.offload import host_bank_placer, host_bank_views, to_host_banks
+from freetoken_jax.runtime.offload import host_bank_placer, host_bank_views, slot_prefill_pays, to_host_banks
 from freetoken_jax.runtime.steps import (
     DecodeBatch,
     DecodeState,
@@ -41,6 +41,7 @@ from freetoken_jax.runtime.steps import (
     decode_step,
     prefill_step,
     prefill_step_buffered,
+    prefill_step_slots,
     score_step,
 )
 
@@ -182,6 +183,7 @@ class FreeTokenEngine:
         self._traces: dict[str, int] = {}
         self._prefill = jax.jit(_traced(prefill_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._prefill_buffered = jax.jit(_traced(prefill_step_buffered, ecfg.dtype, self._traces), donate_argnums=(1, 3))
+        self._prefill_slots = jax.jit(_traced(prefill_step_slots, ecfg.dtype, self._traces), donate_argnums=(1, 3))
         self._prefill_note = None
         self._score = jax.jit(_traced(score_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
@@ -344,11 +346,14 @@ class FreeTokenEngine:
         return table, P
 
     def _prefill_call(self, weights: Weights, cache, batch: PrefillBatch, slots):
-        """One prefill chunk; returns (tokens, KV cache, slot cache). Under "offload"/"hybrid" it
-        goes through two borrowed layer buffers of the slot cache when it has 2 × num_experts
-        slots; otherwise (logged once) each layer's whole bank is streamed to the device."""
+        """One prefill chunk; returns (tokens, KV cache, slot cache). Under "offload"/"hybrid" a
+        short chunk goes through the slot cache as decode does (`slot_prefill_pays`); a longer one
+        through two borrowed layer buffers of the slot cache when it has 2 × num_experts slots,
+        otherwise (logged once) with each layer's whole bank streamed to the device."""
         E = self.model_config.num_experts
         if slots is not None and weights.strategy in ("offload", "hybrid"):
+            if slot_prefill_pays(self.model_config, batch.tokens_BT.size, slots.num_slots):
+                return self._prefill_slots(weights, cache, batch, slots)
             if slots.num_slots >= 2 * E:
                 return self._prefill_buffered(weights, cache, batch, slots)
             if self._prefill_note is None:
@@ -455,7 +460,7 @@ class FreeTokenEngine:
         """Executables compiled so far per step kind (one per bucket)."""
         t = self._traces
         return dict(
-            prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0),
+            prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0) + t.get("prefill_step_slots", 0),
             decode=t.get("decode_step", 0),
             score=t.get("score_step", 0),
         )

@@ -3,6 +3,7 @@ fused on every family for prompts of 1, page − 1, page + 1 tokens and several 
 load paths (whole-layer copy of small banks; per-expert fetch with resident experts used in
 place); the slot maps stay coherent and the decode that follows gives the fused tokens."""
 
+import dataclasses
 import logging
 
 import jax
@@ -106,3 +107,27 @@ def test_borrow_takes_least_recently_used_and_empties_them():
     check_maps(c3)
     sfi3 = np.asarray(c3.slot_for_id)
     assert sfi3[9] == 9 and sfi3[10] in np.asarray(bufs[0]) and sfi3[11] in np.asarray(bufs[0])
+
+
+def test_short_chunks_go_through_the_slot_cache(ckpt_root):
+    """A chunk whose routed experts would reach few of a layer's experts is prefilled as decode
+    does (looked up and fetched per token); a longer one loads whole layers. Both give the fused
+    tokens and leave the maps coherent."""
+    from freetoken_jax.runtime.offload import slot_prefill_pays
+
+    path = make_checkpoint("qwen3_moe", ckpt_root)
+    one = {**BASE, "max_batch": 1}
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**one))
+    cfg = fused.model_config
+    prompt = [int(t) for t in np.random.default_rng(9).integers(3, cfg.vocab_size, 19)]
+    want = fused.generate_batch([prompt], max_new_tokens=6, ignore_eos=True)
+    for chunk, path_taken in ((8, "prefill_step_slots"), (16, "prefill_step_buffered")):
+        ecfg = EngineConfig(**{**one, "prefill_chunk": chunk}, moe_strategy="offload", expert_slots=3 * cfg.num_experts)
+        off = FreeTokenEngine.from_pretrained(path, ecfg)
+        assert off.generate_batch([prompt], max_new_tokens=6, ignore_eos=True) == want
+        check_maps(off.slots)
+        taken = {k for k in off._traces if k.startswith("prefill_step")}
+        assert taken == {path_taken}, (chunk, taken)
+    # 8 of 128 experts per token: up to 35 tokens reach at most 90% of a layer's experts, if they fit the slots
+    big = dataclasses.replace(cfg, num_experts=128, top_k=8)
+    assert slot_prefill_pays(big, 35, 4096) and not slot_prefill_pays(big, 36, 4096) and not slot_prefill_pays(big, 35, 279)

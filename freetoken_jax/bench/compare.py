@@ -29,7 +29,6 @@ routing per sequence; `--routing-skew S` replaces it by seeded draws from a Zipf
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -71,6 +70,9 @@ class Bench:
         self.bp = h2d_bandwidth(gib=1.0 if gpu else 0.05)
         self.bh = executor_bandwidth(self.engine, self.views)
         self._fused = None
+        from freetoken_jax.runtime.steps import prefill_step
+
+        self._prefill_jit = jax.jit(prefill_step, donate_argnums=(1,))
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
                  f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
@@ -130,8 +132,12 @@ class Bench:
         try:
             table, _ = eng._page_table(pages, B)
             sampling = Sampling.greedy(B)
-            prefill = jax.jit(prefill_step, donate_argnums=(1,))
-            step_prefill = lambda w, c, b: prefill(weights, c, b)  # noqa: E731
+            # The KV cache is the same under every host-bank variant: they share one prefill executable.
+            shared = weights.strategy in ("offload", "hybrid")
+            pw = self.weights("offload", q, skew) if shared else weights
+            prefill = self._prefill_jit if shared else jax.jit(prefill_step, donate_argnums=(1,))
+            step_prefill = lambda w, c, b: prefill(pw, c, b)  # noqa: E731
+            t_start = time.perf_counter()
             for _pass in range(2):  # the first pass compiles
                 t0 = time.perf_counter()
                 for _s, _t, first in eng._prefill_chunks(prompts, table, sampling, step_prefill):  # noqa: B007
@@ -149,6 +155,10 @@ class Bench:
             # Each step reads a seeded random input token per row (random weights make sampled tokens repeat).
             inputs = list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
             step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
+            t1 = time.perf_counter()
+            step = step.lower(weights, state, batch, inputs[0]).compile()
+            self.log(f"{label or variant} B={B}: prefill {t1 - t_start:.0f} s (compile included), decode step compiled in "
+                     f"{time.perf_counter() - t1:.0f} s")  # fmt: skip
             counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
             warm = max(1, min(16, steps // 4))
             before, t0 = None, 0.0
@@ -158,7 +168,11 @@ class Bench:
                     before = None if slots is None else counters(state.experts)
                     _cpu_ext.handoff_stats(True)
                     t0 = time.perf_counter()
+                t1 = time.perf_counter()
                 _tok, state = step(weights, state, batch, inputs[i])
+                if i == 0:  # a step that never returns shows here, not only as a missing row
+                    state.tokens_B.block_until_ready()
+                    self.log(f"{label or variant} B={B}: first step took {(time.perf_counter() - t1) * 1e3:.0f} ms")
             state.tokens_B.block_until_ready()
             n = steps - warm
             dt = (time.perf_counter() - t0) / n
@@ -209,7 +223,7 @@ class Bench:
         `vram_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
         dropped; per-token: the decode path (routed experts looked up and fetched per token)."""
         from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import Sampling, _sample_last, forward, prefill_step
+        from freetoken_jax.runtime.steps import Sampling, prefill_step, prefill_step_slots
 
         eng, cfg = self.engine, self.cfg
         weights = self.weights({"stream": "offload", "per-token": "offload", "offload-copy": "offload"}.get(variant, variant), q, None)
@@ -228,11 +242,7 @@ class Bench:
                 return None
             slots = jax.device_put(init_slot_cache(cfg, n, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
         plain = jax.jit(prefill_step, donate_argnums=(1,))
-
-        @functools.partial(jax.jit, donate_argnums=(1, 3))
-        def per_token(w, cache, batch, experts):
-            h, cache, experts = forward(w, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts)
-            return _sample_last(w, h, batch), cache, experts
+        per_token = jax.jit(prefill_step_slots, donate_argnums=(1, 3))
 
         box = [slots]
 

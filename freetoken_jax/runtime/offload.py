@@ -49,6 +49,15 @@ def moe_layer_fns(model, make) -> list:
     return fns
 
 
+def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
+    """Whether a prefill chunk of `tokens` (rows × chunk length) should go through the slot cache
+    token by token rather than load whole layers: when its routed experts fit in the slots and,
+    routed uniformly, would reach at most 90% of a layer's experts (so that fetching just those
+    moves less than a whole layer; e.g. up to 35 tokens for 8 of 128 experts)."""
+    k, E = cfg.top_k, cfg.num_experts
+    return tokens * k <= num_slots and (1 - k / E) ** tokens >= 0.1
+
+
 class OffloadExecutor:
     """Builds each MoE layer's expert function for one traced step, threading the slot cache
     through the layers (`self.cache` holds the latest version while tracing)."""

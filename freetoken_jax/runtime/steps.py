@@ -174,6 +174,14 @@ def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch,
     return _sample_last(weights, h, batch), cache, experts
 
 
+def prefill_step_slots(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: SlotCache):
+    """`prefill_step` through the slot cache as in decode: each token's routed experts looked up,
+    the misses fetched (and, under "hybrid", shared with the CPU). For chunks too short to use
+    most of a layer's experts (`offload.slot_prefill_pays`). Returns (tokens, KV cache, slot cache)."""
+    h, cache, experts = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts)
+    return _sample_last(weights, h, batch), cache, experts
+
+
 def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
     """Like `prefill_step`, but returns the float32 logits at every position [B, T, V]."""
     h, cache, _ = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
