@@ -185,6 +185,7 @@ class FreeTokenEngine:
         self._prefill_buffered = jax.jit(_traced(prefill_step_buffered, ecfg.dtype, self._traces), donate_argnums=(1, 3))
         self._prefill_slots = jax.jit(_traced(prefill_step_slots, ecfg.dtype, self._traces), donate_argnums=(1, 3))
         self._prefill_note = None
+        self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
         self._score = jax.jit(_traced(score_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
@@ -274,6 +275,8 @@ class FreeTokenEngine:
 
     # Validation -----------------------------------------------------------------------------------
     def _check(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
+        if self.failed:
+            raise RequestError(f"the engine is in a failed state: {self.failed}")
         ids = [int(t) for t in prompt]
         V = self.model_config.vocab_size
         if not ids:
@@ -464,6 +467,15 @@ class FreeTokenEngine:
             decode=t.get("decode_step", 0),
             score=t.get("score_step", 0),
         )
+
+    def rebuild_runtime_cache(self, expert_slots: int | None = None, kv_pages: int | None = None) -> dict:
+        """Resizes the expert slots and/or the KV page pool between generations, without reloading
+        weights: the new geometry is validated (planner, compile, memory) before anything is freed,
+        and a failure afterwards restores the old one (`scheduler.elastic`). Slots start cold.
+        Returns the new status. A server resizes through its scheduler (`Scheduler.rebuild_cache`)."""
+        from freetoken_jax.scheduler import elastic
+
+        return elastic.rebuild_engine(self, expert_slots, kv_pages)
 
     def get_metrics(self) -> dict:
         m = dict(self._m)

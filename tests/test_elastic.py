@@ -193,3 +193,50 @@ def test_grpc_and_cli(sched, capsys):
     finally:
         server.stop(None)
         httpd.shutdown()
+
+
+def test_engine_resizes_between_generations(monkeypatch):
+    """`FreeTokenEngine.rebuild_runtime_cache` without a scheduler: same outputs after growing and
+    shrinking; refused while a generation is open; a failed rebuild rolls back, a double failure
+    leaves the engine refusing work."""
+    from freetoken_jax.engine import RequestError
+
+    eng = FreeTokenEngine.from_pretrained("demo", EC)
+    gen = lambda: eng.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True)  # noqa: E731
+    want = gen()
+    for slots, pages in ((20, 40), (None, 12), (4, None)):
+        st = eng.rebuild_runtime_cache(slots, pages)
+        if slots is not None:
+            assert st["expert_slots"] == slots == eng.slots.num_slots
+        if pages is not None:
+            assert st["kv_pages"] == pages == eng.cache[0][0].shape[0]
+        assert gen() == want, (slots, pages)
+    it = eng.generate(PROMPTS[0], max_new_tokens=4, ignore_eos=True)
+    next(it)
+    with pytest.raises(elastic.Busy, match="generation is running"):
+        eng.rebuild_runtime_cache(expert_slots=6)
+    it.close()
+    with pytest.raises(ConfigError, match="positive integer"):
+        eng.rebuild_runtime_cache(expert_slots=0)
+    assert eng.slots.num_slots == 4 and gen() == want
+    real, calls = elastic.init_slot_cache, {"n": 0}
+
+    def failing(calls_that_fail):  # call 1 only traces shapes for the compile check, 2 allocates, 3 restores
+        def f(*a, **k):
+            calls["n"] += 1
+            if calls["n"] in calls_that_fail:
+                raise MemoryError("injected")
+            return real(*a, **k)
+
+        return f
+
+    monkeypatch.setattr(elastic, "init_slot_cache", failing({2}))
+    with pytest.raises(elastic.RebuildFailed, match="previous geometry was restored"):
+        eng.rebuild_runtime_cache(expert_slots=12)
+    assert eng.slots.num_slots == 4 and not eng.failed and gen() == want
+    calls["n"] = 0
+    monkeypatch.setattr(elastic, "init_slot_cache", failing({2, 3}))
+    with pytest.raises(elastic.RebuildFailed, match="failed too"):
+        eng.rebuild_runtime_cache(expert_slots=12)
+    with pytest.raises(RequestError, match="failed state"):
+        gen()

@@ -1,7 +1,8 @@
 """Elastic memory: change the number of expert slots and KV pages of a running engine.
 
 Runs on the scheduler's loop thread while no request is running (callers either get `Busy` or
-ask to drain first). Phases:
+ask to drain first), or on an engine no scheduler owns (`FreeTokenEngine.rebuild_runtime_cache`,
+between generations). Phases:
 
 1. validate — the new geometry must pass the memory planner, hold at least one step's experts,
    and the decode step for it must compile; on a GPU its memory analysis must fit what the old
@@ -165,3 +166,27 @@ def rebuild(sched, expert_slots: int | None = None, kv_pages: int | None = None)
         ) from e
     sched.metrics["rebuilds"] = sched.metrics.get("rebuilds", 0) + 1
     return status(sched)
+
+
+class _EngineOwner:
+    """An engine's own caches in the form `rebuild` works on (an engine no scheduler owns)."""
+
+    def __init__(self, eng):
+        B = eng.engine_config.max_batch
+        self.engine, self.radix, self.metrics, self.failed = eng, None, eng._m, None
+        self.state = DecodeState(eng.cache, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), eng.slots)
+
+
+def rebuild_engine(eng, expert_slots: int | None = None, kv_pages: int | None = None) -> dict:
+    """`rebuild` for an engine used directly (`generate`, `generate_batch`), between generations."""
+    if eng.failed:
+        raise RebuildFailed(eng.failed)
+    if eng.cache is None:
+        raise Busy("a generation is running, or a scheduler owns this engine's caches (resize through it: Scheduler.rebuild_cache)")
+    owner = _EngineOwner(eng)
+    try:
+        out = rebuild(owner, expert_slots, kv_pages)
+    finally:
+        eng.cache, eng.slots, eng.failed = owner.state.cache, owner.state.experts, owner.failed
+    del out["prefix_cached_pages"]
+    return out
