@@ -370,13 +370,14 @@ class FreeTokenEngine:
         tok, cache, self.slots = self._prefill_call(weights, cache, batch, self.slots)
         return tok, cache
 
-    def _prefill_chunks(self, prompts: list[list[int]], table: np.ndarray, sampling: Sampling, step_fn):
-        """Runs `step_fn` over the prompts chunk by chunk; yields (chunk start, T, output)."""
+    def _prefill_chunks(self, prompts: list[list[int]], table: np.ndarray, sampling: Sampling, step_fn, chunk: int | None = None):
+        """Runs `step_fn` over the prompts chunk by chunk (`prefill_chunk` tokens unless `chunk`);
+        yields (chunk start, T, output)."""
         B = table.shape[0]
         longest = max(len(p) for p in prompts)
         start = 0
         while start < longest:
-            T = buckets.chunk_bucket(longest - start, self.engine_config.prefill_chunk)
+            T = buckets.chunk_bucket(longest - start, chunk or self.engine_config.prefill_chunk)
             tok = np.zeros((B, T), np.int32)
             valid = np.zeros((B, T), bool)
             for b, p in enumerate(prompts):

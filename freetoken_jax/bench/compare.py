@@ -73,6 +73,7 @@ class Bench:
         from freetoken_jax.runtime.steps import prefill_step
 
         self._prefill_jit = jax.jit(prefill_step, donate_argnums=(1,))
+        self._jits: dict = {}
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
                  f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
@@ -231,18 +232,20 @@ class Bench:
             return None
         if variant == "offload-copy":
             weights = dataclasses.replace(weights, prefill_load="copy")
-        slots = None
+        slots, chunk = None, self.ecfg.prefill_chunk
         if variant in ("offload", "offload-copy", "hybrid", "per-token"):
             n = self.slots_for(vram_gb, self.ecfg.max_batch)
-            from freetoken_jax.runtime.buckets import chunk_bucket
-
-            need = chunk_bucket(prompt_len, self.ecfg.prefill_chunk) * cfg.top_k
-            if variant == "per-token" and n < need:
-                self.log(f"per-token prefill needs {need} slots (a chunk's routed experts), the budget gives {n}: skipped")
-                return None
+            if variant == "per-token":  # the largest chunk whose routed experts fit the slots
+                if n < cfg.top_k:
+                    self.log(f"per-token prefill needs {cfg.top_k} slots, the budget gives {n}: skipped")
+                    return None
+                chunk = min(chunk, 1 << (n // cfg.top_k).bit_length() - 1)
             slots = jax.device_put(init_slot_cache(cfg, n, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
-        plain = jax.jit(prefill_step, donate_argnums=(1,))
-        per_token = jax.jit(prefill_step_slots, donate_argnums=(1, 3))
+        if "plain" not in self._jits:  # held across prompts: one compile per chunk shape
+            self._jits.update(
+                plain=jax.jit(prefill_step, donate_argnums=(1,)), per_token=jax.jit(prefill_step_slots, donate_argnums=(1, 3))
+            )
+        plain, per_token = self._jits["plain"], self._jits["per_token"]
 
         box = [slots]
 
@@ -259,19 +262,20 @@ class Bench:
         pages = [eng.pages.allocate(prompt_len + 1)]
         try:
             table, _ = eng._page_table(pages, 1)
-            for _ in range(2):  # the first pass compiles
+            # The first pass compiles: a prompt of one full chunk and the same last chunk suffices.
+            for p in (prompt[: min(prompt_len, chunk + prompt_len % chunk)], prompt):
                 t0 = time.perf_counter()
-                for _s, _t, first in eng._prefill_chunks([prompt], table, Sampling.greedy(1), step):  # noqa: B007
+                for _s, _t, first in eng._prefill_chunks([p], table, Sampling.greedy(1), step, chunk):  # noqa: B007
                     pass
                 first.block_until_ready()
                 ttft = time.perf_counter() - t0
         finally:
             for p in pages:
                 eng.pages.release(p)
-        chunks = -(-prompt_len // self.ecfg.prefill_chunk)
+        chunks = -(-prompt_len // self.ecfg.prefill_chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
         bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
-        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, vram_gb=vram_gb if slots is not None else None,
+        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, vram_gb=vram_gb if slots is not None else None,
                     buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
