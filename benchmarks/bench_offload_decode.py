@@ -66,6 +66,8 @@ def main(argv=None) -> int:
                     help="cached hybrid hybrid-cb hybrid-q1 naive layer; hybrid variants take the suffix -mo")  # fmt: skip
     ap.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
     ap.add_argument("--routing-skew", type=float, default=None, help="Zipf exponent of synthetic routing (default: the model's router)")
+    ap.add_argument("--prefill", action="store_true",
+                    help="prefill the prompt (compiles a prefill step) instead of feeding it through the decode step")  # fmt: skip
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
             steps = args.layer_steps if v == "layer" else args.steps
             _cpu_ext.handoff_sync("stream_memops" if v.endswith("-mo") else "host_function")  # nothing is in flight here
             try:
-                r = bench.decode(strategy, B, args.expert_gb, args.prompt_len, steps, q, args.routing_skew, own.get(base), v)
+                by_decode = not args.prefill and v != "layer"  # a layer step moves every expert: prefill its prompt
+                r = bench.decode(strategy, B, args.expert_gb, args.prompt_len, steps, q, args.routing_skew, own.get(base), v, by_decode)
             except Exception as e:  # one failing variant must not hide the others' figures
                 print(f"variant {v} at batch {B} failed: {type(e).__name__}: {e}", flush=True)
                 continue

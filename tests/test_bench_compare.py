@@ -31,6 +31,21 @@ def test_decode_side_by_side(tmp_path, capsys):
     assert "of bound" in capsys.readouterr().out
 
 
+def test_prompt_fed_through_decode_times_the_same_positions(tmp_path):
+    """--prompt-by-decode replaces the prefill by decode steps over the prompt: the timed steps sit
+    at the same positions, so synthetic routing (seeded by position) fetches the same experts."""
+    rows = []
+    for extra in ([], ["--prompt-by-decode"]):
+        out = tmp_path / f"d{len(extra)}.json"
+        argv = ["decode", "--preset", "demo", "--strategy", "naive", "--routing-skew", "0", "--batch", "4", "--gen-len", "8", "--prompt-len", "12",
+                "--dtype", "float32", "--json", str(out), *extra]  # fmt: skip
+        assert main(argv) == 0
+        rows += json.loads(out.read_text())["rows"]
+    prefilled, fed = rows
+    assert prefilled["ttft_ms"] > 0 and fed["ttft_ms"] is None
+    assert fed["gb_fetched_per_token"] == prefilled["gb_fetched_per_token"] > 0
+
+
 def test_prefill(tmp_path):
     out = tmp_path / "prefill.json"
     argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-copy", "stream", "fused", "--vram-gb", "0.01", "--prompt-len", "40", "--chunk", "16",

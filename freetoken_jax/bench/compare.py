@@ -111,9 +111,21 @@ class Bench:
         return dataclasses.replace(w, routing_skew=skew)
 
     def decode(
-        self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew: float | None, weights=None, label=None
+        self,
+        variant: str,
+        B: int,
+        vram_gb: float,
+        prompt_len: int,
+        steps: int,
+        q: float,
+        skew: float | None,
+        weights=None,
+        label=None,
+        prompt_by_decode: bool = False,
     ) -> dict | None:
-        """One decode row; `weights` replaces the variant's own (a variant of it), `label` names it."""
+        """One decode row; `weights` replaces the variant's own (a variant of it), `label` names it.
+        With `prompt_by_decode` the prompt is fed through the decode step itself, one token per
+        step, instead of a prefill (no prefill executable to compile; no time to first token)."""
         from tqdm import tqdm
 
         from freetoken_jax import _cpu_ext
@@ -138,8 +150,9 @@ class Bench:
             pw = self.weights("offload", q, skew) if shared else weights
             prefill = self._prefill_jit if shared else jax.jit(prefill_step, donate_argnums=(1,))
             step_prefill = lambda w, c, b: prefill(pw, c, b)  # noqa: E731
-            t_start = time.perf_counter()
-            for _pass in range(2):  # the first pass compiles
+            t_start, ttft, fed = time.perf_counter(), None, prompt_len if prompt_by_decode else 0
+            first = jnp.asarray([p[0] for p in prompts], jnp.int32)
+            for _pass in range(0 if prompt_by_decode else 2):  # the first pass compiles
                 t0 = time.perf_counter()
                 for _s, _t, first in eng._prefill_chunks(prompts, table, sampling, step_prefill):  # noqa: B007
                     pass
@@ -150,20 +163,22 @@ class Bench:
                 if slots is None
                 else jax.device_put(init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
             )
-            state = DecodeState(eng.cache, jnp.copy(first), jnp.full((B,), prompt_len, jnp.int32), experts)
+            state = DecodeState(eng.cache, jnp.copy(first), jnp.full((B,), prompt_len - fed, jnp.int32), experts)
             eng.cache = None
             batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), sampling)
-            # Each step reads a seeded random input token per row (random weights make sampled tokens repeat).
-            inputs = list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
+            # Each step reads a seeded random input token per row (random weights make sampled tokens
+            # repeat), after the prompt's tokens when it is fed through the decode step.
+            inputs = list(jnp.asarray(np.array(prompts, np.int32).T[:fed], jnp.int32))
+            inputs += list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
             step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
             t1 = time.perf_counter()
             step = step.lower(weights, state, batch, inputs[0]).compile()
-            self.log(f"{label or variant} B={B}: prefill {t1 - t_start:.0f} s (compile included), decode step compiled in "
+            self.log(f"{label or variant} B={B}: prompt {t1 - t_start:.0f} s (compile included), decode step compiled in "
                      f"{time.perf_counter() - t1:.0f} s")  # fmt: skip
             counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
-            warm = max(1, min(16, steps // 4))
+            warm = fed + max(1, min(16, steps // 4))
             before, t0 = None, 0.0
-            for i in tqdm(range(steps), desc=f"{variant} B={B}", leave=False, disable=None):
+            for i in tqdm(range(fed + steps), desc=f"{variant} B={B}", leave=False, disable=None):
                 if i == warm:
                     state.tokens_B.block_until_ready()
                     before = None if slots is None else counters(state.experts)
@@ -175,7 +190,7 @@ class Bench:
                     state.tokens_B.block_until_ready()
                     self.log(f"{label or variant} B={B}: first step took {(time.perf_counter() - t1) * 1e3:.0f} ms")
             state.tokens_B.block_until_ready()
-            n = steps - warm
+            n = fed + steps - warm
             dt = (time.perf_counter() - t0) / n
             hs = _cpu_ext.handoff_stats(True)
             eng.cache = state.cache
@@ -208,7 +223,7 @@ class Bench:
         bound = link + resident / self.hbm
         r = dict(
             strategy=label or variant, batch=B, vram_gb=vram_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
-            routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=ttft * 1e3, hit_rate=float(hit),
+            routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=None if ttft is None else ttft * 1e3, hit_rate=float(hit),
             gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
             q=weights.hybrid_q, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
         )  # fmt: skip
@@ -356,7 +371,8 @@ def run(args) -> dict:
                             r = transformers_decode(args.model, B, args.prompt_len, args.gen_len, vram, args.dtype, bench.log)
                         else:
                             steps = min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len
-                            r = bench.decode(s, B, vram, args.prompt_len, steps, q, skew)
+                            by_decode = getattr(args, "prompt_by_decode", False) and s != "layer"
+                            r = bench.decode(s, B, vram, args.prompt_len, steps, q, skew, prompt_by_decode=by_decode)
                         keep(r)
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
