@@ -68,3 +68,34 @@ def test_bad_input_raises():
         ex.run(x, [0], [0], [1.0], g, g, d, act="relu")
     with pytest.raises(ValueError):
         CpuExecutor(max_tier="sse9")
+
+
+def test_oversubscribed_pool_gives_the_single_thread_result():
+    """16 threads on this machine's few cores, jobs back to back: workers often wake after the job's
+    tasks are gone. Every output row is computed by one task in a fixed order, so each job must
+    equal the single-thread result bit for bit (a job returned before its tasks finished would not)."""
+    rng = np.random.default_rng(3)
+    T, H, F, E = 2, 200, 96, 6
+    gate, up = ((rng.standard_normal((E, F * H)) * 0.2).astype(np.float32) for _ in range(2))
+    down = (rng.standard_normal((E, H * F)) * 0.2).astype(np.float32)
+    many, one = CpuExecutor(threads=16), CpuExecutor(threads=1)
+    for i in range(150):
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        N = 1 + i % 5
+        args = (x, rng.integers(0, T, N), rng.integers(0, E, N), rng.random(N).astype(np.float32), gate, up, down)
+        np.testing.assert_array_equal(many.run(*args), one.run(*args), err_msg=f"job {i}")
+
+
+def test_default_threads(monkeypatch):
+    import os
+
+    from freetoken_jax.runtime.cpu_executor import default_threads
+
+    monkeypatch.delenv("FREETOKEN_CPU_THREADS", raising=False)
+    n = len(os.sched_getaffinity(0))
+    assert default_threads() == (n - 1 if n >= 8 else n)
+    monkeypatch.setenv("FREETOKEN_CPU_THREADS", "3")
+    assert default_threads() == 3 and CpuExecutor().threads == 3
+    monkeypatch.setenv("FREETOKEN_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="positive integer"):
+        default_threads()

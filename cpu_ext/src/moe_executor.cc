@@ -61,13 +61,14 @@ void ThreadPool::Work(int) {
       seen = generation_;
       fn = fn_;
       n = n_;
+      ++active_;  // Run cannot return while this worker may still call fn
     }
-    for (int64_t t; (t = next_.fetch_add(1)) < n;) (*fn)(t);
+    int64_t done = 0;
+    for (int64_t t; (t = next_.fetch_add(1)) < n; ++done) (*fn)(t);
     {
-      // Every worker reports every generation, so Run returns only when no worker can still
-      // touch this generation's function.
       std::lock_guard<std::mutex> l(mu_);
-      if (++finished_ == static_cast<int>(workers_.size())) done_cv_.notify_all();
+      completed_ += done;
+      if (--active_ == 0 && completed_ == n_) done_cv_.notify_all();
     }
   }
 }
@@ -79,14 +80,18 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
     fn_ = &fn;
     n_ = n;
     next_.store(0);
-    finished_ = 0;
+    completed_ = 0;
     ++generation_;
     published_.store(generation_, std::memory_order_release);
   }
   cv_.notify_all();
-  for (int64_t t; (t = next_.fetch_add(1)) < n;) fn(t);
+  int64_t done = 0;
+  for (int64_t t; (t = next_.fetch_add(1)) < n; ++done) fn(t);
+  // Done when every task has run and no worker is inside fn: a worker that wakes late (busy
+  // cores) finds no task left and is not waited for.
   std::unique_lock<std::mutex> l(mu_);
-  done_cv_.wait(l, [&] { return finished_ == static_cast<int>(workers_.size()); });
+  completed_ += done;
+  done_cv_.wait(l, [&] { return completed_ == n && active_ == 0; });
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ enum class Act { kSilu, kGelu, kGeluTanh };
 enum class BankType { kF32, kBF16 };
 
 // A pool of worker threads (optionally pinned one per core) that runs `fn(task)` for
-// task in [0, n); the calling thread takes tasks too.
+// task in [0, n); the calling thread takes tasks too. `Run` returns once every task has run and
+// no worker is inside `fn`; it does not wait for workers that have not woken up.
 class ThreadPool {
  public:
   ThreadPool(int threads, bool pin);
@@ -43,7 +44,8 @@ class ThreadPool {
   int64_t n_ = 0;
   uint64_t generation_ = 0;
   std::atomic<uint64_t> published_{0};  // generation_, readable without the lock
-  int finished_ = 0;
+  int64_t completed_ = 0;  // tasks of this generation that have run
+  int active_ = 0;         // workers inside this generation's fn
   bool stop_ = false;
 };
 

@@ -62,21 +62,34 @@ def _bank_view(a) -> np.ndarray:
 _SHARED: CpuExecutor | None = None
 
 
+def default_threads() -> int:
+    """FREETOKEN_CPU_THREADS if set; else the cores this process may run on, less one (where there
+    are 8 or more) for the thread that holds the GPU stream at the handoff (cpu_ext/src/ffi_handoff.h):
+    a pool thread that loses its core to it delays the whole job."""
+    import os
+
+    if os.environ.get("FREETOKEN_CPU_THREADS"):
+        n = int(os.environ["FREETOKEN_CPU_THREADS"])
+        if n <= 0:
+            raise ValueError(f"FREETOKEN_CPU_THREADS must be a positive integer, got {n}")
+        return n
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return n - 1 if n >= 8 else n
+
+
 def shared_executor() -> CpuExecutor:
-    """One executor (one thread pool, one per core) for the whole process."""
+    """One executor (one thread pool, `default_threads()`) for the whole process."""
     global _SHARED
     if _SHARED is None:
-        _SHARED = CpuExecutor()
+        _SHARED = CpuExecutor(default_threads())
     return _SHARED
 
 
 class CpuExecutor:
     def __init__(self, threads: int = 0, max_tier: str = "amx_bf16", pin: bool = False):
-        import os
-
         if max_tier not in TIERS:
             raise ValueError(f"max_tier must be one of {TIERS}")
-        self._ex = _cpu_ext.CpuMoeExecutor(threads or os.cpu_count() or 1, max_tier, pin)
+        self._ex = _cpu_ext.CpuMoeExecutor(threads or default_threads(), max_tier, pin)
         self._registered: dict = {}  # banks registered for the FFI handoff, kept alive with the executor
 
     @property
