@@ -68,6 +68,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routing-skew", type=float, default=None, help="Zipf exponent of synthetic routing (default: the model's router)")
     ap.add_argument("--prefill", action="store_true",
                     help="prefill the prompt (compiles a prefill step) instead of feeding it through the decode step")  # fmt: skip
+    ap.add_argument("--compile-workers", type=int, default=1, help="compile the variants' decode steps ahead on this many threads")
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -85,15 +86,21 @@ def main(argv=None) -> int:
         print("check against fused:", out["check"], flush=True)
     from freetoken_jax import _cpu_ext
 
+    def row(v: str, B: int) -> dict:
+        base = v.removesuffix("-mo")
+        strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(base, base)
+        steps = args.layer_steps if v == "layer" else args.steps
+        return dict(variant=strategy, B=B, vram_gb=args.expert_gb, prompt_len=args.prompt_len, steps=steps, q=q,
+                    skew=args.routing_skew, weights=own.get(base), label=v)  # fmt: skip
+
+    if args.compile_workers > 1:
+        bench.precompile([row(v, B) for B in args.batch for v in args.variants], args.compile_workers)
     for B in args.batch:
         for v in args.variants:
-            base = v.removesuffix("-mo")
-            strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(base, base)
-            steps = args.layer_steps if v == "layer" else args.steps
             _cpu_ext.handoff_sync("stream_memops" if v.endswith("-mo") else "host_function")  # nothing is in flight here
             try:
                 by_decode = not args.prefill and v != "layer"  # a layer step moves every expert: prefill its prompt
-                r = bench.decode(strategy, B, args.expert_gb, args.prompt_len, steps, q, args.routing_skew, own.get(base), v, by_decode)
+                r = bench.decode(**row(v, B), prompt_by_decode=by_decode)
             except Exception as e:  # one failing variant must not hide the others' figures
                 print(f"variant {v} at batch {B} failed: {type(e).__name__}: {e}", flush=True)
                 continue

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--gen-len", type=int, default=64, help="decode steps per row (the first quarter, at most 16, are warm-up)")
             p.add_argument("--layer-steps", type=int, default=8, help="decode steps of the `layer` baseline (each moves every expert)")
             p.add_argument("--plot", default=None, help="draw tokens/s against the VRAM budget into this PNG (needs matplotlib)")
+            p.add_argument("--compile-workers", type=int, default=1,
+                           help="compile the rows' decode steps ahead on this many threads (each row compiles its own otherwise)")  # fmt: skip
             p.add_argument("--prompt-by-decode", action="store_true",
                            help="feed the prompt through the decode step instead of a prefill (saves compiling one; no TTFT)")  # fmt: skip
         else:

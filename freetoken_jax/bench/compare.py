@@ -40,9 +40,14 @@ import numpy as np
 
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
+from freetoken_jax.runtime import buckets
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
 PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
+
+
+def _row_key(variant, B, vram_gb, prompt_len, steps, skew=None, label=None, **_) -> tuple:
+    return (label or variant, B, vram_gb, prompt_len, steps, skew)
 
 
 class Bench:
@@ -74,6 +79,10 @@ class Bench:
 
         self._prefill_jit = jax.jit(prefill_step, donate_argnums=(1,))
         self._jits: dict = {}
+        self._compiled: dict = {}  # decode steps compiled ahead (`precompile`), by row
+        from freetoken_jax.runtime.steps import decode_step
+
+        self._step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
                  f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
@@ -110,6 +119,50 @@ class Bench:
             w = self._fused.weights
         return dataclasses.replace(w, routing_skew=skew)
 
+    def _decode_slots(self, variant: str, B: int, vram_gb: float) -> int | None:
+        slots = {"naive": B * self.cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
+        return self.slots_for(vram_gb, B) if variant in ("offload", "hybrid") else slots
+
+    def compile_decode(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, weights=None):
+        """The decode step of a `decode` row, compiled from shapes alone: it touches no engine
+        state, so several compile at once (`precompile`)."""
+        from freetoken_jax.memory.expert_cache import init_slot_cache
+        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling
+
+        cfg, eng = self.cfg, self.engine
+        weights = weights or self.weights(variant, q, skew)
+        slots = self._decode_slots(variant, B, vram_gb)
+        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+        i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
+        P = buckets.pages_bucket(eng.pages.pages_for(prompt_len + steps + 8), self.ecfg.pages_per_sequence)
+        experts = (
+            None if slots is None else jax.eval_shape(lambda: init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)))
+        )
+        state = DecodeState(jax.tree.map(shape, eng.cache), i32, i32, experts)
+        batch = DecodeBatch(
+            jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), jax.tree.map(shape, Sampling.greedy(B))
+        )
+        return self._step.lower(weights, state, batch, i32).compile()
+
+    def precompile(self, rows: list[dict], workers: int) -> None:
+        """Compiles the decode steps of `rows` (each a dict of `decode`'s arguments) on `workers`
+        threads ahead of the runs; `decode` then takes them."""
+        import concurrent.futures
+
+        def one(r: dict) -> None:
+            t0, name = time.perf_counter(), r.get("label") or r["variant"]
+            try:
+                args = {k: r.get(k) for k in ("variant", "B", "vram_gb", "prompt_len", "steps", "q", "skew", "weights")}
+                if r["variant"] == "fused":  # builds a second engine on first use: not from several threads
+                    return
+                self._compiled[_row_key(**r)] = self.compile_decode(**args)
+                self.log(f"{name} B={r['B']}: decode step compiled ahead in {time.perf_counter() - t0:.0f} s")
+            except Exception as e:  # noqa: BLE001 - the row compiles again when it runs, and reports
+                self.log(f"{name} B={r['B']}: compiling ahead failed: {type(e).__name__}: {e}")
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(one, rows))
+
     def decode(
         self,
         variant: str,
@@ -130,15 +183,14 @@ class Bench:
 
         from freetoken_jax import _cpu_ext
         from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step, prefill_step
+        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, prefill_step
 
         cfg, eng = self.cfg, self.engine
         weights = weights or self.weights(variant, q, skew)
         if weights is None:
             return None
-        slots = {"naive": B * cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
-        if variant in ("offload", "hybrid"):
-            slots = self.slots_for(vram_gb, B)
+        slots = self._decode_slots(variant, B, vram_gb)
+        key = _row_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
         rng = np.random.default_rng(7 + B)
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
         pages = [eng.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
@@ -170,11 +222,10 @@ class Bench:
             # repeat), after the prompt's tokens when it is fed through the decode step.
             inputs = list(jnp.asarray(np.array(prompts, np.int32).T[:fed], jnp.int32))
             inputs += list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
-            step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
             t1 = time.perf_counter()
-            step = step.lower(weights, state, batch, inputs[0]).compile()
-            self.log(f"{label or variant} B={B}: prompt {t1 - t_start:.0f} s (compile included), decode step compiled in "
-                     f"{time.perf_counter() - t1:.0f} s")  # fmt: skip
+            step = self._compiled.pop(key, None) or self.compile_decode(variant, B, vram_gb, prompt_len, steps, q, skew, weights)
+            prefilled = "prompt fed through the decode step" if prompt_by_decode else f"prefill {t1 - t_start:.0f} s (compile included)"
+            self.log(f"{label or variant} B={B}: {prefilled}, decode step ready in {time.perf_counter() - t1:.0f} s")
             counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
             warm = fed + max(1, min(16, steps // 4))
             before, t0 = None, 0.0
@@ -361,6 +412,13 @@ def run(args) -> dict:
                 json.dump(out, f, indent=1)
 
     if args.cmd == "decode":
+        if getattr(args, "compile_workers", 1) > 1:
+            bench.precompile(
+                [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, steps=min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len, q=q, skew=skew)
+                 for skew in args.routing_skew for B in args.batch for s in args.strategy if s != "transformers"
+                 for vram in (args.vram_gb if s in ("offload", "hybrid") else [None])],
+                args.compile_workers,
+            )  # fmt: skip
         for skew in args.routing_skew:
             for B in args.batch:
                 for s in args.strategy:
