@@ -50,24 +50,20 @@ def test_decode_steps_compiled_ahead_on_threads(tmp_path, capsys):
     from freetoken_jax.bench.compare import Bench
 
     bench = Bench("demo", dtype="float32", max_batch=2, max_context=64)
-    rows = [dict(variant=v, B=B, vram_gb=0.001, prompt_len=8, steps=6, q=0.2, skew=0.0) for v in ("offload", "naive") for B in (1, 2)]
-    bench.precompile(rows, 3)
-    assert len(bench._compiled) == 4 and "failed" not in capsys.readouterr().err
+    rows = [dict(variant=v, B=B, vram_gb=0.001, prompt_len=8, steps=6, q=0.2, skew=0.0) for v, B in (("offload", 2), ("naive", 1))]
+    bench.precompile(rows, 2)
+    assert len(bench._compiled) == 2 and "failed" not in capsys.readouterr().err
     for r in rows:
         got = bench.decode(**r, prompt_by_decode=True)
         assert got["tokens_per_s"] > 0 and got["batch"] == r["B"]
     assert not bench._compiled  # every row ran the executable compiled for it on the threads
     # and the command line does the same
     out = tmp_path / "d.json"
-    argv = ["decode", "--preset", "demo", "--strategy", "offload", "naive", "--vram-gb", "0.0005", "0.002", "--gen-len", "6",
-            "--routing-skew", "0", "--dtype", "float32", "--compile-workers", "3", "--prompt-by-decode", "--json", str(out)]  # fmt: skip
+    argv = ["decode", "--preset", "demo", "--strategy", "offload", "--vram-gb", "0.0005", "0.002", "--gen-len", "6",
+            "--routing-skew", "0", "--dtype", "float32", "--compile-workers", "2", "--prompt-by-decode", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
-    assert capsys.readouterr().err.count("compiled ahead") == 3
-    assert [(r["strategy"], r["vram_gb"]) for r in json.loads(out.read_text())["rows"]] == [
-        ("offload", 0.0005),
-        ("offload", 0.002),
-        ("naive", None),
-    ]
+    assert capsys.readouterr().err.count("compiled ahead") == 2
+    assert [(r["strategy"], r["vram_gb"]) for r in json.loads(out.read_text())["rows"]] == [("offload", 0.0005), ("offload", 0.002)]
 
 
 def test_prefill(tmp_path):

@@ -80,6 +80,7 @@ class Bench:
         self._prefill_jit = jax.jit(prefill_step, donate_argnums=(1,))
         self._jits: dict = {}
         self._compiled: dict = {}  # decode steps compiled ahead (`precompile`), by row
+        self._kv_shape = jax.eval_shape(lambda c: c, self.engine.cache)  # a row holds the cache itself while it runs
         from freetoken_jax.runtime.steps import decode_step
 
         self._step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
@@ -138,7 +139,7 @@ class Bench:
         experts = (
             None if slots is None else jax.eval_shape(lambda: init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)))
         )
-        state = DecodeState(jax.tree.map(shape, eng.cache), i32, i32, experts)
+        state = DecodeState(jax.tree.map(shape, self._kv_shape), i32, i32, experts)
         batch = DecodeBatch(
             jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), jax.tree.map(shape, Sampling.greedy(B))
         )
