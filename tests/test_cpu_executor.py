@@ -1,5 +1,7 @@
 """The C++ CPU expert executor on every ISA tier this machine has, against a float64 reference."""
 
+import threading
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -79,11 +81,22 @@ def test_oversubscribed_pool_gives_the_single_thread_result():
     gate, up = ((rng.standard_normal((E, F * H)) * 0.2).astype(np.float32) for _ in range(2))
     down = (rng.standard_normal((E, H * F)) * 0.2).astype(np.float32)
     many, one = CpuExecutor(threads=16), CpuExecutor(threads=1)
-    for i in range(150):
+    jobs = []
+    for i in range(300):
         x = rng.standard_normal((T, H)).astype(np.float32)
         N = 1 + i % 5
-        args = (x, rng.integers(0, T, N), rng.integers(0, E, N), rng.random(N).astype(np.float32), gate, up, down)
-        np.testing.assert_array_equal(many.run(*args), one.run(*args), err_msg=f"job {i}")
+        jobs.append((x, rng.integers(0, T, N), rng.integers(0, E, N), rng.random(N).astype(np.float32), gate, up, down))
+    got = []
+
+    def run_all():  # on a thread, so that a pool that hangs fails the test instead of the suite
+        got.extend(many.run(*a) for a in jobs)
+
+    t = threading.Thread(target=run_all, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive() and len(got) == len(jobs), "the pool hung"
+    for i, (a, g) in enumerate(zip(jobs, got)):
+        np.testing.assert_array_equal(g, one.run(*a), err_msg=f"job {i}")
 
 
 def test_default_threads(monkeypatch):

@@ -56,7 +56,9 @@ void ThreadPool::Work(int) {
     }
     {
       std::unique_lock<std::mutex> l(mu_);
-      cv_.wait(l, [&] { return stop_ || generation_ != seen; });
+      // Only a job still running is joined: one that finished while this worker slept is gone
+      // (its function with it), and joining it would take the next job's tasks with its own.
+      cv_.wait(l, [&] { return stop_ || (running_ && generation_ != seen); });
       if (stop_) return;
       seen = generation_;
       fn = fn_;
@@ -81,6 +83,7 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
     n_ = n;
     next_.store(0);
     completed_ = 0;
+    running_ = true;
     ++generation_;
     published_.store(generation_, std::memory_order_release);
   }
@@ -92,6 +95,7 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
   std::unique_lock<std::mutex> l(mu_);
   completed_ += done;
   done_cv_.wait(l, [&] { return completed_ == n && active_ == 0; });
+  running_ = false;
 }
 
 // ---------------------------------------------------------------------------------------------

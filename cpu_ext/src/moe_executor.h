@@ -46,6 +46,7 @@ class ThreadPool {
   std::atomic<uint64_t> published_{0};  // generation_, readable without the lock
   int64_t completed_ = 0;  // tasks of this generation that have run
   int active_ = 0;         // workers inside this generation's fn
+  bool running_ = false;   // a Run is in progress (workers join only then)
   bool stop_ = false;
 };
 
