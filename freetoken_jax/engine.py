@@ -117,6 +117,10 @@ def sampling_rows(ps: Sequence[GenerationParams | None]) -> Sampling:
     )
 
 
+def _fresh_metrics() -> dict:
+    return dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
+
+
 class FreeTokenEngine:
     """Generates tokens from an MoE model.
 
@@ -189,7 +193,7 @@ class FreeTokenEngine:
         self._score = jax.jit(_traced(score_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
-        self._m = dict(requests=0, prompt_tokens=0, generated_tokens=0, decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0)
+        self._m = _fresh_metrics()
         if probe:
             self._check_hybrid_choice(ecfg.auto_probe_steps)
 
@@ -218,8 +222,7 @@ class FreeTokenEngine:
             self.engine_config = self.engine_config.replace(moe_strategy="offload")
             self.strategy_reason += f"; but the decode probe measured hybrid {h:.1f} tok/s < offload {o:.1f} tok/s: offload"
         log.info("moe_strategy auto: %s", self.strategy_reason)
-        for k in self._m:
-            self._m[k] = type(self._m[k])(0)
+        self._m = _fresh_metrics()  # the probe's requests are not the user's
 
     # Construction ---------------------------------------------------------------------------------
     @classmethod

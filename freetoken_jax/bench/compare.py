@@ -75,14 +75,13 @@ class Bench:
         self.bp = h2d_bandwidth(gib=1.0 if gpu else 0.05)
         self.bh = executor_bandwidth(self.engine, self.views)
         self._fused = None
-        from freetoken_jax.runtime.steps import prefill_step
+        from freetoken_jax.runtime.steps import decode_step, prefill_step, prefill_step_slots
 
-        self._prefill_jit = jax.jit(prefill_step, donate_argnums=(1,))
-        self._jits: dict = {}
+        # Held for the whole run: one compile per shape (and weights variant) across rows and prompts.
+        self._prefill_plain = jax.jit(prefill_step, donate_argnums=(1,))
+        self._prefill_slots = jax.jit(prefill_step_slots, donate_argnums=(1, 3))
         self._compiled: dict = {}  # decode steps compiled ahead (`precompile`), by row
         self._kv_shape = jax.eval_shape(lambda c: c, self.engine.cache)  # a row holds the cache itself while it runs
-        from freetoken_jax.runtime.steps import decode_step
-
         self._step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
@@ -139,7 +138,7 @@ class Bench:
         experts = (
             None if slots is None else jax.eval_shape(lambda: init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)))
         )
-        state = DecodeState(jax.tree.map(shape, self._kv_shape), i32, i32, experts)
+        state = DecodeState(self._kv_shape, i32, i32, experts)
         batch = DecodeBatch(
             jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), jax.tree.map(shape, Sampling.greedy(B))
         )
@@ -184,7 +183,7 @@ class Bench:
 
         from freetoken_jax import _cpu_ext
         from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, prefill_step
+        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling
 
         cfg, eng = self.cfg, self.engine
         weights = weights or self.weights(variant, q, skew)
@@ -199,10 +198,8 @@ class Bench:
             table, _ = eng._page_table(pages, B)
             sampling = Sampling.greedy(B)
             # The KV cache is the same under every host-bank variant: they share one prefill executable.
-            shared = weights.strategy in ("offload", "hybrid")
-            pw = self.weights("offload", q, skew) if shared else weights
-            prefill = self._prefill_jit if shared else jax.jit(prefill_step, donate_argnums=(1,))
-            step_prefill = lambda w, c, b: prefill(pw, c, b)  # noqa: E731
+            pw = self.weights("offload", q, skew) if weights.strategy in ("offload", "hybrid") else weights
+            step_prefill = lambda w, c, b: self._prefill_plain(pw, c, b)  # noqa: E731
             t_start, ttft, fed = time.perf_counter(), None, prompt_len if prompt_by_decode else 0
             first = jnp.asarray([p[0] for p in prompts], jnp.int32)
             for _pass in range(0 if prompt_by_decode else 2):  # the first pass compiles
@@ -291,7 +288,7 @@ class Bench:
         `vram_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
         dropped; per-token: the decode path (routed experts looked up and fetched per token)."""
         from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import Sampling, prefill_step, prefill_step_slots
+        from freetoken_jax.runtime.steps import Sampling
 
         eng, cfg = self.engine, self.cfg
         weights = self.weights({"stream": "offload", "per-token": "offload", "offload-copy": "offload"}.get(variant, variant), q, None)
@@ -302,27 +299,18 @@ class Bench:
         slots, chunk = None, self.ecfg.prefill_chunk
         if variant in ("offload", "offload-copy", "hybrid", "per-token"):
             n = self.slots_for(vram_gb, self.ecfg.max_batch)
-            if variant == "per-token":  # the largest chunk whose routed experts fit the slots
-                if n < cfg.top_k:
-                    self.log(f"per-token prefill needs {cfg.top_k} slots, the budget gives {n}: skipped")
-                    return None
+            if variant == "per-token":  # the largest chunk whose routed experts fit the slots (n >= top_k: `slots_for`)
                 chunk = min(chunk, 1 << (n // cfg.top_k).bit_length() - 1)
             slots = jax.device_put(init_slot_cache(cfg, n, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
-        if "plain" not in self._jits:  # held across prompts: one compile per chunk shape
-            self._jits.update(
-                plain=jax.jit(prefill_step, donate_argnums=(1,)), per_token=jax.jit(prefill_step_slots, donate_argnums=(1, 3))
-            )
-        plain, per_token = self._jits["plain"], self._jits["per_token"]
-
         box = [slots]
 
         def step(w, c, b):
             if variant == "per-token":
-                tok, c, box[0] = per_token(weights, c, b, box[0])
+                tok, c, box[0] = self._prefill_slots(weights, c, b, box[0])
             elif box[0] is not None:
                 tok, c, box[0] = eng._prefill_call(weights, c, b, box[0])
             else:
-                tok, c = plain(weights, c, b)
+                tok, c = self._prefill_plain(weights, c, b)
             return tok, c
 
         prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len))
@@ -413,26 +401,20 @@ def run(args) -> dict:
                 json.dump(out, f, indent=1)
 
     if args.cmd == "decode":
+        rows = [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, q=q, skew=skew,
+                     steps=min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len)
+                for skew in args.routing_skew for B in args.batch for s in args.strategy
+                for vram in (args.vram_gb if s in ("offload", "hybrid", "transformers") else [None])]  # fmt: skip
         if getattr(args, "compile_workers", 1) > 1:
-            bench.precompile(
-                [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, steps=min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len, q=q, skew=skew)
-                 for skew in args.routing_skew for B in args.batch for s in args.strategy if s != "transformers"
-                 for vram in (args.vram_gb if s in ("offload", "hybrid") else [None])],
-                args.compile_workers,
-            )  # fmt: skip
-        for skew in args.routing_skew:
-            for B in args.batch:
-                for s in args.strategy:
-                    for vram in args.vram_gb if s in ("offload", "hybrid", "transformers") else [None]:
-                        if s == "transformers":
-                            from freetoken_jax.bench.hf_baseline import transformers_decode
+            bench.precompile([r for r in rows if r["variant"] != "transformers"], args.compile_workers)
+        for r in rows:
+            if r["variant"] == "transformers":
+                from freetoken_jax.bench.hf_baseline import transformers_decode
 
-                            r = transformers_decode(args.model, B, args.prompt_len, args.gen_len, vram, args.dtype, bench.log)
-                        else:
-                            steps = min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len
-                            by_decode = getattr(args, "prompt_by_decode", False) and s != "layer"
-                            r = bench.decode(s, B, vram, args.prompt_len, steps, q, skew, prompt_by_decode=by_decode)
-                        keep(r)
+                keep(transformers_decode(args.model, r["B"], args.prompt_len, args.gen_len, r["vram_gb"], args.dtype, bench.log))
+            else:
+                by_decode = getattr(args, "prompt_by_decode", False) and r["variant"] != "layer"
+                keep(bench.decode(**r, prompt_by_decode=by_decode))
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q*", ".2f"),
