@@ -50,13 +50,18 @@ def test_decode_steps_compiled_ahead_on_threads(tmp_path, capsys):
     from freetoken_jax.bench.compare import Bench
 
     bench = Bench("demo", dtype="float32", max_batch=2, max_context=64)
-    rows = [dict(variant=v, B=B, vram_gb=0.001, prompt_len=8, steps=6, q=0.2, skew=0.0) for v, B in (("offload", 2), ("naive", 1))]
+    rows = [
+        dict(variant=v, B=B, vram_gb=0.001, prompt_len=8, steps=6, q=0.2, skew=k)
+        for v, B in (("offload", 2), ("naive", 1))
+        for k in (0.0, 1.0)
+    ]
     bench.precompile(rows, 2)
-    assert len(bench._compiled) == 2 and "failed" not in capsys.readouterr().err
+    assert len(bench._compiled) == 2 and "failed" not in capsys.readouterr().err  # one executable serves both skews
+    bench.compile_decode = None  # every row runs the executable compiled for it on the threads
     for r in rows:
         got = bench.decode(**r, prompt_by_decode=True)
-        assert got["tokens_per_s"] > 0 and got["batch"] == r["B"]
-    assert not bench._compiled  # every row ran the executable compiled for it on the threads
+        assert got["tokens_per_s"] > 0 and got["batch"] == r["B"] and got["routing_skew"] == r["skew"]
+    assert len(bench._compiled) == 2
     # and the command line does the same
     out = tmp_path / "d.json"
     argv = ["decode", "--preset", "demo", "--strategy", "offload", "--vram-gb", "0.0005", "0.002", "--gen-len", "6",

@@ -3,6 +3,7 @@ with position, Zipf-shaped popularity, and every strategy computes the same rout
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from hf_models import make_checkpoint
@@ -26,6 +27,10 @@ def test_draws_are_distinct_reproducible_and_zipf_shaped():
     u = np.bincount(np.asarray(synthetic_ids(ids0, pos, 3, E, 0.0)).reshape(-1), minlength=E)
     assert u.max() < 1.3 * u.mean()  # skew 0: uniform
     assert not np.array_equal(a, np.asarray(synthetic_ids(ids0, pos, 4, E, 1.0)))  # layers differ
+    traced = jax.jit(lambda s: synthetic_ids(ids0, pos, 3, E, s))  # one executable for every exponent
+    np.testing.assert_array_equal(np.asarray(traced(1.0)), a)
+    np.testing.assert_array_equal(np.asarray(traced(0.0)), np.asarray(synthetic_ids(ids0, pos, 3, E, 0.0)))
+    assert traced._cache_size() == 1
 
 
 def test_every_strategy_computes_the_same_synthetic_routing(ckpt_root):

@@ -46,10 +46,6 @@ VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers
 PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
-def _row_key(variant, B, vram_gb, prompt_len, steps, skew=None, label=None, **_) -> tuple:
-    return (label or variant, B, vram_gb, prompt_len, steps, skew)
-
-
 class Bench:
     """One host-bank engine and the figures the bounds need."""
 
@@ -80,7 +76,7 @@ class Bench:
         # Held for the whole run: one compile per shape (and weights variant) across rows and prompts.
         self._prefill_plain = jax.jit(prefill_step, donate_argnums=(1,))
         self._prefill_slots = jax.jit(prefill_step_slots, donate_argnums=(1, 3))
-        self._compiled: dict = {}  # decode steps compiled ahead (`precompile`), by row
+        self._compiled: dict = {}  # decode steps by `_compile_key`: rows of the same shapes share one
         self._kv_shape = jax.eval_shape(lambda c: c, self.engine.cache)  # a row holds the cache itself while it runs
         self._step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -117,11 +113,17 @@ class Bench:
             if not self._fused:
                 return None
             w = self._fused.weights
-        return dataclasses.replace(w, routing_skew=skew)
+        return dataclasses.replace(w, routing_skew=None if skew is None else float(skew))
 
     def _decode_slots(self, variant: str, B: int, vram_gb: float) -> int | None:
         slots = {"naive": B * self.cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
         return self.slots_for(vram_gb, B) if variant in ("offload", "hybrid") else slots
+
+    def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, **_) -> tuple:
+        """What a row's decode executable depends on: the weights variant, the batch, the slots
+        and the page-table width (the routing skew is a traced value: any skew, one executable)."""
+        P = buckets.pages_bucket(self.engine.pages.pages_for(prompt_len + steps + 8), self.ecfg.pages_per_sequence)
+        return (label or variant, B, self._decode_slots(variant, B, vram_gb), P, skew is None)
 
     def compile_decode(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, weights=None):
         """The decode step of a `decode` row, compiled from shapes alone: it touches no engine
@@ -146,16 +148,16 @@ class Bench:
 
     def precompile(self, rows: list[dict], workers: int) -> None:
         """Compiles the decode steps of `rows` (each a dict of `decode`'s arguments) on `workers`
-        threads ahead of the runs; `decode` then takes them."""
+        threads ahead of the runs, once per distinct `_compile_key`; `decode` then takes them."""
         import concurrent.futures
+
+        rows = list({self._compile_key(**r): r for r in rows if r["variant"] != "fused"}.values())
 
         def one(r: dict) -> None:
             t0, name = time.perf_counter(), r.get("label") or r["variant"]
             try:
                 args = {k: r.get(k) for k in ("variant", "B", "vram_gb", "prompt_len", "steps", "q", "skew", "weights")}
-                if r["variant"] == "fused":  # builds a second engine on first use: not from several threads
-                    return
-                self._compiled[_row_key(**r)] = self.compile_decode(**args)
+                self._compiled[self._compile_key(**r)] = self.compile_decode(**args)
                 self.log(f"{name} B={r['B']}: decode step compiled ahead in {time.perf_counter() - t0:.0f} s")
             except Exception as e:  # noqa: BLE001 - the row compiles again when it runs, and reports
                 self.log(f"{name} B={r['B']}: compiling ahead failed: {type(e).__name__}: {e}")
@@ -190,7 +192,7 @@ class Bench:
         if weights is None:
             return None
         slots = self._decode_slots(variant, B, vram_gb)
-        key = _row_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
+        key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
         rng = np.random.default_rng(7 + B)
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
         pages = [eng.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
@@ -221,7 +223,8 @@ class Bench:
             inputs = list(jnp.asarray(np.array(prompts, np.int32).T[:fed], jnp.int32))
             inputs += list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
             t1 = time.perf_counter()
-            step = self._compiled.pop(key, None) or self.compile_decode(variant, B, vram_gb, prompt_len, steps, q, skew, weights)
+            step = self._compiled.get(key) or self.compile_decode(variant, B, vram_gb, prompt_len, steps, q, skew, weights)
+            self._compiled[key] = step
             prefilled = "prompt fed through the decode step" if prompt_by_decode else f"prefill {t1 - t_start:.0f} s (compile included)"
             self.log(f"{label or variant} B={B}: {prefilled}, decode step ready in {time.perf_counter() - t1:.0f} s")
             counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
@@ -406,7 +409,8 @@ def run(args) -> dict:
                 for skew in args.routing_skew for B in args.batch for s in args.strategy
                 for vram in (args.vram_gb if s in ("offload", "hybrid", "transformers") else [None])]  # fmt: skip
         if getattr(args, "compile_workers", 1) > 1:
-            bench.precompile([r for r in rows if r["variant"] != "transformers"], args.compile_workers)
+            # fused builds a second engine on first use: not from several threads
+            bench.precompile([r for r in rows if r["variant"] not in ("transformers", "fused")], args.compile_workers)
         for r in rows:
             if r["variant"] == "transformers":
                 from freetoken_jax.bench.hf_baseline import transformers_decode

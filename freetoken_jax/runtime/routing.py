@@ -16,15 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def log_ranks(num_experts: int, layer: int) -> np.ndarray:
+    """log(rank) of each expert of a layer (ranks from 1, a fixed permutation per layer)."""
+    return np.log(np.random.default_rng(10_007 + layer).permutation(num_experts) + 1.0)
+
+
 def log_popularity(num_experts: int, skew: float, layer: int) -> np.ndarray:
-    ranks = np.random.default_rng(10_007 + layer).permutation(num_experts) + 1
-    logp = -skew * np.log(ranks.astype(np.float64))
+    logp = -skew * log_ranks(num_experts, layer)
     return (logp - np.logaddexp.reduce(logp)).astype(np.float32)
 
 
-def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew: float, seed: int = 0) -> jax.Array:
+def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
+    """`skew` may be traced: one executable serves every exponent (the draw needs the
+    log-popularity only up to a constant, so it is not normalized here)."""
     T, K = ids_TK.shape
-    logp = jnp.asarray(log_popularity(num_experts, skew, layer))
+    logp = -jnp.asarray(skew, jnp.float32) * jnp.asarray(log_ranks(num_experts, layer), jnp.float32)
     base = jax.random.fold_in(jax.random.PRNGKey(seed), layer)
 
     def draw(pos, row):
@@ -34,7 +40,7 @@ def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_exp
     return jax.vmap(draw)(positions_T.astype(jnp.uint32), jnp.arange(T, dtype=jnp.uint32)).astype(ids_TK.dtype)
 
 
-def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew: float) -> list:
+def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew) -> list:
     """Wraps each layer's expert function so that it computes the synthetic routing's experts."""
     out, m = [], 0
     for fn in fns:

@@ -39,7 +39,8 @@ class Weights:
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))  # see EngineConfig
     # Benchmarks only: a Zipf exponent; routed experts are then drawn from that popularity
     # instead of taken from the router (`runtime/routing.py`). None: the model's own routing.
-    routing_skew: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # A traced value: every exponent runs in the same executable.
+    routing_skew: Any = None
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
