@@ -73,11 +73,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-running", type=int, default=None, help="EngineConfig.max_running (default: the scheduler's own limit)")
     ap.add_argument("--strategy", default="fused")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    ecfg = EngineConfig(dtype=args.dtype, max_context=256, max_batch=args.max_batch, moe_strategy=args.strategy)
+    ecfg = EngineConfig(dtype=args.dtype, max_context=256, max_batch=args.max_batch, moe_strategy=args.strategy,
+                        max_running=args.max_running)  # fmt: skip
     if args.preset:
         from freetoken_jax.bench.presets import preset_config
 

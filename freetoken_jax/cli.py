@@ -48,7 +48,8 @@ def cmd_serve(args) -> int:
     from freetoken_jax.server.service import Service
 
     ecfg = EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=args.max_batch, moe_strategy=args.strategy,
-                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, hybrid_q=args.hybrid_q)  # fmt: skip
+                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, hybrid_q=args.hybrid_q,
+                        max_running=args.max_running)  # fmt: skip
     engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
     print(f"model {engine.name}: {engine.plan.describe()}", file=sys.stderr)
     sched = Scheduler(engine, max_queue=args.max_queue)
@@ -125,6 +126,12 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
     v.add_argument("--expert-slots", type=int, default=None)
     v.add_argument("--max-batch", type=int, default=4, help="requests decoded together")
+    v.add_argument(
+        "--max-running",
+        type=int,
+        default=None,
+        help="requests run at once (default: --max-batch; under offload/hybrid no more than one step's experts fit the slots)",
+    )
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
     v.add_argument("--max-context", type=int, default=4096)
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -246,6 +246,11 @@ class EngineConfig:
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
+    # Requests the scheduler runs at once (None: `max_batch`, and under offload / hybrid no more
+    # rows than one step's routed experts fit the slots: slots // (top_k × MoE layers), at least
+    # 1; beyond that every step evicts experts the next step needs again, and adding rows lowers
+    # throughput). A value given here is used as it is (at most `max_batch`).
+    max_running: int | None = None
     kv_pages: int | None = None
     prefill_chunk: int = 512
     seed: int = 0
@@ -270,7 +275,7 @@ class EngineConfig:
             raise ConfigError(f"hybrid_overhead must not be negative, got {self.hybrid_overhead}")
         if not 0.0 <= self.hybrid_q <= 1.0:
             raise ConfigError(f"hybrid_q must be in [0, 1], got {self.hybrid_q}")
-        for name in ("expert_slots", "initial_expert_capacity"):
+        for name in ("expert_slots", "initial_expert_capacity", "max_running"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("total_vram_gb", "base_model_vram_gb", "reserved_vram_gb"):

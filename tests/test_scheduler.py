@@ -103,3 +103,41 @@ def test_radix_against_a_dict_model():
     assert r.evict(5) == [20]  # 11 is locked (matched above), 10 is its parent
     r.unlock(nodes)
     assert sorted(r.evict(5)) == [10, 11] and r.cached_pages == 0
+
+
+@pytest.mark.parametrize("given", [None, 1])
+def test_running_limit_keeps_decoding_rows_within_the_slots(reference, given):
+    """Under offload no more requests run than one step's routed experts fit the slots (or
+    `max_running` when given); the others wait, and every output is what it is alone."""
+    cfg = FreeTokenEngine.from_pretrained("demo", EC).model_config
+    per_row = cfg.top_k * cfg.num_moe_layers
+    ec = EC.replace(moe_strategy="offload", expert_slots=2 * per_row + per_row // 2, max_running=given)
+    s = Scheduler(FreeTokenEngine.from_pretrained("demo", ec))
+    seen, decode = [], s._decode
+
+    def counting_decode():
+        seen.append(sum(r is not None for r in s.rows))
+        return decode()
+
+    s._decode = counting_decode
+    try:
+        want = 2 if given is None else given
+        assert s.running_limit() == want and s.get_metrics()["running_limit"] == want
+        greedy = [i for i in range(len(PROMPTS)) if i % 2][:4]
+        handles = {i: s.submit(PROMPTS[i], params(i)) for i in greedy}
+        assert {i: h.result(120)[0] for i, h in handles.items()} == {i: reference[i] for i in greedy}
+        assert max(seen) == want
+    finally:
+        s.shutdown()
+
+
+def test_max_running_is_checked():
+    from freetoken_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_running must be positive"):
+        EC.replace(max_running=0)
+    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC.replace(max_running=64)))
+    try:
+        assert s.running_limit() == EC.max_batch  # never more than the decode step's rows
+    finally:
+        s.shutdown()

@@ -3,7 +3,7 @@
 Threads and queues: callers (server threads) `submit` requests into a bounded queue and read
 each request's events from its own queue; one loop thread owns the engine and its device state.
 Every loop iteration (1) takes cancellations, (2) admits queued requests into free decode rows
-(reusing the longest cached prefix from the radix tree, taking KV pages for the rest, evicting
+up to `running_limit` (reusing the longest cached prefix from the radix tree, taking KV pages for the rest, evicting
 unused cached prefixes when short), (3) runs one prefill chunk of the oldest admitted request,
 (4) runs one decode step for every decoding row, and (5) finishes rows that stopped, returning
 their pages (full pages of their sequence go to the radix tree). The decode step always runs
@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -115,8 +116,26 @@ class Scheduler:
             ),
             donate_argnums=(0,),
         )
+        limit = self.running_limit()
+        if limit < self.B:
+            print(f"scheduler: at most {limit} of {self.B} requests run at once: the routed experts of more rows would not fit "
+                  f"{self.state.experts.num_slots} expert slots (EngineConfig.max_running overrides)", file=sys.stderr)  # fmt: skip
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
         self.thread.start()
+
+    def running_limit(self) -> int:
+        """Requests that may run at once: `max_running` when set; under offload / hybrid, the
+        rows whose routed experts for one step fit the slot cache (each row routes to top_k
+        experts in each MoE layer; with more rows a step evicts what the next one needs again);
+        otherwise `max_batch`."""
+        given = self.engine.engine_config.max_running
+        if given is not None:
+            return min(given, self.B)
+        experts = self.state.experts
+        if experts is None:
+            return self.B
+        cfg = self.engine.model_config
+        return max(1, min(self.B, experts.num_slots // (cfg.top_k * cfg.num_moe_layers)))
 
     # Client side ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: GenerationParams) -> RequestHandle:
@@ -143,6 +162,7 @@ class Scheduler:
         with self.lock:
             m = dict(self.metrics)
             m["running"] = sum(r is not None for r in self.rows)
+            m["running_limit"] = self.running_limit()
             m["waiting"] = len(self.waiting)
         m["kv_pages_free"] = self.engine.pages.free_pages
         m["prefix_cached_pages"] = self.radix.cached_pages if self.radix else 0
@@ -232,8 +252,8 @@ class Scheduler:
                 self._release(i, cache_prefix=True)
 
     def _admit(self) -> None:
-        pages = self.engine.pages
-        while None in self.rows:
+        pages, limit = self.engine.pages, self.running_limit()
+        while sum(r is not None for r in self.rows) < limit:
             with self.lock:
                 if not self.waiting:
                     return
