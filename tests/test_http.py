@@ -152,3 +152,19 @@ def test_disconnect_mid_stream_frees_pages(server):
     m = sched.get_metrics()
     assert sched.engine.pages.free_pages + m["prefix_cached_pages"] == free
     assert m["requests_cancelled"] >= 1
+
+
+def test_same_long_prompt_twice_hits_the_prefix_cache(server):
+    url, service = server
+    prompt = "A long preamble that several requests share, long enough to fill pages. Now answer:"
+    assert len(service.tokenizer.encode(prompt)) > 3 * EC.page_size
+    sched = service.scheduler
+    assert wait_idle(sched)
+    texts, hits = [], []
+    for _ in range(2):
+        before = sched.get_metrics()["prefix_hit_tokens"]
+        r = oa(url).completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
+        texts.append(r.choices[0].text)
+        hits.append(sched.get_metrics()["prefix_hit_tokens"] - before)
+    assert texts[0] == texts[1]
+    assert hits[1] >= 3 * EC.page_size and hits[1] > hits[0]
