@@ -51,7 +51,7 @@ def cmd_serve(args) -> int:
                         total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, hybrid_q=args.hybrid_q,
                         max_running=args.max_running)  # fmt: skip
     engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
-    print(f"model {engine.name}: {engine.plan.describe()}", file=sys.stderr)
+    print(f"model {engine.name}", file=sys.stderr)  # its memory plan is logged by the engine
     sched = Scheduler(engine, max_queue=args.max_queue)
     service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path)
     httpd = serve_http(service, args.host, args.port)
@@ -149,6 +149,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import logging
+
+    log = logging.getLogger("freetoken_jax")  # the engine's choices (strategy, memory plan, limits) on stderr
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     from freetoken_jax.checkpoint.safetensors_io import CheckpointError
     from freetoken_jax.config import ConfigError
     from freetoken_jax.engine import RequestError

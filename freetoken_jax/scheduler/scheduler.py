@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -30,6 +30,8 @@ from freetoken_jax.memory.kv_pages import OutOfPages
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch
 from freetoken_jax.scheduler.radix import RadixCache
+
+log = logging.getLogger("freetoken_jax")
 
 
 class Overloaded(RuntimeError):
@@ -118,8 +120,8 @@ class Scheduler:
         )
         limit = self.running_limit()
         if limit < self.B:
-            print(f"scheduler: at most {limit} of {self.B} requests run at once: the routed experts of more rows would not fit "
-                  f"{self.state.experts.num_slots} expert slots (EngineConfig.max_running overrides)", file=sys.stderr)  # fmt: skip
+            log.info("scheduler: at most %d of %d requests run at once: the routed experts of more rows would not fit %d expert "
+                     "slots (EngineConfig.max_running, serve --max-running, overrides)", limit, self.B, self.state.experts.num_slots)  # fmt: skip
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
         self.thread.start()
 
