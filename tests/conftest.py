@@ -25,3 +25,20 @@ def demo_engine():
     return FreeTokenEngine.from_pretrained(
         "demo", EngineConfig(dtype="float32", max_context=128, max_batch=4, page_size=8, prefill_chunk=32)
     )
+
+
+@pytest.fixture
+def demo_scheduler():
+    """`demo_scheduler(engine_config, **kw)`: a scheduler over a fresh demo engine, shut down
+    after the test."""
+    from freetoken_jax.scheduler.scheduler import Scheduler
+
+    made = []
+
+    def start(ecfg: EngineConfig, **kw):
+        made.append(Scheduler(FreeTokenEngine.from_pretrained("demo", ecfg), **kw))
+        return made[-1]
+
+    yield start
+    for s in made:
+        s.shutdown()

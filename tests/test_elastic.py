@@ -10,7 +10,7 @@ import pytest
 from freetoken_jax import ConfigError, EngineConfig, FreeTokenEngine
 from freetoken_jax.engine import GenerationParams
 from freetoken_jax.scheduler import elastic
-from freetoken_jax.scheduler.scheduler import Overloaded, Scheduler, wait_idle
+from freetoken_jax.scheduler.scheduler import Overloaded, wait_idle
 from freetoken_jax.server.http import serve_http
 from freetoken_jax.server.service import Service
 
@@ -28,10 +28,8 @@ def outputs(s):
 
 
 @pytest.fixture
-def sched():
-    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC))
-    yield s
-    s.shutdown()
+def sched(demo_scheduler):
+    return demo_scheduler(EC)
 
 
 def test_grow_and_shrink_keep_outputs(sched):

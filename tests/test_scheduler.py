@@ -8,7 +8,7 @@ import pytest
 from freetoken_jax import EngineConfig, FreeTokenEngine, RequestError
 from freetoken_jax.engine import GenerationParams
 from freetoken_jax.scheduler.radix import RadixCache
-from freetoken_jax.scheduler.scheduler import Overloaded, Scheduler, wait_idle
+from freetoken_jax.scheduler.scheduler import Overloaded, wait_idle
 
 EC = EngineConfig(dtype="float32", max_context=96, max_batch=4, page_size=8, prefill_chunk=16)
 PROMPTS = [[256] + list(b"the same long shared preamble, then request %d" % i) for i in range(9)]
@@ -24,10 +24,8 @@ def reference():
 
 
 @pytest.fixture
-def sched():
-    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC))
-    yield s
-    s.shutdown()
+def sched(demo_scheduler):
+    return demo_scheduler(EC)
 
 
 def params(i, n=12):
@@ -76,22 +74,19 @@ def test_cancel_frees_pages(sched):
     assert sched.engine.pages.free_pages + m["prefix_cached_pages"] == free
 
 
-def test_back_pressure_and_impossible_requests():
-    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC), max_queue=2)
-    try:
-        hs, rejected = [], 0
-        for i in range(12):
-            try:
-                hs.append(s.submit(PROMPTS[i % 9], GenerationParams(max_new_tokens=40, ignore_eos=True)))
-            except Overloaded:
-                rejected += 1
-        assert rejected > 0
-        for h in hs:
-            h.result(120)
-        with pytest.raises(RequestError, match="exceeds the configured context"):
-            s.submit([1] * 90, GenerationParams(max_new_tokens=20))
-    finally:
-        s.shutdown()
+def test_back_pressure_and_impossible_requests(demo_scheduler):
+    s = demo_scheduler(EC, max_queue=2)
+    hs, rejected = [], 0
+    for i in range(12):
+        try:
+            hs.append(s.submit(PROMPTS[i % 9], GenerationParams(max_new_tokens=40, ignore_eos=True)))
+        except Overloaded:
+            rejected += 1
+    assert rejected > 0
+    for h in hs:
+        h.result(120)
+    with pytest.raises(RequestError, match="exceeds the configured context"):
+        s.submit([1] * 90, GenerationParams(max_new_tokens=20))
 
 
 def test_radix_against_a_dict_model():
@@ -106,13 +101,13 @@ def test_radix_against_a_dict_model():
 
 
 @pytest.mark.parametrize("given", [None, 1])
-def test_running_limit_keeps_decoding_rows_within_the_slots(reference, given):
+def test_running_limit_keeps_decoding_rows_within_the_slots(reference, given, demo_scheduler):
     """Under offload no more requests run than one step's routed experts fit the slots (or
     `max_running` when given); the others wait, and every output is what it is alone."""
     cfg = FreeTokenEngine.from_pretrained("demo", EC).model_config
     per_row = cfg.top_k * cfg.num_moe_layers
     ec = EC.replace(moe_strategy="offload", expert_slots=2 * per_row + per_row // 2, max_running=given)
-    s = Scheduler(FreeTokenEngine.from_pretrained("demo", ec))
+    s = demo_scheduler(ec)
     seen, decode = [], s._decode
 
     def counting_decode():
@@ -120,24 +115,17 @@ def test_running_limit_keeps_decoding_rows_within_the_slots(reference, given):
         return decode()
 
     s._decode = counting_decode
-    try:
-        want = 2 if given is None else given
-        assert s.running_limit() == want and s.get_metrics()["running_limit"] == want
-        greedy = [i for i in range(len(PROMPTS)) if i % 2][:4]
-        handles = {i: s.submit(PROMPTS[i], params(i)) for i in greedy}
-        assert {i: h.result(120)[0] for i, h in handles.items()} == {i: reference[i] for i in greedy}
-        assert max(seen) == want
-    finally:
-        s.shutdown()
+    want = 2 if given is None else given
+    assert s.running_limit() == want and s.get_metrics()["running_limit"] == want
+    greedy = [i for i in range(len(PROMPTS)) if i % 2][:4]
+    handles = {i: s.submit(PROMPTS[i], params(i)) for i in greedy}
+    assert {i: h.result(120)[0] for i, h in handles.items()} == {i: reference[i] for i in greedy}
+    assert max(seen) == want
 
 
-def test_max_running_is_checked():
+def test_max_running_is_checked(demo_scheduler):
     from freetoken_jax.config import ConfigError
 
     with pytest.raises(ConfigError, match="max_running must be positive"):
         EC.replace(max_running=0)
-    s = Scheduler(FreeTokenEngine.from_pretrained("demo", EC.replace(max_running=64)))
-    try:
-        assert s.running_limit() == EC.max_batch  # never more than the decode step's rows
-    finally:
-        s.shutdown()
+    assert demo_scheduler(EC.replace(max_running=64)).running_limit() == EC.max_batch  # never more than the step's rows
