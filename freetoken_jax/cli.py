@@ -100,7 +100,12 @@ def cmd_ctl(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freetoken-jax", description="MoE serving beyond GPU memory, on JAX/XLA.")
     sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate text from a prompt")
+    compiled = argparse.ArgumentParser(add_help=False)
+    cc = compiled.add_mutually_exclusive_group()
+    cc.add_argument("--compile-cache", metavar="DIR", default=None,
+                    help="keep compiled steps here for the next run (default: <cache dir>/freetoken_jax/xla)")  # fmt: skip
+    cc.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh and keep nothing")
+    g = sub.add_parser("generate", help="generate text from a prompt", parents=[compiled])
     g.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-new-tokens", type=int, default=48)
@@ -115,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
     )
     g.set_defaults(fn=cmd_generate)
-    v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC")
+    v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC", parents=[compiled])
     v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
     v.add_argument("--served-name", default=None, help="the model id clients send (default: the directory name)")
     v.add_argument("--host", default="127.0.0.1")
@@ -161,6 +166,13 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken_jax.config import ConfigError
     from freetoken_jax.engine import RequestError
 
+    if hasattr(args, "no_compile_cache") and not args.no_compile_cache:
+        from freetoken_jax import compile_cache
+
+        try:
+            log.info("compiled steps cached in %s", compile_cache.enable(args.compile_cache))
+        except OSError as e:
+            print(f"warning: no compile cache ({e}); every step compiles afresh", file=sys.stderr)
     try:
         return args.fn(args)
     except (ConfigError, CheckpointError, RequestError, FileNotFoundError) as e:

@@ -3,7 +3,23 @@ from freetoken_jax.cli import main
 
 def test_generate_demo(capsys):
     assert (
-        main(["generate", "--model", "demo", "--prompt", "Hi", "--max-new-tokens", "5", "--dtype", "float32", "--max-context", "64"]) == 0
+        main(
+            [
+                "generate",
+                "--model",
+                "demo",
+                "--prompt",
+                "Hi",
+                "--max-new-tokens",
+                "5",
+                "--dtype",
+                "float32",
+                "--max-context",
+                "64",
+                "--no-compile-cache",
+            ]
+        )
+        == 0
     )
     out = capsys.readouterr()
     assert out.out.startswith("Hi")
@@ -11,5 +27,5 @@ def test_generate_demo(capsys):
 
 
 def test_generate_reports_errors(capsys):
-    assert main(["generate", "--model", "/no/such/dir", "--prompt", "Hi"]) == 2
+    assert main(["generate", "--model", "/no/such/dir", "--prompt", "Hi", "--no-compile-cache"]) == 2
     assert "no checkpoint directory" in capsys.readouterr().err
