@@ -39,6 +39,7 @@ from freetoken_jax.runtime.steps import (
     Sampling,
     Weights,
     decode_step,
+    on_device,
     prefill_step,
     prefill_step_buffered,
     prefill_step_slots,
@@ -179,10 +180,9 @@ class FreeTokenEngine:
         self.weights = Weights(
             params, graphdef, ecfg.moe_strategy, host, hybrid_q, resolve_mode(ecfg.cpu_handoff), ecfg.hybrid_overhead, ecfg.prefill_load
         )
-        self.cache = init_cache(cfg, ecfg, dtype)
-        # Committed to the device like every later version of the state, so the first decode step
-        # and the following ones share one executable.
-        self.slots = jax.device_put(init_slot_cache(cfg, self.plan.slots, ecfg.max_batch, dtype), jax.devices()[0]) if offload else None
+        # Committed to the device like every later version of them: one executable per step (`on_device`).
+        self.cache = on_device(init_cache(cfg, ecfg, dtype))
+        self.slots = on_device(init_slot_cache(cfg, self.plan.slots, ecfg.max_batch, dtype)) if offload else None
         self.pages = PageAllocator(ecfg.total_kv_pages, ecfg.page_size)
         self._traces: dict[str, int] = {}
         self._prefill = jax.jit(_traced(prefill_step, ecfg.dtype, self._traces), donate_argnums=(1,))
@@ -414,7 +414,7 @@ class FreeTokenEngine:
                 first = self._pick(jnp.asarray(ends), tok, first)
             lengths = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
             active = np.array([True] * n + [False] * (B - n))
-            state = DecodeState(self.cache, jnp.copy(first), jnp.asarray(lengths), self.slots)
+            state = DecodeState.start(self.cache, jnp.copy(first), lengths, self.slots)
             self.cache = self.slots = None  # owned by `state` until the loop ends
             stops = [set(q.stop_token_ids) | (set() if q.ignore_eos else set(self.model_config.eos_token_ids)) for q in ps]
             produced = [0] * n

@@ -1,6 +1,12 @@
 """One executable per bucket: repeated requests of other lengths in the same buckets compile nothing."""
 
+import collections
+import contextlib
+
+from jax import monitoring
+
 from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.engine import GenerationParams
 
 
 def test_compiles_once_per_bucket():
@@ -18,3 +24,49 @@ def test_compiles_once_per_bucket():
     engine.generate_batch([[1, 2], [3, 4, 5]], max_new_tokens=6)
     engine.generate_batch([[7], [8, 9]], max_new_tokens=8)
     assert engine.compilations() == {"prefill": 2, "decode": 2, "score": 0}
+
+
+@contextlib.contextmanager
+def backend_compiles():
+    """Counts the executables XLA compiles inside the block, by jitted function name."""
+    seen = collections.Counter()
+
+    def listen(event, _duration, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            seen[kw.get("fun_name")] += 1
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield seen
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+
+
+STEPS = ("jit(decode_step)", "jit(prefill_step)", "jit(prefill_step_slots)", "jit(prefill_step_buffered)")
+
+
+def test_first_steps_share_the_later_steps_executables(demo_scheduler):
+    """Fresh state arrays are committed to the device as the steps' outputs are: the first decode
+    step compiles nothing the second would compile again (engine, scheduler), and a resize
+    compiles the decode step the serving loop then uses."""
+    ec = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16, moe_strategy="offload", expert_slots=6)
+    engine = FreeTokenEngine.from_pretrained("demo", ec)
+    with backend_compiles() as first:
+        list(engine.generate([1, 2, 3, 4, 5], max_new_tokens=6, ignore_eos=True))
+    assert first["jit(decode_step)"] == 1
+    with backend_compiles() as again:
+        list(engine.generate([7, 8, 9], max_new_tokens=6, ignore_eos=True))  # same buckets
+    assert not any(again[s] for s in STEPS), again
+
+    sched = demo_scheduler(ec)
+    p = GenerationParams(max_new_tokens=6, ignore_eos=True)
+    sched.submit([1, 2, 3, 4, 5], p).result(60)
+    with backend_compiles() as second:
+        sched.submit([1, 2, 3, 4, 6], p).result(60)
+    assert not any(second[s] for s in STEPS), second
+    with backend_compiles() as resize:
+        sched.rebuild_cache(expert_slots=12)
+    assert resize["jit(decode_step)"] == 1
+    with backend_compiles() as after:
+        sched.submit([1, 2, 3, 4, 5], p).result(60)
+    assert after["jit(decode_step)"] == 0, after

@@ -72,6 +72,18 @@ class DecodeState:
     positions_B: jax.Array  # int32
     experts: SlotCache | None = None
 
+    @classmethod
+    def start(cls, cache: KVCache, tokens_B, positions_B, experts: SlotCache | None = None) -> DecodeState:
+        """A first state, every array committed to the device (see `on_device`)."""
+        return cls(*on_device((cache, jnp.asarray(tokens_B, jnp.int32), jnp.asarray(positions_B, jnp.int32), experts)))
+
+
+def on_device(tree):
+    """`tree` committed to the engine's device. Every array a jitted step returns is committed;
+    a fresh one (`jnp.zeros`, `jnp.asarray`) is not, and jit keys its executables on that too:
+    a state built from fresh arrays would compile each step twice, once for the first call."""
+    return jax.device_put(tree, jax.devices()[0])
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

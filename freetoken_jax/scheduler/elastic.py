@@ -17,10 +17,10 @@ between generations). Phases:
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from freetoken_jax.config import ConfigError
 from freetoken_jax.memory.budget import device_memory_bytes, plan_memory
@@ -28,7 +28,7 @@ from freetoken_jax.memory.expert_cache import init_slot_cache
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.models import jnp_dtype
 from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, on_device
 from freetoken_jax.scheduler.radix import RadixCache
 
 
@@ -93,21 +93,28 @@ def _validate(sched, expert_slots, kv_pages):
 
 
 def _abstract_state(eng, new, plan):
-    cfg, dtype = eng.model_config, jnp_dtype(new.dtype)
-    kv = jax.eval_shape(lambda: init_cache(cfg, new, dtype))
-    slots = jax.eval_shape(lambda: init_slot_cache(cfg, plan.slots, new.max_batch, dtype)) if new.uses_slots else None
-    B = new.max_batch
-    return DecodeState(kv, jax.ShapeDtypeStruct((B,), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32), slots)
+    """The new geometry's decode state as shapes, placed as `DecodeState.start` places it."""
+    cfg, dtype, B = eng.model_config, jnp_dtype(new.dtype), new.max_batch
+    state = jax.eval_shape(
+        lambda: DecodeState(
+            init_cache(cfg, new, dtype),
+            jnp.zeros((B,), jnp.int32),
+            jnp.zeros((B,), jnp.int32),
+            init_slot_cache(cfg, plan.slots, B, dtype) if new.uses_slots else None,
+        )
+    )
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
 
 
 def _compile_check(sched, new, plan) -> None:
-    """Compiles the decode step of the new geometry and checks its memory against the device."""
+    """Compiles the decode step of the new geometry and checks its memory against the device.
+    It is compiled through the engine's own jitted step with the arguments placed as the serving
+    loop will place them, so the loop's first step after the resize finds it compiled."""
     eng = sched.engine
     B, P = new.max_batch, new.pages_per_sequence
     batch = DecodeBatch(jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), Sampling.greedy(B))
-    compiled = (
-        jax.jit(functools.partial(decode_step), donate_argnums=(1,)).lower(eng.weights, _abstract_state(eng, new, plan), batch).compile()
-    )
+    compiled = eng._decode.lower(eng.weights, _abstract_state(eng, new, plan), batch).compile()
     limit = device_memory_bytes()
     ma = compiled.memory_analysis() if limit else None
     if ma is not None:
@@ -136,15 +143,15 @@ def _allocate(sched, new, plan, keep_prefix: bool) -> None:
     else:
         for a in jax.tree.leaves(old_kv):
             a.delete()
-        kv = init_cache(cfg, new, dtype)
+        kv = on_device(init_cache(cfg, new, dtype))
         alloc = PageAllocator(new.total_kv_pages, new.page_size)
         if sched.radix is not None:
             sched.radix = RadixCache(new.page_size)
     if old_state.experts is not None:
         for a in jax.tree.leaves(old_state.experts):
             a.delete()
-    experts = jax.device_put(init_slot_cache(cfg, plan.slots, new.max_batch, dtype), jax.devices()[0]) if new.uses_slots else None
-    sched.state = DecodeState(kv, jnp.zeros((new.max_batch,), jnp.int32), jnp.zeros((new.max_batch,), jnp.int32), experts)
+    experts = init_slot_cache(cfg, plan.slots, new.max_batch, dtype) if new.uses_slots else None
+    sched.state = DecodeState.start(kv, np.zeros(new.max_batch), np.zeros(new.max_batch), experts)
     eng.pages, eng.engine_config, eng.plan = alloc, new, plan
 
 
@@ -174,7 +181,7 @@ class _EngineOwner:
     def __init__(self, eng):
         B = eng.engine_config.max_batch
         self.engine, self.radix, self.metrics, self.failed = eng, None, eng._m, None
-        self.state = DecodeState(eng.cache, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32), eng.slots)
+        self.state = DecodeState.start(eng.cache, np.zeros(B), np.zeros(B), eng.slots)
 
 
 def rebuild_engine(eng, expert_slots: int | None = None, kv_pages: int | None = None) -> dict:

@@ -110,7 +110,7 @@ class Scheduler:
         self.draining = False
         self.metrics = dict(requests_submitted=0, requests_finished=0, requests_cancelled=0, requests_rejected=0, prefix_hit_tokens=0,
                             prompt_tokens=0, generated_tokens=0, decode_steps=0)  # fmt: skip
-        self.state = DecodeState(engine.cache, jnp.zeros((self.B,), jnp.int32), jnp.zeros((self.B,), jnp.int32), engine.slots)
+        self.state = DecodeState.start(engine.cache, np.zeros(self.B), np.zeros(self.B), engine.slots)
         engine.cache = engine.slots = None  # owned by the scheduler from now on
         self._set_row = jax.jit(
             lambda st, row, tok, pos: dataclasses.replace(
