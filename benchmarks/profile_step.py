@@ -3,6 +3,15 @@ for each expert implementation and batch size, the
 wall time per step, kernels launched per step, summed kernel time and the heaviest kernels.
 
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 1 8 --variants gather slices ragged
+
+With `--strategies`, the same for host-bank strategies (experts in host RAM, as `bench decode`
+builds them): offload, hybrid, naive, cpu at `--vram-gb` of slots and `--routing-skew`; the
+steps run after `--warm` steps so the slot cache is in its steady state. Where wall time per
+step exceeds summed kernel time, the stream sat idle (launch gaps, host functions, copies).
+
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --strategies offload hybrid --vram-gb 16 --routing-skew 0
+
+`--no-profile` runs everything but the CUPTI profile (for a machine without CUDA).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
-from freetoken_jax.bench.presets import PRESETS  # noqa: E402
+from freetoken_jax.bench.presets import preset_config  # noqa: E402
 from freetoken_jax.models import layers  # noqa: E402
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
 
@@ -37,16 +46,78 @@ def kernel_profile(run, n=5, top=8):
     return len(events) / n, sum(e.device_time for e in events) / n / 1e3, [(sum(t) / n / 1e3, len(t) / n, k) for k, t in rows]
 
 
+def report(summary: list, B: int, name: str, wall: float, profile, compile_s: float) -> None:
+    nk, ksum, top = profile if profile else (float("nan"), float("nan"), [])
+    print(f"\n== B={B} {name}: {wall:.3f} ms/step wall, {nk:.0f} kernels/step, {ksum:.3f} ms summed kernel time, compile {compile_s:.0f} s")
+    for ms, cnt, kname in top:
+        print(f"   {ms:7.3f} ms {cnt:5.0f}x  {kname}")
+    summary.append((B, name, wall, nk, ksum))
+
+
+def host_bank_strategies(args) -> list:
+    """Profiles the decode step of host-bank strategies on `bench decode`'s engine."""
+    import numpy as np
+
+    from freetoken_jax.bench.compare import Bench
+    from freetoken_jax.memory.expert_cache import init_slot_cache
+
+    bench = Bench(args.preset, dtype=args.dtype, max_batch=max(args.batch), max_context=256)
+    q = bench.bp / (bench.bp + bench.bh)
+    eng, cfg, summary = bench.engine, bench.cfg, []
+    for B in args.batch:
+        for s in args.strategies:
+            weights = bench.weights(s, q, args.routing_skew)
+            t = time.perf_counter()
+            compiled = bench.compile_decode(s, B, args.vram_gb, 16, args.warm + 30, q, args.routing_skew, weights)
+            compile_s = time.perf_counter() - t
+            slots = bench._decode_slots(s, B, args.vram_gb)
+            pages = [eng.pages.allocate(16 + args.warm + 30 + 8) for _ in range(B)]
+            table, _ = eng._page_table(pages, B)
+            experts = None if slots is None else init_slot_cache(cfg, slots, bench.ecfg.max_batch, jnp.dtype(bench.ecfg.dtype))
+            box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, 16), experts)]
+            eng.cache = None
+            batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
+            rng = np.random.default_rng(B)
+
+            def run(n, box=box, compiled=compiled, batch=batch, weights=weights, rng=rng, B=B):
+                for _ in range(n):  # a new input token each step, as in `bench decode`
+                    _tok, box[0] = compiled(weights, box[0], batch, jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32))
+                box[0].tokens_B.block_until_ready()
+
+            run(args.warm)
+            t = time.perf_counter()
+            run(10)
+            wall = (time.perf_counter() - t) / 10 * 1e3
+            profile = None if args.no_profile else kernel_profile(run)
+            eng.cache = box[0].cache
+            for p in pages:
+                eng.pages.release(p)
+            report(summary, B, f"{s} {args.vram_gb:g}GB" if s in ("offload", "hybrid") else s, wall, profile, compile_s)
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--variants", nargs="+", default=["auto"])
+    ap.add_argument("--strategies", nargs="+", default=None, choices=["offload", "hybrid", "naive", "cpu"])
+    ap.add_argument("--vram-gb", type=float, default=16.0)
+    ap.add_argument("--routing-skew", type=float, default=0.0)
+    ap.add_argument("--warm", type=int, default=16, help="steps before timing (host-bank strategies)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    cfg = PRESETS[args.preset]
+    if args.strategies:
+        summary = host_bank_strategies(args)
+        print(f"\n{'B':>3} {'strategy':>14} {'wall ms':>8} {'kernels':>8} {'kern ms':>8}")
+        for B, v, wall, nk, ksum in summary:
+            print(f"{B:>3} {v:>14} {wall:8.3f} {nk:8.0f} {ksum:8.3f}")
+        return 0
+    cfg = preset_config(args.preset)
     Bmax = max(args.batch)
-    engine = FreeTokenEngine(cfg, EngineConfig(dtype="bfloat16", max_context=256, max_batch=Bmax, page_size=16))
+    engine = FreeTokenEngine(cfg, EngineConfig(dtype=args.dtype, max_context=256, max_batch=Bmax, page_size=16))
     summary = []
     for B in args.batch:
         pages = [engine.pages.allocate(200) for _ in range(B)]
@@ -77,14 +148,9 @@ def main() -> int:
             t = time.perf_counter()
             run(20)
             wall = (time.perf_counter() - t) / 20 * 1e3
-            nk, ksum, top = kernel_profile(run)
+            profile = None if args.no_profile else kernel_profile(run)
             engine.cache = box[0].cache
-            print(
-                f"\n== B={B} {variant}: {wall:.3f} ms/step wall, {nk:.0f} kernels/step, {ksum:.3f} ms summed kernel time, compile {compile_s:.0f} s"
-            )
-            for ms, cnt, name in top:
-                print(f"   {ms:7.3f} ms {cnt:5.0f}x  {name}")
-            summary.append((B, variant, wall, nk, ksum))
+            report(summary, B, variant, wall, profile, compile_s)
         for p in pages:
             engine.pages.release(p)
     print(f"\n{'B':>3} {'variant':>14} {'wall ms':>8} {'kernels':>8} {'kern ms':>8}")
