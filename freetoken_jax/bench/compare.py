@@ -61,7 +61,6 @@ class Bench:
         else:
             self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))
         self.cfg = self.engine.model_config
-        self.engine.cache = jax.device_put(self.engine.cache, jax.devices()[0])  # committed, as every later version: one executable
         self.build_s = time.perf_counter() - t0
         gpu = jax.default_backend() == "gpu"
         self.hbm = copy_bandwidth(4.0 if gpu else 0.05, 20 if gpu else 3)
