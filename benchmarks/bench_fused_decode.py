@@ -69,11 +69,11 @@ def bench(engine: FreeTokenEngine, B: int, prompt_len: int, steps: int, impl: st
     prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
     # Prefill through the engine's own path, then drive the jitted decode step directly.
     pages = [engine.pages.allocate(prompt_len + steps + 2) for _ in range(B)]
-    table, _ = engine._page_table(pages, B)
+    table, _ = engine.page_table(pages, B)
     sampling = Sampling.greedy(B)
     first = None
     t0 = time.perf_counter()
-    for _s, _T, tok in engine._prefill_chunks(prompts, table, sampling, engine._prefill):
+    for _s, _T, tok in engine.prefill_chunks(prompts, table, sampling, engine._prefill):
         first = tok
     jax.block_until_ready(first)
     ttft_incl_compile = time.perf_counter() - t0

@@ -72,7 +72,7 @@ def host_bank_strategies(args) -> list:
             compile_s = time.perf_counter() - t
             slots = bench._decode_slots(s, B, args.vram_gb)
             pages = [eng.pages.allocate(16 + args.warm + 30 + 8) for _ in range(B)]
-            table, _ = eng._page_table(pages, B)
+            table, _ = eng.page_table(pages, B)
             experts = None if slots is None else init_slot_cache(cfg, slots, bench.ecfg.max_batch, jnp.dtype(bench.ecfg.dtype))
             box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, 16), experts)]
             eng.cache = None
@@ -121,7 +121,7 @@ def main() -> int:
     summary = []
     for B in args.batch:
         pages = [engine.pages.allocate(200) for _ in range(B)]
-        table, _ = engine._page_table(pages, B)
+        table, _ = engine.page_table(pages, B)
         batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
         for variant in args.variants:
             impl = variant

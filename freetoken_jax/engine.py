@@ -191,7 +191,9 @@ class FreeTokenEngine:
         self._prefill_note = None
         self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
         self._score = jax.jit(_traced(score_step, ecfg.dtype, self._traces), donate_argnums=(1,))
-        self._decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
+        # The jitted steps a serving loop drives: `decode(weights, state, batch)` -> (tokens, state);
+        # prefill through `prefill` (one chunk, any strategy) and `prefill_chunks`.
+        self.decode = jax.jit(_traced(decode_step, ecfg.dtype, self._traces), donate_argnums=(1,))
         self._pick = jax.jit(lambda ends, tok, first: jnp.where(ends, tok, first))
         self._m = _fresh_metrics()
         if probe:
@@ -277,7 +279,7 @@ class FreeTokenEngine:
         return export_orbax(self.model_config, self.weights.params, path)
 
     # Validation -----------------------------------------------------------------------------------
-    def _check(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
+    def check_request(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
         if self.failed:
             raise RequestError(f"the engine is in a failed state: {self.failed}")
         ids = [int(t) for t in prompt]
@@ -314,7 +316,7 @@ class FreeTokenEngine:
         """Yields the generated token ids one by one as they are produced (the stop token, if
         one ends the generation, is yielded last)."""
         p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos)
-        ids = self._check(prompt_ids, p)
+        ids = self.check_request(prompt_ids, p)
         for _, tok in self._run([ids], [p]):
             yield tok
 
@@ -335,7 +337,7 @@ class FreeTokenEngine:
             GenerationParams(max_new_tokens, temperature, top_k, top_p, seed + i, tuple(stop_token_ids), ignore_eos)
             for i in range(len(prompts))
         ]
-        checked = [self._check(pr, p) for pr, p in zip(prompts, ps)]
+        checked = [self.check_request(pr, p) for pr, p in zip(prompts, ps)]
         out: list[list[int]] = [[] for _ in prompts]
         mb = self.engine_config.max_batch
         for start in range(0, len(checked), mb):
@@ -343,7 +345,9 @@ class FreeTokenEngine:
                 out[start + row].append(tok)
         return out
 
-    def _page_table(self, rows: list[list[int]], B: int) -> tuple[np.ndarray, int]:
+    def page_table(self, rows: list[list[int]], B: int) -> tuple[np.ndarray, int]:
+        """The [B, P] page table of `rows` (each a sequence's KV pages; rows past them zero), P
+        bucketed so that other lengths reuse the executables; returns (table, P)."""
         ecfg = self.engine_config
         P = buckets.pages_bucket(max(len(r) for r in rows), ecfg.pages_per_sequence)
         table = np.zeros((B, P), np.int32)
@@ -351,7 +355,7 @@ class FreeTokenEngine:
             table[b, : len(r)] = r
         return table, P
 
-    def _prefill_call(self, weights: Weights, cache, batch: PrefillBatch, slots):
+    def prefill(self, weights: Weights, cache, batch: PrefillBatch, slots):
         """One prefill chunk; returns (tokens, KV cache, slot cache). Under "offload"/"hybrid" a
         short chunk goes through the slot cache as decode does (`slot_prefill_pays`); a longer one
         through two borrowed layer buffers of the slot cache when it has 2 × num_experts slots,
@@ -369,11 +373,11 @@ class FreeTokenEngine:
         return tok, cache, slots
 
     def _prefill_held(self, weights: Weights, cache, batch: PrefillBatch):
-        """`_prefill_call` with the engine's own slot cache (held by the engine between requests)."""
-        tok, cache, self.slots = self._prefill_call(weights, cache, batch, self.slots)
+        """`prefill` with the engine's own slot cache (held by the engine between requests)."""
+        tok, cache, self.slots = self.prefill(weights, cache, batch, self.slots)
         return tok, cache
 
-    def _prefill_chunks(self, prompts: list[list[int]], table: np.ndarray, sampling: Sampling, step_fn, chunk: int | None = None):
+    def prefill_chunks(self, prompts: list[list[int]], table: np.ndarray, sampling: Sampling, step_fn, chunk: int | None = None):
         """Runs `step_fn` over the prompts chunk by chunk (`prefill_chunk` tokens unless `chunk`);
         yields (chunk start, T, output)."""
         B = table.shape[0]
@@ -405,11 +409,11 @@ class FreeTokenEngine:
         try:
             self._m["requests"] += n
             self._m["prompt_tokens"] += sum(map(len, prompts))
-            table, _ = self._page_table(rows, B)
+            table, _ = self.page_table(rows, B)
             sampling = sampling_rows(list(ps) + [None] * (B - n))
             t0 = time.perf_counter()
             first = jnp.zeros((B,), jnp.int32)
-            for start, T, tok in self._prefill_chunks(prompts, table, sampling, self._prefill_held):
+            for start, T, tok in self.prefill_chunks(prompts, table, sampling, self._prefill_held):
                 ends = np.array([start < len(p) <= start + T for p in prompts] + [False] * (B - n))
                 first = self._pick(jnp.asarray(ends), tok, first)
             lengths = np.array([len(p) for p in prompts] + [0] * (B - n), np.int32)
@@ -425,7 +429,7 @@ class FreeTokenEngine:
             while True:
                 nxt = None
                 if active.any() and max(produced[b] + 1 for b in range(n) if active[b]) < max(q.max_new_tokens for q in ps):
-                    nxt, state = self._decode(self.weights, state, DecodeBatch(jnp.asarray(table), jnp.asarray(active), sampling))
+                    nxt, state = self.decode(self.weights, state, DecodeBatch(jnp.asarray(table), jnp.asarray(active), sampling))
                     self._m["decode_steps"] += 1
                 toks = np.asarray(pending)
                 for b in range(n):
@@ -450,13 +454,13 @@ class FreeTokenEngine:
     # Scoring --------------------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Float32 logits at every position of `token_ids`: `[len(token_ids), vocab]`."""
-        ids = self._check(token_ids, GenerationParams(max_new_tokens=1))
+        ids = self.check_request(token_ids, GenerationParams(max_new_tokens=1))
         rows = [self.pages.allocate(len(ids))]
         try:
-            table, _ = self._page_table(rows, 1)
+            table, _ = self.page_table(rows, 1)
             out = [
                 np.asarray(lg)[0, : max(0, min(T, len(ids) - start))]
-                for start, T, lg in self._prefill_chunks([ids], table, Sampling.greedy(1), self._score)
+                for start, T, lg in self.prefill_chunks([ids], table, Sampling.greedy(1), self._score)
             ]
             return np.concatenate(out, axis=0)
         finally:

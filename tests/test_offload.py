@@ -91,11 +91,11 @@ def test_slot_maps_follow_the_lru_model(slots):
     )
     prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
     pages = [eng.pages.allocate(len(p) + 20) for p in prompts]
-    table, _ = eng._page_table(pages, 2)
+    table, _ = eng.page_table(pages, 2)
     from freetoken_jax.runtime.steps import Sampling
 
     first = None
-    for _s, _t, tok in eng._prefill_chunks(prompts, table, Sampling.greedy(2), eng._prefill):
+    for _s, _t, tok in eng.prefill_chunks(prompts, table, Sampling.greedy(2), eng._prefill):
         first = tok
     state = DecodeState(eng.cache, first, jnp.asarray([6, 3], jnp.int32), eng.slots)
     batch = DecodeBatch(jnp.asarray(table), jnp.asarray([True, True]), Sampling.greedy(2))
@@ -106,7 +106,7 @@ def test_slot_maps_follow_the_lru_model(slots):
         for layer in eng.weights.params["layers"].values()
     ]
     for _ in range(16):
-        _, state = eng._decode(eng.weights, state, batch)
+        _, state = eng.decode(eng.weights, state, batch)
         c = jax.tree.map(np.asarray, state.experts)
         for layer in range(cfg.num_moe_layers):
             model.layer_step(c.routed_LN[layer].tolist())

@@ -22,7 +22,7 @@ BASE = dict(dtype="float32", max_context=40, max_batch=2, page_size=4, prefill_c
 def buffered_logits(eng, prompt):
     """Logits at every prompt position, computed chunk by chunk through the buffered prefill."""
     pages = eng.pages.allocate(len(prompt) + 1)
-    table, _ = eng._page_table([pages], 1)
+    table, _ = eng.page_table([pages], 1)
 
     @jax.jit
     def f(weights, cache, batch, experts):
@@ -37,7 +37,7 @@ def buffered_logits(eng, prompt):
         lg, c, box[0] = f(w, c, b, box[0])
         return lg, c
 
-    out = [np.asarray(lg[0, : min(T, len(prompt) - s)]) for s, T, lg in eng._prefill_chunks([prompt], table, Sampling.greedy(1), step)]
+    out = [np.asarray(lg[0, : min(T, len(prompt) - s)]) for s, T, lg in eng.prefill_chunks([prompt], table, Sampling.greedy(1), step)]
     eng.pages.release(pages)
     eng.slots = box[0]
     return np.concatenate(out)

@@ -196,7 +196,7 @@ class Bench:
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
         pages = [eng.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
         try:
-            table, _ = eng._page_table(pages, B)
+            table, _ = eng.page_table(pages, B)
             sampling = Sampling.greedy(B)
             # The KV cache is the same under every host-bank variant: they share one prefill executable.
             pw = self.weights("offload", q, skew) if weights.strategy in ("offload", "hybrid") else weights
@@ -205,7 +205,7 @@ class Bench:
             first = jnp.asarray([p[0] for p in prompts], jnp.int32)
             for _pass in range(0 if prompt_by_decode else 2):  # the first pass compiles
                 t0 = time.perf_counter()
-                for _s, _t, first in eng._prefill_chunks(prompts, table, sampling, step_prefill):  # noqa: B007
+                for _s, _t, first in eng.prefill_chunks(prompts, table, sampling, step_prefill):  # noqa: B007
                     pass
                 first.block_until_ready()
                 ttft = time.perf_counter() - t0
@@ -310,7 +310,7 @@ class Bench:
             if variant == "per-token":
                 tok, c, box[0] = self._prefill_slots(weights, c, b, box[0])
             elif box[0] is not None:
-                tok, c, box[0] = eng._prefill_call(weights, c, b, box[0])
+                tok, c, box[0] = eng.prefill(weights, c, b, box[0])
             else:
                 tok, c = self._prefill_plain(weights, c, b)
             return tok, c
@@ -318,11 +318,11 @@ class Bench:
         prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len))
         pages = [eng.pages.allocate(prompt_len + 1)]
         try:
-            table, _ = eng._page_table(pages, 1)
+            table, _ = eng.page_table(pages, 1)
             # The first pass compiles: a prompt of one full chunk and the same last chunk suffices.
             for p in (prompt[: min(prompt_len, chunk + prompt_len % chunk)], prompt):
                 t0 = time.perf_counter()
-                for _s, _t, first in eng._prefill_chunks([p], table, Sampling.greedy(1), step, chunk):  # noqa: B007
+                for _s, _t, first in eng.prefill_chunks([p], table, Sampling.greedy(1), step, chunk):  # noqa: B007
                     pass
                 first.block_until_ready()
                 ttft = time.perf_counter() - t0

@@ -114,7 +114,7 @@ def _compile_check(sched, new, plan) -> None:
     eng = sched.engine
     B, P = new.max_batch, new.pages_per_sequence
     batch = DecodeBatch(jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), Sampling.greedy(B))
-    compiled = eng._decode.lower(eng.weights, _abstract_state(eng, new, plan), batch).compile()
+    compiled = eng.decode.lower(eng.weights, _abstract_state(eng, new, plan), batch).compile()
     limit = device_memory_bytes()
     ma = compiled.memory_analysis() if limit else None
     if ma is not None:

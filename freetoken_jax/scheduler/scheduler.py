@@ -142,7 +142,7 @@ class Scheduler:
     # Client side ----------------------------------------------------------------------------------
     def submit(self, prompt: Sequence[int], params: GenerationParams) -> RequestHandle:
         """Validates and queues a request (raises `RequestError` or `Overloaded`)."""
-        ids = self.engine._check(prompt, params)
+        ids = self.engine.check_request(prompt, params)
         need = self.engine.pages.pages_for(len(ids) + params.max_new_tokens)
         if need > self.engine.pages.num_pages - 1:
             raise RequestError(f"this request needs {need} KV pages; the pool has {self.engine.pages.num_pages - 1} in all")
@@ -304,7 +304,7 @@ class Scheduler:
         batch = PrefillBatch(
             jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(self.table[i : i + 1]), sampling_rows([r.handle.params])
         )
-        first, cache, experts = eng._prefill_call(eng.weights, self.state.cache, batch, self.state.experts)
+        first, cache, experts = eng.prefill(eng.weights, self.state.cache, batch, self.state.experts)
         self.state = dataclasses.replace(self.state, cache=cache, experts=experts)
         r.start += len(seg)
         if r.start >= len(prompt):
@@ -321,7 +321,7 @@ class Scheduler:
         batch = DecodeBatch(
             jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
         )
-        nxt, self.state = eng._decode(eng.weights, self.state, batch)
+        nxt, self.state = eng.decode(eng.weights, self.state, batch)
         self.metrics["decode_steps"] += 1
         toks = np.asarray(nxt)
         for i in np.flatnonzero(active):
