@@ -22,11 +22,12 @@ def cmd_generate(args) -> int:
         print(f"error: {args.model} has no tokenizer (tokenizer.json); cannot encode a text prompt", file=sys.stderr)
         return 2
     ids = tok.encode(args.prompt)
-    print(args.prompt, end="", flush=True)
     t0, out = time.perf_counter(), []
     for t in engine.generate(
         ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     ):
+        if not out:  # after the prefill, whose log lines would otherwise cut into the text
+            print(args.prompt, end="", flush=True)
         out.append(t)
         print(tok.decode([t]), end="", flush=True)
     dt = time.perf_counter() - t0
