@@ -54,6 +54,8 @@ def cmd_serve(args) -> int:
     engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
     print(f"model {engine.name}", file=sys.stderr)  # its memory plan is logged by the engine
     sched = Scheduler(engine, max_queue=args.max_queue)
+    if not args.no_warm_up:  # the ports open once the steps serving runs are compiled
+        sched.warm_up(workers=args.warm_up_workers)
     service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path)
     httpd = serve_http(service, args.host, args.port)
     grpc_server, gport = serve_grpc(service, args.host, args.grpc_port) if args.grpc_port >= 0 else (None, None)
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="requests run at once (default: --max-batch; under offload/hybrid no more than one step's experts fit the slots)",
     )
+    v.add_argument("--no-warm-up", action="store_true", help="compile steps when first needed instead of before serving")
+    v.add_argument("--warm-up-workers", type=int, default=4, help="threads compiling the steps before serving")
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
     v.add_argument("--max-context", type=int, default=4096)
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

@@ -360,17 +360,25 @@ class FreeTokenEngine:
         short chunk goes through the slot cache as decode does (`slot_prefill_pays`); a longer one
         through two borrowed layer buffers of the slot cache when it has 2 × num_experts slots,
         otherwise (logged once) with each layer's whole bank streamed to the device."""
+        step = self.prefill_step_for(weights, batch.tokens_BT.size, slots)
+        if step is not self._prefill:
+            return step(weights, cache, batch, slots)
+        tok, cache = step(weights, cache, batch)
+        return tok, cache, slots
+
+    def prefill_step_for(self, weights: Weights, tokens: int, slots):
+        """The jitted step `prefill` runs for a chunk of `tokens` (rows × length): `_prefill`
+        (weights, cache, batch), or one that also takes and returns the slot cache."""
         E = self.model_config.num_experts
         if slots is not None and weights.strategy in ("offload", "hybrid"):
-            if slot_prefill_pays(self.model_config, batch.tokens_BT.size, slots.num_slots):
-                return self._prefill_slots(weights, cache, batch, slots)
+            if slot_prefill_pays(self.model_config, tokens, slots.num_slots):
+                return self._prefill_slots
             if slots.num_slots >= 2 * E:
-                return self._prefill_buffered(weights, cache, batch, slots)
+                return self._prefill_buffered
             if self._prefill_note is None:
                 self._prefill_note = f"prefill streams whole layers without double buffering: {slots.num_slots} slots < 2 x {E} experts"
                 log.info(self._prefill_note)
-        tok, cache = self._prefill(weights, cache, batch)
-        return tok, cache, slots
+        return self._prefill
 
     def _prefill_held(self, weights: Weights, cache, batch: PrefillBatch):
         """`prefill` with the engine's own slot cache (held by the engine between requests)."""

@@ -70,3 +70,19 @@ def test_first_steps_share_the_later_steps_executables(demo_scheduler):
     with backend_compiles() as after:
         sched.submit([1, 2, 3, 4, 5], p).result(60)
     assert after["jit(decode_step)"] == 0, after
+
+
+def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
+    """After `Scheduler.warm_up`, requests of every chunk bucket (slot-cache prefill for short
+    chunks, buffered prefill for longer ones, several chunks) and decoding compile no step."""
+    ec = EngineConfig(dtype="float32", max_context=128, max_batch=2, page_size=8, prefill_chunk=64, moe_strategy="offload", expert_slots=40)
+    sched = demo_scheduler(ec)
+    with backend_compiles() as warm:
+        out = sched.warm_up(workers=2)
+    assert out["steps"] == 1 + 3  # decode, prefill chunks of 16 (through the slots), 32 and 64 (buffered)
+    assert warm["jit(decode_step)"] == 1 and warm["jit(prefill_step_slots)"] == 1 and warm["jit(prefill_step_buffered)"] == 2
+    p = GenerationParams(max_new_tokens=4, ignore_eos=True)
+    with backend_compiles() as serving:
+        for n in (5, 20, 40, 100):
+            sched.submit(list(range(1, n + 1)), p).result(120)
+    assert not any(serving[s] for s in STEPS), serving

@@ -125,6 +125,33 @@ class Scheduler:
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
         self.thread.start()
 
+    def warm_up(self, workers: int = 4) -> dict:
+        """Compiles, before any request arrives, the steps serving will run: the decode step and
+        the prefill step of every chunk bucket (on `workers` threads, with the arguments placed
+        as the loop places them, so the loop finds them compiled). Call it before submitting;
+        returns {"steps": n, "seconds": s}."""
+        import concurrent.futures
+
+        eng, t0 = self.engine, time.perf_counter()
+        placed = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)  # noqa: E731
+        fresh = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
+        state = placed(self.state)
+        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
+        bools = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bool_)  # noqa: E731
+        jobs = [(eng.decode, (eng.weights, state, DecodeBatch(i32(self.B, self.P), bools(self.B), fresh(sampling_rows([None] * self.B)))))]
+        chunk = eng.engine_config.prefill_chunk
+        for T in sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)}):
+            batch = PrefillBatch(i32(1, T), i32(1, T), bools(1, T), i32(1, self.P), fresh(sampling_rows([None])))
+            step = eng.prefill_step_for(eng.weights, T, self.state.experts)
+            args = (eng.weights, state.cache, batch) + (() if step is eng._prefill else (state.experts,))
+            jobs.append((step, args))
+        log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(lambda job: job[0].lower(*job[1]).compile(), jobs))
+        out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
+        log.info("warm-up: %d steps compiled in %.1f s", out["steps"], out["seconds"])
+        return out
+
     def running_limit(self) -> int:
         """Requests that may run at once: `max_running` when set; under offload / hybrid, the
         rows whose routed experts for one step fit the slot cache (each row routes to top_k
