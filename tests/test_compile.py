@@ -74,7 +74,8 @@ def test_first_steps_share_the_later_steps_executables(demo_scheduler):
 
 def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
     """After `Scheduler.warm_up`, requests of every chunk bucket (slot-cache prefill for short
-    chunks, buffered prefill for longer ones, several chunks) and decoding compile no step."""
+    chunks, buffered prefill for longer ones, several chunks) and decoding compile no step; nor
+    after a resize of the warmed-up server."""
     ec = EngineConfig(dtype="float32", max_context=128, max_batch=2, page_size=8, prefill_chunk=64, moe_strategy="offload", expert_slots=40)
     sched = demo_scheduler(ec)
     with backend_compiles() as warm:
@@ -86,3 +87,9 @@ def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
         for n in (5, 20, 40, 100):
             sched.submit(list(range(1, n + 1)), p).result(120)
     assert not any(serving[s] for s in STEPS), serving
+    # A resize of a warmed-up server compiles the new geometry's steps with it.
+    assert sched.rebuild_cache(expert_slots=48)["warm_up"]["steps"] == 4
+    with backend_compiles() as resized:
+        for n in (5, 20, 40, 100):
+            sched.submit(list(range(1, n + 1)), p).result(120)
+    assert not any(resized[s] for s in STEPS), resized

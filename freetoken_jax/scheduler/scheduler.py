@@ -108,6 +108,7 @@ class Scheduler:
         self.failed: str | None = None  # set when the engine can no longer serve correctly
         self.control: queue.Queue = queue.Queue()  # (fn, reply queue) run on the loop thread when idle
         self.draining = False
+        self.warm_workers = 0  # set by `warm_up`
         self.metrics = dict(requests_submitted=0, requests_finished=0, requests_cancelled=0, requests_rejected=0, prefix_hit_tokens=0,
                             prompt_tokens=0, generated_tokens=0, decode_steps=0)  # fmt: skip
         self.state = DecodeState.start(engine.cache, np.zeros(self.B), np.zeros(self.B), engine.slots)
@@ -148,6 +149,7 @@ class Scheduler:
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(lambda job: job[0].lower(*job[1]).compile(), jobs))
+        self.warm_workers = workers  # a resize warms the new geometry up too
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
         log.info("warm-up: %d steps compiled in %.1f s", out["steps"], out["seconds"])
         return out
@@ -254,13 +256,27 @@ class Scheduler:
                 raise elastic.Busy("requests are running; retry when idle or pass drain=True")
             self.draining = True
         reply: queue.Queue = queue.Queue()
-        self.control.put((lambda: elastic.rebuild(self, expert_slots, kv_pages), reply))
+        self.control.put((lambda: self._rebuild_warm(expert_slots, kv_pages), reply))
         self.wake.set()
         ok, value = reply.get(timeout=timeout)
         self.wake.set()
         if not ok:
             raise value
         return value
+
+    def _rebuild_warm(self, expert_slots, kv_pages) -> dict:
+        """`elastic.rebuild`, then, on a server that was warmed up, the new geometry's steps
+        compiled ahead as well (a failure there is logged: the resize itself has succeeded)."""
+        from freetoken_jax.scheduler import elastic
+
+        out = elastic.rebuild(self, expert_slots, kv_pages)
+        if self.warm_workers:
+            try:
+                out["warm_up"] = self.warm_up(self.warm_workers)
+            except Exception as e:  # noqa: BLE001 - steps then compile when first needed
+                log.warning("warm-up after the resize failed (%s: %s); steps compile when first needed", type(e).__name__, e)
+                out["warm_up"] = f"failed: {type(e).__name__}: {e}"
+        return out
 
     def _fail_all(self, message: str) -> None:
         for i, r in enumerate(self.rows):
