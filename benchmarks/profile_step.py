@@ -68,13 +68,14 @@ def host_bank_strategies(args) -> list:
         for s in args.strategies:
             weights = bench.weights(s, q, args.routing_skew)
             t = time.perf_counter()
-            compiled = bench.compile_decode(s, B, args.vram_gb, 16, args.warm + 30, q, args.routing_skew, weights)
+            prompt_len, steps = 16, args.warm + 30
+            compiled = bench.compile_decode(s, B, args.vram_gb, prompt_len, steps, q, args.routing_skew, weights)
             compile_s = time.perf_counter() - t
             slots = bench._decode_slots(s, B, args.vram_gb)
-            pages = [eng.pages.allocate(16 + args.warm + 30 + 8) for _ in range(B)]
+            pages = [eng.pages.allocate(bench._row_tokens(prompt_len, steps)) for _ in range(B)]
             table, _ = eng.page_table(pages, B)
             experts = None if slots is None else init_slot_cache(cfg, slots, bench.ecfg.max_batch, jnp.dtype(bench.ecfg.dtype))
-            box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, 16), experts)]
+            box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, prompt_len), experts)]
             eng.cache = None
             batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
             rng = np.random.default_rng(B)

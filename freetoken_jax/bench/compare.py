@@ -121,29 +121,31 @@ class Bench:
     def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, **_) -> tuple:
         """What a row's decode executable depends on: the weights variant, the batch, the slots
         and the page-table width (the routing skew is a traced value: any skew, one executable)."""
-        P = buckets.pages_bucket(self.engine.pages.pages_for(prompt_len + steps + 8), self.ecfg.pages_per_sequence)
-        return (label or variant, B, self._decode_slots(variant, B, vram_gb), P, skew is None)
+        return (label or variant, B, self._decode_slots(variant, B, vram_gb), self._table_pages(prompt_len, steps), skew is None)
+
+    @staticmethod
+    def _row_tokens(prompt_len: int, steps: int) -> int:
+        return prompt_len + steps + 8  # the KV a decode row allocates
+
+    def _table_pages(self, prompt_len: int, steps: int) -> int:
+        """The page-table width of a decode row (`FreeTokenEngine.page_table`'s bucket)."""
+        return buckets.pages_bucket(self.engine.pages.pages_for(self._row_tokens(prompt_len, steps)), self.ecfg.pages_per_sequence)
 
     def compile_decode(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, weights=None):
         """The decode step of a `decode` row, compiled from shapes alone: it touches no engine
         state, so several compile at once (`precompile`)."""
         from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling
+        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState
 
-        cfg, eng = self.cfg, self.engine
+        cfg = self.cfg
         weights = weights or self.weights(variant, q, skew)
         slots = self._decode_slots(variant, B, vram_gb)
-        shape = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
         i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
-        P = buckets.pages_bucket(eng.pages.pages_for(prompt_len + steps + 8), self.ecfg.pages_per_sequence)
         experts = (
             None if slots is None else jax.eval_shape(lambda: init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)))
         )
         state = DecodeState(self._kv_shape, i32, i32, experts)
-        batch = DecodeBatch(
-            jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), jax.tree.map(shape, Sampling.greedy(B))
-        )
-        return self._step.lower(weights, state, batch, i32).compile()
+        return self._step.lower(weights, state, DecodeBatch.shapes(B, self._table_pages(prompt_len, steps)), i32).compile()
 
     def precompile(self, rows: list[dict], workers: int) -> None:
         """Compiles the decode steps of `rows` (each a dict of `decode`'s arguments) on `workers`
@@ -194,7 +196,7 @@ class Bench:
         key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
         rng = np.random.default_rng(7 + B)
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
-        pages = [eng.pages.allocate(prompt_len + steps + 8) for _ in range(B)]
+        pages = [eng.pages.allocate(self._row_tokens(prompt_len, steps)) for _ in range(B)]
         try:
             table, _ = eng.page_table(pages, B)
             sampling = Sampling.greedy(B)

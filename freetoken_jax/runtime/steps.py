@@ -85,12 +85,25 @@ def on_device(tree):
     return jax.device_put(tree, jax.devices()[0])
 
 
+def shapes(tree, committed: bool = False):
+    """`tree` (arrays or shapes) as shapes to compile a step from ahead of its call
+    (`jit(f).lower(...)`): committed to the device as `on_device` places arrays, or not, as a
+    fresh array is. Placed as the call's arguments will be, the call finds the step compiled."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0]) if committed else None
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), tree)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
     page_table_BP: jax.Array  # int32
     active_B: jax.Array  # bool; inactive rows write nothing and keep their token
     sampling: Sampling
+
+    @classmethod
+    def shapes(cls, B: int, P: int) -> DecodeBatch:
+        """The shapes of a batch of `B` rows and `P` pages built from fresh arrays (`shapes`)."""
+        return cls(jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), shapes(Sampling.greedy(B)))
 
 
 @jax.tree_util.register_dataclass
@@ -101,6 +114,12 @@ class PrefillBatch:
     valid_BT: jax.Array  # bool
     page_table_BP: jax.Array  # int32
     sampling: Sampling
+
+    @classmethod
+    def shapes(cls, B: int, T: int, P: int) -> PrefillBatch:
+        """The shapes of a chunk of `B` rows × `T` tokens and `P` pages built from fresh arrays."""
+        i32 = jax.ShapeDtypeStruct((B, T), jnp.int32)
+        return cls(i32, i32, jax.ShapeDtypeStruct((B, T), jnp.bool_), jax.ShapeDtypeStruct((B, P), jnp.int32), shapes(Sampling.greedy(B)))
 
 
 def _page_size(cache: KVCache) -> int:

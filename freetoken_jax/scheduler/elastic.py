@@ -28,7 +28,7 @@ from freetoken_jax.memory.expert_cache import init_slot_cache
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.models import jnp_dtype
 from freetoken_jax.runtime.kv_cache import cache_bytes, init_cache
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, on_device
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, on_device, shapes
 from freetoken_jax.scheduler.radix import RadixCache
 
 
@@ -103,8 +103,7 @@ def _abstract_state(eng, new, plan):
             init_slot_cache(cfg, plan.slots, B, dtype) if new.uses_slots else None,
         )
     )
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), state)
+    return shapes(state, committed=True)
 
 
 def _compile_check(sched, new, plan) -> None:
@@ -113,8 +112,7 @@ def _compile_check(sched, new, plan) -> None:
     loop will place them, so the loop's first step after the resize finds it compiled."""
     eng = sched.engine
     B, P = new.max_batch, new.pages_per_sequence
-    batch = DecodeBatch(jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), Sampling.greedy(B))
-    compiled = eng.decode.lower(eng.weights, _abstract_state(eng, new, plan), batch).compile()
+    compiled = eng.decode.lower(eng.weights, _abstract_state(eng, new, plan), DecodeBatch.shapes(B, P)).compile()
     limit = device_memory_bytes()
     ma = compiled.memory_analysis() if limit else None
     if ma is not None:

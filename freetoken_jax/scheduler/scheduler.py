@@ -28,7 +28,7 @@ import numpy as np
 from freetoken_jax.engine import FreeTokenEngine, GenerationParams, RequestError, sampling_rows
 from freetoken_jax.memory.kv_pages import OutOfPages
 from freetoken_jax.runtime import buckets
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, PrefillBatch, shapes
 from freetoken_jax.scheduler.radix import RadixCache
 
 log = logging.getLogger("freetoken_jax")
@@ -134,15 +134,11 @@ class Scheduler:
         import concurrent.futures
 
         eng, t0 = self.engine, time.perf_counter()
-        placed = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)  # noqa: E731
-        fresh = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)  # noqa: E731
-        state = placed(self.state)
-        i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)  # noqa: E731
-        bools = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bool_)  # noqa: E731
-        jobs = [(eng.decode, (eng.weights, state, DecodeBatch(i32(self.B, self.P), bools(self.B), fresh(sampling_rows([None] * self.B)))))]
+        state = shapes(self.state, committed=True)  # as `DecodeState.start` and every step leave it
+        jobs = [(eng.decode, (eng.weights, state, DecodeBatch.shapes(self.B, self.P)))]
         chunk = eng.engine_config.prefill_chunk
         for T in sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)}):
-            batch = PrefillBatch(i32(1, T), i32(1, T), bools(1, T), i32(1, self.P), fresh(sampling_rows([None])))
+            batch = PrefillBatch.shapes(1, T, self.P)
             step = eng.prefill_step_for(eng.weights, T, self.state.experts)
             args = (eng.weights, state.cache, batch) + (() if step is eng._prefill else (state.experts,))
             jobs.append((step, args))
