@@ -2,25 +2,9 @@ from freetoken_jax.cli import main
 
 
 def test_generate_demo(capsys):
-    assert (
-        main(
-            [
-                "generate",
-                "--model",
-                "demo",
-                "--prompt",
-                "Hi",
-                "--max-new-tokens",
-                "5",
-                "--dtype",
-                "float32",
-                "--max-context",
-                "64",
-                "--no-compile-cache",
-            ]
-        )
-        == 0
-    )
+    argv = ["generate", "--model", "demo", "--prompt", "Hi", "--max-new-tokens", "5", "--dtype", "float32", "--max-context", "64",
+            "--no-compile-cache"]  # fmt: skip
+    assert main(argv) == 0
     out = capsys.readouterr()
     assert out.out.startswith("Hi")
     assert "5 tokens" in out.err or "tokens in" in out.err
