@@ -12,7 +12,7 @@ host bank into slots and their expert compute on the GPU, then the sum. Variants
 - callback: `jax.pure_callback` at the wait.
 
 Prints, per variant, ms per step, the cost per layer against `none`, the time the Python call
-took to return (dispatch) and the number of command buffers (CUDA graphs) in the optimized HLO.
+took to return (dispatch) and the CPU side of the handoff as the C++ dispatcher timed it.
 
     python benchmarks/probe_handoff.py --layers 48 --fetch 2 --cpu 0 --variants none hostfn memops
 """
