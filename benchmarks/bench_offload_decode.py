@@ -5,8 +5,10 @@ hybrid variants in the same process on the same weights (built on `freetoken_jax
 - hybrid: the slot cache, fetch_count(M, q*) of each layer's M misses fetched and the rest
   computed by the CPU executor, handed over by the split FFI submit/wait; hybrid-cb: by
   jax.pure_callback; hybrid-q1: q = 1, so the CPU jobs are empty and the step time minus the
-  cached step's is the cost of the handoff itself; a suffix "-mo" (hybrid-mo, hybrid-q1-mo)
-  makes the FFI handoff signal by stream memory operations instead of host functions;
+  cached step's is the cost of the handoff itself; suffixes of hybrid variants: "-ng" (handoff
+  "ffi_nograph": the FFI pair kept out of XLA's CUDA graphs), "-hf" (signals by host functions
+  instead of stream memory operations; give it its own executable, e.g. with -ng, since a graph
+  keeps the operations it was recorded with);
 - naive: every routed expert fetched every step; layer: every bank streamed every step.
 
     python benchmarks/bench_offload_decode.py --preset qwen3-30b-a3b --expert-gb 16 --batch 1 4 --steps 256 --check
@@ -63,7 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layer-steps", type=int, default=16, help="steps for the layer-streaming baseline (each moves every expert)")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--variants", nargs="+", default=["cached", "hybrid", "hybrid-cb", "hybrid-q1", "naive", "layer"],
-                    help="cached hybrid hybrid-cb hybrid-q1 naive layer; hybrid variants take the suffix -mo")  # fmt: skip
+                    help="cached hybrid hybrid-cb hybrid-q1 naive layer; hybrid variants take the suffixes -ng, -hf")  # fmt: skip
     ap.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
     ap.add_argument("--routing-skew", type=float, default=None, help="Zipf exponent of synthetic routing (default: the model's router)")
     ap.add_argument("--prefill", action="store_true",
@@ -86,18 +88,26 @@ def main(argv=None) -> int:
         print("check against fused:", out["check"], flush=True)
     from freetoken_jax import _cpu_ext
 
+    def parse(v: str) -> tuple[str, bool, bool]:
+        """(base variant, host functions, outside the graphs)"""
+        hf, base = v.endswith("-hf"), v.removesuffix("-hf")
+        return base.removesuffix("-ng"), hf, base.endswith("-ng")
+
     def row(v: str, B: int) -> dict:
-        base = v.removesuffix("-mo")
+        base, _, nograph = parse(v)
         strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(base, base)
         steps = args.layer_steps if v == "layer" else args.steps
+        weights = own.get(base, hybrid if base == "hybrid" else None)
+        if nograph and weights is not None:
+            weights = dataclasses.replace(weights, handoff="ffi_nograph")
         return dict(variant=strategy, B=B, vram_gb=args.expert_gb, prompt_len=args.prompt_len, steps=steps, q=q,
-                    skew=args.routing_skew, weights=own.get(base), label=v)  # fmt: skip
+                    skew=args.routing_skew, weights=weights, label=v)  # fmt: skip
 
     if args.compile_workers > 1:
         bench.precompile([row(v, B) for B in args.batch for v in args.variants], args.compile_workers)
     for B in args.batch:
         for v in args.variants:
-            _cpu_ext.handoff_sync("stream_memops" if v.endswith("-mo") else "host_function")  # nothing is in flight here
+            _cpu_ext.handoff_sync("host_function" if parse(v)[1] else "stream_memops")  # nothing is in flight here
             try:
                 by_decode = not args.prefill and v != "layer"  # a layer step moves every expert: prefill its prompt
                 r = bench.decode(**row(v, B), prompt_by_decode=by_decode)

@@ -5,16 +5,17 @@ launch-bound attention and router), then the Pallas fetch of `--fetch` experts f
 host bank into slots and their expert compute on the GPU, then the sum. Variants:
 
 - none: no handoff (the offload step's shape);
-- hostfn / memops: the split FFI pair (`freetoken_moe_submit` before the fetch, `wait` after the
-  GPU experts, tied with barriers as in `OffloadExecutor`), signalled by host functions or by
-  stream memory operations; the CPU computes `--cpu` experts per layer (0: empty jobs, so the
-  difference to `none` is the handoff's own cost);
+- ffi: the split FFI pair (submit before the fetch, wait after the GPU experts, tied with
+  barriers as in `OffloadExecutor`), signalled by stream memory operations and recorded into
+  XLA's CUDA graphs; nograph: the same kept out of the graphs (handoff "ffi_nograph"); hostfn:
+  that, signalled by host functions. The CPU computes `--cpu` experts per layer (0: empty jobs,
+  so the difference to `none` is the handoff's own cost);
 - callback: `jax.pure_callback` at the wait.
 
 Prints, per variant, ms per step, the cost per layer against `none`, the time the Python call
 took to return (dispatch) and the CPU side of the handoff as the C++ dispatcher timed it.
 
-    python benchmarks/probe_handoff.py --layers 48 --fetch 2 --cpu 0 --variants none hostfn memops
+    python benchmarks/probe_handoff.py --layers 48 --fetch 2 --cpu 0 --variants none ffi nograph hostfn
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def build(args, variant: str, views):
     interpret = jax.default_backend() == "cpu"
     handoffs = None
     if variant != "none":
-        mode = "callback" if variant == "callback" else "ffi"
+        mode = {"callback": "callback", "ffi": "ffi"}.get(variant, "ffi_nograph")
         handoffs = [LayerHandoff(mode, *views, H, F, "silu") for _ in range(L)]
 
     def step(x_TD, small, slots, ids_TK, w_TK, banks):  # banks are arguments: never constants on the device
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--small", type=int, default=8, help="small matmuls per layer before the handoff")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--variants", nargs="+", default=["none", "hostfn", "memops"], choices=["none", "hostfn", "memops", "callback"])
+    ap.add_argument("--variants", nargs="+", default=["none", "ffi", "nograph"], choices=["none", "ffi", "nograph", "hostfn", "callback"])
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.cpu > args.experts:
@@ -109,8 +110,7 @@ def main(argv=None) -> int:
 
     rows, base = [], None
     for v in args.variants:
-        if v in ("hostfn", "memops"):
-            _cpu_ext.handoff_sync("stream_memops" if v == "memops" else "host_function")
+        _cpu_ext.handoff_sync("host_function" if v == "hostfn" else "stream_memops")
         f = build(args, v, views)
         slots = tuple(jnp.zeros((max(args.fetch, 1) * 2, F * H), dt) for _ in range(3))
         t = time.perf_counter()
@@ -137,7 +137,9 @@ def main(argv=None) -> int:
                    cpu_side_us=st["cpu_s"] / n * 1e6, window_us=st["window_s"] / n * 1e6)  # fmt: skip
         print(json.dumps(row), flush=True)
         rows.append(row)
-    out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args), rows=rows)
+    out = dict(
+        device=jax.devices()[0].device_kind, jax=jax.__version__, xla_flags=os.environ.get("XLA_FLAGS", ""), args=vars(args), rows=rows
+    )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(out, fh, indent=1)

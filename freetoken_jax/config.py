@@ -226,7 +226,8 @@ class EngineConfig:
     # PCIe; the rest are computed by the CPU where they lie. Measured values replace this default.
     hybrid_q: float = 0.35
     # How CPU expert work leaves the jitted step (strategies "cpu" and "hybrid"): "ffi" (split
-    # XLA FFI submit/wait: the CPU job overlaps the layer's fetch and GPU experts), "callback"
+    # XLA FFI submit/wait: the CPU job overlaps the layer's fetch and GPU experts; recorded into
+    # XLA's CUDA graphs), "ffi_nograph" (the same, launched outside the graphs), "callback"
     # (jax.pure_callback, no overlap) or "auto" (ffi on a GPU, callback on the CPU backend).
     cpu_handoff: str = "auto"
     # Strategy "hybrid": the handoff's fixed cost per layer in units of one expert's PCIe fetch
@@ -265,8 +266,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.prefill_chunk & (self.prefill_chunk - 1):
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
-        if self.cpu_handoff not in ("auto", "ffi", "callback"):
-            raise ConfigError(f"cpu_handoff must be auto, ffi or callback, got {self.cpu_handoff!r}")
+        if self.cpu_handoff not in ("auto", "ffi", "ffi_nograph", "callback"):
+            raise ConfigError(f"cpu_handoff must be auto, ffi, ffi_nograph or callback, got {self.cpu_handoff!r}")
         if self.auto_probe_steps < 0:
             raise ConfigError(f"auto_probe_steps must not be negative, got {self.auto_probe_steps}")
         if self.prefill_load not in ("auto", "fetch", "copy"):

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <new>
+#include <stdexcept>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -43,6 +44,11 @@ struct Cuda {
   int (*host_device_pointer)(uint64_t*, void*, unsigned) = nullptr;
   int (*write_value32)(Stream, uint64_t, uint32_t, unsigned) = nullptr;  // stream memory operations
   int (*wait_value32)(Stream, uint64_t, uint32_t, unsigned) = nullptr;
+  int (*init)(unsigned) = nullptr;  // for allocating outside XLA's calls: device ordinal -> primary context
+  int (*device_get)(int*, int) = nullptr;
+  int (*primary_ctx_retain)(void**, int) = nullptr;
+  int (*ctx_push)(void*) = nullptr;
+  int (*ctx_pop)(void**) = nullptr;
   std::string error;
 };
 
@@ -66,16 +72,21 @@ const Cuda& Driver() {
     sym(c.host_device_pointer, {"cuMemHostGetDevicePointer_v2"}, true);
     sym(c.write_value32, {"cuStreamWriteValue32_v2", "cuStreamWriteValue32"}, false);
     sym(c.wait_value32, {"cuStreamWaitValue32_v2", "cuStreamWaitValue32"}, false);
+    sym(c.init, {"cuInit"}, true);
+    sym(c.device_get, {"cuDeviceGet"}, true);
+    sym(c.primary_ctx_retain, {"cuDevicePrimaryCtxRetain"}, true);
+    sym(c.ctx_push, {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}, true);
+    sym(c.ctx_pop, {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}, true);
     return c;
   }();
   return cuda;
 }
 
-// How a CUDA stream and the dispatcher signal each other: host functions launched on the stream
-// (the default), or stream memory operations (the stream writes a flag in mapped host memory,
-// and waits for one: no host thread in the loop) with FREETOKEN_HANDOFF_SYNC=stream_memops
-// where the driver has them. The latter has not yet completed a decode benchmark at 30B scale
-// on the H200; `SetHandoffSync` switches.
+// How a CUDA stream and the dispatcher signal each other: stream memory operations (the stream
+// writes a flag in mapped host memory and waits for one: no host thread in the loop; the default
+// where the driver has them), or host functions launched on the stream
+// (FREETOKEN_HANDOFF_SYNC=host_function). Both follow the same flag protocol, so graphs recorded
+// in either mode stay correct after `SetHandoffSync` switches.
 std::atomic<int> sync_mode{-1};  // -1: not chosen yet
 
 bool HasStreamMemOps() {
@@ -87,7 +98,7 @@ int SyncMode() {
   int m = sync_mode.load(std::memory_order_relaxed);
   if (m >= 0) return m;
   const char* env = std::getenv("FREETOKEN_HANDOFF_SYNC");
-  m = env && std::string(env) == "stream_memops" && HasStreamMemOps() ? kSyncStreamMemOps : kSyncHostFunction;
+  m = (env && std::string(env) == "host_function") || !HasStreamMemOps() ? kSyncHostFunction : kSyncStreamMemOps;
   sync_mode.store(m, std::memory_order_relaxed);
   return m;
 }
@@ -101,16 +112,19 @@ struct Layer {
   Act act;
 };
 
-// Flags in (mapped) host memory, each on its own cache line, holding handoff sequence numbers:
-// `ready` (the inputs are staged), `arrived` (the stream reached wait), `done` (the result is
-// staged). Written by the stream or by host code; compared cyclically, so they may wrap.
+// Flags in (mapped) host memory, each on its own cache line, each 0 or 1: `ready` (the inputs
+// are staged), `arrived` (the stream reached wait), `done` (the result is staged). The stream
+// writes only constants, so what it enqueues is the same at every call and may be recorded once
+// into a CUDA graph and replayed:
+//   stream: copy inputs out; ready = 1  ...  arrived = 1; wait until done == 1; done = 0; copy result in
+//   dispatcher: sees ready == 1; ready = 0; runs the job; done = 1
+// ready = 0 is written before done = 1, and the stream writes the next ready = 1 only after it
+// has seen done == 1, so no handoff is lost or run twice.
 struct Flags {
   alignas(64) volatile uint32_t ready;
   alignas(64) volatile uint32_t arrived;
   alignas(64) volatile uint32_t done;
 };
-
-bool Reached(uint32_t flag, uint32_t seq) { return static_cast<int32_t>(flag - seq) >= 0; }
 
 // One staging job per (layer, T, K). A layer's submit/wait pairs follow one another in stream
 // order (each wait blocks until its job is done), so one job per shape is never in flight twice.
@@ -124,7 +138,6 @@ struct Job {
   float* out = nullptr;     // [T, H]
   Flags* flags = nullptr;
   uint64_t flags_device = 0;  // the flags' device address (CUDA)
-  uint32_t seq = 0;           // the last handoff enqueued
   bool cuda = false;          // a CUDA job's errors can only be printed (its wait has returned)
   std::vector<int32_t> token_of, expert_of;
   std::vector<float> weight_of;
@@ -145,6 +158,8 @@ std::atomic<int64_t> stat_count{0}, stat_window{0}, stat_gpu{0}, stat_cpu{0}, st
 std::mutex registry_mu;
 std::vector<std::unique_ptr<Layer>> layers;
 std::map<std::tuple<int64_t, int64_t, int64_t, bool>, std::unique_ptr<Job>> jobs;
+std::vector<Job*> job_list;              // every job, in creation order (jobs are never freed)
+std::atomic<uint64_t> job_list_version{0};
 
 void RunJob(Job* j) {
   const Layer& l = *j->layer;
@@ -186,20 +201,7 @@ void Pause() {
 #endif
 }
 
-// Spins until `flag` reaches `seq`, for at most `limit_ns`; false if it did not.
-bool SpinUntil(const volatile uint32_t* flag, uint32_t seq, int64_t limit_ns) {
-  const int64_t t0 = NowNs();
-  for (int i = 0;; ++i) {
-    if (Reached(*flag, seq)) {
-      std::atomic_thread_fence(std::memory_order_acquire);
-      return true;
-    }
-    Pause();
-    if ((i & 255) == 0 && NowNs() - t0 > limit_ns) return false;
-  }
-}
-
-// FREETOKEN_HANDOFF_TRACE=N prints the first N dispatcher events (arm, run, arrival) to stderr.
+// FREETOKEN_HANDOFF_TRACE=N prints the first N dispatcher events (run, arrival) to stderr.
 int64_t TraceLimit() {
   static const int64_t limit = [] {
     const char* env = std::getenv("FREETOKEN_HANDOFF_TRACE");
@@ -208,42 +210,32 @@ int64_t TraceLimit() {
   return limit;
 }
 
-void Trace(const char* what, const Job* j, uint32_t seq, int64_t a = 0, int64_t b = 0) {
+void Trace(const char* what, const Job* j, int64_t a = 0, int64_t b = 0) {
   static std::atomic<int64_t> printed{0};
   if (TraceLimit() == 0 || printed.fetch_add(1) >= TraceLimit()) return;
-  std::fprintf(stderr, "[handoff %.6f] %s job=%p T=%lld K=%lld seq=%u ready=%u arrived=%u done=%u %lld %lld\n", NowNs() * 1e-9, what,
-               static_cast<const void*>(j), static_cast<long long>(j->T), static_cast<long long>(j->K), seq, j->flags->ready,
+  std::fprintf(stderr, "[handoff %.6f] %s job=%p T=%lld K=%lld ready=%u arrived=%u done=%u %lld %lld\n", NowNs() * 1e-9, what,
+               static_cast<const void*>(j), static_cast<long long>(j->T), static_cast<long long>(j->K), j->flags->ready,
                j->flags->arrived, j->flags->done, static_cast<long long>(a), static_cast<long long>(b));
 }
 
-// Runs armed handoffs as their inputs become staged: of those staged, the one armed first (a
-// job armed twice has its earlier handoff staged first). Stream order and arming order agree on
-// one stream; taking whichever is staged keeps the dispatcher from waiting on one the stream has
-// not reached while it waits on another. Publishes `done`, then notes when the stream reaches
-// wait, for the timing, without holding up the next job.
+// Watches every job's `ready` flag and runs a job as soon as its inputs are staged (one stream
+// stages one at a time); then notes when the stream reaches wait, for the timing, without
+// holding up the next job. It spins while handoffs come, polls every 50 us after 5 ms without
+// one and every 500 us after a second (or at once when a handler kicks it).
 class Dispatcher {
  public:
   static Dispatcher& Get() {
     static Dispatcher* d = new Dispatcher;  // never destroyed: XLA may call in at exit
     return *d;
   }
-  void Arm(Job* j, uint32_t seq) {
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      queue_.push_back({j, seq});
-    }
-    Trace("arm", j, seq);
+  void Kick() {
+    kicked_.store(true, std::memory_order_release);
     cv_.notify_one();
   }
 
  private:
-  struct Armed {
-    Job* j;
-    uint32_t seq;
-  };
   struct Ran {
     Job* j;
-    uint32_t seq;
     int64_t t_ready, t_done;
     bool checked;  // arrival looked for once: seen later means the stream came after the job
   };
@@ -251,47 +243,43 @@ class Dispatcher {
   Dispatcher() { std::thread([this] { Loop(); }).detach(); }
 
   void Loop() {
-    std::vector<Armed> armed;
+    std::vector<Job*> watched;
+    uint64_t version = ~uint64_t{0};
     std::vector<Ran> ran;
     int64_t idle_since = NowNs();
     for (int64_t spins = 0;; ++spins) {
-      {
-        std::unique_lock<std::mutex> g(mu_);
-        if (armed.empty() && ran.empty()) {
-          cv_.wait(g, [&] { return !queue_.empty(); });
-          idle_since = NowNs();
-        }
-        armed.insert(armed.end(), queue_.begin(), queue_.end());
-        queue_.clear();
+      if (job_list_version.load(std::memory_order_acquire) != version) {
+        std::lock_guard<std::mutex> g(registry_mu);
+        watched = job_list;
+        version = job_list_version.load(std::memory_order_relaxed);
       }
       bool progress = false;
-      for (size_t i = 0; i < armed.size(); ++i) {
-        if (!Reached(armed[i].j->flags->ready, armed[i].seq)) continue;
+      for (Job* j : watched) {
+        if (j->flags->ready != 1) continue;
         std::atomic_thread_fence(std::memory_order_acquire);
-        const Armed a = armed[i];
-        armed.erase(armed.begin() + static_cast<std::ptrdiff_t>(i));
+        j->flags->ready = 0;
         const int64_t t_ready = NowNs();
-        RunJob(a.j);
+        RunJob(j);
         const int64_t t_done = NowNs();
         {
-          std::lock_guard<std::mutex> g(a.j->mu);
+          std::lock_guard<std::mutex> g(j->mu);
           std::atomic_thread_fence(std::memory_order_release);
-          a.j->flags->done = a.seq;
+          j->flags->done = 1;
         }
-        a.j->cv.notify_all();
-        ran.push_back({a.j, a.seq, t_ready, t_done, false});
-        Trace("ran (items, us)", a.j, a.seq, static_cast<int64_t>(a.j->token_of.size()), (t_done - t_ready) / 1000);
+        j->cv.notify_all();
+        ran.push_back({j, t_ready, t_done, false});
+        Trace("ran (items, us)", j, static_cast<int64_t>(j->token_of.size()), (t_done - t_ready) / 1000);
         progress = true;
-        break;
       }
       const int64_t now = NowNs();
       for (size_t i = 0; i < ran.size();) {
         Ran& r = ran[i];
-        const bool seen = Reached(r.j->flags->arrived, r.seq);
+        const bool seen = r.j->flags->arrived == 1;
         if (seen || now - r.t_done > 50'000'000) {
           const int64_t t_arrived = !seen ? r.t_done : r.checked ? now : r.t_done;
-          if (!seen) stat_unseen.fetch_add(1, std::memory_order_relaxed);
-          Trace(seen ? "arrived (gpu us, cpu us)" : "arrival unseen", r.j, r.seq, (t_arrived - r.t_ready) / 1000, (r.t_done - r.t_ready) / 1000);
+          if (seen) r.j->flags->arrived = 0;
+          else stat_unseen.fetch_add(1, std::memory_order_relaxed);
+          Trace(seen ? "arrived (gpu us, cpu us)" : "arrival unseen", r.j, (t_arrived - r.t_ready) / 1000, (r.t_done - r.t_ready) / 1000);
           stat_count.fetch_add(1, std::memory_order_relaxed);
           stat_cpu.fetch_add(r.t_done - r.t_ready, std::memory_order_relaxed);
           stat_gpu.fetch_add(t_arrived - r.t_ready, std::memory_order_relaxed);
@@ -303,45 +291,46 @@ class Dispatcher {
         r.checked = true;
         ++i;
       }
-      if (progress) {
+      if (progress || kicked_.exchange(false, std::memory_order_acq_rel)) {
         idle_since = now;
-      } else {
-        Pause();  // the host enqueues ahead of the stream: spin for a while, then poll every ~50 us
-        if ((spins & 255) == 0 && now - idle_since > 5'000'000) std::this_thread::sleep_for(std::chrono::microseconds(50));
-        if (now - idle_since > 60'000'000'000LL && !armed.empty()) {  // say so rather than wait in silence
-          const Armed& a = armed.front();
-          std::fprintf(stderr, "freetoken_jax: %zu CPU expert jobs armed, the stream has staged none for 60 s (oldest %p, handoff %u; ready=%u)\n",
-                       armed.size(), static_cast<void*>(a.j), a.seq, a.j->flags->ready);
-          idle_since = now;
-        }
+      } else if (now - idle_since < 5'000'000 || !ran.empty()) {
+        Pause();
+      } else if ((spins & 255) == 0) {
+        std::unique_lock<std::mutex> g(mu_);
+        cv_.wait_for(g, std::chrono::microseconds(now - idle_since > 1'000'000'000 ? 500 : 50),
+                     [&] { return kicked_.load(std::memory_order_acquire); });
       }
     }
   }
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Armed> queue_;
+  std::atomic<bool> kicked_{false};
 };
 
-// Host functions on the stream (the default signalling), and the CPU backend's handlers: the
-// flags written and awaited by host code. They run once per handoff in
-// stream order, so each one advances its flag by one (the host has enqueued ahead: `seq` may
-// already name a later handoff).
+// Host functions on the stream (FREETOKEN_HANDOFF_SYNC=host_function), and the CPU backend's
+// handlers: the flags written and awaited by host code.
 void MarkReady(void* job) {
   Job* j = static_cast<Job*>(job);
   std::atomic_thread_fence(std::memory_order_release);
-  j->flags->ready = j->flags->ready + 1;
+  j->flags->ready = 1;
 }
 
 void Await(void* job) {
   Job* j = static_cast<Job*>(job);
-  const uint32_t seq = j->flags->arrived + 1;
-  j->flags->arrived = seq;
-  if (!SpinUntil(&j->flags->done, seq, 2'000'000)) {  // then sleep until the dispatcher notifies
-    std::unique_lock<std::mutex> g(j->mu);
-    for (int waited = 30; !j->cv.wait_for(g, std::chrono::seconds(30), [&] { return Reached(j->flags->done, seq); }); waited += 30)
-      std::fprintf(stderr, "freetoken_jax: the stream has waited %d s for CPU expert job %p (handoff %u; ready=%u done=%u)\n", waited,
-                   static_cast<void*>(j), seq, j->flags->ready, j->flags->done);
+  j->flags->arrived = 1;
+  const int64_t t0 = NowNs();
+  for (int i = 0; j->flags->done != 1; ++i) {
+    Pause();
+    if ((i & 255) == 0 && NowNs() - t0 > 2'000'000) {  // then sleep until the dispatcher notifies
+      std::unique_lock<std::mutex> g(j->mu);
+      for (int waited = 30; !j->cv.wait_for(g, std::chrono::seconds(30), [&] { return j->flags->done == 1; }); waited += 30)
+        std::fprintf(stderr, "freetoken_jax: the stream has waited %d s for CPU expert job %p (ready=%u done=%u)\n", waited,
+                     static_cast<void*>(j), j->flags->ready, j->flags->done);
+      break;
+    }
   }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  j->flags->done = 0;
 }
 
 const Layer* FindLayer(int64_t handle) {
@@ -350,8 +339,36 @@ const Layer* FindLayer(int64_t handle) {
   return layers[handle].get();
 }
 
+// Makes CUDA context `ordinal`'s primary context current for the scope (for allocating pinned
+// memory from a thread that holds none); does nothing for ordinal < 0.
+class ScopedContext {
+ public:
+  explicit ScopedContext(int ordinal) {
+    if (ordinal < 0) return;
+    const Cuda& c = Driver();
+    int dev = 0;
+    void* ctx = nullptr;
+    if (!c.error.empty() || c.init(0) || c.device_get(&dev, ordinal) || c.primary_ctx_retain(&ctx, dev) || c.ctx_push(ctx)) {
+      error_ = "could not make CUDA device " + std::to_string(ordinal) + "'s primary context current";
+      return;
+    }
+    pushed_ = true;
+  }
+  ~ScopedContext() {
+    void* ctx;
+    if (pushed_) Driver().ctx_pop(&ctx);
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  bool pushed_ = false;
+  std::string error_;
+};
+
 // The staging job of (layer, T, K): its buffers and flags in pinned, mapped host memory for
 // CUDA, plain memory on the CPU. Checks the packed input's length against the layer's banks.
+// Created by `PrepareHandoffJob` ahead of the calls (a handler recorded into a CUDA graph must
+// not allocate), or else by the first call.
 ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, int64_t packed_count = -1) {
   const Layer* layer = FindLayer(handle);
   if (!layer) return ffi::Error::InvalidArgument("unknown handoff layer handle " + std::to_string(handle));
@@ -395,6 +412,8 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, in
   job->flags_device = device ? device + flags_at : 0;
   slot = std::move(job);
   *out = slot.get();
+  job_list.push_back(*out);
+  job_list_version.fetch_add(1, std::memory_order_release);
   return ffi::Error::Success();
 }
 
@@ -409,8 +428,8 @@ ffi::Error SubmitCpu(ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::S32> t
   if (auto e = GetJob(handle, T, K, false, &j, packed.element_count()); e.failure()) return e;
   std::memcpy(j->x, packed.typed_data(), packed.size_bytes());
   token->typed_data()[0] = 0;
-  Dispatcher::Get().Arm(j, ++j->seq);
   MarkReady(j);
+  Dispatcher::Get().Kick();
   return ffi::Error::Success();
 }
 
@@ -423,18 +442,18 @@ ffi::Error WaitCpu(ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::F32> out, int64
   return ffi::Error::Success();
 }
 
+// The CUDA handlers only enqueue work on the stream (fixed per job: recordable into a graph).
 ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> packed, ffi::ResultBuffer<ffi::S32>, int64_t handle, int64_t T, int64_t K) {
   Job* j;
   if (auto e = GetJob(handle, T, K, true, &j, packed.element_count()); e.failure()) return e;
   const Cuda& c = Driver();
-  const uint32_t seq = ++j->seq;
   int rc = c.memcpy_dtoh(j->x, reinterpret_cast<uint64_t>(packed.untyped_data()), packed.size_bytes(), stream);
   if (SyncMode() == kSyncStreamMemOps)
-    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, ready)), seq, 0);  // ordered after the copy, with a fence
+    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, ready)), 1, 0);  // ordered after the copy, with a fence
   else
     rc |= c.launch_host_func(stream, MarkReady, j);
   if (rc) return ffi::Error::Internal("enqueueing the CPU expert job on the stream failed");
-  Dispatcher::Get().Arm(j, seq);
+  Dispatcher::Get().Kick();
   return ffi::Error::Success();
 }
 
@@ -444,8 +463,9 @@ ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::
   const Cuda& c = Driver();
   int rc = 0;
   if (SyncMode() == kSyncStreamMemOps) {
-    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, arrived)), j->seq, 0);
-    rc |= c.wait_value32(stream, FlagAddress(j, offsetof(Flags, done)), j->seq, /*CU_STREAM_WAIT_VALUE_GEQ (cyclic)*/ 0);
+    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, arrived)), 1, 0);
+    rc |= c.wait_value32(stream, FlagAddress(j, offsetof(Flags, done)), 1, /*CU_STREAM_WAIT_VALUE_EQ*/ 1);
+    rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, done)), 0, 0);
   } else {
     rc |= c.launch_host_func(stream, Await, j);
   }
@@ -466,6 +486,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCpu, SubmitCpu, FREETOKEN_SUBMIT_BI
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCpu, WaitCpu, FREETOKEN_WAIT_BINDING());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCuda, SubmitCuda, FREETOKEN_SUBMIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCuda, WaitCuda, FREETOKEN_WAIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+// The same CUDA handlers, declared recordable into XLA's command buffers (CUDA graphs).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenSubmitCudaGraph, SubmitCuda, FREETOKEN_SUBMIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenWaitCudaGraph, WaitCuda, FREETOKEN_WAIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act) {
   std::lock_guard<std::mutex> g(registry_mu);
@@ -477,6 +502,14 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
   }
   layers.push_back(std::make_unique<Layer>(Layer{executor, banks, act}));
   return static_cast<int64_t>(layers.size()) - 1;
+}
+
+void PrepareHandoffJob(int64_t handle, int64_t tokens, int64_t top_k, int cuda_ordinal) {
+  ScopedContext ctx(cuda_ordinal);
+  if (!ctx.error().empty()) throw std::runtime_error(ctx.error());
+  Job* j;
+  ffi::Error e = GetJob(handle, tokens, top_k, cuda_ordinal >= 0, &j);
+  if (e.failure()) throw std::runtime_error(e.message());
 }
 
 HandoffStats TakeHandoffStats(bool reset) {
@@ -501,5 +534,7 @@ void* SubmitHandlerCpu() { return reinterpret_cast<void*>(&FreetokenSubmitCpu); 
 void* WaitHandlerCpu() { return reinterpret_cast<void*>(&FreetokenWaitCpu); }
 void* SubmitHandlerCuda() { return reinterpret_cast<void*>(&FreetokenSubmitCuda); }
 void* WaitHandlerCuda() { return reinterpret_cast<void*>(&FreetokenWaitCuda); }
+void* SubmitHandlerCudaGraph() { return reinterpret_cast<void*>(&FreetokenSubmitCudaGraph); }
+void* WaitHandlerCudaGraph() { return reinterpret_cast<void*>(&FreetokenWaitCudaGraph); }
 
 }  // namespace freetoken

@@ -4,23 +4,24 @@
 //   out   = freetoken_moe_wait(token; handle, top_k=K) -> f32[T,H]
 //
 // `packed` is x [T,H], ids [T,K] (int32 bits), w [T,K] and valid [T] (int32 bits) end to end,
-// so the input crosses to the host in one copy. `submit` copies it into a staging job and posts the job to the dispatcher thread, which
-// runs the MoE executor on the layer's host banks; it returns at once. `wait` blocks until that
-// job is done and copies the result out. Work placed between the two (in the program's order,
-// which the caller fixes with optimization barriers) runs while the CPU computes.
+// so the input crosses to the host in one copy. `submit` copies it into the layer's staging job
+// and signals that it is staged; it returns at once. `wait` blocks until the job is done and
+// copies the result out. Work placed between the two (in the program's order, which the caller
+// fixes with optimization barriers) runs while the CPU computes.
 //
-// A dispatcher thread runs the jobs in the order they were enqueued. Each staging job has three
-// flags in mapped host memory holding handoff sequence numbers: ready (inputs staged), arrived
-// (the stream reached wait), done (result staged). CUDA handlers enqueue everything on XLA's
-// stream: `submit` the device-to-host copy into pinned staging and a write of `ready`; `wait` a
-// write of `arrived`, a wait until `done` and the host-to-device copy. The writes and the wait
-// are host functions on the stream, or with FREETOKEN_HANDOFF_SYNC=stream_memops (where the
-// driver has them) stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no
-// host thread in the loop).
-// FREETOKEN_HANDOFF_TRACE=N prints the dispatcher's first N events to stderr. The CUDA driver API is reached
-// through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any machine.
-// CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are skipped
-// (those the GPU computes, padding).
+// A dispatcher thread watches every staging job's flags in mapped host memory: ready (inputs
+// staged), arrived (the stream reached wait), done (result staged), each 0 or 1. It runs a job
+// on the layer's host banks with the MoE executor as soon as its inputs are staged. CUDA
+// handlers only enqueue work on XLA's stream, the same at every call, so XLA may record them into
+// its CUDA graphs: `submit` the device-to-host copy into pinned staging and `ready = 1`; `wait`
+// `arrived = 1`, a wait until `done == 1`, `done = 0` and the host-to-device copy. The flag
+// operations are stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no host
+// thread in the loop) where the driver has them, else, or with FREETOKEN_HANDOFF_SYNC=host_function,
+// host functions on the stream.
+// FREETOKEN_HANDOFF_TRACE=N prints the dispatcher's first N events to stderr. The CUDA driver API
+// is reached through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any
+// machine. CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are
+// skipped (those the GPU computes, padding).
 #pragma once
 
 #include <cstdint>
@@ -45,16 +46,26 @@ struct HandoffStats {
 };
 HandoffStats TakeHandoffStats(bool reset);
 
-// How CUDA handlers signal: host functions (default) or stream memory operations (where the
-// driver has them). Switch only while no handoff is in flight.
+// How CUDA handlers signal: stream memory operations (the default where the driver has them) or
+// host functions. Switch only while no handoff is in flight; graphs already recorded keep the
+// operations they were recorded with (both work with the same flags).
 enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1 };
 int HandoffSync();
 void SetHandoffSync(int mode);
 
-// XLA FFI handler entry points (XLA_FFI_Handler*), for jax.ffi.register_ffi_target.
+// Creates the staging job of (layer `handle`, `tokens`, `top_k`) ahead of the calls: a handler
+// recorded into a CUDA graph must not allocate. `cuda_ordinal` is the CUDA device whose
+// primary context allocates its pinned memory, or -1 for a CPU-backend job. Throws on error.
+void PrepareHandoffJob(int64_t handle, int64_t tokens, int64_t top_k, int cuda_ordinal);
+
+// XLA FFI handler entry points (XLA_FFI_Handler*), for jax.ffi.register_ffi_target; the
+// `Graph` CUDA handlers carry the command-buffer-compatible trait (XLA records them into its
+// CUDA graphs), the others do not (XLA launches the graph pieces around them one by one).
 void* SubmitHandlerCpu();
 void* WaitHandlerCpu();
 void* SubmitHandlerCuda();
 void* WaitHandlerCuda();
+void* SubmitHandlerCudaGraph();
+void* WaitHandlerCudaGraph();
 
 }  // namespace freetoken

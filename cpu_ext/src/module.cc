@@ -175,7 +175,18 @@ NB_MODULE(_cpu_ext, m) {
         h["freetoken_moe_wait"]["cpu"] = cap(WaitHandlerCpu());
         h["freetoken_moe_submit"]["CUDA"] = cap(SubmitHandlerCuda());
         h["freetoken_moe_wait"]["CUDA"] = cap(WaitHandlerCuda());
+        h["freetoken_moe_submit_graph"]["cpu"] = cap(SubmitHandlerCpu());
+        h["freetoken_moe_wait_graph"]["cpu"] = cap(WaitHandlerCpu());
+        h["freetoken_moe_submit_graph"]["CUDA"] = cap(SubmitHandlerCudaGraph());
+        h["freetoken_moe_wait_graph"]["CUDA"] = cap(WaitHandlerCudaGraph());
         return h;
       },
-      "XLA FFI handlers of the split CPU handoff: {target name: {platform: capsule}}.");
+      "XLA FFI handlers of the split CPU handoff: {target name: {platform: capsule}}; the '_graph' targets may be recorded "
+      "into XLA's CUDA graphs.");
+  m.def(
+      "prepare_handoff_job",
+      [](int64_t handle, int64_t tokens, int64_t top_k, int cuda_ordinal) { PrepareHandoffJob(handle, tokens, top_k, cuda_ordinal); },
+      nb::arg("handle"), nb::arg("tokens"), nb::arg("top_k"), nb::arg("cuda_ordinal"),
+      "Creates the staging job of (layer, tokens, top_k) ahead of the FFI calls (pinned memory through CUDA device "
+      "`cuda_ordinal`'s primary context; -1: a CPU-backend job).");
 }

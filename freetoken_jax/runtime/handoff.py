@@ -5,12 +5,15 @@ value; `collect(pending)` returns the job's float32 [T, D] sums. Work traced bet
 tied in order with `jax.lax.optimization_barrier` (see `OffloadExecutor`), runs while the CPU
 computes.
 
-- "ffi": the XLA FFI targets `freetoken_moe_submit` / `freetoken_moe_wait` of the C++ module.
-  On a GPU, `submit` enqueues the device-to-host copy and the signal that the job's inputs are
-  staged, and returns; `wait` holds XLA's stream until the job is done and copies the result
-  back (signals: host functions, or stream memory operations with
-  FREETOKEN_HANDOFF_SYNC=stream_memops; see cpu_ext/src/ffi_handoff.h). On the CPU backend the
-  same targets run with plain copies.
+- "ffi": the XLA FFI targets `freetoken_moe_submit_graph` / `freetoken_moe_wait_graph` of the C++
+  module. On a GPU, `submit` enqueues the device-to-host copy and the signal that the job's
+  inputs are staged, and returns; `wait` holds XLA's stream until the job is done and copies the
+  result back (signals: stream memory operations, or host functions with
+  FREETOKEN_HANDOFF_SYNC=host_function; see cpu_ext/src/ffi_handoff.h). What they enqueue is the
+  same at every call, so XLA records them into its CUDA graphs with the kernels around them.
+  On the CPU backend the same targets run with plain copies.
+- "ffi_nograph": the same pair not recorded into graphs (XLA launches the graph pieces between
+  them one by one).
 - "callback": `jax.pure_callback` at `collect` (nothing overlaps: the stream waits for the
   whole round trip). The default on the CPU backend.
 
@@ -26,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-MODES = ("auto", "ffi", "callback")
+MODES = ("auto", "ffi", "ffi_nograph", "callback")
 
 
 def resolve_mode(mode: str) -> str:
@@ -49,6 +52,17 @@ def _register_targets() -> None:
                 jax.ffi.register_ffi_target(name, capsule, platform=platform)
 
 
+@functools.cache
+def _prepare_job(handle: int, tokens: int, top_k: int) -> None:
+    """Creates the layer's staging job for this shape now, while tracing: a handler XLA records
+    into a CUDA graph must not allocate."""
+    from freetoken_jax import _cpu_ext
+
+    gpu = jax.default_backend() == "gpu"
+    ordinal = getattr(jax.devices()[0], "local_hardware_id", None) if gpu else -1
+    _cpu_ext.prepare_handoff_job(handle, tokens, top_k, 0 if ordinal is None else ordinal)
+
+
 @dataclasses.dataclass(frozen=True)
 class Pending:
     """A started CPU job: the FFI token (and top-k, which `wait` needs), or the callback's inputs."""
@@ -68,9 +82,10 @@ class LayerHandoff:
         self.mode = resolve_mode(mode)
         self.banks, self.hidden, self.ffn, self.act = (gate, up, down), hidden, ffn, act
         self.handle = None
-        if self.mode == "ffi":
+        if self.mode != "callback":
             _register_targets()
             self.handle = shared_executor().register_layer(gate, up, down, hidden, ffn, act)
+        self.suffix = "_graph" if self.mode == "ffi" else ""
 
     def submit(self, x_TD, ids_TK, w_TK, valid_T) -> Pending:
         args = (x_TD.astype(jnp.float32), ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32), valid_T.astype(jnp.int32))
@@ -80,15 +95,16 @@ class LayerHandoff:
         bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.float32).reshape(-1)  # noqa: E731
         packed = jnp.concatenate([x.reshape(-1), bits(ids), w.reshape(-1), bits(valid)])  # one copy to the host
         T, K = ids.shape
-        token = jax.ffi.ffi_call("freetoken_moe_submit", jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
+        _prepare_job(self.handle, T, K)
+        token = jax.ffi.ffi_call("freetoken_moe_submit" + self.suffix, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
             packed, handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
         )
         return Pending(token, K)
 
     def collect(self, p: Pending, T: int) -> jax.Array:
         out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)
-        if self.mode == "ffi":
-            wait = jax.ffi.ffi_call("freetoken_moe_wait", out, has_side_effect=True)
+        if self.mode != "callback":
+            wait = jax.ffi.ffi_call("freetoken_moe_wait" + self.suffix, out, has_side_effect=True)
             return wait(p.token, handle=np.int64(self.handle), top_k=np.int64(p.top_k))
         return jax.pure_callback(self._on_host, out, *p.inputs)
 

@@ -27,14 +27,14 @@ class Weights:
     decode state), "hybrid" (offload, with a fraction 1 − `hybrid_q` of each layer's misses
     computed on the host instead of fetched) or "cpu" (every expert computed on the host by the
     C++ executor); `host_banks` holds numpy views of the banks per MoE layer and `handoff` says
-    how CPU work leaves the jitted step ("ffi" or "callback", see `runtime/handoff.py`)."""
+    how CPU work leaves the jitted step ("ffi", "ffi_nograph" or "callback", see `runtime/handoff.py`)."""
 
     params: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
     hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
-    handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # "ffi" or "callback"
+    handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # see runtime/handoff.py
     hybrid_overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # see EngineConfig
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))  # see EngineConfig
     # Benchmarks only: a Zipf exponent; routed experts are then drawn from that popularity
