@@ -232,9 +232,10 @@ class EngineConfig:
     cpu_handoff: str = "auto"
     # Strategy "hybrid": the handoff's fixed cost per layer in units of one expert's PCIe fetch
     # time; misses go to the CPU only when that pays (0: FreeToken's split as is). Measured on the
-    # H200 with Qwen3-30B-A3B experts: 268 µs per layer against 190 µs per 9.4 MB expert → 1.4.
+    # H200 with Qwen3-30B-A3B experts: 55 µs per layer (the FFI pair recorded into XLA's CUDA
+    # graphs) against 190 µs per 9.4 MB expert → 0.3.
     # Strategy "auto" takes it from benchbw.json (`handoff_ffi_us` over one expert's fetch time).
-    hybrid_overhead: float = 1.4
+    hybrid_overhead: float = 0.3
     # Strategies "offload" / "hybrid": how prefill brings a layer's experts into its borrowed
     # buffer: "fetch" (the Pallas kernel, per missing expert; resident experts are not copied),
     # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is

@@ -1,6 +1,7 @@
 #include "moe_executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 
@@ -48,11 +49,15 @@ void ThreadPool::Work(int) {
   for (;;) {
     const std::function<void(int64_t)>* fn;
     int64_t n;
-    // A job's phases follow one another within microseconds: spin a little before sleeping.
-    for (int i = 0; i < 4096 && published_.load(std::memory_order_acquire) == seen; ++i) {
+    // A job's phases follow one another within microseconds, and a decode step's layers (one
+    // job each) within about a millisecond: spin for up to 2 ms before sleeping, so that a new
+    // job does not wait for sleeping threads to wake.
+    const auto spin_from = std::chrono::steady_clock::now();
+    for (int i = 1; published_.load(std::memory_order_acquire) == seen; ++i) {
 #ifdef FREETOKEN_X86
       _mm_pause();
 #endif
+      if ((i & 255) == 0 && std::chrono::steady_clock::now() - spin_from > std::chrono::milliseconds(2)) break;
     }
     {
       std::unique_lock<std::mutex> l(mu_);
@@ -267,7 +272,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   std::vector<float> hidden(static_cast<size_t>(items) * F);
   std::vector<uint16_t> hidden_b(bf16_dot ? hidden.size() : 0);
   // Phase 1: hidden[i, f] = act(gate_e[f] . x_t) * (up_e[f] . x_t), in chunks of rows.
-  const int64_t fchunk = 64, nf = (F + fchunk - 1) / fchunk;
+  const int64_t fchunk = 16, nf = (F + fchunk - 1) / fchunk;
   pool_.Run(items * nf, [&](int64_t task) {
     const int64_t i = task / nf, f0 = (task % nf) * fchunk, f1 = std::min(F, f0 + fchunk);
     const int64_t e = expert_of[i], t = token_of[i];
@@ -282,7 +287,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     }
   });
   // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
-  const int64_t hchunk = 32, nh = (H + hchunk - 1) / hchunk;
+  const int64_t hchunk = 16, nh = (H + hchunk - 1) / hchunk;
   pool_.Run(nh, [&](int64_t task) {
     const int64_t h0 = task * hchunk, h1 = std::min(H, h0 + hchunk);
     for (int64_t i = 0; i < items; ++i) {
