@@ -30,6 +30,27 @@ def test_recommendation(fig, strategy):
     assert bw.recommend(dict(cpu_moe_gb_s=100.0, fetch_gb_s=49.0), threshold=2.5)["strategy"] == "offload"
 
 
+def test_contended_rates_cover_the_same_window():
+    """The fetch repeats for as long as the CPU pass runs, and each rate is bytes over its own
+    time: a 0.2 s pass with 5 ms fetches gives about 40 fetches."""
+    import time
+
+    calls = []
+
+    def fetch():
+        calls.append(time.perf_counter())
+        time.sleep(0.005)
+
+    def cpu_pass():
+        time.sleep(0.2)
+
+    fetch_rate, cpu_rate = bw.run_together(fetch, 1000, cpu_pass, 10_000)
+    assert 25 <= len(calls) <= 42
+    assert cpu_rate == pytest.approx(10_000 / 0.2, rel=0.2)
+    assert fetch_rate == pytest.approx(1000 / 0.005, rel=0.3)
+    assert calls[-1] - calls[0] >= 0.15  # fetches spread over the pass, not bunched at its start
+
+
 def test_run_writes_profile(tmp_path):
     prof = bw.run_bw(
         path=str(tmp_path / "p.json"), json_path=str(tmp_path / "copy.json"), working_set_gb=0.02, host_read_gb=0.05, hidden=128, ffn=64
