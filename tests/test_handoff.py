@@ -107,6 +107,9 @@ def test_bad_calls_raise():
     w2[0, 0], valid[0] = 1.0, 1
     with pytest.raises(Exception, match="out of range"):
         jax.jit(lambda *a: h.collect(h.submit(*a), 2))(x, bad, w2, valid).block_until_ready()
+    # the failed job leaves its flags clear: the next call on the same staging job is right
+    out = jax.jit(lambda *a: h.collect(h.submit(*a), 2))(x, ids, w2, valid)
+    np.testing.assert_allclose(np.asarray(out), reference(x, ids, w2, valid, g, u, d, H, F), atol=1e-4, rtol=0)
     with pytest.raises(ValueError, match="banks must be"):
         LayerHandoff("ffi", g, u, d[:, :-1], H, F, "silu")
     with pytest.raises(ValueError, match="cpu_handoff"):

@@ -74,8 +74,8 @@ def fetch_count(M, q, overhead: float = 0.0):
     whichever makes the later of the two sides (F·(1−q) on the GPU, (M−F)·q on the CPU, both in
     units of M/(Bp+Bh)) finish sooner. `overhead` is the CPU handoff's fixed cost per layer in
     units of one expert's PCIe fetch time; with it, all M are fetched when that is sooner than
-    paying the handoff (a lone miss is fetched, and then cached, rather than sent to the CPU at
-    every step)."""
+    paying the handoff (where the handoff is dear, a lone miss is then fetched, and cached,
+    rather than sent to the CPU at every step)."""
     M = jnp.asarray(M, jnp.int32)
     lo = jnp.floor(M * q).astype(jnp.int32)
     hi = jnp.minimum(lo + 1, M)
