@@ -247,7 +247,7 @@ class Dispatcher {
     uint64_t version = ~uint64_t{0};
     std::vector<Ran> ran;
     int64_t idle_since = NowNs();
-    for (int64_t spins = 0;; ++spins) {
+    for (;;) {
       if (job_list_version.load(std::memory_order_acquire) != version) {
         std::lock_guard<std::mutex> g(registry_mu);
         watched = job_list;
@@ -295,7 +295,7 @@ class Dispatcher {
         idle_since = now;
       } else if (now - idle_since < 5'000'000 || !ran.empty()) {
         Pause();
-      } else if ((spins & 255) == 0) {
+      } else {
         std::unique_lock<std::mutex> g(mu_);
         cv_.wait_for(g, std::chrono::microseconds(now - idle_since > 1'000'000'000 ? 500 : 50),
                      [&] { return kicked_.load(std::memory_order_acquire); });
