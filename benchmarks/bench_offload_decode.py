@@ -72,9 +72,11 @@ def main(argv=None) -> int:
                     help="prefill the prompt (compiles a prefill step) instead of feeding it through the decode step")  # fmt: skip
     ap.add_argument("--compile-workers", type=int, default=1, help="compile the variants' decode steps ahead on this many threads")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--layers", type=int, default=None, help="keep only the preset's first layers (a quick --check)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    bench = Bench(args.preset, dtype="bfloat16", max_batch=max(args.batch), max_context=args.prompt_len + args.steps + 32)
+    bench = Bench(args.preset, dtype="bfloat16", max_batch=max(args.batch), max_context=max(args.prompt_len + args.steps, 64) + 32,
+                  layers=args.layers)  # fmt: skip
     q = args.q if args.q is not None else bench.bp / (bench.bp + bench.bh)
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, argv=sys.argv, copy_bw_tb_s=bench.hbm / 1e12,
                h2d_gb_s=bench.bp / 1e9, executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip

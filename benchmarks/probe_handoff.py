@@ -33,7 +33,7 @@ import numpy as np
 from freetoken_jax.runtime.cpu_executor import host_view
 from freetoken_jax.runtime.handoff import LayerHandoff
 from freetoken_jax.runtime.offload import host_memory_kind
-from pallas_kernels.expert_fetch import fetch_rows_unjitted
+from pallas_kernels.expert_fetch import fetch_rows_many
 
 
 def build(args, variant: str, views):
@@ -61,7 +61,7 @@ def build(args, variant: str, views):
             src = (jnp.arange(n, dtype=jnp.int32) + m * n) % E
             dst = jnp.arange(n, dtype=jnp.int32)
             ok = jnp.ones((n,), jnp.int32)
-            slots = [fetch_rows_unjitted(b, s, src, dst, ok, interpret=interpret) for b, s in zip(banks, slots)]
+            slots = list(fetch_rows_many(banks, slots, src, dst, ok, interpret=interpret))
             g, u, d = (s[:n] for s in slots)
             a = jnp.einsum("td,nfd->tnf", h, g.reshape(n, F, H), preferred_element_type=jnp.float32)
             b = jnp.einsum("td,nfd->tnf", h, u.reshape(n, F, H), preferred_element_type=jnp.float32)

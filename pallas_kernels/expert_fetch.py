@@ -1,23 +1,30 @@
-"""Expert fetch: copy whole expert rows from a host bank into device slots, in place.
+"""Expert fetch: copy whole expert rows from host banks into device slots, in place.
 
-`fetch_rows(bank_ER, slots_SR, src_N, dst_N, valid_N)` writes row `bank[src[i]]` into
-`slots[dst[i]]` for every i with `valid[i]`, and returns the slot array (aliased to its input:
-under `jit` with the slots donated, nothing else is copied). On the GPU the bank lives in
-`pinned_host` memory and the kernel's loads go over PCIe straight from it; on the CPU backend
-(interpret mode) the bank is in the default memory kind. `fetch_rows_ref` is the jnp reference.
+`fetch_rows_many(banks, slots, src_N, dst_N, valid_N)` writes row `banks[k][src[i]]` into
+`slots[k][dst[i]]` for every bank k and every i with `valid[i]`, in one kernel, and returns the
+slot arrays (aliased to their inputs: under `jit` with the slots donated, nothing else is
+copied). `fetch_rows` is the one-bank case. On the GPU the banks live in `pinned_host` memory
+and the kernel's loads go over PCIe straight from them; on the CPU backend (interpret mode) the
+banks are in the default memory kind. `fetch_rows_ref` is the jnp reference.
 
-Grid: (expert i, chunk j of `block` contiguous elements of its row); each program moves one
-chunk, so a fetch of N experts runs N × R / block programs in parallel. Blocks are powers of two
-(the GPU lowering needs them) dividing the row length R.
+Grid: (expert i, chunk j of `block` contiguous elements of one bank's row; the banks' chunks
+follow one another along j); each program moves one chunk, so a fetch of N experts runs
+N × ΣR / block programs in parallel, and the kinds of weight of a layer (gate, up, down) move
+in one launch instead of three. Blocks are powers of two (the GPU lowering needs them) dividing
+every bank's row length.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+BLOCK_ELEMS = 8192
+NUM_WARPS = 4
 
 
 def fetch_rows_ref(bank_ER, slots_SR, src_N, dst_N, valid_N):
@@ -35,37 +42,64 @@ def block_size(R: int, target: int) -> int:
     return b
 
 
-def _kernel(src_ref, dst_ref, valid_ref, bank_ref, slots_in_ref, slots_ref, *, block: int):
-    del slots_in_ref  # aliased to slots_ref
+def _kernel(src_ref, dst_ref, valid_ref, *refs, block: int, chunks: tuple[int, ...]):
+    K = len(chunks)
+    banks, outs = refs[:K], refs[2 * K :]  # refs[K:2K]: the slot inputs, aliased to outs
     i, j = pl.program_id(0), pl.program_id(1)
+    start = 0
+    for k, c in enumerate(chunks):
 
-    @pl.when(valid_ref[i] != 0)
-    def _():
-        s, d = src_ref[i], dst_ref[i]
-        slots_ref[d, pl.ds(j * block, block)] = bank_ref[s, pl.ds(j * block, block)]
+        @pl.when((valid_ref[i] != 0) & (j >= start) & (j < start + c))
+        def _(k=k, start=start):
+            s, d, off = src_ref[i], dst_ref[i], (j - start) * block
+            outs[k][d, pl.ds(off, block)] = banks[k][s, pl.ds(off, block)]
+
+        start += c
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "block_elems"), donate_argnums=(1,))
-def fetch_rows(bank_ER, slots_SR, src_N, dst_N, valid_N, *, interpret: bool = False, block_elems: int = 8192):
-    return fetch_rows_unjitted(bank_ER, slots_SR, src_N, dst_N, valid_N, interpret=interpret, block_elems=block_elems)
+@functools.partial(jax.jit, static_argnames=("interpret", "block_elems", "num_warps"), donate_argnums=(1,))
+def fetch_rows(bank_ER, slots_SR, src_N, dst_N, valid_N, *, interpret: bool = False, block_elems: int = BLOCK_ELEMS,
+               num_warps: int = NUM_WARPS):  # fmt: skip
+    return fetch_rows_unjitted(bank_ER, slots_SR, src_N, dst_N, valid_N, interpret=interpret, block_elems=block_elems,
+                               num_warps=num_warps)  # fmt: skip
 
 
-def fetch_rows_unjitted(bank_ER, slots_SR, src_N, dst_N, valid_N, *, interpret: bool = False, block_elems: int = 8192):
+def fetch_rows_unjitted(bank_ER, slots_SR, src_N, dst_N, valid_N, **kw):
     """`fetch_rows` for use inside an enclosing jit (which donates the slots)."""
-    if bank_ER.ndim != 2 or bank_ER.shape[1:] != slots_SR.shape[1:] or bank_ER.dtype != slots_SR.dtype:
-        raise ValueError(f"bank {bank_ER.shape} {bank_ER.dtype} and slots {slots_SR.shape} {slots_SR.dtype} disagree")
+    return fetch_rows_many((bank_ER,), (slots_SR,), src_N, dst_N, valid_N, **kw)[0]
+
+
+def fetch_rows_many(banks, slots, src_N, dst_N, valid_N, *, interpret: bool = False, block_elems: int = BLOCK_ELEMS,
+                    num_warps: int = NUM_WARPS) -> tuple:  # fmt: skip
+    """Every bank's rows `src` into its slot array's rows `dst`, in one kernel, for use inside an
+    enclosing jit (which donates the slots)."""
+    banks, slots = tuple(banks), tuple(slots)
+    if not banks or len(banks) != len(slots):
+        raise ValueError(f"{len(banks)} banks for {len(slots)} slot arrays")
+    for b, s in zip(banks, slots):
+        if b.ndim != 2 or b.shape[1:] != s.shape[1:] or b.dtype != s.dtype:
+            raise ValueError(f"bank {b.shape} {b.dtype} and slots {s.shape} {s.dtype} disagree")
     if not src_N.shape == dst_N.shape == valid_N.shape or src_N.ndim != 1:
         raise ValueError("src, dst and valid must be vectors of one length")
-    N, R = src_N.shape[0], slots_SR.shape[1]
-    block = block_size(R, block_elems)
+    K, N = len(banks), src_N.shape[0]
+    block = block_size(math.gcd(*(s.shape[1] for s in slots)), block_elems)
+    chunks = tuple(s.shape[1] // block for s in slots)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        functools.partial(_kernel, block=block),
-        grid=(N, R // block),
-        in_specs=[any_spec] * 5,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct(slots_SR.shape, slots_SR.dtype),
-        input_output_aliases={4: 0},
-        interpret=interpret,
-        name="expert_fetch",
-    )(src_N.astype(jnp.int32), dst_N.astype(jnp.int32), valid_N.astype(jnp.int32), bank_ER, slots_SR)
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps)
+    return tuple(
+        pl.pallas_call(
+            functools.partial(_kernel, block=block, chunks=chunks),
+            grid=(N, sum(chunks)),
+            in_specs=[any_spec] * (3 + 2 * K),
+            out_specs=[any_spec] * K,
+            out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slots],
+            input_output_aliases={3 + K + k: k for k in range(K)},
+            interpret=interpret,
+            name="expert_fetch",
+            **params,
+        )(src_N.astype(jnp.int32), dst_N.astype(jnp.int32), valid_N.astype(jnp.int32), *banks, *slots)
+    )

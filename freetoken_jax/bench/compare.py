@@ -49,7 +49,9 @@ PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", 
 class Bench:
     """One host-bank engine and the figures the bounds need."""
 
-    def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False, prefill_chunk: int = 64):
+    def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False, prefill_chunk: int = 64,
+                 layers: int | None = None):  # fmt: skip
+        """`layers`: keep only a preset's first layers (a quick check of the full width)."""
         from freetoken_jax import EngineConfig, FreeTokenEngine
 
         self.ecfg = EngineConfig(dtype=dtype, moe_strategy="offload", max_batch=max_batch, max_context=max_context, page_size=16,
@@ -57,6 +59,8 @@ class Bench:
         t0 = time.perf_counter()
         if model in PRESETS:
             cfg = preset_config(model)
+            if layers is not None:
+                cfg = dataclasses.replace(cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers])
             self.engine = FreeTokenEngine(cfg, self.ecfg.replace(expert_slots=max_batch * cfg.top_k))
         else:
             self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))

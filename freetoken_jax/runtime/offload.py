@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, ensure, keep_buffer
 from freetoken_jax.models.layers import routed_experts
-from pallas_kernels.expert_fetch import fetch_rows_unjitted
+from pallas_kernels.expert_fetch import fetch_rows_many
 
 KINDS = ("gate", "up", "down")
 SMALL_ROW_BYTES = 256 << 10  # below this, a layer's bank moves as one copy
@@ -105,13 +105,11 @@ class OffloadExecutor:
         s = c.slot_for_id[m * E + idx]
         resident = s >= 0  # elsewhere: borrowing emptied the buffers
         small = self._copies_bank(m)
-        out = []
-        for bank, arr in zip(banks or self.banks[m], (c.gate_SR, c.up_SR, c.down_SR)):
-            if small:
-                arr = arr.at[buf].set(self._on_device(bank))
-            else:
-                arr = fetch_rows_unjitted(bank, arr, idx, buf, ~resident, interpret=self.interpret)
-            out.append(arr)
+        arrays, banks = (c.gate_SR, c.up_SR, c.down_SR), banks or self.banks[m]
+        if small:
+            out = [arr.at[buf].set(self._on_device(bank)) for bank, arr in zip(banks, arrays)]
+        else:
+            out = fetch_rows_many(banks, arrays, idx, buf, ~resident, interpret=self.interpret)
         self.cache = c.with_(gate_SR=out[0], up_SR=out[1], down_SR=out[2])
         self.layer_slots[m] = buf if small else jnp.where(resident, s, buf)
 
@@ -166,10 +164,7 @@ class OffloadExecutor:
                 if pending.token is not None:
                     token, arrays = jax.lax.optimization_barrier((pending.token, arrays))
                     pending = dataclasses.replace(pending, token=token)
-            fetched = [
-                fetch_rows_unjitted(bank, arr, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
-                for bank, arr in zip(self.banks[m], arrays)
-            ]
+            fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
             self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
             gpu = routed_experts(x_TD, slots_TK, jnp.where(on_cpu, 0.0, w_TK), *self._shaped(*fetched), self.cfg.hidden_act)
             if cpu is None:
