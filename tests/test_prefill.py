@@ -49,9 +49,12 @@ def check_maps(c):
     assert (sfi >= 0).sum() == (ids >= 0).sum()  # a bijection between held slots and resident ids
 
 
-@pytest.mark.parametrize("family, load", [(f, "auto") for f in FAMILIES] + [("mixtral", "fetch"), ("deepseek_v2", "fetch")])
+@pytest.mark.parametrize(
+    "family, load", [(f, "auto") for f in FAMILIES] + [("mixtral", "fetch"), ("deepseek_v2", "fetch"), ("qwen3_moe", "fetch_inline")]
+)
 def test_buffered_prefill_matches_fused(family, load, ckpt_root):
-    """ "auto" copies these tiny banks whole; "fetch" takes the per-expert path."""
+    """ "auto" copies these tiny banks whole; "fetch" takes the per-expert path into fresh layer
+    arrays (a second stream on a GPU), "fetch_inline" into the borrowed buffers."""
     path = make_checkpoint(family, ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
     cfg = fused.model_config
@@ -70,16 +73,25 @@ def test_buffered_prefill_matches_fused(family, load, ckpt_root):
     assert off.compilations()["decode"] == 1
 
 
-def test_buffers_keep_the_last_layers_and_fallback_is_logged(ckpt_root, caplog):
+@pytest.mark.parametrize("load", ["auto", "fetch", "fetch_inline"])
+def test_buffers_keep_the_last_layers_and_fallback_is_logged(load, ckpt_root, caplog):
     path = make_checkpoint("qwen3_moe", ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
     cfg = fused.model_config
     E, L = cfg.num_experts, cfg.num_moe_layers
-    off = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=(L + 2) * E))
+    off = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=(L + 2) * E, prefill_load=load))
     prompt = list(range(3, 20))
     buffered_logits(off, prompt)
     sfi = np.asarray(off.slots.slot_for_id).reshape(L, E)
     assert (sfi[-2:] >= 0).all()  # the last two layers stay resident after prefill
+    # ... and their slots hold their experts' rows exactly (whichever way they were loaded)
+    layers = [v for _, v in sorted(off.weights.params["layers"].items()) if "experts" in v["mlp"]]
+    for m in (L - 2, L - 1):
+        for k, arr in (("gate", off.slots.gate_SR), ("up", off.slots.up_SR), ("down", off.slots.down_SR)):
+            bank = np.asarray(layers[m]["mlp"]["experts"][k].get_value())
+            np.testing.assert_array_equal(np.asarray(arr)[sfi[m]], bank, err_msg=f"{load} layer {m} {k}")
+    if load != "auto":
+        return
     # too few slots for two buffers: whole layers are streamed, logged once, results unchanged
     small = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=2 * E - 1))
     with caplog.at_level(logging.INFO, logger="freetoken_jax"):

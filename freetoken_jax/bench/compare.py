@@ -16,8 +16,9 @@ over the same banks:
 
 Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
-baselines for the buffered prefill of offload / hybrid, and `offload-copy` (the buffered
-prefill loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`).
+baselines for the buffered prefill of offload / hybrid, `offload-copy` (the buffered prefill
+loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`) and
+`offload-inline` (the fetch on the compute stream, into the buffers: `prefill_load="fetch_inline"`).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q* and the ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
@@ -43,7 +44,7 @@ from freetoken_jax.bench.presets import PRESETS, preset_config
 from freetoken_jax.runtime import buckets
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
-PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
+PREFILL_VARIANTS = ("offload", "offload-inline", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
 class Bench:
@@ -299,13 +300,13 @@ class Bench:
         from freetoken_jax.runtime.steps import Sampling
 
         eng, cfg = self.engine, self.cfg
-        weights = self.weights({"stream": "offload", "per-token": "offload", "offload-copy": "offload"}.get(variant, variant), q, None)
+        weights = self.weights("offload" if variant.startswith(("offload", "stream", "per-token")) else variant, q, None)
         if weights is None:
             return None
-        if variant == "offload-copy":
-            weights = dataclasses.replace(weights, prefill_load="copy")
+        if variant in ("offload-copy", "offload-inline"):
+            weights = dataclasses.replace(weights, prefill_load={"offload-copy": "copy", "offload-inline": "fetch_inline"}[variant])
         slots, chunk = None, self.ecfg.prefill_chunk
-        if variant in ("offload", "offload-copy", "hybrid", "per-token"):
+        if variant in ("offload", "offload-copy", "offload-inline", "hybrid", "per-token"):
             n = self.slots_for(vram_gb, self.ecfg.max_batch)
             if variant == "per-token":  # the largest chunk whose routed experts fit the slots (n >= top_k: `slots_for`)
                 chunk = min(chunk, 1 << (n // cfg.top_k).bit_length() - 1)
@@ -337,7 +338,7 @@ class Bench:
                 eng.pages.release(p)
         chunks = -(-prompt_len // self.ecfg.prefill_chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
+        bound = chunks * all_experts / self.bp if variant not in ("cpu", "fused") else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, vram_gb=vram_gb if slots is not None else None,
                     buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
