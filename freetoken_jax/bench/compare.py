@@ -341,7 +341,7 @@ class Bench:
         bound = chunks * all_experts / self.bp if variant not in ("cpu", "fused") else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, vram_gb=vram_gb if slots is not None else None,
                     buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
-                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft,
+                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=int(np.asarray(first).reshape(-1)[0]),
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
 
 

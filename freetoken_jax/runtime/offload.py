@@ -55,10 +55,10 @@ def side_fetch(banks: tuple, valid_E: jax.Array, interpret: bool) -> tuple:
 
     if jax.default_backend() != "gpu":
         return fetch(banks, valid_E)
-    from jax.experimental.compute_on import compute_on
+    from jax.experimental import compute_on as con
 
-    with compute_on("gpu_stream:1"):
-        return jax.jit(fetch)(banks, valid_E)
+    on_side = getattr(con, "compute_on2", con.compute_on)  # jax 0.10: compute_on2; 0.11 renamed it compute_on
+    return on_side(fetch, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(banks, valid_E)
 
 
 def moe_layer_fns(model, make) -> list:
