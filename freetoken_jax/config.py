@@ -236,12 +236,10 @@ class EngineConfig:
     # graphs) against 190 µs per 9.4 MB expert → 0.3.
     # Strategy "auto" takes it from benchbw.json (`handoff_ffi_us` over one expert's fetch time).
     hybrid_overhead: float = 0.3
-    # Strategies "offload" / "hybrid": how prefill brings in a layer's experts: "fetch" (the
-    # Pallas kernel, per missing expert, into a fresh layer array, on a GPU on a second stream so
-    # that it overlaps the layer before; resident experts are not sent again), "fetch_inline"
-    # (the same into the borrowed buffer, on the compute stream), "copy" (the whole bank in one
-    # in-jit device_put into the buffer) or "auto" (copy when an expert row is under 256 KB,
-    # else fetch).
+    # Strategies "offload" / "hybrid": how prefill brings a layer's experts into its borrowed
+    # buffer: "fetch" (the Pallas kernel, per missing expert; resident experts are not copied),
+    # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is
+    # under 256 KB, else fetch).
     prefill_load: str = "auto"
     # Strategy "auto": when benchbw.json recommends "hybrid", the engine first decodes this many
     # steps under hybrid and under offload (batch 1, sampled) and keeps the faster; 0: trust the
@@ -273,8 +271,8 @@ class EngineConfig:
             raise ConfigError(f"cpu_handoff must be auto, ffi, ffi_nograph or callback, got {self.cpu_handoff!r}")
         if self.auto_probe_steps < 0:
             raise ConfigError(f"auto_probe_steps must not be negative, got {self.auto_probe_steps}")
-        if self.prefill_load not in ("auto", "fetch", "fetch_inline", "copy"):
-            raise ConfigError(f"prefill_load must be auto, fetch, fetch_inline or copy, got {self.prefill_load!r}")
+        if self.prefill_load not in ("auto", "fetch", "copy"):
+            raise ConfigError(f"prefill_load must be auto, fetch or copy, got {self.prefill_load!r}")
         if self.hybrid_overhead < 0:
             raise ConfigError(f"hybrid_overhead must not be negative, got {self.hybrid_overhead}")
         if not 0.0 <= self.hybrid_q <= 1.0:

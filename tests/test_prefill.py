@@ -49,12 +49,9 @@ def check_maps(c):
     assert (sfi >= 0).sum() == (ids >= 0).sum()  # a bijection between held slots and resident ids
 
 
-@pytest.mark.parametrize(
-    "family, load", [(f, "auto") for f in FAMILIES] + [("mixtral", "fetch"), ("deepseek_v2", "fetch"), ("qwen3_moe", "fetch_inline")]
-)
+@pytest.mark.parametrize("family, load", [(f, "auto") for f in FAMILIES] + [("mixtral", "fetch"), ("deepseek_v2", "fetch")])
 def test_buffered_prefill_matches_fused(family, load, ckpt_root):
-    """ "auto" copies these tiny banks whole; "fetch" takes the per-expert path into fresh layer
-    arrays (a second stream on a GPU), "fetch_inline" into the borrowed buffers."""
+    """ "auto" copies these tiny banks whole; "fetch" takes the per-expert path."""
     path = make_checkpoint(family, ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
     cfg = fused.model_config
@@ -73,7 +70,7 @@ def test_buffered_prefill_matches_fused(family, load, ckpt_root):
     assert off.compilations()["decode"] == 1
 
 
-@pytest.mark.parametrize("load", ["auto", "fetch", "fetch_inline"])
+@pytest.mark.parametrize("load", ["auto", "fetch"])
 def test_buffers_keep_the_last_layers_and_fallback_is_logged(load, ckpt_root, caplog):
     path = make_checkpoint("qwen3_moe", ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))

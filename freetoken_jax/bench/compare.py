@@ -16,9 +16,8 @@ over the same banks:
 
 Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
-baselines for the buffered prefill of offload / hybrid, `offload-copy` (the buffered prefill
-loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`) and
-`offload-inline` (the fetch on the compute stream, into the buffers: `prefill_load="fetch_inline"`).
+baselines for the buffered prefill of offload / hybrid, and `offload-copy` (the buffered
+prefill loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q* and the ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
@@ -44,7 +43,7 @@ from freetoken_jax.bench.presets import PRESETS, preset_config
 from freetoken_jax.runtime import buckets
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
-PREFILL_VARIANTS = ("offload", "offload-inline", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
+PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
 class Bench:
@@ -303,10 +302,10 @@ class Bench:
         weights = self.weights("offload" if variant.startswith(("offload", "stream", "per-token")) else variant, q, None)
         if weights is None:
             return None
-        if variant in ("offload-copy", "offload-inline"):
-            weights = dataclasses.replace(weights, prefill_load={"offload-copy": "copy", "offload-inline": "fetch_inline"}[variant])
+        if variant == "offload-copy":
+            weights = dataclasses.replace(weights, prefill_load="copy")
         slots, chunk = None, self.ecfg.prefill_chunk
-        if variant in ("offload", "offload-copy", "offload-inline", "hybrid", "per-token"):
+        if variant in ("offload", "offload-copy", "hybrid", "per-token"):
             n = self.slots_for(vram_gb, self.ecfg.max_batch)
             if variant == "per-token":  # the largest chunk whose routed experts fit the slots (n >= top_k: `slots_for`)
                 chunk = min(chunk, 1 << (n // cfg.top_k).bit_length() - 1)

@@ -7,11 +7,9 @@ the donated slot arrays), and the experts are computed from the slots.
 Prefill (many tokens touch most experts of a layer) loads whole layers. With at least 2E slots
 it borrows the 2E least recently used slots as two layer buffers (`borrow_for_prefill` empties
 them): layer L+1 is loaded into one while layer L computes; experts already resident in the
-cache are used where they are (not sent again over PCIe: gathered on the device), the rest are
-fetched from the host bank — on a GPU on a second stream, into a fresh layer array, so that the
-load overlaps the compute — and banks with rows under 256 KB move as one whole-layer copy into
-the buffer. At the end the last two layers' fetched experts stay resident in their buffers
-(`keep_buffer`).
+cache are used where they are (not sent again, not even copied), the rest are fetched from the
+host bank into the buffer, and banks with rows under 256 KB move as one whole-layer copy. At
+the end the last two layers' fetched experts stay resident in their buffers (`keep_buffer`).
 Without 2E slots each layer's whole bank is copied to the device, used and dropped, and the
 slot cache is left as it was.
 
@@ -40,25 +38,6 @@ def host_memory_kind() -> str | None:
     """`pinned_host` where a GPU reads host memory over PCIe; None (default memory) on the CPU
     backend, where host memory is device memory and Pallas interpret mode refuses pinned_host."""
     return "pinned_host" if jax.default_backend() == "gpu" else None
-
-
-def side_fetch(banks: tuple, valid_E: jax.Array, interpret: bool) -> tuple:
-    """Rows `valid_E` of every bank fetched into fresh [E, R] arrays (other rows unset), on a
-    second stream on a GPU (`compute_on("gpu_stream:1")`): XLA runs it alongside the kernels of
-    the compute stream between its start and its first use."""
-    E = valid_E.shape[0]
-
-    def fetch(banks, valid_E):
-        idx = jnp.arange(E, dtype=jnp.int32)
-        fresh = tuple(jnp.zeros((E, b.shape[1]), b.dtype) for b in banks)
-        return fetch_rows_many(banks, fresh, idx, idx, valid_E, interpret=interpret)
-
-    if jax.default_backend() != "gpu":
-        return fetch(banks, valid_E)
-    from jax.experimental import compute_on as con
-
-    on_side = getattr(con, "compute_on2", con.compute_on)  # jax 0.10: compute_on2; 0.11 renamed it compute_on
-    return on_side(fetch, compute_type="gpu_stream:1", out_memory_spaces=jax.memory.Space.Device)(banks, valid_E)
 
 
 def moe_layer_fns(model, make) -> list:
@@ -118,50 +97,29 @@ class OffloadExecutor:
 
     def _load_layer(self, m: int, banks=None) -> None:
         """Brings MoE layer m's experts in: the resident ones are used where they are, the rest
-        fetched, or the whole bank copied in one `device_put` (`prefill_load`; "auto": when rows
-        are under 256 KB) into the buffer `buffers[m % 2]`. "fetch" fetches into a fresh layer
-        array instead, on a second GPU stream, so that the load overlaps the compute of the
-        layer before; "fetch_inline" into the buffer on the compute stream. Records in
-        `self.layer_slots[m]` where each of its experts is: slot ids, or (fetched arrays,
-        resident mask, slot ids)."""
+        fetched into the buffer `buffers[m % 2]`, or the whole bank copied there in one
+        `device_put` (`prefill_load`; "auto": when rows are under 256 KB). Records in
+        `self.layer_slots[m]` the slot of each of its experts."""
         E, c, buf = self.cfg.num_experts, self.cache, self.buffers[m % 2]
         idx = jnp.arange(E, dtype=jnp.int32)
         s = c.slot_for_id[m * E + idx]
         resident = s >= 0  # elsewhere: borrowing emptied the buffers
+        small = self._copies_bank(m)
         arrays, banks = (c.gate_SR, c.up_SR, c.down_SR), banks or self.banks[m]
-        if self._copies_bank(m):
+        if small:
             out = [arr.at[buf].set(self._on_device(bank)) for bank, arr in zip(banks, arrays)]
-            self.layer_slots[m] = buf
-        elif self.prefill_load == "fetch_inline":
-            out = fetch_rows_many(banks, arrays, idx, buf, ~resident, interpret=self.interpret)
-            self.layer_slots[m] = jnp.where(resident, s, buf)
         else:
-            self.layer_slots[m] = (side_fetch(tuple(banks), ~resident, self.interpret), resident, s)
-            return
+            out = fetch_rows_many(banks, arrays, idx, buf, ~resident, interpret=self.interpret)
         self.cache = c.with_(gate_SR=out[0], up_SR=out[1], down_SR=out[2])
-
-    def _layer_weights(self, m: int) -> list:
-        """Layer m's (gate, up, down) rows of all E experts, from where `_load_layer` put them.
-        A layer fetched into fresh arrays that stays resident after prefill (the last two) is
-        written into its buffer here."""
-        c, where = self.cache, self.layer_slots.pop(m)
-        arrays = (c.gate_SR, c.up_SR, c.down_SR)
-        if not isinstance(where, tuple):
-            return [a[where] for a in arrays]
-        fetched, resident, s = where
-        layer = [jnp.where(resident[:, None], a[jnp.maximum(s, 0)], f) for a, f in zip(arrays, fetched)]
-        if m >= len(self.banks) - 2:
-            dst = jnp.where(resident, c.num_slots, self.buffers[m % 2])  # out of range: dropped
-            out = [a.at[dst].set(f, mode="drop") for a, f in zip(arrays, fetched)]
-            self.cache = c.with_(gate_SR=out[0], up_SR=out[1], down_SR=out[2])
-        return layer
+        self.layer_slots[m] = buf if small else jnp.where(resident, s, buf)
 
     def _buffered_prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK):
             n = len(self.banks)
             if m == 0:
                 self._load_layer(0)
-            layer = self._layer_weights(m)
+            c, slots = self.cache, self.layer_slots.pop(m)
+            layer = [a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR)]
             if m + 1 < n:
                 # Layer m+1's load is issued once layer m's input and weights exist, and before
                 # it computes: the two may overlap, and the load cannot run ahead of the compute
