@@ -48,29 +48,26 @@ def build(args, variant: str, views):
         T = x_TD.shape[0]
         valid_T = jnp.ones((T,), jnp.int32)
         slots = list(slots)
+        dst, ok = jnp.arange(n, dtype=jnp.int32), jnp.ones((n,), jnp.int32)
         for m in range(L):
             h = x_TD
             for k in range(args.small):
                 h = jnp.tanh(h @ small[m, k]).astype(x_TD.dtype)
-            pending = None
-            if handoffs is not None:
-                pending = handoffs[m].submit(h, (ids_TK + m * ids_TK.shape[1]) % E, w_TK, valid_T)  # other experts each layer
-                if pending.token is not None:
-                    token, slots = jax.lax.optimization_barrier((pending.token, slots))
-                    pending = type(pending)(token, pending.top_k)
             src = (jnp.arange(n, dtype=jnp.int32) + m * n) % E
-            dst = jnp.arange(n, dtype=jnp.int32)
-            ok = jnp.ones((n,), jnp.int32)
-            slots = list(fetch_rows_many(banks, slots, src, dst, ok, interpret=interpret))
-            g, u, d = (s[:n] for s in slots)
-            a = jnp.einsum("td,nfd->tnf", h, g.reshape(n, F, H), preferred_element_type=jnp.float32)
-            b = jnp.einsum("td,nfd->tnf", h, u.reshape(n, F, H), preferred_element_type=jnp.float32)
-            y = jnp.einsum("tnf,ndf->td", (jax.nn.silu(a) * b).astype(h.dtype), d.reshape(n, H, F), preferred_element_type=jnp.float32)
-            if handoffs is not None:
-                if pending.token is not None:
-                    y, token = jax.lax.optimization_barrier((y, pending.token))
-                    pending = type(pending)(token, pending.top_k)
-                y = y + handoffs[m].collect(pending, T)
+
+            def gpu_side(slots, h=h, src=src):  # the fetch and the GPU experts, as OffloadExecutor's
+                slots = list(fetch_rows_many(banks, slots, src, dst, ok, interpret=interpret))
+                g, u, d = (s[:n] for s in slots)
+                a = jnp.einsum("td,nfd->tnf", h, g.reshape(n, F, H), preferred_element_type=jnp.float32)
+                b = jnp.einsum("td,nfd->tnf", h, u.reshape(n, F, H), preferred_element_type=jnp.float32)
+                y = jnp.einsum("tnf,ndf->td", (jax.nn.silu(a) * b).astype(h.dtype), d.reshape(n, H, F), preferred_element_type=jnp.float32)
+                return y, slots
+
+            if handoffs is None:
+                y, slots = gpu_side(slots)
+            else:  # other experts each layer
+                (y, slots), host = handoffs[m].around(h, (ids_TK + m * ids_TK.shape[1]) % E, w_TK, valid_T, gpu_side, slots)
+                y = y + host
             x_TD = (x_TD.astype(jnp.float32) + 1e-3 * y).astype(x_TD.dtype)
         return x_TD, tuple(slots)
 

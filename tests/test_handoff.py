@@ -2,8 +2,6 @@
 against a float64 reference over a sweep of shapes, several handoffs in one jitted program with
 work between submit and wait, and clear errors for bad calls."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -58,8 +56,8 @@ def test_ffi_matches_reference(E, F, H, T, K, dtype):
 
 
 def test_chained_layers_with_work_between_submit_and_wait():
-    """Two layers in one program, each with GPU-side work between its submit and its wait, tied
-    with optimization barriers as the hybrid step does; equals the callback path."""
+    """Two layers in one program, each with GPU-side work between its submit and its wait
+    (`around`, as the hybrid step does); equals the callback path."""
     rng = np.random.default_rng(7)
     E, F, H, T, K = 5, 24, 16, 3, 2
     layers = [banks(rng, E, F, H, np.float32) for _ in range(2)]
@@ -71,16 +69,8 @@ def test_chained_layers_with_work_between_submit_and_wait():
 
         def f(x):
             for h in hs:
-                p = h.submit(x, ids, w, valid)
-                y = x
-                if p.token is not None:
-                    tok, y = jax.lax.optimization_barrier((p.token, y))
-                    p = dataclasses.replace(p, token=tok)
-                y = jnp.tanh(y @ A)
-                if p.token is not None:
-                    y, tok = jax.lax.optimization_barrier((y, p.token))
-                    p = dataclasses.replace(p, token=tok)
-                x = y + 0.1 * h.collect(p, T)
+                y, host = h.around(x, ids, w, valid, lambda y: jnp.tanh(y @ A), x)
+                x = y + 0.1 * host
             return x
 
         return jax.jit(f)

@@ -2,7 +2,7 @@
 
 One interface, two paths: `submit(x, ids, w, valid)` starts the CPU job and returns a pending
 value; `collect(pending)` returns the job's float32 [T, D] sums. Work traced between the two,
-tied in order with `jax.lax.optimization_barrier` (see `OffloadExecutor`), runs while the CPU
+tied in order with `jax.lax.optimization_barrier` (`around` does all three), runs while the CPU
 computes.
 
 - "ffi": the XLA FFI targets `freetoken_moe_submit_graph` / `freetoken_moe_wait_graph` of the C++
@@ -100,6 +100,22 @@ class LayerHandoff:
             packed, handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
         )
         return Pending(token, K)
+
+    def around(self, x_TD, ids_TK, w_TK, valid_T, between, tied):
+        """The CPU job of these inputs overlapping the device work `between(tied)`: submits the
+        job, ties `tied` (the work's inputs) behind the submit and the work's result before the
+        wait with optimization barriers (without them XLA may schedule the work outside the
+        pair, and nothing overlaps), and returns (`between`'s result, the job's float32 [T, D]
+        sums)."""
+        p = self.submit(x_TD, ids_TK, w_TK, valid_T)
+        if p.token is not None:
+            token, tied = jax.lax.optimization_barrier((p.token, tied))
+            p = dataclasses.replace(p, token=token)
+        out = between(tied)
+        if p.token is not None:
+            out, token = jax.lax.optimization_barrier((out, p.token))
+            p = dataclasses.replace(p, token=token)
+        return out, self.collect(p, x_TD.shape[0])
 
     def collect(self, p: Pending, T: int) -> jax.Array:
         out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)

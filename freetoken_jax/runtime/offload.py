@@ -20,8 +20,6 @@ one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for 
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 
@@ -157,22 +155,18 @@ class OffloadExecutor:
                 self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts, self.hybrid_q, self.hybrid_overhead
             )
             arrays = (c.gate_SR, c.up_SR, c.down_SR)
-            if cpu is not None:
-                # The CPU job starts first; the barriers keep the fetch and the GPU experts between
-                # its submit and its wait, so the three run at once.
-                pending = cpu.submit(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0), self.valid_T)
-                if pending.token is not None:
-                    token, arrays = jax.lax.optimization_barrier((pending.token, arrays))
-                    pending = dataclasses.replace(pending, token=token)
-            fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
-            self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
-            gpu = routed_experts(x_TD, slots_TK, jnp.where(on_cpu, 0.0, w_TK), *self._shaped(*fetched), self.cfg.hidden_act)
+
+            def gpu_side(arrays):
+                fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
+                self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
+                return routed_experts(x_TD, slots_TK, jnp.where(on_cpu, 0.0, w_TK), *self._shaped(*fetched), self.cfg.hidden_act)
+
             if cpu is None:
-                return gpu
-            if pending.token is not None:
-                gpu, token = jax.lax.optimization_barrier((gpu, pending.token))
-                pending = dataclasses.replace(pending, token=token)
-            return (gpu.astype(jnp.float32) + cpu.collect(pending, x_TD.shape[0])).astype(x_TD.dtype)
+                return gpu_side(arrays)
+            # The CPU job starts first; the fetch and the GPU experts run between its submit and
+            # its wait, so the three run at once.
+            gpu, host = cpu.around(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0), self.valid_T, gpu_side, arrays)
+            return (gpu.astype(jnp.float32) + host).astype(x_TD.dtype)
 
         return fn
 
