@@ -3,6 +3,7 @@
 import json
 import logging
 import re
+import time
 
 import pytest
 
@@ -33,7 +34,6 @@ def test_recommendation(fig, strategy):
 def test_contended_rates_cover_the_same_window():
     """The fetch repeats for as long as the CPU pass runs, and each rate is bytes over its own
     time: a 0.2 s pass with 5 ms fetches gives about 40 fetches."""
-    import time
 
     calls = []
 
@@ -49,6 +49,52 @@ def test_contended_rates_cover_the_same_window():
     assert cpu_rate == pytest.approx(10_000 / 0.2, rel=0.2)
     assert fetch_rate == pytest.approx(1000 / 0.005, rel=0.3)
     assert calls[-1] - calls[0] >= 0.15  # fetches spread over the pass, not bunched at its start
+
+
+class _Device:
+    """A stand-in device: items run one after another; a mark is ready when its item is. Records
+    how many items were still running when each new one was enqueued."""
+
+    def __init__(self):
+        self.free_at, self.ends, self.busy_at_enqueue = time.perf_counter(), [], []
+
+    def enqueue(self, seconds: float):
+        now = time.perf_counter()
+        self.busy_at_enqueue.append(sum(t > now for t in self.ends))
+        self.free_at = max(now, self.free_at) + seconds
+        self.ends.append(self.free_at)
+        return _Mark(self.free_at)
+
+
+class _Mark:
+    def __init__(self, t: float):
+        self.t, self.waited = t, False
+
+    def block_until_ready(self):
+        time.sleep(max(0.0, self.t - time.perf_counter()))
+        self.waited = True
+        return self
+
+
+@pytest.mark.parametrize("depth", [0, 3])
+def test_pipelined_fetches_keep_the_device_busy(depth):
+    """Calls dispatched ahead (1 ms of host work, 10 ms of device work each) find the device
+    still busy with earlier ones, so it never waits for the host; waiting on each call
+    (depth 0) leaves it idle at every call. Never more than depth + 1 in flight, and every call
+    is waited for before the figure is taken."""
+    dev, marks = _Device(), []
+
+    def fetch():
+        time.sleep(0.001)  # dispatch
+        marks.append(dev.enqueue(0.010))
+        return marks[-1]
+
+    count, sec = bw.run_pipelined(fetch, lambda c: c >= 12, depth=depth)
+    assert count == 12 and all(m.waited for m in marks)
+    assert sec >= dev.ends[-1] - dev.ends[0]
+    busy = dev.busy_at_enqueue[1:]
+    assert max(busy) <= depth
+    assert (min(busy) >= 1) if depth else (max(busy) == 0)
 
 
 def test_run_writes_profile(tmp_path):
