@@ -29,6 +29,10 @@ def test_decode_side_by_side(tmp_path, capsys):
     assert rows[("offload", 0.002)]["slots"] > rows[("offload", 0.0005)]["slots"]
     assert rows[("hybrid", 0.0005)]["experts_on_cpu_per_step"] > 0 and rows[("hybrid", 0.0005)]["q"] == 0.1
     assert "of bound" in capsys.readouterr().out
+    # every row against the naive row of its batch and skew
+    naive = rows[("naive", None)]["tokens_per_s"]
+    for r in d["rows"]:
+        assert r["x_naive"] == pytest.approx(r["tokens_per_s"] / naive)
 
 
 def test_prompt_fed_through_decode_times_the_same_positions(tmp_path):
@@ -68,7 +72,19 @@ def test_decode_steps_compiled_ahead_on_threads(tmp_path, capsys):
             "--routing-skew", "0", "--dtype", "float32", "--compile-workers", "2", "--prompt-by-decode", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     assert capsys.readouterr().err.count("compiled ahead") == 2
-    assert [(r["strategy"], r["vram_gb"]) for r in json.loads(out.read_text())["rows"]] == [("offload", 0.0005), ("offload", 0.002)]
+    got = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["vram_gb"]) for r in got] == [("offload", 0.0005), ("offload", 0.002)]
+    assert not any("x_naive" in r for r in got)  # no naive row, nothing to compare with
+
+
+def test_speedups_pair_rows_by_batch_and_skew():
+    from freetoken_jax.bench.compare import add_speedups
+
+    rows = [dict(strategy=s, batch=b, routing_skew=k, tokens_per_s=t)
+            for s, b, k, t in (("naive", 1, 0, 10.0), ("naive", 1, 1, 20.0), ("hybrid", 1, 0, 25.0), ("hybrid", 1, 1, 50.0),
+                               ("hybrid", 4, 0, 80.0))]  # fmt: skip
+    assert add_speedups(rows)
+    assert [r.get("x_naive") for r in rows] == [1.0, 1.0, 2.5, 2.5, None]  # batch 4 has no naive row
 
 
 def test_prefill(tmp_path):

@@ -20,7 +20,8 @@ baselines for the buffered prefill of offload / hybrid, and `offload-copy` (the 
 prefill loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
-q* and the ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
+q*, tokens/s as a multiple of the naive baseline's (when it ran at that batch and skew) and the
+ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
 for cpu) + bytes read on the device / device copy bandwidth. Random weights give near-constant
 routing per sequence; `--routing-skew S` replaces it by seeded draws from a Zipf(S) popularity
 (`runtime/routing.py`), the same under every strategy.
@@ -357,6 +358,20 @@ def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     return "\n".join(lines)
 
 
+def add_speedups(rows: list[dict]) -> bool:
+    """Sets `x_naive` on every decode row that has a `naive` row of the same batch and routing
+    skew: its tokens/s over naive's (the FreeToken paper's headline figure). Returns whether any
+    was set."""
+    naive = {(r["batch"], r["routing_skew"]): r["tokens_per_s"] for r in rows if r["strategy"] == "naive" and r.get("tokens_per_s")}
+    hit = False
+    for r in rows:
+        base = naive.get((r.get("batch"), r.get("routing_skew")))
+        if base and r.get("tokens_per_s") is not None:
+            r["x_naive"] = r["tokens_per_s"] / base
+            hit = True
+    return hit
+
+
 def plot(rows: list[dict], path: str) -> None:
     """tokens/s against the expert VRAM budget, one line per strategy (and batch, skew)."""
     try:
@@ -399,10 +414,11 @@ def run(args) -> dict:
                dtype=args.dtype, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
 
-    def keep(r: dict | None) -> None:  # the JSON is rewritten after every row: a run cut short keeps its figures
-        if r is None:
+    def keep(r: dict | None, rewrite: bool = False) -> None:  # the JSON is rewritten after every row: a run cut short keeps its figures
+        if r is None and not rewrite:
             return
-        out["rows"].append(r)
+        if r is not None:
+            out["rows"].append(r)
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
@@ -424,10 +440,12 @@ def run(args) -> dict:
             else:
                 by_decode = getattr(args, "prompt_by_decode", False) and r["variant"] != "layer"
                 keep(bench.decode(**r, prompt_by_decode=by_decode))
+        if add_speedups(out["rows"]):
+            keep(None, rewrite=True)
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q*", ".2f"),
-                ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
+                ("ratio_to_bound", "of bound", ".2f"), ("x_naive", "x naive", ".2f")]  # fmt: skip
     else:
         for n in args.prompt_len:
             for s in args.strategy:
