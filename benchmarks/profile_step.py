@@ -11,6 +11,11 @@ step exceeds summed kernel time, the stream sat idle (launch gaps, host function
 
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --strategies offload hybrid --vram-gb 16 --routing-skew 0
 
+With `--prefill-tokens N`, one offload prefill chunk of N tokens (the buffered prefill when
+`--vram-gb` buys two layer buffers), loading layers by `--prefill-load`:
+
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --prefill-tokens 512 --vram-gb 16 --prefill-load fetch
+
 `--no-profile` runs everything but the CUPTI profile (for a machine without CUDA).
 """
 
@@ -97,6 +102,54 @@ def host_bank_strategies(args) -> list:
     return summary
 
 
+def prefill_chunk(args) -> list:
+    """Profiles one prefill chunk of `--prefill-tokens` tokens under offload with `--vram-gb` of
+    slots, through the step the engine picks for it (two borrowed layer buffers when the slots
+    allow), each layer's missing experts fetched by the Pallas kernel or copied whole
+    (`--prefill-load`); writes the compiled step's HLO beside the profile."""
+    import dataclasses
+
+    import numpy as np
+
+    from freetoken_jax.bench.compare import Bench
+    from freetoken_jax.memory.expert_cache import init_slot_cache
+    from freetoken_jax.runtime.steps import PrefillBatch
+
+    T = args.prefill_tokens
+    bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T)
+    eng, cfg, summary = bench.engine, bench.cfg, []
+    weights = dataclasses.replace(bench.weights("offload", 1.0, None), prefill_load=args.prefill_load)
+    n = bench.slots_for(args.vram_gb, 1)
+    box = [jax.device_put(init_slot_cache(cfg, n, 1, jnp.dtype(args.dtype)), jax.devices()[0])]
+    step = eng.prefill_step_for(weights, T, box[0])
+    pages = [eng.pages.allocate(T + 1)]
+    table, _ = eng.page_table(pages, 1)
+    rng = np.random.default_rng(0)
+    batch = PrefillBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
+                         jnp.ones((1, T), bool), jnp.asarray(table), Sampling.greedy(1))  # fmt: skip
+    t = time.perf_counter()
+    compiled = step.lower(weights, eng.cache, batch, box[0]).compile()
+    compile_s = time.perf_counter() - t
+    with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}.hlo.txt"), "w") as f:
+        f.write(compiled.as_text())
+
+    def run(k):
+        tok = None
+        for _ in range(k):
+            tok, eng.cache, box[0] = compiled(weights, eng.cache, batch, box[0])
+        tok.block_until_ready()
+
+    run(1)
+    t = time.perf_counter()
+    run(3)
+    wall = (time.perf_counter() - t) / 3 * 1e3
+    profile = None if args.no_profile else kernel_profile(run, n=2, top=12)
+    eng.pages.release(pages[0])
+    name = f"prefill {T} {args.prefill_load} {args.vram_gb:g}GB" + ("" if step is eng._prefill_buffered else " (not buffered)")
+    report(summary, 1, name, wall, profile, compile_s)
+    return summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -109,9 +162,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
+    ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy"])
     args = ap.parse_args()
-    if args.strategies:
-        summary = host_bank_strategies(args)
+    if args.strategies or args.prefill_tokens:
+        summary = prefill_chunk(args) if args.prefill_tokens else host_bank_strategies(args)
         print(f"\n{'B':>3} {'strategy':>14} {'wall ms':>8} {'kernels':>8} {'kern ms':>8}")
         for B, v, wall, nk, ksum in summary:
             print(f"{B:>3} {v:>14} {wall:8.3f} {nk:8.0f} {ksum:8.3f}")
