@@ -11,10 +11,10 @@ step exceeds summed kernel time, the stream sat idle (launch gaps, host function
 
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --strategies offload hybrid --vram-gb 16 --routing-skew 0
 
-With `--prefill-tokens N`, one offload prefill chunk of N tokens (the buffered prefill when
-`--vram-gb` buys two layer buffers), loading layers by `--prefill-load`:
+With `--prefill-tokens N`, one offload prefill chunk of N tokens through two borrowed layer
+buffers, loading layers by `--prefill-load`, for each expert implementation in `--variants`:
 
-    python benchmarks/profile_step.py --preset qwen3-30b-a3b --prefill-tokens 512 --vram-gb 16 --prefill-load fetch
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --prefill-tokens 512 --vram-gb 16 --variants auto dense
 
 `--no-profile` runs everything but the CUPTI profile (for a machine without CUDA).
 """
@@ -104,16 +104,17 @@ def host_bank_strategies(args) -> list:
 
 def prefill_chunk(args) -> list:
     """Profiles one prefill chunk of `--prefill-tokens` tokens under offload with `--vram-gb` of
-    slots, through the step the engine picks for it (two borrowed layer buffers when the slots
-    allow), each layer's missing experts fetched by the Pallas kernel or copied whole
-    (`--prefill-load`); writes the compiled step's HLO beside the profile."""
+    slots through two borrowed layer buffers, each layer's missing experts fetched by the Pallas
+    kernel or copied whole (`--prefill-load`), for each expert implementation of `--variants`
+    (`auto`: grouped matmuls at this size; `dense`: every token through every expert); writes
+    each compiled step's HLO beside the profile."""
     import dataclasses
 
     import numpy as np
 
     from freetoken_jax.bench.compare import Bench
     from freetoken_jax.memory.expert_cache import init_slot_cache
-    from freetoken_jax.runtime.steps import PrefillBatch
+    from freetoken_jax.runtime.steps import PrefillBatch, prefill_step_buffered
 
     T = args.prefill_tokens
     bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T)
@@ -121,32 +122,36 @@ def prefill_chunk(args) -> list:
     weights = dataclasses.replace(bench.weights("offload", 1.0, None), prefill_load=args.prefill_load)
     n = bench.slots_for(args.vram_gb, 1)
     box = [jax.device_put(init_slot_cache(cfg, n, 1, jnp.dtype(args.dtype)), jax.devices()[0])]
-    step = eng.prefill_step_for(weights, T, box[0])
+    if eng.prefill_step_for(weights, T, box[0]) is not eng._prefill_buffered:
+        raise SystemExit(f"{n} slots at {args.vram_gb} GB: a {T}-token chunk would not take the buffered prefill")
     pages = [eng.pages.allocate(T + 1)]
     table, _ = eng.page_table(pages, 1)
     rng = np.random.default_rng(0)
     batch = PrefillBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
                          jnp.ones((1, T), bool), jnp.asarray(table), Sampling.greedy(1))  # fmt: skip
-    t = time.perf_counter()
-    compiled = step.lower(weights, eng.cache, batch, box[0]).compile()
-    compile_s = time.perf_counter() - t
-    with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}.hlo.txt"), "w") as f:
-        f.write(compiled.as_text())
+    for impl in args.variants:
+        layers.EXPERT_IMPL = impl
+        step = jax.jit(lambda *a: prefill_step_buffered(*a), donate_argnums=(1, 3))  # a fresh trace per implementation
+        t = time.perf_counter()
+        compiled = step.lower(weights, eng.cache, batch, box[0]).compile()
+        compile_s = time.perf_counter() - t
+        with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
 
-    def run(k):
-        tok = None
-        for _ in range(k):
-            tok, eng.cache, box[0] = compiled(weights, eng.cache, batch, box[0])
-        tok.block_until_ready()
+        def run(k, compiled=compiled):
+            tok = None
+            for _ in range(k):
+                tok, eng.cache, box[0] = compiled(weights, eng.cache, batch, box[0])
+            tok.block_until_ready()
 
-    run(1)
-    t = time.perf_counter()
-    run(3)
-    wall = (time.perf_counter() - t) / 3 * 1e3
-    profile = None if args.no_profile else kernel_profile(run, n=2, top=12)
+        run(1)
+        t = time.perf_counter()
+        run(3)
+        wall = (time.perf_counter() - t) / 3 * 1e3
+        profile = None if args.no_profile else kernel_profile(run, n=2, top=12)
+        report(summary, 1, f"prefill {T} {args.prefill_load} {impl}", wall, profile, compile_s)
+    layers.EXPERT_IMPL = "auto"
     eng.pages.release(pages[0])
-    name = f"prefill {T} {args.prefill_load} {args.vram_gb:g}GB" + ("" if step is eng._prefill_buffered else " (not buffered)")
-    report(summary, 1, name, wall, profile, compile_s)
     return summary
 
 

@@ -297,7 +297,11 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, imp
 
     - "gather": one fused gather-and-reduce per projection over the chosen experts (few pairs);
     - "slices": one dynamic slice per pair, each feeding its own matvec (no gathered copy);
-    - "ragged": sort the pairs by expert and run grouped matmuls, each expert read once.
+    - "ragged": sort the pairs by expert and run grouped matmuls, each expert read once;
+    - "dense": every token through every expert, weighted by its routing weights (0 where not
+      routed): E/K times the work of the pairs, but plain batched matmuls — for chunks where a
+      grouped matmul would be expanded into zero-padded dense ones (XLA's fallback for
+      `ragged_dot` does T·K × E rows of work, this T × E).
     """
     T, K = ids_TK.shape
     E = gate_EFD.shape[0]
@@ -317,6 +321,11 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, imp
         h = (f(matvec(xk, gate_EFD[ids_TK])) * matvec(xk, up_EFD[ids_TK])).astype(dt)
         y = matvec(h, down_EDF[ids_TK])
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
+    if impl == "dense":
+        w_TE = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids_TK].add(w_TK.astype(jnp.float32))
+        h = (f(jnp.einsum("td,efd->etf", x_TD, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x_TD, up_EFD, **mm)).astype(dt)
+        y = jnp.einsum("etf,edf->etd", h, down_EDF, **mm)
+        return jnp.einsum("etd,te->td", y, w_TE).astype(dt)
     if impl == "slices":
         rows = []
         for t in range(T):
