@@ -300,7 +300,7 @@ class Bench:
         from freetoken_jax.runtime.steps import Sampling
 
         eng, cfg = self.engine, self.cfg
-        weights = self.weights("offload" if variant.startswith(("offload", "stream", "per-token")) else variant, q, None)
+        weights = self.weights({"stream": "offload", "per-token": "offload", "offload-copy": "offload"}.get(variant, variant), q, None)
         if weights is None:
             return None
         if variant == "offload-copy":
@@ -338,7 +338,7 @@ class Bench:
                 eng.pages.release(p)
         chunks = -(-prompt_len // self.ecfg.prefill_chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = chunks * all_experts / self.bp if variant not in ("cpu", "fused") else None
+        bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, vram_gb=vram_gb if slots is not None else None,
                     buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=int(np.asarray(first).reshape(-1)[0]),
@@ -414,15 +414,16 @@ def run(args) -> dict:
                dtype=args.dtype, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
 
-    def keep(r: dict | None, rewrite: bool = False) -> None:  # the JSON is rewritten after every row: a run cut short keeps its figures
-        if r is None and not rewrite:
-            return
-        if r is not None:
-            out["rows"].append(r)
+    def write() -> None:
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)
+
+    def keep(r: dict | None) -> None:  # the JSON is rewritten after every row: a run cut short keeps its figures
+        if r is not None:
+            out["rows"].append(r)
+            write()
 
     if args.cmd == "decode":
         rows = [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, q=q, skew=skew,
@@ -441,7 +442,7 @@ def run(args) -> dict:
                 by_decode = getattr(args, "prompt_by_decode", False) and r["variant"] != "layer"
                 keep(bench.decode(**r, prompt_by_decode=by_decode))
         if add_speedups(out["rows"]):
-            keep(None, rewrite=True)
+            write()
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q*", ".2f"),
