@@ -24,6 +24,7 @@ import urllib.request
 import numpy as np
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.bench.compare import table
 from freetoken_jax.scheduler.scheduler import Scheduler
 from freetoken_jax.server.http import serve_http
 from freetoken_jax.server.service import Service
@@ -116,9 +117,9 @@ def main(argv=None) -> int:
         save()
     httpd.shutdown()
     sched.shutdown()
-    print(f"\n{'clients':>7} {'req/s':>7} {'tok/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
-    for r in rows:
-        print(f"{r['concurrency']:>7} {r['requests_per_s']:7.2f} {r['output_tokens_per_s']:8.1f} {r['p50_ms']:8.0f} {r['p99_ms']:8.0f}")
+    cols = [("concurrency", "clients", "d"), ("requests_per_s", "req/s", ".2f"), ("output_tokens_per_s", "tok/s", ".1f"),
+            ("p50_ms", "p50 ms", ".0f"), ("p99_ms", "p99 ms", ".0f")]  # fmt: skip
+    print("\n" + table(rows, cols))
     for r in resizes:
         print(f"resize to {r['expert_slots']} slots: {r['seconds']:.2f} s, same output: {r['same_output']}")
     return 0

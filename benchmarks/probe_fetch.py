@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from freetoken_jax.bench.compare import table
 from freetoken_jax.bench.measure import h2d_bandwidth
 from freetoken_jax.runtime.offload import host_memory_kind
 from pallas_kernels.expert_fetch import fetch_rows_many
@@ -96,9 +97,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__, args=vars(args), bp_gb_s=bp, rows=rows), fh, indent=1)
     print(f"\nBp (device_put, 1 GiB) {bp:.1f} GB/s; {step_bytes / 1e9:.3f} GB per step")
-    print(f"{'kernels':>7} {'block':>6} {'warps':>5} {'ms/step':>8} {'GB/s':>6} {'of Bp':>6}")
-    for r in rows:
-        print(f"{r['kernels']:>7} {r['block']:>6} {r['warps']:>5} {r['ms_per_step']:8.2f} {r['gb_s']:6.1f} {r['of_bp']:6.2f}")
+    cols = [("kernels", "kernels", ""), ("block", "block", "d"), ("warps", "warps", "d"), ("ms_per_step", "ms/step", ".2f"),
+            ("gb_s", "GB/s", ".1f"), ("of_bp", "of Bp", ".2f")]  # fmt: skip
+    print(table(rows, cols))
     return 0
 
 

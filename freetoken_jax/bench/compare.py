@@ -345,7 +345,8 @@ class Bench:
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
 
 
-def _table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """Rows as right-aligned text columns: `cols` = (key, heading, format); '-' where a row has none."""
     head = " ".join(f"{h:>{len(h) if len(h) > 7 else 7}}" for _, h, _ in cols)
     lines = [head]
     for r in rows:
@@ -453,7 +454,7 @@ def run(args) -> dict:
                 keep(bench.prefill(s, n, q, args.vram_gb[0]))
         cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
                 ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
-    print(_table(out["rows"], cols))
+    print(table(out["rows"], cols))
     if getattr(args, "plot", None):
         plot(out["rows"], args.plot)
     return out
