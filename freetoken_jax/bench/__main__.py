@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         p.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
         p.add_argument("--json", default=None, help="write the figures here")
+        p.add_argument("--expert-impl", default="auto", choices=["auto", "gather", "ragged", "dense"],
+                       help="how routed experts are computed (models.layers.routed_experts)")  # fmt: skip
         if name == "decode":
             p.add_argument("--batch", type=int, nargs="+", default=[1])
             p.add_argument("--routing-skew", type=float, nargs="+", default=[None],
@@ -77,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd in ("decode", "prefill"):
         from freetoken_jax.bench.compare import run
+        from freetoken_jax.models import layers
 
+        layers.EXPERT_IMPL = args.expert_impl
         run(args)
         return 0
     from freetoken_jax.bench.bw import profile_path, run_bw

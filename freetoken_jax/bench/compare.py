@@ -412,7 +412,7 @@ def run(args) -> dict:
                   prefill_chunk=getattr(args, "chunk", 64))  # fmt: skip
     q = args.q if args.q is not None else bench.bp / (bench.bp + bench.bh)
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-               dtype=args.dtype, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
+               dtype=args.dtype, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
 
     def write() -> None:
