@@ -18,7 +18,7 @@ def reference(x, ids, w, gate, up, down):
     return out
 
 
-@pytest.mark.parametrize("impl", ["gather", "slices", "ragged", "dense"])
+@pytest.mark.parametrize("impl", ["auto", "gather", "slices", "ragged", "dense"])
 @pytest.mark.parametrize("T,K,E,D,F", [(1, 2, 4, 16, 8), (3, 3, 8, 24, 40), (5, 1, 3, 8, 8), (2, 4, 4, 32, 16)])
 def test_impls_match_reference(impl, T, K, E, D, F):
     rng = np.random.default_rng(T * 100 + K * 10 + E)
