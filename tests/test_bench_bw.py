@@ -97,6 +97,13 @@ def test_pipelined_fetches_keep_the_device_busy(depth):
     assert (min(busy) >= 1) if depth else (max(busy) == 0)
 
 
+def test_lasting_needs_both_the_calls_and_the_time():
+    stop = bw.lasting(0.05, 3)
+    assert not stop(100)  # enough calls, too soon
+    time.sleep(0.06)
+    assert not stop(2) and stop(3)
+
+
 def test_run_writes_profile(tmp_path):
     prof = bw.run_bw(
         path=str(tmp_path / "p.json"), json_path=str(tmp_path / "copy.json"), working_set_gb=0.02, host_read_gb=0.05, hidden=128, ffn=64

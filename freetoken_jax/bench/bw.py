@@ -180,7 +180,8 @@ def _gpu_probes(banks, E, cpu_bytes, cpu_pass, reps) -> dict:
     row_bytes = bank.shape[1] * bank.dtype.itemsize
     fetch_all = fetcher(n)
     jax.block_until_ready(fetch_all())  # compiled before timing
-    count, sec = run_pipelined(fetch_all, lambda c: c >= 4 * reps)
+    run_pipelined(fetch_all, lasting(0.2, reps))  # the link and the GPU out of their idle states
+    count, sec = run_pipelined(fetch_all, lasting(0.5, 4 * reps))
     out["fetch_gb_s"] = count * n * row_bytes / sec / 1e9
     k = min(n, 8)  # small fetches, so that the last one barely outlasts the CPU pass
     fetch_small = fetcher(k)
@@ -188,6 +189,12 @@ def _gpu_probes(banks, E, cpu_bytes, cpu_pass, reps) -> dict:
     fetch_rate, cpu_rate = run_together(fetch_small, k * row_bytes, cpu_pass, cpu_bytes)
     out["contended_fetch_gb_s"], out["contended_cpu_moe_gb_s"] = fetch_rate / 1e9, cpu_rate / 1e9
     return out
+
+
+def lasting(seconds: float, calls: int):
+    """A `run_pipelined` stop condition: at least `calls` calls and `seconds` from now."""
+    t = time.perf_counter()
+    return lambda c: c >= calls and time.perf_counter() - t >= seconds
 
 
 def run_pipelined(fetch, stop, depth: int = 3) -> tuple[int, float]:
