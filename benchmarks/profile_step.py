@@ -94,7 +94,9 @@ def host_bank_strategies(args) -> list:
             t = time.perf_counter()
             run(10)
             wall = (time.perf_counter() - t) / 10 * 1e3
-            profile = None if args.no_profile else kernel_profile(run)
+            profile = None if args.no_profile else kernel_profile(run, top=args.top)
+            with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
             eng.cache = box[0].cache
             for p in pages:
                 eng.pages.release(p)
@@ -148,7 +150,7 @@ def prefill_chunk(args) -> list:
         t = time.perf_counter()
         run(3)
         wall = (time.perf_counter() - t) / 3 * 1e3
-        profile = None if args.no_profile else kernel_profile(run, n=2, top=12)
+        profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
         report(summary, 1, f"prefill {T} {args.prefill_load} {impl}", wall, profile, compile_s)
     layers.EXPERT_IMPL = "auto"
     eng.pages.release(pages[0])
@@ -167,6 +169,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
     ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy"])
     args = ap.parse_args()
@@ -209,7 +212,7 @@ def main() -> int:
             t = time.perf_counter()
             run(20)
             wall = (time.perf_counter() - t) / 20 * 1e3
-            profile = None if args.no_profile else kernel_profile(run)
+            profile = None if args.no_profile else kernel_profile(run, top=args.top)
             engine.cache = box[0].cache
             report(summary, B, variant, wall, profile, compile_s)
         for p in pages:
