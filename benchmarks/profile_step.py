@@ -69,39 +69,71 @@ def host_bank_strategies(args) -> list:
     bench = Bench(args.preset, dtype=args.dtype, max_batch=max(args.batch), max_context=256)
     q = bench.bp / (bench.bp + bench.bh)
     eng, cfg, summary = bench.engine, bench.cfg, []
-    for B in args.batch:
-        for s in args.strategies:
-            weights = bench.weights(s, q, args.routing_skew)
-            t = time.perf_counter()
-            prompt_len, steps = 16, args.warm + 30
-            compiled = bench.compile_decode(s, B, args.vram_gb, prompt_len, steps, q, args.routing_skew, weights)
-            compile_s = time.perf_counter() - t
-            slots = bench._decode_slots(s, B, args.vram_gb)
-            pages = [eng.pages.allocate(bench._row_tokens(prompt_len, steps)) for _ in range(B)]
-            table, _ = eng.page_table(pages, B)
-            experts = None if slots is None else init_slot_cache(cfg, slots, bench.ecfg.max_batch, jnp.dtype(bench.ecfg.dtype))
-            box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, prompt_len), experts)]
-            eng.cache = None
-            batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
-            rng = np.random.default_rng(B)
+    for B, s, sampling in [(B, s, m) for B in args.batch for s in args.strategies for m in args.sampling]:
+        weights = bench.weights(s, q, args.routing_skew)
+        use_sampling(bench, sampling)
+        t = time.perf_counter()
+        prompt_len, steps = 16, args.warm + 30
+        compiled = bench.compile_decode(s, B, args.vram_gb, prompt_len, steps, q, args.routing_skew, weights)
+        compile_s = time.perf_counter() - t
+        slots = bench._decode_slots(s, B, args.vram_gb)
+        pages = [eng.pages.allocate(bench._row_tokens(prompt_len, steps)) for _ in range(B)]
+        table, _ = eng.page_table(pages, B)
+        experts = None if slots is None else init_slot_cache(cfg, slots, bench.ecfg.max_batch, jnp.dtype(bench.ecfg.dtype))
+        box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, prompt_len), experts)]
+        eng.cache = None
+        batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
+        rng = np.random.default_rng(B)
 
-            def run(n, box=box, compiled=compiled, batch=batch, weights=weights, rng=rng, B=B):
-                for _ in range(n):  # a new input token each step, as in `bench decode`
-                    _tok, box[0] = compiled(weights, box[0], batch, jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32))
-                box[0].tokens_B.block_until_ready()
+        calls = []
 
-            run(args.warm)
-            t = time.perf_counter()
-            run(10)
-            wall = (time.perf_counter() - t) / 10 * 1e3
-            profile = None if args.no_profile else kernel_profile(run, top=args.top)
-            with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
-                f.write(compiled.as_text())
-            eng.cache = box[0].cache
-            for p in pages:
-                eng.pages.release(p)
-            report(summary, B, f"{s} {args.vram_gb:g}GB" if s in ("offload", "hybrid") else s, wall, profile, compile_s)
+        def run(n, box=box, compiled=compiled, batch=batch, weights=weights, rng=rng, B=B):
+            for _ in range(n):  # a new input token each step, as in `bench decode`
+                tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
+                t = time.perf_counter()
+                _tok, box[0] = compiled(weights, box[0], batch, tok)
+                calls.append(time.perf_counter() - t)
+            box[0].tokens_B.block_until_ready()
+
+        run(args.warm)
+        calls.clear()
+        t = time.perf_counter()
+        run(10)
+        wall = (time.perf_counter() - t) / 10 * 1e3
+        print(f"B={B} {s} sampling={sampling}: the call returns after {sorted(calls)[len(calls) // 2] * 1e3:.3f} ms (median)")
+        profile = None if args.no_profile else kernel_profile(run, top=args.top)
+        with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
+            f.write(compiled.as_text())
+        eng.cache = box[0].cache
+        for p in pages:
+            eng.pages.release(p)
+        name = f"{s} {args.vram_gb:g}GB" if s in ("offload", "hybrid") else s
+        report(summary, B, name if sampling == "cond" else f"{name} {sampling}", wall, profile, compile_s)
+    use_sampling(bench, "cond")
     return summary
+
+
+def use_sampling(bench, how: str) -> None:
+    """Retraces `bench`'s decode step with the sampler's greedy/stochastic choice made by
+    `lax.cond` (the engine's), by computing both and selecting (`where`), or greedy only."""
+    import dataclasses
+
+    from freetoken_jax.runtime import sampling, steps
+
+    def sample(logits_BV, *rest):
+        if how == "greedy":
+            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+        if how == "where":
+            cond = jax.lax.cond
+            try:
+                jax.lax.cond = lambda p, a, b, x: a(x)  # the stochastic branch selects greedy rows itself
+                return sampling.sample(logits_BV, *rest)
+            finally:
+                jax.lax.cond = cond
+        return sampling.sample(logits_BV, *rest)
+
+    steps.sample = sample
+    bench._step = jax.jit(lambda w, s, b, t: steps.decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
 
 
 def prefill_chunk(args) -> list:
@@ -169,6 +201,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--sampling", nargs="+", default=["cond"], choices=["cond", "where", "greedy"],
+                    help="host-bank strategies: how the sampler picks greedy or stochastic (see use_sampling)")  # fmt: skip
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
     ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy"])
