@@ -87,7 +87,7 @@ def host_bank_strategies(args) -> list:
 
         calls = []
 
-        def run(n, box=box, compiled=compiled, batch=batch, weights=weights, rng=rng, B=B):
+        def run(n, box=box, compiled=compiled, batch=batch, weights=weights, rng=rng, B=B, calls=calls):
             for _ in range(n):  # a new input token each step, as in `bench decode`
                 tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
                 t = time.perf_counter()
