@@ -32,3 +32,21 @@ def test_impls_match_reference(impl, T, K, E, D, F):
     )
     ref = reference(x, ids, w, gate, up, down)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
+
+
+def test_dense_in_token_slices_matches_one_piece(monkeypatch):
+    from freetoken_jax.models import layers
+
+    rng = np.random.default_rng(7)
+    T, K, E, D, F = 11, 2, 4, 16, 8
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    gate, up = (jnp.asarray(rng.standard_normal((E, F, D)) * 0.3, jnp.float32) for _ in range(2))
+    down = jnp.asarray(rng.standard_normal((E, D, F)) * 0.3, jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    whole = routed_experts(x, ids, w, gate, up, down, "silu", impl="dense")
+    monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * E * F * 3)  # 3 tokens per slice: 4 slices, the last short
+    sliced = routed_experts(x, ids, w, gate, up, down, "silu", impl="dense")
+    np.testing.assert_allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    ref = reference(np.asarray(x), np.asarray(ids), np.asarray(w), np.asarray(gate), np.asarray(up), np.asarray(down))
+    assert np.linalg.norm(np.asarray(sliced) - ref) / np.linalg.norm(ref) < 1e-5

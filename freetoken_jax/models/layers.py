@@ -291,6 +291,9 @@ class Experts(nnx.Module):
 # pairs (decode) and "dense" for many (prefill): on the H200 a 512-token chunk's experts took
 # 2.2 ms per layer dense against 8.2 ms through `ragged_dot_general` (benchmarks/RESULTS.md).
 EXPERT_IMPL = "auto"
+# "dense" computes at most this many bytes of float32 expert activations at once (a 512-token
+# chunk of Qwen3-30B-A3B needs 0.4 GB and goes in one piece).
+DENSE_SLICE_BYTES = 1 << 30
 
 
 def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, impl: str | None = None) -> jax.Array:
@@ -324,11 +327,19 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, imp
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
     if impl == "dense":
         # The routing weight scales each expert's hidden activations (0 where not routed), so
-        # the down projection and the sum over experts are one matmul contracting (e, f).
+        # the down projection and the sum over experts are one matmul contracting (e, f). Tokens
+        # go through in slices whose float32 activations [E, t, F] (gate and up) stay within
+        # DENSE_SLICE_BYTES.
         w_ET = jnp.zeros((E, T), jnp.float32).at[ids_TK, jnp.arange(T)[:, None]].add(w_TK.astype(jnp.float32))
-        h = f(jnp.einsum("td,efd->etf", x_TD, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x_TD, up_EFD, **mm)
-        h = (h * w_ET[:, :, None]).astype(dt)
-        return jnp.einsum("etf,edf->td", h, down_EDF, **mm).astype(dt)
+        step = max(1, DENSE_SLICE_BYTES // (2 * 4 * E * gate_EFD.shape[1]))
+
+        def dense(x, w):
+            h = f(jnp.einsum("td,efd->etf", x, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x, up_EFD, **mm)
+            return jnp.einsum("etf,edf->td", (h * w[:, :, None]).astype(dt), down_EDF, **mm).astype(dt)
+
+        if step >= T:
+            return dense(x_TD, w_ET)
+        return jnp.concatenate([dense(x_TD[t : t + step], w_ET[:, t : t + step]) for t in range(0, T, step)])
     if impl == "slices":
         rows = []
         for t in range(T):
