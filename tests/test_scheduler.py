@@ -129,3 +129,30 @@ def test_max_running_is_checked(demo_scheduler):
     with pytest.raises(ConfigError, match="max_running must be positive"):
         EC.replace(max_running=0)
     assert demo_scheduler(EC.replace(max_running=64)).running_limit() == EC.max_batch  # never more than the step's rows
+
+
+def test_rows_that_stop_early_leave_the_others_and_the_cache_intact(sched, reference):
+    """Each request stops on a token it generates (the device is then one step ahead of it);
+    the others, and later requests continuing a stopped sequence from the prefix tree, still
+    get what they get alone."""
+    stop_at = {i: reference[i][2 + i % 4] for i in range(len(PROMPTS))}
+    want = {i: reference[i][: reference[i].index(stop_at[i]) + 1] for i in range(len(PROMPTS))}
+    results = {}
+
+    def client(i):
+        p = GenerationParams(max_new_tokens=12, seed=i, temperature=0.0 if i % 2 else 0.9, ignore_eos=True, stop_token_ids=[stop_at[i]])
+        results[i] = sched.submit(PROMPTS[i], p).result(120)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {i: (want[i], "stop") for i in range(len(PROMPTS))}
+    assert wait_idle(sched)
+    alone = FreeTokenEngine.from_pretrained("demo", EC)
+    for i in (1, 4):
+        longer = PROMPTS[i] + want[i]
+        h = sched.submit(longer, params(i, 8))
+        assert h.result(60)[0] == list(alone.generate(longer, max_new_tokens=8, seed=i, temperature=0.0 if i % 2 else 0.9, ignore_eos=True))
+        assert h.prefix_hit_tokens >= len(PROMPTS[i]) // 8 * 8

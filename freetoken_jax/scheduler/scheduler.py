@@ -5,8 +5,9 @@ each request's events from its own queue; one loop thread owns the engine and it
 Every loop iteration (1) takes cancellations, (2) admits queued requests into free decode rows
 up to `running_limit` (reusing the longest cached prefix from the radix tree, taking KV pages for the rest, evicting
 unused cached prefixes when short), (3) runs one prefill chunk of the oldest admitted request,
-(4) runs one decode step for every decoding row, and (5) finishes rows that stopped, returning
-their pages (full pages of their sequence go to the radix tree). The decode step always runs
+(4) dispatches one decode step for every decoding row and then reads the tokens of the step
+before it (the device stays one step ahead of the host), and (5) finishes rows that stopped,
+returning their pages (full pages of their sequence go to the radix tree). The decode step always runs
 `max_batch` rows (inactive ones masked), so it compiles once; prefill compiles once per chunk
 bucket.
 """
@@ -111,6 +112,7 @@ class Scheduler:
         self.warm_workers = 0  # set by `warm_up`
         self.metrics = dict(requests_submitted=0, requests_finished=0, requests_cancelled=0, requests_rejected=0, prefix_hit_tokens=0,
                             prompt_tokens=0, generated_tokens=0, decode_steps=0)  # fmt: skip
+        self._inflight: tuple | None = None  # (tokens of the decode step in flight, its [(row, handle)])
         self.state = DecodeState.start(engine.cache, np.zeros(self.B), np.zeros(self.B), engine.slots)
         engine.cache = engine.slots = None  # owned by the scheduler from now on
         self._set_row = jax.jit(
@@ -353,19 +355,31 @@ class Scheduler:
         return True
 
     def _decode(self) -> bool:
-        active = np.array([r is not None and r.decoding for r in self.rows])
-        if not active.any():
-            return False
-        eng = self.engine
-        batch = DecodeBatch(
-            jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
-        )
-        nxt, self.state = eng.decode(eng.weights, self.state, batch)
-        self.metrics["decode_steps"] += 1
-        toks = np.asarray(nxt)
-        for i in np.flatnonzero(active):
-            self._emit(int(i), int(toks[i]))
-        return True
+        """Dispatches the next decode step, then emits the tokens of the step before it: the
+        device runs one step ahead of the host's emitting, finishing and admitting. A row whose
+        request ends on the earlier step's token runs one step too many; its token is dropped
+        (its KV write lands past the cached prefix in pages the stream order protects)."""
+        earlier, self._inflight = self._inflight, None
+        ahead = {id(h) for _, h in earlier[1]} if earlier else set()
+        active = np.array([
+            r is not None and r.decoding and len(r.handle.generated) + (id(r.handle) in ahead) < r.handle.params.max_new_tokens
+            for r in self.rows
+        ])  # fmt: skip
+        if active.any():
+            eng = self.engine
+            batch = DecodeBatch(
+                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
+            )
+            nxt, self.state = eng.decode(eng.weights, self.state, batch)
+            self.metrics["decode_steps"] += 1
+            self._inflight = (nxt, [(int(i), self.rows[i].handle) for i in np.flatnonzero(active)])
+        if earlier is not None:
+            toks = np.asarray(earlier[0])
+            for i, h in earlier[1]:
+                r = self.rows[i]
+                if r is not None and r.handle is h:  # not finished, cancelled or failed meanwhile
+                    self._emit(i, int(toks[i]))
+        return bool(active.any()) or earlier is not None
 
     def _emit(self, i: int, token: int) -> None:
         r = self.rows[i]
