@@ -153,3 +153,18 @@ def test_plot_command_draws_several_runs_together(tmp_path):
     else:
         assert main(["plot", *map(str, runs), "--out", str(path)]) == 0
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_expert_impl_is_recorded_and_restored(tmp_path):
+    from freetoken_jax.models import layers
+
+    firsts = {}
+    for impl in ("ragged", "dense"):
+        out = tmp_path / f"{impl}.json"
+        argv = ["prefill", "--preset", "demo", "--strategy", "offload", "--vram-gb", "0.01", "--prompt-len", "40", "--chunk", "16",
+                "--dtype", "float32", "--expert-impl", impl, "--json", str(out)]  # fmt: skip
+        assert main(argv) == 0
+        d = json.loads(out.read_text())
+        assert d["expert_impl"] == impl and layers.EXPERT_IMPL == "auto"
+        firsts[impl] = d["rows"][0]["first_token"]
+    assert firsts["ragged"] == firsts["dense"]
