@@ -64,7 +64,6 @@ def nbytes(tree) -> int:
 
 def bench(engine: FreeTokenEngine, B: int, prompt_len: int, steps: int, impl: str, copy_bw: float) -> dict:
     cfg, ecfg = engine.model_config, engine.engine_config
-    layers.EXPERT_IMPL = impl
     rng = np.random.default_rng(B)
     prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
     # Prefill through the engine's own path, then drive the jitted decode step directly.
@@ -132,7 +131,6 @@ def bench(engine: FreeTokenEngine, B: int, prompt_len: int, steps: int, impl: st
 
 def engine_generate(engine: FreeTokenEngine, B: int, prompt_len: int, steps: int) -> dict:
     """The user-facing path: generate_batch (prefill, then the pipelined decode loop)."""
-    layers.EXPERT_IMPL = "auto"
     rng = np.random.default_rng(100 + B)
     prompts = [list(rng.integers(0, engine.model_config.vocab_size, prompt_len)) for _ in range(B)]
     engine.generate_batch(prompts, max_new_tokens=steps, ignore_eos=True)  # compile
@@ -177,7 +175,8 @@ def main(argv=None) -> int:
             if impl == "slices" and B * cfg_topk(engine) > 16:
                 print(f"skipping slices at batch {B}: one unrolled matvec per token-expert pair is for decode of few rows", flush=True)
                 continue
-            r = bench(engine, B, args.prompt_len, args.steps, impl, bw)
+            with layers.expert_impl(impl):
+                r = bench(engine, B, args.prompt_len, args.steps, impl, bw)
             print(json.dumps(r), flush=True)
             rows.append(r)
         if not args.no_engine_path:

@@ -108,29 +108,27 @@ def host_bank_strategies(args) -> list:
         for p in pages:
             eng.pages.release(p)
         name = f"{s} {args.vram_gb:g}GB" if s in ("offload", "hybrid") else s
-        report(summary, B, name if sampling == "cond" else f"{name} {sampling}", wall, profile, compile_s)
-    use_sampling(bench, "cond")
+        report(summary, B, name if sampling == "where" else f"{name} {sampling}", wall, profile, compile_s)
+    use_sampling(bench, "where")
     return summary
 
 
 def use_sampling(bench, how: str) -> None:
-    """Retraces `bench`'s decode step with the sampler's greedy/stochastic choice made by
-    `lax.cond` (the engine's), by computing both and selecting (`where`), or greedy only."""
+    """Retraces `bench`'s decode step with the engine's sampler (`where`: both paths computed,
+    each row selects), with that sampler behind a `lax.cond` that takes argmax when no row
+    samples (`cond`: the engine's sampler before it lost the conditional), or greedy only."""
     import dataclasses
 
     from freetoken_jax.runtime import sampling, steps
 
-    def sample(logits_BV, *rest):
+    def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B):
+        greedy = lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)  # noqa: E731
+        engine = lambda: sampling.sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B)  # noqa: E731
         if how == "greedy":
-            return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-        if how == "where":
-            cond = jax.lax.cond
-            try:
-                jax.lax.cond = lambda p, a, b, x: a(x)  # the stochastic branch selects greedy rows itself
-                return sampling.sample(logits_BV, *rest)
-            finally:
-                jax.lax.cond = cond
-        return sampling.sample(logits_BV, *rest)
+            return greedy()
+        if how == "cond":
+            return jax.lax.cond(jnp.any(temperature_B > 0), engine, greedy)
+        return engine()
 
     steps.sample = sample
     bench._step = jax.jit(lambda w, s, b, t: steps.decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
@@ -140,7 +138,7 @@ def prefill_chunk(args) -> list:
     """Profiles one prefill chunk of `--prefill-tokens` tokens under offload with `--vram-gb` of
     slots through two borrowed layer buffers, each layer's missing experts fetched by the Pallas
     kernel or copied whole (`--prefill-load`), for each expert implementation of `--variants`
-    (`auto`: grouped matmuls at this size; `dense`: every token through every expert); writes
+    (`auto`: the engine's choice, `dense` at this size; `ragged`: grouped matmuls); writes
     each compiled step's HLO beside the profile."""
     import dataclasses
 
@@ -164,10 +162,10 @@ def prefill_chunk(args) -> list:
     batch = PrefillBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
                          jnp.ones((1, T), bool), jnp.asarray(table), Sampling.greedy(1))  # fmt: skip
     for impl in args.variants:
-        layers.EXPERT_IMPL = impl
         step = jax.jit(lambda *a: prefill_step_buffered(*a), donate_argnums=(1, 3))  # a fresh trace per implementation
         t = time.perf_counter()
-        compiled = step.lower(weights, eng.cache, batch, box[0]).compile()
+        with layers.expert_impl(impl):
+            compiled = step.lower(weights, eng.cache, batch, box[0]).compile()
         compile_s = time.perf_counter() - t
         with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
@@ -184,7 +182,6 @@ def prefill_chunk(args) -> list:
         wall = (time.perf_counter() - t) / 3 * 1e3
         profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
         report(summary, 1, f"prefill {T} {args.prefill_load} {impl}", wall, profile, compile_s)
-    layers.EXPERT_IMPL = "auto"
     eng.pages.release(pages[0])
     return summary
 
@@ -201,7 +198,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--sampling", nargs="+", default=["cond"], choices=["cond", "where", "greedy"],
+    ap.add_argument("--sampling", nargs="+", default=["where"], choices=["where", "cond", "greedy"],
                     help="host-bank strategies: how the sampler picks greedy or stochastic (see use_sampling)")  # fmt: skip
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
@@ -225,12 +222,12 @@ def main() -> int:
             impl = variant
             if impl == "slices" and B * cfg.top_k > 16:
                 continue
-            layers.EXPERT_IMPL = impl
             step = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
             state = DecodeState(engine.cache, jnp.arange(B, dtype=jnp.int32), jnp.full((B,), 64, jnp.int32))
             engine.cache = None
             t = time.perf_counter()
-            compiled = step.lower(engine.weights, state, batch).compile()
+            with layers.expert_impl(impl):
+                compiled = step.lower(engine.weights, state, batch).compile()
             compile_s = time.perf_counter() - t
             with open(os.path.join(args.out, f"decode_b{B}_{impl}.hlo.txt"), "w") as f:
                 f.write(compiled.as_text())

@@ -81,11 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         from freetoken_jax.bench.compare import run
         from freetoken_jax.models import layers
 
-        before, layers.EXPERT_IMPL = layers.EXPERT_IMPL, args.expert_impl
-        try:
+        with layers.expert_impl(args.expert_impl):
             run(args)
-        finally:
-            layers.EXPERT_IMPL = before
         return 0
     from freetoken_jax.bench.bw import profile_path, run_bw
 

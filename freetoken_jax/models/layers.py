@@ -8,6 +8,7 @@ routing are computed in float32 whatever the parameter dtype.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -294,6 +295,18 @@ EXPERT_IMPL = "auto"
 # "dense" computes at most this many bytes of float32 expert activations at once (a 512-token
 # chunk of Qwen3-30B-A3B needs 0.4 GB and goes in one piece).
 DENSE_SLICE_BYTES = 1 << 30
+
+
+@contextlib.contextmanager
+def expert_impl(impl: str):
+    """Steps traced inside compute routed experts by `impl` (see `routed_experts`); the previous
+    choice is back afterwards."""
+    global EXPERT_IMPL
+    before, EXPERT_IMPL = EXPERT_IMPL, impl
+    try:
+        yield
+    finally:
+        EXPERT_IMPL = before
 
 
 def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, impl: str | None = None) -> jax.Array:
