@@ -152,10 +152,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--impl", nargs="+", default=["auto"])
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64, help="decode steps per row, the first 4 (compile and warm-up) untimed; at least 5")
     ap.add_argument("--no-engine-path", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.steps < 5:
+        ap.error(f"--steps must be at least 5 (the first 4 are not timed), got {args.steps}")
     cfg = PRESETS[args.preset]
     ecfg = EngineConfig(
         dtype="bfloat16", max_context=args.prompt_len + args.steps + 16, max_batch=max(args.batch), page_size=16, prefill_chunk=128
