@@ -8,7 +8,7 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.memory.expert_cache import fetch_count
+from freetoken_jax.memory.expert_cache import SlotCache, fetch_count, find_misses, place_misses
 
 BASE = dict(dtype="float32", max_context=48, max_batch=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid", hybrid_overhead=0.0)
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
@@ -37,6 +37,51 @@ def test_fetch_count_with_handoff_overhead():
                 assert F in cands and cost(F) <= min(cost(c) for c in cands) + 1e-6, (M, q, o, F)
     assert int(fetch_count(jnp.int32(1), 0.37, 1.4)) == 1 and int(fetch_count(jnp.int32(1), 0.37, 0.0)) == 0
     assert int(fetch_count(jnp.int32(64), 0.37, 1.4)) < 64  # many misses still split
+
+
+def _random_cache(rng, L, E, S, N):
+    """A consistent slot cache: a random subset of the L·E experts resident in random slots."""
+    ids = rng.permutation(L * E)[: rng.integers(0, S + 1)]
+    slots = rng.permutation(S)[: len(ids)]
+    slot_for_id = np.full(L * E, -1, np.int32)
+    slot_for_id[ids] = slots
+    id_of_slot = np.full(S, -1, np.int32)
+    id_of_slot[slots] = ids
+    last_use = np.where(id_of_slot >= 0, rng.integers(0, 50, S), -1).astype(np.int32)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    z = jnp.zeros((S, 1), jnp.float32)
+    return SlotCache(
+        z, z, z, i32(slot_for_id), i32(id_of_slot), i32(last_use), i32(50), i32(np.zeros(L)), i32(np.zeros(L)),
+        i32(np.full((L, N), -1)), i32(rng.integers(-1, 50, L * E)), i32(np.zeros(L)),
+    )  # fmt: skip
+
+
+def test_misses_found_before_placing_agree_with_the_placed_maps():
+    """A hybrid step starts the CPU job from `find_misses` alone and places the fetched misses
+    while it runs: the entries it sends to the CPU must be exactly those whose expert is still
+    not resident once `place_misses` has run, and the fetched ones must all have landed."""
+    rng = np.random.default_rng(0)
+    L, E, T, K = 3, 8, 3, 2
+    for trial in range(60):
+        S = int(rng.integers(T * K, 16))
+        c = _random_cache(rng, L, E, S, T * K)
+        layer = int(rng.integers(0, L))
+        ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)  # repeats across tokens happen
+        valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
+        q = float(rng.choice([0.0, 0.3, 0.5, 1.0]))
+        m = find_misses(c, layer, ids, valid, E, q)
+        new, slots_TK, plan = place_misses(c, layer, m, E, T, K)
+        flat = layer * E + np.asarray(ids).reshape(-1)
+        v = np.repeat(np.asarray(valid) != 0, K)
+        after = np.asarray(new.slot_for_id)[flat]
+        np.testing.assert_array_equal(np.asarray(m.on_cpu), v & (after < 0), err_msg=str(trial))
+        missed = len({int(f) for f, ok, s in zip(flat, v, np.asarray(c.slot_for_id)[flat]) if ok and s < 0})
+        assert int(np.sum(m.miss)) == int(fetch_count(jnp.int32(missed), q)), trial
+        assert int(np.sum(m.miss)) + int(np.sum(m.to_cpu)) == missed, trial
+        on_gpu = v & ~np.asarray(m.on_cpu)
+        np.testing.assert_array_equal(np.asarray(slots_TK).reshape(-1)[on_gpu], after[on_gpu])
+        np.testing.assert_array_equal(np.asarray(new.id_of_slot)[after[on_gpu]], flat[on_gpu])
+        assert set(np.asarray(plan.dst_N)[np.asarray(plan.valid_N)]) <= set(after[on_gpu])
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])

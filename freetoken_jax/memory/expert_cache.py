@@ -84,21 +84,37 @@ def fetch_count(M, q, overhead: float = 0.0):
     return jnp.where(cost(M) <= cost(best), M, best) if overhead else best
 
 
-def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, q=None, overhead: float = 0.0):
-    """Maps every routed (layer, expert) of valid tokens to a slot, choosing least-recently-used
-    victims for misses among the slots this layer does not need. Returns the new cache, each
-    entry's slot [T, k], the fetch plan and which entries run on the CPU [T, k] (strategy
-    "hybrid": with `q` given, only `fetch_count(M, q)` of the M misses — the most recently routed
-    ones — are fetched; the rest stay in host RAM and are computed there). Requires S ≥ T·k."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerMisses:
+    """A layer's routed entries [N = T·k] against the cache as it was: which are the first valid
+    occurrence of their expert, which miss and will be fetched (`miss`), which misses stay in
+    host RAM (`to_cpu`) and which entries those experts' computation leaves on the CPU."""
+
+    flat: jax.Array  # int32 [N] flat expert ids
+    valid: jax.Array  # bool [N]
+    first: jax.Array  # bool [N]
+    slot: jax.Array  # int32 [N] slot before this layer (-1: not resident)
+    miss: jax.Array  # bool [N]: fetched into a victim slot
+    to_cpu: jax.Array  # bool [N]: misses left in host RAM (first occurrences)
+    on_cpu: jax.Array  # bool [N]: every entry of an expert left in host RAM
+
+
+def find_misses(
+    c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, q=None, overhead: float = 0.0
+) -> LayerMisses:
+    """What a layer's routing misses and (with `q`, strategy
+    "hybrid") which misses the CPU computes — only `fetch_count(M, q)` of the M misses, the most
+    recently routed ones, are fetched. Touches no state: a hybrid step starts the CPU job from
+    this and places the fetched misses (`place_misses`) while the CPU computes."""
     T, K = ids_TK.shape
-    N, S = T * K, c.num_slots
+    N = T * K
     flat = moe_layer * num_experts + ids_TK.reshape(N).astype(jnp.int32)
-    valid = jnp.repeat(valid_T, K)
+    valid = jnp.repeat(valid_T != 0, K)
     same = (flat[:, None] == flat[None, :]) & valid[None, :]
     first = valid & ~jnp.any(jnp.tril(same, -1), axis=1)  # first valid occurrence of each id
     slot = c.slot_for_id[flat]
-    resident = slot >= 0
-    miss = first & ~resident
+    miss = first & (slot < 0)
     to_cpu = jnp.zeros_like(miss)
     if q is not None:
         recent = jnp.where(miss, c.last_routed[flat], -2)
@@ -109,6 +125,17 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
         rank = jnp.sum(ahead, axis=1)  # among misses, most recently routed first
         to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q, overhead))
         miss = miss & ~to_cpu
+    on_cpu = valid & jnp.any(same.T & to_cpu[None, :], axis=1) if q is not None else jnp.zeros_like(miss)
+    return LayerMisses(flat, valid, first, slot, miss, to_cpu, on_cpu)
+
+
+def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int):
+    """Chooses least-recently-used victims for the fetched misses
+    among the slots this layer does not need and updates the maps, clocks and counters. Returns
+    the new cache, each entry's slot [T, k] (0 for entries on the CPU) and the fetch plan."""
+    N, S = T * K, c.num_slots
+    flat, valid, slot, miss = m.flat, m.valid, m.slot, m.miss
+    resident = slot >= 0
     in_use = jnp.zeros((S,), bool).at[jnp.where(valid & resident, slot, S)].set(True, mode="drop")
     # Victims: the N least recently used slots not in use (empty slots first; ties by index).
     _, order = jax.lax.top_k(-jnp.where(in_use, _NEVER, c.last_use), N)
@@ -119,9 +146,9 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
     slot_for_id = c.slot_for_id.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
     slot_for_id = slot_for_id.at[jnp.where(miss, flat, oob)].set(victim, mode="drop")
     id_of_slot = c.id_of_slot.at[victim].set(flat, mode="drop")
-    on_cpu = valid & (slot_for_id[flat] < 0)  # every entry of an expert left in host RAM
-    slots_TK = jnp.where(valid & ~on_cpu, slot_for_id[flat], 0).reshape(T, K)
-    last_use = c.last_use.at[jnp.where(valid & ~on_cpu, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
+    on_gpu = valid & ~m.on_cpu
+    slots_TK = jnp.where(on_gpu, slot_for_id[flat], 0).reshape(T, K)
+    last_use = c.last_use.at[jnp.where(on_gpu, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
     routed = (
         jnp.full((c.routed_LN.shape[1],), -1, jnp.int32)
         .at[: min(N, c.routed_LN.shape[1])]
@@ -129,14 +156,14 @@ def ensure(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, 
     )
     new = c.with_(
         slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1,
-        hits_L=c.hits_L.at[moe_layer].add(jnp.sum(first & resident)),
+        hits_L=c.hits_L.at[moe_layer].add(jnp.sum(m.first & resident)),
         misses_L=c.misses_L.at[moe_layer].add(jnp.sum(miss)),
         routed_LN=c.routed_LN.at[moe_layer].set(routed),
         last_routed=c.last_routed.at[jnp.where(valid, flat, oob)].set(c.clock, mode="drop"),
-        cpu_L=c.cpu_L.at[moe_layer].add(jnp.sum(to_cpu)),
+        cpu_L=c.cpu_L.at[moe_layer].add(jnp.sum(m.to_cpu)),
     )  # fmt: skip
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
-    return new, slots_TK, plan, on_cpu.reshape(T, K)
+    return new, slots_TK, plan
 
 
 def borrow_for_prefill(c: SlotCache, num_experts: int) -> tuple[SlotCache, jax.Array]:

@@ -1,7 +1,7 @@
 """Expert execution with the experts in host memory (strategy "offload").
 
-Decode: per MoE layer, `ensure` maps the routed experts to slots of the unified slot cache, the
-Pallas fetch kernel copies the misses from the host banks into their victim slots (in place, on
+Decode: per MoE layer, `find_misses` finds what the routed experts miss in the unified slot cache,
+`place_misses` maps them to victim slots, the Pallas fetch kernel copies the misses from the host banks into their victim slots (in place, on
 the donated slot arrays), and the experts are computed from the slots.
 
 Prefill (many tokens touch most experts of a layer) loads whole layers. With at least 2E slots
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, ensure, keep_buffer
+from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
 from freetoken_jax.models.layers import routed_experts
 from pallas_kernels.expert_fetch import fetch_rows_many
 
@@ -151,21 +151,24 @@ class OffloadExecutor:
             cpu = CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T, self.handoff).layer(m)
 
         def fn(x_TD, ids_TK, w_TK):
-            c, slots_TK, plan, on_cpu = ensure(
-                self.cache, m, ids_TK, self.valid_T, self.cfg.num_experts, self.hybrid_q, self.hybrid_overhead
-            )
-            arrays = (c.gate_SR, c.up_SR, c.down_SR)
+            T, K = ids_TK.shape
+            E = self.cfg.num_experts
+            misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
 
-            def gpu_side(arrays):
+            def gpu_side(c):
+                c, slots_TK, plan = place_misses(c, m, misses, E, T, K)
+                arrays = (c.gate_SR, c.up_SR, c.down_SR)
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
-                return routed_experts(x_TD, slots_TK, jnp.where(on_cpu, 0.0, w_TK), *self._shaped(*fetched), self.cfg.hidden_act)
+                w_gpu = jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK)
+                return routed_experts(x_TD, slots_TK, w_gpu, *self._shaped(*fetched), self.cfg.hidden_act)
 
             if cpu is None:
-                return gpu_side(arrays)
-            # The CPU job starts first; the fetch and the GPU experts run between its submit and
-            # its wait, so the three run at once.
-            gpu, host = cpu.around(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0), self.valid_T, gpu_side, arrays)
+                return gpu_side(self.cache)
+            # The CPU job starts as soon as the layer knows its misses; choosing victims, the
+            # fetch and the GPU experts run between its submit and its wait, so they overlap it.
+            w_cpu = jnp.where(misses.on_cpu.reshape(T, K), w_TK, 0.0)
+            gpu, host = cpu.around(x_TD, ids_TK, w_cpu, self.valid_T, gpu_side, self.cache)
             return (gpu.astype(jnp.float32) + host).astype(x_TD.dtype)
 
         return fn
