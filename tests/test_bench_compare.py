@@ -15,11 +15,15 @@ ROW_KEYS = {"strategy", "batch", "vram_gb", "slots", "routing_skew", "ms_per_tok
 def test_decode_side_by_side(tmp_path, capsys):
     out = tmp_path / "decode.json"
     argv = ["decode", "--preset", "demo", "--strategy", "offload", "hybrid", "naive", "cpu", "--vram-gb", "0.0005", "0.002",
-            "--gen-len", "8", "--routing-skew", "0", "--q", "0.1", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+            "--gen-len", "8", "--routing-skew", "0", "--q", "0.1", "1", "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     d = json.loads(out.read_text())
-    assert d["kind"] == "decode" and d["q"] == 0.1 and d["h2d_gb_s"] > 0 and d["executor_gb_s"] > 0
-    rows = {(r["strategy"], r["vram_gb"]): r for r in d["rows"]}
+    assert d["kind"] == "decode" and d["h2d_gb_s"] > 0 and d["executor_gb_s"] > 0
+    assert d["q"] == pytest.approx(d["h2d_gb_s"] / (d["h2d_gb_s"] + d["executor_gb_s"]))  # q*, measured
+    # one hybrid row per --q value, each with its own executable: at q = 1 every miss is fetched
+    full = {r["vram_gb"]: r for r in d["rows"] if r["strategy"] == "hybrid" and r["q"] == 1}
+    assert set(full) == {0.0005, 0.002} and all(r["experts_on_cpu_per_step"] == 0 for r in full.values())
+    rows = {(r["strategy"], r["vram_gb"]): r for r in d["rows"] if r["q"] != 1}
     assert set(rows) == {("offload", 0.0005), ("offload", 0.002), ("hybrid", 0.0005), ("hybrid", 0.002), ("naive", None), ("cpu", None)}
     for r in d["rows"]:
         assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bound_ms"] > 0 and r["routing_skew"] == 0

@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--strategy", nargs="+", choices=choices, default=default)
         p.add_argument("--vram-gb", type=float, nargs="+", default=[16.0], help="device memory for expert slots, GB (offload, hybrid)")
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-        p.add_argument("--q", type=float, default=None, help="hybrid q* (default: Bp / (Bp + Bh) measured in this run)")
+        p.add_argument("--q", type=float, nargs="+", default=None,
+                       help="hybrid's share of misses fetched over PCIe, one hybrid row per value (default: q* = Bp / (Bp + Bh) measured in this run)")  # fmt: skip
         p.add_argument("--json", default=None, help="write the figures here")
         p.add_argument("--expert-impl", default="auto", choices=["auto", "gather", "ragged", "dense"],
                        help="how routed experts are computed (models.layers.routed_experts)")  # fmt: skip

@@ -123,10 +123,12 @@ class Bench:
         slots = {"naive": B * self.cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
         return self.slots_for(vram_gb, B) if variant in ("offload", "hybrid") else slots
 
-    def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, **_) -> tuple:
-        """What a row's decode executable depends on: the weights variant, the batch, the slots
-        and the page-table width (the routing skew is a traced value: any skew, one executable)."""
-        return (label or variant, B, self._decode_slots(variant, B, vram_gb), self._table_pages(prompt_len, steps), skew is None)
+    def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, q=None, **_) -> tuple:
+        """What a row's decode executable depends on: the weights variant (with hybrid's q, a
+        constant of the step), the batch, the slots and the page-table width (the routing skew
+        is a traced value: any skew, one executable)."""
+        split = q if variant == "hybrid" else None
+        return (label or variant, split, B, self._decode_slots(variant, B, vram_gb), self._table_pages(prompt_len, steps), skew is None)
 
     @staticmethod
     def _row_tokens(prompt_len: int, steps: int) -> int:
@@ -198,7 +200,7 @@ class Bench:
         if weights is None:
             return None
         slots = self._decode_slots(variant, B, vram_gb)
-        key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
+        key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label, q=q)
         rng = np.random.default_rng(7 + B)
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
         pages = [eng.pages.allocate(self._row_tokens(prompt_len, steps)) for _ in range(B)]
@@ -410,7 +412,8 @@ def run(args) -> dict:
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
                   max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
                   prefill_chunk=getattr(args, "chunk", 64))  # fmt: skip
-    q = args.q if args.q is not None else bench.bp / (bench.bp + bench.bh)
+    q = bench.bp / (bench.bp + bench.bh)  # q*, from this run's measured bandwidths
+    hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                dtype=args.dtype, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
@@ -427,10 +430,11 @@ def run(args) -> dict:
             write()
 
     if args.cmd == "decode":
-        rows = [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, q=q, skew=skew,
+        rows = [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, q=split, skew=skew,
                      steps=min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len)
                 for skew in args.routing_skew for B in args.batch for s in args.strategy
-                for vram in (args.vram_gb if s in ("offload", "hybrid", "transformers") else [None])]  # fmt: skip
+                for vram in (args.vram_gb if s in ("offload", "hybrid", "transformers") else [None])
+                for split in (hybrid_qs if s == "hybrid" else [q])]  # fmt: skip
         if getattr(args, "compile_workers", 1) > 1:
             # fused builds a second engine on first use: not from several threads
             bench.precompile([r for r in rows if r["variant"] not in ("transformers", "fused")], args.compile_workers)
@@ -451,7 +455,8 @@ def run(args) -> dict:
     else:
         for n in args.prompt_len:
             for s in args.strategy:
-                keep(bench.prefill(s, n, q, args.vram_gb[0]))
+                for split in hybrid_qs if s == "hybrid" else [q]:
+                    keep(bench.prefill(s, n, split, args.vram_gb[0]))
         cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
                 ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
     print(table(out["rows"], cols))
