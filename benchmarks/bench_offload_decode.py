@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     hybrid = bench.weights("hybrid", q, args.routing_skew)
     own = {
         "hybrid-cb": dataclasses.replace(hybrid, handoff="callback"),
-        "hybrid-q1": dataclasses.replace(hybrid, hybrid_q=1.0),
+        "hybrid-q1": dataclasses.replace(hybrid, hybrid_q=jnp.float32(1.0)),
     }
     if args.check:
         out["check"] = check_against_fused(bench, hybrid)

@@ -245,6 +245,12 @@ class EngineConfig:
     # steps under hybrid and under offload (batch 1, sampled) and keeps the faster; 0: trust the
     # recommendation. A measured bandwidth rule can be wrong end to end; this checks it.
     auto_probe_steps: int = 16
+    # Strategy "auto", with the probe above: hybrid is also measured at the recommended q plus
+    # each of these (clamped to [0, 1]; q is traced, so no step compiles again) and keeps the
+    # fastest. On the H200 (Qwen3-30B-A3B shape, 16 GB of slots) the best q was 0.05-0.1 below
+    # q* = Bp / (Bp + Bh): the GPU side of a layer also places its misses and computes its
+    # hits while the CPU computes, and both read host memory at once.
+    auto_probe_q_offsets: tuple[float, ...] = (-0.05, -0.1, 0.05)
     page_size: int = 16
     max_context: int = 4096
     max_batch: int = 8
@@ -269,6 +275,8 @@ class EngineConfig:
             raise ConfigError(f"prefill_chunk must be a power of two, got {self.prefill_chunk}")
         if self.cpu_handoff not in ("auto", "ffi", "ffi_nograph", "callback"):
             raise ConfigError(f"cpu_handoff must be auto, ffi, ffi_nograph or callback, got {self.cpu_handoff!r}")
+        if not all(isinstance(d, (int, float)) and -1.0 <= d <= 1.0 for d in self.auto_probe_q_offsets):
+            raise ConfigError(f"auto_probe_q_offsets must be numbers in [-1, 1], got {self.auto_probe_q_offsets!r}")
         if self.auto_probe_steps < 0:
             raise ConfigError(f"auto_probe_steps must not be negative, got {self.auto_probe_steps}")
         if self.prefill_load not in ("auto", "fetch", "copy"):

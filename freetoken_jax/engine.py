@@ -176,7 +176,7 @@ class FreeTokenEngine:
         elif ecfg.moe_strategy in ("offload", "hybrid", "cpu"):
             params = to_host_banks(params)
         host = host_bank_views(params) if ecfg.moe_strategy in ("cpu", "hybrid") else None
-        hybrid_q = ecfg.hybrid_q if ecfg.moe_strategy == "hybrid" else None
+        hybrid_q = jnp.float32(ecfg.hybrid_q) if ecfg.moe_strategy == "hybrid" else None
         self.weights = Weights(
             params, graphdef, ecfg.moe_strategy, host, hybrid_q, resolve_mode(ecfg.cpu_handoff), ecfg.hybrid_overhead, ecfg.prefill_load
         )
@@ -212,13 +212,26 @@ class FreeTokenEngine:
         return n / max(time.perf_counter() - t0, 1e-9)
 
     def _check_hybrid_choice(self, steps: int) -> None:
-        """Keeps "hybrid" only if it decodes at least as fast as "offload" here (both measured)."""
-        hybrid = self.weights
-        h = self._decode_rate(steps)
+        """Measures hybrid at the recommended q and at q + each of `auto_probe_q_offsets` (one
+        executable: q is traced), keeps the fastest q, and keeps "hybrid" only if it then decodes
+        at least as fast as "offload" here."""
+        hybrid, q0 = self.weights, self.engine_config.hybrid_q
+        rates: dict[float, float] = {}
+        for d in (0.0, *self.engine_config.auto_probe_q_offsets):
+            q = round(min(1.0, max(0.0, q0 + d)), 6)
+            if q not in rates:
+                self.weights = dataclasses.replace(hybrid, hybrid_q=jnp.float32(q))
+                rates[q] = self._decode_rate(steps)
+        q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
+        h, hybrid = rates[q], dataclasses.replace(hybrid, hybrid_q=jnp.float32(q))
         self.weights = dataclasses.replace(hybrid, strategy="offload", host_banks=None, hybrid_q=None)
         o = self._decode_rate(steps)
+        if len(rates) > 1:
+            tried = ", ".join(f"{k:g}: {v:.1f}" for k, v in sorted(rates.items()))
+            self.strategy_reason += f"; q probe (tok/s at q {tried}): q = {q:g}"
         if h >= o:
             self.weights = hybrid
+            self.engine_config = self.engine_config.replace(hybrid_q=q)
             self.strategy_reason += f"; decode probe: hybrid {h:.1f} tok/s >= offload {o:.1f} tok/s"
         else:
             self.engine_config = self.engine_config.replace(moe_strategy="offload")

@@ -185,10 +185,28 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
         assert e.engine_config.moe_strategy == e.weights.strategy == kept
         assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
         assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
+        if kept == "hybrid":  # every q measured the same: the recommendation stays
+            assert e.engine_config.hybrid_q == 0.3 and float(e.weights.hybrid_q) == pytest.approx(0.3)
+    # the q probe keeps the fastest q of 0.3 + (0, -0.05, -0.1, 0.05)
+    seen = []
+
+    def rate(self, steps):
+        if self.weights.strategy == "offload":
+            return 1.0
+        seen.append(round(float(self.weights.hybrid_q), 4))
+        return {0.2: 9.0, 0.25: 7.0}.get(seen[-1], 5.0)
+
+    monkeypatch.setattr(FreeTokenEngine, "_decode_rate", rate)
+    e = FreeTokenEngine(cfg, ecfg)
+    assert sorted(seen) == [0.2, 0.25, 0.3, 0.35]
+    assert e.engine_config.hybrid_q == pytest.approx(0.2) and float(e.weights.hybrid_q) == pytest.approx(0.2)
+    assert "q = 0.2" in e.strategy_reason and e.get_metrics()["hybrid_q"] == pytest.approx(0.2)
+    assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
     monkeypatch.undo()
     monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     e = FreeTokenEngine(cfg, ecfg)  # measured for real: the choice follows the two figures it reports
     h, o = (float(x) for x in re.findall(r"hybrid ([0-9.]+) tok/s .* offload ([0-9.]+) tok/s", e.strategy_reason)[0])
     assert e.engine_config.moe_strategy == ("hybrid" if h >= o else "offload")
+    assert e._traces.get("decode_step") == 2  # four values of q and offload: two executables
     m = e.get_metrics()
     assert m["requests"] == 0 and m["generated_tokens"] == 0  # the probe's tokens are not the user's

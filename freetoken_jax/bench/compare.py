@@ -104,7 +104,7 @@ class Bench:
         w = self.engine.weights
         if variant in ("hybrid", "cpu"):
             w = dataclasses.replace(w, strategy=variant, host_banks=self.views, handoff=resolve_mode("auto"),
-                                    hybrid_q=q if variant == "hybrid" else None)  # fmt: skip
+                                    hybrid_q=jnp.float32(q) if variant == "hybrid" else None)  # fmt: skip
         if variant == "fused":
             if self._fused is None:
                 from freetoken_jax import FreeTokenEngine
@@ -123,12 +123,11 @@ class Bench:
         slots = {"naive": B * self.cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
         return self.slots_for(vram_gb, B) if variant in ("offload", "hybrid") else slots
 
-    def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, q=None, **_) -> tuple:
-        """What a row's decode executable depends on: the weights variant (with hybrid's q, a
-        constant of the step), the batch, the slots and the page-table width (the routing skew
-        is a traced value: any skew, one executable)."""
-        split = q if variant == "hybrid" else None
-        return (label or variant, split, B, self._decode_slots(variant, B, vram_gb), self._table_pages(prompt_len, steps), skew is None)
+    def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, **_) -> tuple:
+        """What a row's decode executable depends on: the weights variant, the batch, the slots
+        and the page-table width (the routing skew and hybrid's q are traced values: any skew,
+        any q, one executable)."""
+        return (label or variant, B, self._decode_slots(variant, B, vram_gb), self._table_pages(prompt_len, steps), skew is None)
 
     @staticmethod
     def _row_tokens(prompt_len: int, steps: int) -> int:
@@ -200,7 +199,7 @@ class Bench:
         if weights is None:
             return None
         slots = self._decode_slots(variant, B, vram_gb)
-        key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label, q=q)
+        key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
         rng = np.random.default_rng(7 + B)
         prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
         pages = [eng.pages.allocate(self._row_tokens(prompt_len, steps)) for _ in range(B)]
@@ -285,7 +284,7 @@ class Bench:
             strategy=label or variant, batch=B, vram_gb=vram_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
             routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=None if ttft is None else ttft * 1e3, hit_rate=float(hit),
             gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
-            q=weights.hybrid_q, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
+            q=None if weights.hybrid_q is None else float(weights.hybrid_q), bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
         )  # fmt: skip
         if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
             c = hs["count"]

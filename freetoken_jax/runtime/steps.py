@@ -33,7 +33,9 @@ class Weights:
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
     strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
-    hybrid_q: float | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # Strategy "hybrid": the share of misses fetched, a traced float32 scalar (any q, one
+    # executable; the engine's probe tries several). None for every other strategy.
+    hybrid_q: Any = None
     handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # see runtime/handoff.py
     hybrid_overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # see EngineConfig
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))  # see EngineConfig
