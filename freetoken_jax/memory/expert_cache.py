@@ -103,10 +103,10 @@ class LayerMisses:
 def find_misses(
     c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, q=None, overhead: float = 0.0
 ) -> LayerMisses:
-    """What a layer's routing misses and (with `q`, strategy
-    "hybrid") which misses the CPU computes — only `fetch_count(M, q)` of the M misses, the most
-    recently routed ones, are fetched. Touches no state: a hybrid step starts the CPU job from
-    this and places the fetched misses (`place_misses`) while the CPU computes."""
+    """What a layer's routing misses and (with `q`, strategy "hybrid") which misses the CPU
+    computes: only `fetch_count(M, q)` of the M misses, the most recently routed ones, are
+    fetched. Touches no state: a hybrid step starts the CPU job from this and places the fetched
+    misses (`place_misses`) while the CPU computes. Requires S ≥ T·k."""
     T, K = ids_TK.shape
     N = T * K
     flat = moe_layer * num_experts + ids_TK.reshape(N).astype(jnp.int32)
@@ -130,9 +130,9 @@ def find_misses(
 
 
 def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int):
-    """Chooses least-recently-used victims for the fetched misses
-    among the slots this layer does not need and updates the maps, clocks and counters. Returns
-    the new cache, each entry's slot [T, k] (0 for entries on the CPU) and the fetch plan."""
+    """Chooses least-recently-used victims for the fetched misses among the slots this layer does
+    not need and updates the maps, clocks and counters. Returns the new cache, each entry's slot
+    [T, k] (0 for entries on the CPU) and the fetch plan."""
     N, S = T * K, c.num_slots
     flat, valid, slot, miss = m.flat, m.valid, m.slot, m.miss
     resident = slot >= 0

@@ -1,8 +1,9 @@
 """Expert execution with the experts in host memory (strategy "offload").
 
-Decode: per MoE layer, `find_misses` finds what the routed experts miss in the unified slot cache,
-`place_misses` maps them to victim slots, the Pallas fetch kernel copies the misses from the host banks into their victim slots (in place, on
-the donated slot arrays), and the experts are computed from the slots.
+Decode: per MoE layer, `find_misses` finds what the routed experts miss in the unified slot
+cache, `place_misses` maps the misses to victim slots, the Pallas fetch kernel copies them from the
+host banks into those slots (in place, on the donated slot arrays), and the experts are computed
+from the slots.
 
 Prefill (many tokens touch most experts of a layer) loads whole layers. With at least 2E slots
 it borrows the 2E least recently used slots as two layer buffers (`borrow_for_prefill` empties
