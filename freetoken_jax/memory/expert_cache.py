@@ -115,7 +115,7 @@ def find_misses(
     first = valid & ~jnp.any(jnp.tril(same, -1), axis=1)  # first valid occurrence of each id
     slot = c.slot_for_id[flat]
     miss = first & (slot < 0)
-    to_cpu = jnp.zeros_like(miss)
+    to_cpu = on_cpu = jnp.zeros_like(miss)
     if q is not None:
         recent = jnp.where(miss, c.last_routed[flat], -2)
         idx = jnp.arange(N)
@@ -125,7 +125,7 @@ def find_misses(
         rank = jnp.sum(ahead, axis=1)  # among misses, most recently routed first
         to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q, overhead))
         miss = miss & ~to_cpu
-    on_cpu = valid & jnp.any(same.T & to_cpu[None, :], axis=1) if q is not None else jnp.zeros_like(miss)
+        on_cpu = valid & jnp.any(same & to_cpu[None, :], axis=1)  # entries whose expert stays in host RAM
     return LayerMisses(flat, valid, first, slot, miss, to_cpu, on_cpu)
 
 

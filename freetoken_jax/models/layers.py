@@ -350,8 +350,6 @@ def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, imp
             h = f(jnp.einsum("td,efd->etf", x, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x, up_EFD, **mm)
             return jnp.einsum("etf,edf->td", (h * w[:, :, None]).astype(dt), down_EDF, **mm).astype(dt)
 
-        if step >= T:
-            return dense(x_TD, w_ET)
         return jnp.concatenate([dense(x_TD[t : t + step], w_ET[:, t : t + step]) for t in range(0, T, step)])
     if impl == "slices":
         rows = []
