@@ -449,7 +449,7 @@ def run(args) -> dict:
             write()
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
-                ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q*", ".2f"),
+                ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q", ".2f"),
                 ("ratio_to_bound", "of bound", ".2f"), ("x_naive", "x naive", ".2f")]  # fmt: skip
     else:
         for n in args.prompt_len:
