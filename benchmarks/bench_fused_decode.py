@@ -12,7 +12,6 @@ distinct experts actually routed to, measured on the benchmark's own tokens).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -26,9 +25,10 @@ from flax import nnx
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.bench.measure import copy_bandwidth
 from freetoken_jax.bench.presets import PRESETS
+from freetoken_jax.memory.kv_cache import KVView
 from freetoken_jax.models import layers
-from freetoken_jax.runtime.kv_cache import KVView
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step
+from freetoken_jax.runtime.runner import ModelRunner
+from freetoken_jax.runtime.steps import DecodeBatch, PrefillBatch, Sampling
 
 
 def routed_ids(engine, state, batch):
@@ -66,38 +66,36 @@ def bench(engine: FreeTokenEngine, B: int, prompt_len: int, steps: int, impl: st
     cfg, ecfg = engine.model_config, engine.engine_config
     rng = np.random.default_rng(B)
     prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
-    # Prefill through the engine's own path, then drive the jitted decode step directly.
-    pages = [engine.pages.allocate(prompt_len + steps + 2) for _ in range(B)]
-    table, _ = engine.page_table(pages, B)
+    # A runner of B rows over the engine's weights: prefill, then its decode step, timed.
+    runner = ModelRunner(cfg, ecfg.replace(max_batch=B), engine.weights, engine.experts, engine.plan)
+    table = np.zeros((B, ecfg.pages_per_sequence), np.int32)
+    for b in range(B):
+        pages = runner.pages.allocate(prompt_len + steps + 2)
+        table[b, : len(pages)] = pages
     sampling = Sampling.greedy(B)
-    first = None
     t0 = time.perf_counter()
-    for _s, _T, tok in engine.prefill_chunks(prompts, table, sampling, engine._prefill):
-        first = tok
+    for start in range(0, prompt_len, ecfg.prefill_chunk):
+        T = min(ecfg.prefill_chunk, prompt_len - start)
+        first = runner.prefill(PrefillBatch.chunk([p[start : start + T] for p in prompts], [start] * B, table, T, sampling))
     jax.block_until_ready(first)
     ttft_incl_compile = time.perf_counter() - t0
-    step = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
+    runner.set_rows(np.arange(B), first, np.full(B, prompt_len))
     batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), sampling)
-    state = DecodeState(engine.cache, jnp.copy(first), jnp.full((B,), prompt_len, jnp.int32))
-    engine.cache = None
-    ids = routed_ids(engine, state, batch)  # [L_moe, B, k]
+    ids = routed_ids(engine, runner.state, batch)  # [L_moe, B, k]
     distinct = np.mean([len(np.unique(ids[i])) for i in range(ids.shape[0])])
     t0 = time.perf_counter()
-    nxt, state = step(engine.weights, state, batch)
-    nxt.block_until_ready()
+    runner.decode(batch).block_until_ready()
     compile_s = time.perf_counter() - t0
     for _ in range(3):
-        nxt, state = step(engine.weights, state, batch)
-    nxt.block_until_ready()
+        runner.decode(batch)
     n = steps - 4
+    runner.state.tokens_B.block_until_ready()
     t0 = time.perf_counter()
     for _ in range(n):
-        nxt, state = step(engine.weights, state, batch)
-    nxt.block_until_ready()
+        runner.decode(batch)
+    runner.state.tokens_B.block_until_ready()
     dt = (time.perf_counter() - t0) / n
-    engine.cache = state.cache
-    for p in pages:
-        engine.pages.release(p)
+    runner.close()
 
     # Bytes one step reads: every dense weight but the embedding table (B rows of it), the distinct
     # routed experts, and the KV pages attended over (the page-table bucket).

@@ -27,15 +27,14 @@ import sys
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from freetoken_jax.bench.compare import Bench  # noqa: E402
 from freetoken_jax.bench.presets import PRESETS  # noqa: E402
-from freetoken_jax.memory.expert_cache import init_slot_cache  # noqa: E402
+from freetoken_jax.runtime.routing import SyntheticRouting  # noqa: E402
 
 
-def check_against_fused(bench: Bench, hybrid_weights, n=12) -> dict:
+def check_against_fused(bench: Bench, hybrid, n=12) -> dict:
     """Greedy tokens of the same seeded weights under "fused", "offload" and "hybrid"."""
     from freetoken_jax import FreeTokenEngine
 
@@ -45,14 +44,12 @@ def check_against_fused(bench: Bench, hybrid_weights, n=12) -> dict:
     a = list(fused.generate(prompt, max_new_tokens=n, ignore_eos=True))
     del fused
     b = list(eng.generate(prompt, max_new_tokens=n, ignore_eos=True))
-    plain, eng.weights = eng.weights, hybrid_weights
+    plain = eng.experts
     try:
-        eng.slots = jax.device_put(
-            init_slot_cache(cfg, 4 * cfg.top_k * ecfg.max_batch, ecfg.max_batch, jnp.dtype(ecfg.dtype)), jax.devices()[0]
-        )
+        eng.use(hybrid)
         c = list(eng.generate(prompt, max_new_tokens=n, ignore_eos=True))
     finally:
-        eng.weights = plain
+        eng.use(plain)
     return dict(offload_equal=a == b, hybrid_equal=a == c, tokens=n)
 
 
@@ -80,10 +77,15 @@ def main(argv=None) -> int:
     q = args.q if args.q is not None else bench.bp / (bench.bp + bench.bh)
     out = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, argv=sys.argv, copy_bw_tb_s=bench.hbm / 1e12,
                h2d_gb_s=bench.bp / 1e9, executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
-    hybrid = bench.weights("hybrid", q, args.routing_skew)
+    hybrid = bench.variant("hybrid", q, None)[1]
+
+    def skewed(experts):
+        return experts if args.routing_skew is None else SyntheticRouting(experts, float(args.routing_skew))
+
     own = {
+        "hybrid": hybrid,
         "hybrid-cb": dataclasses.replace(hybrid, handoff="callback"),
-        "hybrid-q1": dataclasses.replace(hybrid, hybrid_q=jnp.float32(1.0)),
+        "hybrid-q1": hybrid.with_q(1.0),
     }
     if args.check:
         out["check"] = check_against_fused(bench, hybrid)
@@ -99,11 +101,11 @@ def main(argv=None) -> int:
         base, _, nograph = parse(v)
         strategy = {"cached": "offload", "hybrid-cb": "hybrid", "hybrid-q1": "hybrid"}.get(base, base)
         steps = args.layer_steps if v == "layer" else args.steps
-        weights = own.get(base, hybrid if base == "hybrid" else None)
-        if nograph and weights is not None:
-            weights = dataclasses.replace(weights, handoff="ffi_nograph")
+        experts = own.get(base)
+        if nograph and experts is not None:
+            experts = dataclasses.replace(experts, handoff="ffi_nograph")
         return dict(variant=strategy, B=B, vram_gb=args.expert_gb, prompt_len=args.prompt_len, steps=steps, q=q,
-                    skew=args.routing_skew, weights=weights, label=v)  # fmt: skip
+                    skew=args.routing_skew, experts=None if experts is None else skewed(experts), label=v)  # fmt: skip
 
     if args.compile_workers > 1:
         bench.precompile([row(v, B) for B in args.batch for v in args.variants], args.compile_workers)

@@ -29,10 +29,12 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
 from freetoken_jax.bench.presets import preset_config  # noqa: E402
+from freetoken_jax.memory.kv_cache import init_cache  # noqa: E402
 from freetoken_jax.models import layers  # noqa: E402
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
 
@@ -60,40 +62,34 @@ def report(summary: list, B: int, name: str, wall: float, profile, compile_s: fl
 
 
 def host_bank_strategies(args) -> list:
-    """Profiles the decode step of host-bank strategies on `bench decode`'s engine."""
-    import numpy as np
-
+    """Profiles the decode step of host-bank strategies as `bench decode` runs them (a runner of
+    each variant's backend and geometry over one set of host banks)."""
     from freetoken_jax.bench.compare import Bench
-    from freetoken_jax.memory.expert_cache import init_slot_cache
 
     bench = Bench(args.preset, dtype=args.dtype, max_batch=max(args.batch), max_context=256)
     q = bench.bp / (bench.bp + bench.bh)
-    eng, cfg, summary = bench.engine, bench.cfg, []
+    summary = []
     for B, s, sampling in [(B, s, m) for B in args.batch for s in args.strategies for m in args.sampling]:
-        weights = bench.weights(s, q, args.routing_skew)
         use_sampling(bench, sampling)
+        runner = bench._runner(*bench.variant(s, q, args.routing_skew), B, bench._decode_slots(s, B, args.vram_gb))
         t = time.perf_counter()
-        prompt_len, steps = 16, args.warm + 30
-        compiled = bench.compile_decode(s, B, args.vram_gb, prompt_len, steps, q, args.routing_skew, weights)
+        step, shapes = runner.decode_job()
+        compiled = step.lower(*shapes).compile()
         compile_s = time.perf_counter() - t
-        slots = bench._decode_slots(s, B, args.vram_gb)
-        pages = [eng.pages.allocate(bench._row_tokens(prompt_len, steps)) for _ in range(B)]
-        table, _ = eng.page_table(pages, B)
-        experts = None if slots is None else init_slot_cache(cfg, slots, bench.ecfg.max_batch, jnp.dtype(bench.ecfg.dtype))
-        box = [DecodeState.start(eng.cache, np.arange(B), np.full(B, prompt_len), experts)]
-        eng.cache = None
+        table = np.zeros((B, runner.engine_config.pages_per_sequence), np.int32)
+        for b in range(B):
+            pages = runner.pages.allocate(200)
+            table[b, : len(pages)] = pages
+        runner.set_rows(np.arange(B), jnp.arange(B, dtype=jnp.int32), np.full(B, 16))
         batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
-        rng = np.random.default_rng(B)
-
         calls = []
 
-        def run(n, box=box, compiled=compiled, batch=batch, weights=weights, rng=rng, B=B, calls=calls):
-            for _ in range(n):  # a new input token each step, as in `bench decode`
-                tok = jnp.asarray(rng.integers(0, cfg.vocab_size, B), jnp.int32)
+        def run(n, runner=runner, batch=batch, calls=calls):
+            for _ in range(n):
                 t = time.perf_counter()
-                _tok, box[0] = compiled(weights, box[0], batch, tok)
+                runner.decode(batch)
                 calls.append(time.perf_counter() - t)
-            box[0].tokens_B.block_until_ready()
+            runner.state.tokens_B.block_until_ready()
 
         run(args.warm)
         calls.clear()
@@ -104,9 +100,7 @@ def host_bank_strategies(args) -> list:
         profile = None if args.no_profile else kernel_profile(run, top=args.top)
         with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
-        eng.cache = box[0].cache
-        for p in pages:
-            eng.pages.release(p)
+        runner.close()
         name = f"{s} {args.vram_gb:g}GB" if s in ("offload", "hybrid") else s
         report(summary, B, name if sampling == "where" else f"{name} {sampling}", wall, profile, compile_s)
     use_sampling(bench, "where")
@@ -114,12 +108,11 @@ def host_bank_strategies(args) -> list:
 
 
 def use_sampling(bench, how: str) -> None:
-    """Retraces `bench`'s decode step with the engine's sampler (`where`: both paths computed,
-    each row selects), with that sampler behind a `lax.cond` that takes argmax when no row
-    samples (`cond`: the engine's sampler before it lost the conditional), or greedy only."""
-    import dataclasses
-
+    """Retraces `bench`'s steps with the engine's sampler (`where`: both paths computed, each
+    row selects), with that sampler behind a `lax.cond` that takes argmax when no row samples
+    (`cond`: the engine's sampler before it lost the conditional), or greedy only."""
     from freetoken_jax.runtime import sampling, steps
+    from freetoken_jax.runtime.runner import StepSet
 
     def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B):
         greedy = lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)  # noqa: E731
@@ -131,7 +124,7 @@ def use_sampling(bench, how: str) -> None:
         return engine()
 
     steps.sample = sample
-    bench._step = jax.jit(lambda w, s, b, t: steps.decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
+    bench.steps = StepSet(bench.ecfg.dtype)  # fresh jitted functions: traced with this sampler
 
 
 def prefill_chunk(args) -> list:
@@ -140,32 +133,29 @@ def prefill_chunk(args) -> list:
     kernel or copied whole (`--prefill-load`), for each expert implementation of `--variants`
     (`auto`: the engine's choice, `dense` at this size; `ragged`: grouped matmuls); writes
     each compiled step's HLO beside the profile."""
-    import dataclasses
-
-    import numpy as np
-
     from freetoken_jax.bench.compare import Bench
     from freetoken_jax.memory.expert_cache import init_slot_cache
-    from freetoken_jax.runtime.steps import PrefillBatch, prefill_step_buffered
+    from freetoken_jax.memory.kv_cache import init_cache
+    from freetoken_jax.runtime.experts import Offload
+    from freetoken_jax.runtime.steps import PrefillBatch, on_device, prefill_step_buffered
 
     T = args.prefill_tokens
     bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T)
-    eng, cfg, summary = bench.engine, bench.cfg, []
-    weights = dataclasses.replace(bench.weights("offload", 1.0, None), prefill_load=args.prefill_load)
+    cfg, ecfg, summary = bench.cfg, bench.ecfg, []
+    weights, experts = bench.engine.weights, Offload(args.prefill_load)
     n = bench.slots_for(args.vram_gb, 1)
-    box = [jax.device_put(init_slot_cache(cfg, n, 1, jnp.dtype(args.dtype)), jax.devices()[0])]
-    if eng.prefill_step_for(weights, T, box[0]) is not eng._prefill_buffered:
+    if experts.prefill_path(cfg, T, n) != "buffered":
         raise SystemExit(f"{n} slots at {args.vram_gb} GB: a {T}-token chunk would not take the buffered prefill")
-    pages = [eng.pages.allocate(T + 1)]
-    table, _ = eng.page_table(pages, 1)
+    dtype = jnp.dtype(args.dtype)
+    box = [on_device(init_cache(cfg, ecfg, dtype)), on_device(init_slot_cache(cfg, n, 1, dtype))]  # this profile's own state
+    table = np.arange(1, ecfg.pages_per_sequence + 1, dtype=np.int32)[None]
     rng = np.random.default_rng(0)
-    batch = PrefillBatch(jnp.asarray(rng.integers(0, cfg.vocab_size, (1, T)), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None],
-                         jnp.ones((1, T), bool), jnp.asarray(table), Sampling.greedy(1))  # fmt: skip
+    batch = PrefillBatch.chunk([rng.integers(0, cfg.vocab_size, T)], [0], table, T, Sampling.greedy(1))
     for impl in args.variants:
         step = jax.jit(lambda *a: prefill_step_buffered(*a), donate_argnums=(1, 3))  # a fresh trace per implementation
         t = time.perf_counter()
         with layers.expert_impl(impl):
-            compiled = step.lower(weights, eng.cache, batch, box[0]).compile()
+            compiled = step.lower(weights, box[0], batch, box[1], experts).compile()
         compile_s = time.perf_counter() - t
         with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
@@ -173,7 +163,7 @@ def prefill_chunk(args) -> list:
         def run(k, compiled=compiled):
             tok = None
             for _ in range(k):
-                tok, eng.cache, box[0] = compiled(weights, eng.cache, batch, box[0])
+                tok, box[0], box[1] = compiled(weights, box[0], batch, box[1], experts)
             tok.block_until_ready()
 
         run(1)
@@ -182,7 +172,6 @@ def prefill_chunk(args) -> list:
         wall = (time.perf_counter() - t) / 3 * 1e3
         profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
         report(summary, 1, f"prefill {T} {args.prefill_load} {impl}", wall, profile, compile_s)
-    eng.pages.release(pages[0])
     return summary
 
 
@@ -212,19 +201,20 @@ def main() -> int:
         return 0
     cfg = preset_config(args.preset)
     Bmax = max(args.batch)
-    engine = FreeTokenEngine(cfg, EngineConfig(dtype=args.dtype, max_context=256, max_batch=Bmax, page_size=16))
+    ecfg = EngineConfig(dtype=args.dtype, max_context=256, max_batch=Bmax, page_size=16)
+    engine = FreeTokenEngine(cfg, ecfg)
+    engine.runner.close()  # the profile runs on a state of its own
     summary = []
     for B in args.batch:
-        pages = [engine.pages.allocate(200) for _ in range(B)]
-        table, _ = engine.page_table(pages, B)
-        batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), Sampling.greedy(B))
+        table = jnp.asarray(np.tile(np.arange(1, ecfg.pages_per_sequence + 1, dtype=np.int32), (B, 1)) + np.arange(B)[:, None] * 16)
+        batch = DecodeBatch(table, jnp.ones((B,), bool), Sampling.greedy(B))
         for variant in args.variants:
             impl = variant
             if impl == "slices" and B * cfg.top_k > 16:
                 continue
             step = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
-            state = DecodeState(engine.cache, jnp.arange(B, dtype=jnp.int32), jnp.full((B,), 64, jnp.int32))
-            engine.cache = None
+            cache = init_cache(cfg, ecfg, jnp.dtype(args.dtype))
+            state = DecodeState.start(cache, np.arange(B), np.full(B, 64))
             t = time.perf_counter()
             with layers.expert_impl(impl):
                 compiled = step.lower(engine.weights, state, batch).compile()
@@ -244,10 +234,7 @@ def main() -> int:
             run(20)
             wall = (time.perf_counter() - t) / 20 * 1e3
             profile = None if args.no_profile else kernel_profile(run, top=args.top)
-            engine.cache = box[0].cache
             report(summary, B, variant, wall, profile, compile_s)
-        for p in pages:
-            engine.pages.release(p)
     print(f"\n{'B':>3} {'variant':>14} {'wall ms':>8} {'kernels':>8} {'kern ms':>8}")
     for B, v, wall, nk, ksum in summary:
         print(f"{B:>3} {v:>14} {wall:8.3f} {nk:8.0f} {ksum:8.3f}")

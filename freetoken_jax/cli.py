@@ -1,10 +1,13 @@
-"""The `freetoken-jax` command line: `generate` (more subcommands come with the server and bench)."""
+"""The `freetoken-jax` command line: `generate` (one prompt), `serve` (HTTP and gRPC) and `ctl` (a running
+server's cache). Benchmarks are `python -m freetoken_jax.bench`; conversion `python -m freetoken_jax.convert`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+from freetoken_jax.config import SUPPORTED_STRATEGIES
 
 
 def _engine_config(args):
@@ -118,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--max-context", type=int, default=4096)
-    g.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu", "auto"])
+    g.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES)
     g.add_argument(
         "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
     )
@@ -129,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
     v.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC")
-    v.add_argument("--strategy", default="fused", choices=["fused", "offload", "hybrid", "cpu", "auto"])
+    v.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES)
     v.add_argument("--hybrid-q", type=float, default=0.35, help="hybrid: share of missed experts fetched over PCIe (q* = Bp / (Bp + Bh))")
     v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
     v.add_argument("--expert-slots", type=int, default=None)

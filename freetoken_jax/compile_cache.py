@@ -17,7 +17,7 @@ import os
 
 import jax
 
-from freetoken_jax.demo import cache_dir
+from freetoken_jax.paths import cache_dir
 
 
 def default_dir() -> str:

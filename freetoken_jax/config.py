@@ -1,23 +1,45 @@
-"""Model and engine configuration.
+"""Model and engine configuration: the leaf every other module imports.
 
 `MoEModelConfig` describes one model's geometry and numerics; it is a frozen, hashable dataclass
 so that it can be passed straight through `jax.jit` as a static argument. Per-family parsing of
-Hugging Face `config.json` lives in `freetoken_jax.models.<family>`; `MoEModelConfig.from_hf`
-dispatches on `architectures`. `EngineConfig` holds the run-time choices (dtype, KV pages,
-buckets, strategy). All validation happens here, once.
+Hugging Face `config.json` lives in `freetoken_jax.models` (`registry.config_from_hf` dispatches
+on `architectures`). `EngineConfig` holds the run-time choices (dtype, KV pages, buckets,
+strategy). Each dataclass checks its own fields when built; what depends on the model and the
+device together (the memory plan) is checked by `memory/budget.py` before anything is allocated.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
+import enum
 from typing import Any
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
-SUPPORTED_STRATEGIES = ("fused", "offload", "hybrid", "cpu", "auto")
 DTYPES = ("float32", "bfloat16")
+
+
+class Strategy(enum.StrEnum):
+    """Where routed experts live and who computes them (`runtime/experts.py` has one backend per
+    strategy). A `str`: `Strategy("offload") == "offload"`."""
+
+    FUSED = "fused"  # every expert resident on the device
+    OFFLOAD = "offload"  # experts in host banks; a slot cache on the device; misses fetched
+    HYBRID = "hybrid"  # offload, with a share of each layer's misses computed by the CPU
+    CPU = "cpu"  # every routed expert computed by the CPU executor from the host banks
+    AUTO = "auto"  # chosen at start-up (fits → fused; else a measured profile; else offload)
+
+    @property
+    def uses_slots(self) -> bool:
+        """Keeps an expert slot cache on the device."""
+        return self in (Strategy.OFFLOAD, Strategy.HYBRID)
+
+    @property
+    def experts_on_host(self) -> bool:
+        """Keeps the experts in host banks (pinned on a GPU)."""
+        return self in (Strategy.OFFLOAD, Strategy.HYBRID, Strategy.CPU)
+
+
+SUPPORTED_STRATEGIES = tuple(s.value for s in Strategy)
 
 
 class ConfigError(ValueError):
@@ -155,39 +177,6 @@ class MoEModelConfig:
             return ((self.kv_lora_rank,), (self.qk_rope_head_dim,))
         return ((self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim))
 
-    def param_count(self) -> dict[str, int]:
-        """Parameter counts split into dense weights and routed experts."""
-        import jax
-
-        from freetoken_jax.models import build_abstract
-
-        counts = {"dense": 0, "experts": 0}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(build_abstract(self, "float32")):
-            key = "experts" if any(getattr(p, "key", None) == "experts" for p in path) else "dense"
-            counts[key] += math.prod(leaf.shape)
-        return counts
-
-    # Construction from Hugging Face configs -------------------------------------------------------
-    @classmethod
-    def from_hf(cls, path_or_dict: str | os.PathLike | dict) -> MoEModelConfig:
-        """Build from a Hugging Face `config.json` (a directory, the file, or its parsed dict)."""
-        from freetoken_jax.models import registry
-
-        if isinstance(path_or_dict, dict):
-            d = path_or_dict
-        else:
-            p = os.fspath(path_or_dict)
-            if os.path.isdir(p):
-                p = os.path.join(p, "config.json")
-            if not os.path.isfile(p):
-                raise ConfigError(f"no config.json at {path_or_dict!s}")
-            try:
-                with open(p) as f:
-                    d = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{p} is not valid JSON: {e}") from e
-        return registry.family_for(d).parse(d)
-
 
 def _hashable(v: Any) -> Any:
     if isinstance(v, dict):
@@ -216,7 +205,7 @@ class EngineConfig:
     """
 
     dtype: str = "bfloat16"
-    moe_strategy: str = "fused"
+    moe_strategy: Strategy = Strategy.FUSED  # a name is accepted too
     expert_slots: int | None = None
     total_vram_gb: float | None = None
     base_model_vram_gb: float | None = None
@@ -260,6 +249,9 @@ class EngineConfig:
     # throughput). A value given here is used as it is (at most `max_batch`).
     max_running: int | None = None
     kv_pages: int | None = None
+    # Keep the KV pages of finished sequences in a radix tree and reuse them for later prompts
+    # that start with the same tokens (serving and the offline API alike).
+    prefix_cache: bool = True
     prefill_chunk: int = 512
     seed: int = 0
 
@@ -268,6 +260,7 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.moe_strategy not in SUPPORTED_STRATEGIES:
             raise ConfigError(f"moe_strategy {self.moe_strategy!r} is not available; choose from {SUPPORTED_STRATEGIES}")
+        object.__setattr__(self, "moe_strategy", Strategy(self.moe_strategy))
         for name in ("page_size", "max_context", "max_batch", "prefill_chunk"):
             if int(getattr(self, name)) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -297,7 +290,7 @@ class EngineConfig:
     @property
     def uses_slots(self) -> bool:
         """Whether the strategy keeps an expert slot cache on the device."""
-        return self.moe_strategy in ("offload", "hybrid")
+        return self.moe_strategy.uses_slots
 
     @property
     def pages_per_sequence(self) -> int:

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 
 from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.paths import cache_dir
 from freetoken_jax.tokenizer import ByteTokenizer
 
 DEMO_VERSION = 2
@@ -37,11 +38,6 @@ DEMO_CONFIG = MoEModelConfig(
 DEMO_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-
-
-def cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "freetoken_jax")
 
 
 def demo_path() -> str:

@@ -9,6 +9,7 @@ import pytest
 
 from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
 from freetoken_jax.bench import bw
+from freetoken_jax.runtime import choice
 
 
 @pytest.mark.parametrize(
@@ -114,7 +115,7 @@ def test_run_writes_profile(tmp_path):
         assert d["figures"]["host_read_gb_s"] > 0 and d["figures"]["cpu_moe_gb_s"] > 0 and d["figures"]["cpu_tier"]
         assert {"handoff_ffi_us", "handoff_callback_us"} <= set(d["figures"])
         assert d["recommendation"]["strategy"] in ("fused", "offload", "hybrid")
-    assert bw.load_profile(str(tmp_path / "p.json"))["recommendation"] == prof["recommendation"]
+    assert choice.load_profile(str(tmp_path / "p.json"))["recommendation"] == prof["recommendation"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".benchbw-")]  # no temporary left
 
 
@@ -133,10 +134,10 @@ def test_bad_profiles_are_ignored_with_a_message(tmp_path, caplog):
         p.write_text(text)
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="freetoken_jax"):
-            assert bw.load_profile(str(p)) is None
+            assert choice.load_profile(str(p)) is None
         assert word in caplog.text
     p.write_text(json.dumps(good))
-    assert bw.load_profile(str(p))["recommendation"]["strategy"] == "hybrid"
+    assert choice.load_profile(str(p))["recommendation"]["strategy"] == "hybrid"
 
 
 def test_auto_strategy(tmp_path, monkeypatch):
@@ -146,7 +147,7 @@ def test_auto_strategy(tmp_path, monkeypatch):
     base = EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="auto")
     assert FreeTokenEngine(cfg, base.replace(total_vram_gb=1.0)).engine_config.moe_strategy == "fused"
     small = base.replace(total_vram_gb=0.0004)  # the dense weights and KV fit, all experts do not
-    monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     e = FreeTokenEngine(cfg, small)
     assert e.engine_config.moe_strategy == "offload" and "no benchbw.json" in e.get_metrics()["strategy_reason"]
     prof = dict(
@@ -173,40 +174,40 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
         vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
     )
     ecfg = EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="auto", total_vram_gb=0.0004, auto_probe_steps=4)
-    monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     prof = dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures={},
                 recommendation=dict(strategy="hybrid", q=0.3, reason="made up"))  # fmt: skip
     (tmp_path / "benchbw.json").write_text(json.dumps(prof))
     fused = FreeTokenEngine(cfg, ecfg.replace(moe_strategy="fused", total_vram_gb=None))
     want = fused.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)
     for rates, kept in (({"hybrid": 5.0, "offload": 10.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0}, "hybrid")):
-        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.weights.strategy])
+        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
         e = FreeTokenEngine(cfg, ecfg)
-        assert e.engine_config.moe_strategy == e.weights.strategy == kept
+        assert e.engine_config.moe_strategy == e.experts.strategy == kept
         assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
         assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
         if kept == "hybrid":  # every q measured the same: the recommendation stays
-            assert e.engine_config.hybrid_q == 0.3 and float(e.weights.hybrid_q) == pytest.approx(0.3)
+            assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
     # the q probe keeps the fastest q of 0.3 + (0, -0.05, -0.1, 0.05)
     seen = []
 
     def rate(self, steps):
-        if self.weights.strategy == "offload":
+        if self.experts.strategy == "offload":
             return 1.0
-        seen.append(round(float(self.weights.hybrid_q), 4))
+        seen.append(round(float(self.experts.q), 4))
         return {0.2: 9.0, 0.25: 7.0}.get(seen[-1], 5.0)
 
     monkeypatch.setattr(FreeTokenEngine, "_decode_rate", rate)
     e = FreeTokenEngine(cfg, ecfg)
     assert sorted(seen) == [0.2, 0.25, 0.3, 0.35]
-    assert e.engine_config.hybrid_q == pytest.approx(0.2) and float(e.weights.hybrid_q) == pytest.approx(0.2)
+    assert e.engine_config.hybrid_q == pytest.approx(0.2) and float(e.experts.q) == pytest.approx(0.2)
     assert "q = 0.2" in e.strategy_reason and e.get_metrics()["hybrid_q"] == pytest.approx(0.2)
     assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
     monkeypatch.undo()
-    monkeypatch.setattr(bw, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     e = FreeTokenEngine(cfg, ecfg)  # measured for real: the choice follows the two figures it reports
     h, o = (float(x) for x in re.findall(r"hybrid ([0-9.]+) tok/s .* offload ([0-9.]+) tok/s", e.strategy_reason)[0])
     assert e.engine_config.moe_strategy == ("hybrid" if h >= o else "offload")
-    assert e._traces.get("decode_step") == 2  # four values of q and offload: two executables
+    assert e.runner.steps.traces.get("decode_step") == 2  # four values of q and offload: two executables
     m = e.get_metrics()
     assert m["requests"] == 0 and m["generated_tokens"] == 0  # the probe's tokens are not the user's

@@ -64,12 +64,11 @@ def test_decode_steps_compiled_ahead_on_threads(tmp_path, capsys):
         for k in (0.0, 1.0)
     ]
     bench.precompile(rows, 2)
-    assert len(bench._compiled) == 2 and "failed" not in capsys.readouterr().err  # one executable serves both skews
-    bench.compile_decode = None  # every row runs the executable compiled for it on the threads
-    for r in rows:
+    assert bench.steps.compilations()["decode"] == 2 and "failed" not in capsys.readouterr().err  # one executable serves both skews
+    for r in rows:  # every row runs the executable compiled for it on the threads
         got = bench.decode(**r, prompt_by_decode=True)
         assert got["tokens_per_s"] > 0 and got["batch"] == r["B"] and got["routing_skew"] == r["skew"]
-    assert len(bench._compiled) == 2
+    assert bench.steps.compilations()["decode"] == 2
     # and the command line does the same
     out = tmp_path / "d.json"
     argv = ["decode", "--preset", "demo", "--strategy", "offload", "--vram-gb", "0.0005", "0.002", "--gen-len", "6",

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 from freetoken_jax import ConfigError, EngineConfig, MoEModelConfig
+from freetoken_jax.models.registry import config_from_hf
 
 
 def test_generic_short_form_defaults():
@@ -24,14 +25,14 @@ def test_config_is_a_static_jit_argument():
 
 def test_unsupported_architecture_names_supported_ones():
     with pytest.raises(ConfigError) as e:
-        MoEModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+        config_from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     for name in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):
         assert name in str(e.value)
 
 
 def test_missing_key_is_reported():
     with pytest.raises(ConfigError, match="num_local_experts"):
-        MoEModelConfig.from_hf(
+        config_from_hf(
             {
                 "architectures": ["MixtralForCausalLM"],
                 "vocab_size": 10,
@@ -75,4 +76,4 @@ def test_sliding_window_is_refused():
         "use_sliding_window": True,
     }
     with pytest.raises(ConfigError, match="sliding"):
-        MoEModelConfig.from_hf(d)
+        config_from_hf(d)

@@ -21,7 +21,7 @@ def test_cpu_matches_fused(family, ckpt_root):
     want = fused.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True)
     for handoff in ("callback", "ffi"):
         cpu = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="cpu", cpu_handoff=handoff))
-        assert cpu.weights.handoff == handoff
+        assert cpu.experts.handoff == handoff
         assert cpu.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True) == want, handoff
         np.testing.assert_allclose(cpu.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
         assert cpu.plan.slots == 0 and cpu.compilations()["decode"] == 1

@@ -9,7 +9,8 @@ import pytest
 
 from freetoken_jax import ConfigError, EngineConfig, FreeTokenEngine
 from freetoken_jax.engine import GenerationParams
-from freetoken_jax.scheduler import elastic
+from freetoken_jax.runtime import runner as runner_mod
+from freetoken_jax.scheduler.batcher import Busy
 from freetoken_jax.scheduler.scheduler import Overloaded, wait_idle
 from freetoken_jax.server.http import serve_http
 from freetoken_jax.server.service import Service
@@ -37,9 +38,9 @@ def test_grow_and_shrink_keep_outputs(sched):
     for slots, pages in ((20, 40), (4, 12), (6, None), (None, 9)):
         st = sched.rebuild_cache(slots, pages)
         if slots is not None:
-            assert st["expert_slots"] == slots and sched.state.experts.num_slots == slots
+            assert st["expert_slots"] == slots and sched.engine.runner.slots.num_slots == slots
         if pages is not None:
-            assert st["kv_pages"] == pages and sched.state.cache[0][0].shape[0] == pages
+            assert st["kv_pages"] == pages and sched.engine.runner.state.cache[0][0].shape[0] == pages
         assert outputs(sched) == want, (slots, pages)
     assert sched.get_metrics()["prefix_hit_tokens"] > 0
 
@@ -70,21 +71,21 @@ def test_prefix_cache_survives_growth(sched):
     ],
 )
 def test_invalid_targets_change_nothing(sched, kw, match):
-    before = elastic.status(sched)
+    before = sched.status()
     if match is None:  # more slots than experts (and prefill's two layer buffers) is clamped, not refused
         sched.rebuild_cache(**kw)
         cfg = sched.engine.model_config
-        assert elastic.status(sched)["expert_slots"] == (cfg.num_moe_layers + 2) * cfg.num_experts
+        assert sched.status()["expert_slots"] == (cfg.num_moe_layers + 2) * cfg.num_experts
         return
     with pytest.raises(ConfigError, match=match):
         sched.rebuild_cache(**kw)
-    assert elastic.status(sched) == before
+    assert sched.status() == before
 
 
 def test_busy_then_drain(sched):
     h = sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=36, ignore_eos=True))
     next(h.events(60))
-    with pytest.raises(elastic.Busy):
+    with pytest.raises(Busy):
         sched.rebuild_cache(kv_pages=30)
     st = sched.rebuild_cache(kv_pages=30, drain=True)
     assert st["kv_pages"] == 30
@@ -94,20 +95,20 @@ def test_busy_then_drain(sched):
 
 def test_compile_failure_changes_nothing(sched, monkeypatch):
     want = outputs(sched)
-    before = elastic.status(sched)
+    before = sched.status()
 
     def boom(*a):
         raise ConfigError("compile check failed (injected)")
 
-    monkeypatch.setattr(elastic, "_compile_check", boom)
+    monkeypatch.setattr(runner_mod.ModelRunner, "_compile_check", boom)
     with pytest.raises(ConfigError, match="injected"):
         sched.rebuild_cache(expert_slots=12)
-    assert elastic.status(sched) == before and outputs(sched) == want
+    assert sched.status() == before and outputs(sched) == want
 
 
 def test_allocation_failure_rolls_back(sched, monkeypatch):
     want = outputs(sched)
-    real = elastic.init_slot_cache
+    real = runner_mod.init_slot_cache
     calls = {"n": 0}
 
     def flaky(*a, **k):
@@ -116,16 +117,16 @@ def test_allocation_failure_rolls_back(sched, monkeypatch):
             raise MemoryError("out of device memory (injected)")
         return real(*a, **k)
 
-    monkeypatch.setattr(elastic, "init_slot_cache", flaky)
-    with pytest.raises(elastic.RebuildFailed, match="previous geometry was restored"):
+    monkeypatch.setattr(runner_mod, "init_slot_cache", flaky)
+    with pytest.raises(runner_mod.RebuildFailed, match="previous geometry was restored"):
         sched.rebuild_cache(expert_slots=12, kv_pages=30)
-    st = elastic.status(sched)
+    st = sched.status()
     assert st["expert_slots"] == 6 and st["kv_pages"] == 20 and not st["failed"]
     assert outputs(sched) == want
 
 
 def test_double_failure_latches_failed_state(sched, monkeypatch):
-    real = elastic.init_slot_cache
+    real = runner_mod.init_slot_cache
     calls = {"n": 0}
 
     def always(*a, **k):  # every allocation fails, the compile check's shape tracing does not
@@ -134,8 +135,8 @@ def test_double_failure_latches_failed_state(sched, monkeypatch):
             return real(*a, **k)
         raise MemoryError("injected")
 
-    monkeypatch.setattr(elastic, "init_slot_cache", always)
-    with pytest.raises(elastic.RebuildFailed, match="restoring the previous geometry failed too"):
+    monkeypatch.setattr(runner_mod, "init_slot_cache", always)
+    with pytest.raises(runner_mod.RebuildFailed, match="restoring the previous geometry failed too"):
         sched.rebuild_cache(expert_slots=12)
     with pytest.raises(Overloaded, match="failed state"):
         sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=2))
@@ -205,19 +206,19 @@ def test_engine_resizes_between_generations(monkeypatch):
     for slots, pages in ((20, 40), (None, 12), (4, None)):
         st = eng.rebuild_runtime_cache(slots, pages)
         if slots is not None:
-            assert st["expert_slots"] == slots == eng.slots.num_slots
+            assert st["expert_slots"] == slots == eng.runner.slots.num_slots
         if pages is not None:
-            assert st["kv_pages"] == pages == eng.cache[0][0].shape[0]
+            assert st["kv_pages"] == pages == eng.runner.state.cache[0][0].shape[0]
         assert gen() == want, (slots, pages)
     it = eng.generate(PROMPTS[0], max_new_tokens=4, ignore_eos=True)
     next(it)
-    with pytest.raises(elastic.Busy, match="generation is running"):
+    with pytest.raises(Busy, match="generation is running"):
         eng.rebuild_runtime_cache(expert_slots=6)
     it.close()
     with pytest.raises(ConfigError, match="positive integer"):
         eng.rebuild_runtime_cache(expert_slots=0)
-    assert eng.slots.num_slots == 4 and gen() == want
-    real, calls = elastic.init_slot_cache, {"n": 0}
+    assert eng.runner.slots.num_slots == 4 and gen() == want
+    real, calls = runner_mod.init_slot_cache, {"n": 0}
 
     def failing(calls_that_fail):  # call 1 only traces shapes for the compile check, 2 allocates, 3 restores
         def f(*a, **k):
@@ -228,13 +229,13 @@ def test_engine_resizes_between_generations(monkeypatch):
 
         return f
 
-    monkeypatch.setattr(elastic, "init_slot_cache", failing({2}))
-    with pytest.raises(elastic.RebuildFailed, match="previous geometry was restored"):
+    monkeypatch.setattr(runner_mod, "init_slot_cache", failing({2}))
+    with pytest.raises(runner_mod.RebuildFailed, match="previous geometry was restored"):
         eng.rebuild_runtime_cache(expert_slots=12)
-    assert eng.slots.num_slots == 4 and not eng.failed and gen() == want
+    assert eng.runner.slots.num_slots == 4 and not eng.failed and gen() == want
     calls["n"] = 0
-    monkeypatch.setattr(elastic, "init_slot_cache", failing({2, 3}))
-    with pytest.raises(elastic.RebuildFailed, match="failed too"):
+    monkeypatch.setattr(runner_mod, "init_slot_cache", failing({2, 3}))
+    with pytest.raises(runner_mod.RebuildFailed, match="failed too"):
         eng.rebuild_runtime_cache(expert_slots=12)
     with pytest.raises(RequestError, match="failed state"):
         gen()

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax import DecodeBatch, DecodeState, PrefillBatch, Sampling, decode_step, prefill_step
+from freetoken_jax.memory.kv_cache import init_cache
 
 
 def test_decode_step_in_user_scan(demo_engine):
@@ -13,35 +14,31 @@ def test_decode_step_in_user_scan(demo_engine):
     want = list(engine.generate(prompt, max_new_tokens=12, ignore_eos=True))
 
     cfg = engine.engine_config
-    pages = engine.pages.allocate(len(prompt) + 12)
-    try:
-        table = jnp.asarray([pages + [0] * (cfg.pages_per_sequence - len(pages))], jnp.int32)
-        T = 8
-        batch = PrefillBatch(
-            jnp.asarray([prompt + [0] * (T - len(prompt))], jnp.int32),
-            jnp.arange(T, dtype=jnp.int32)[None],
-            jnp.asarray([[True] * len(prompt) + [False] * (T - len(prompt))]),
-            table,
-            Sampling.greedy(1),
-        )
+    cache = init_cache(engine.model_config, cfg, jnp.float32)  # the user's own KV cache
+    table = jnp.asarray([np.arange(1, cfg.pages_per_sequence + 1)], jnp.int32)
+    T = 8
+    batch = PrefillBatch(
+        jnp.asarray([prompt + [0] * (T - len(prompt))], jnp.int32),
+        jnp.arange(T, dtype=jnp.int32)[None],
+        jnp.asarray([[True] * len(prompt) + [False] * (T - len(prompt))]),
+        table,
+        Sampling.greedy(1),
+    )
 
-        @jax.jit
-        def user_program(weights, cache):
-            first, cache = prefill_step(weights, cache, batch)
-            state = DecodeState(cache, first, jnp.asarray([len(prompt)], jnp.int32))
-            step_batch = DecodeBatch(table, jnp.asarray([True]), Sampling.greedy(1))
+    @jax.jit
+    def user_program(weights, cache):
+        first, cache = prefill_step(weights, cache, batch)
+        state = DecodeState(cache, first, jnp.asarray([len(prompt)], jnp.int32))
+        step_batch = DecodeBatch(table, jnp.asarray([True]), Sampling.greedy(1))
 
-            def body(state, _):
-                tok, state = decode_step(weights, state, step_batch)
-                return state, tok[0]
+        def body(state, _):
+            tok, state = decode_step(weights, state, step_batch)
+            return state, tok[0]
 
-            state, toks = jax.lax.scan(body, state, None, length=11)
-            return jnp.concatenate([first, toks]), state.cache
+        state, toks = jax.lax.scan(body, state, None, length=11)
+        return jnp.concatenate([first, toks]), state.cache
 
-        toks, cache = user_program(engine.weights, engine.cache)
-        engine.cache = cache
-    finally:
-        engine.pages.release(pages)
+    toks, cache = user_program(engine.weights, cache)
     assert np.asarray(toks).tolist() == want
 
 
@@ -50,6 +47,7 @@ def test_decode_step_has_no_conditional(demo_engine):
     step's call from returning before the step is done (no next step queued meanwhile)."""
     engine = demo_engine
     table = jnp.zeros((2, engine.engine_config.pages_per_sequence), jnp.int32)
-    state = DecodeState(engine.cache, jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.int32))
+    cache = init_cache(engine.model_config, engine.engine_config, jnp.float32)
+    state = DecodeState(cache, jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.int32))
     text = jax.jit(decode_step).lower(engine.weights, state, DecodeBatch(table, jnp.ones((2,), bool), Sampling.greedy(2))).as_text()
     assert "stablehlo.case" not in text and "stablehlo.if" not in text

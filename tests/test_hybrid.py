@@ -104,7 +104,7 @@ def test_hybrid_matches_fused(family, ckpt_root):
         if q == 0.35:
             assert 0 < m["experts_fetched"] < m["experts_fetched"] + m["experts_on_cpu"]
             # no slot ever holds an expert that was left to the CPU in the same step: the maps stay a bijection
-            c = eng.slots
+            c = eng.runner.slots
             ids = np.asarray(c.id_of_slot)
             sfi = np.asarray(c.slot_for_id)
             assert all(sfi[i] == s for s, i in enumerate(ids) if i >= 0) and (sfi >= 0).sum() == (ids >= 0).sum()

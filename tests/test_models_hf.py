@@ -11,7 +11,8 @@ import pytest
 import torch
 from hf_models import VARIANTS, load_hf, make_checkpoint
 
-from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.models.registry import config_from_hf
 
 ATOL = 1e-4
 PROMPTS = [list(np.random.default_rng(i).integers(0, 96, n)) for i, n in enumerate((21, 7, 1, 13))]
@@ -56,7 +57,7 @@ def test_batch_of_different_lengths(pair):
 
 def test_config_from_hf_reads_family(pair, ckpt_root):
     name, hf, engine = pair
-    cfg = MoEModelConfig.from_hf(make_checkpoint(name, ckpt_root))
+    cfg = config_from_hf(make_checkpoint(name, ckpt_root))
     assert cfg == engine.model_config
     assert cfg.num_layers == hf.config.num_hidden_layers and cfg.vocab_size == hf.config.vocab_size
     hash(cfg)  # usable as a static jit argument

@@ -9,7 +9,7 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import ConfigError, EngineConfig, FreeTokenEngine, MoEModelConfig
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState
+from freetoken_jax.runtime.steps import DecodeBatch
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
@@ -89,15 +89,16 @@ def test_slot_maps_follow_the_lru_model(slots):
     eng = FreeTokenEngine(
         cfg, EngineConfig(dtype="float32", max_context=40, max_batch=2, page_size=4, moe_strategy="offload", expert_slots=slots)
     )
-    prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
-    pages = [eng.pages.allocate(len(p) + 20) for p in prompts]
-    table, _ = eng.page_table(pages, 2)
-    from freetoken_jax.runtime.steps import Sampling
+    from freetoken_jax.runtime.steps import PrefillBatch, Sampling
 
-    first = None
-    for _s, _t, tok in eng.prefill_chunks(prompts, table, Sampling.greedy(2), eng._prefill):
-        first = tok
-    state = DecodeState(eng.cache, first, jnp.asarray([6, 3], jnp.int32), eng.slots)
+    prompts = [[1, 2, 3, 4, 5, 6], [9, 8, 7]]
+    runner = eng.runner
+    table = np.zeros((2, eng.engine_config.pages_per_sequence), np.int32)
+    for b, p in enumerate(prompts):
+        pages = runner.pages.allocate(len(p) + 20)
+        table[b, : len(pages)] = pages
+    first = runner.prefill(PrefillBatch.chunk(prompts, [0, 0], table, 16, Sampling.greedy(2)))
+    runner.set_rows(np.arange(2), first, [6, 3])
     batch = DecodeBatch(jnp.asarray(table), jnp.asarray([True, True]), Sampling.greedy(2))
     model = LRUModel(slots)
     E = cfg.num_experts
@@ -106,8 +107,8 @@ def test_slot_maps_follow_the_lru_model(slots):
         for layer in eng.weights.params["layers"].values()
     ]
     for _ in range(16):
-        _, state = eng.decode(eng.weights, state, batch)
-        c = jax.tree.map(np.asarray, state.experts)
+        runner.decode(batch)
+        c = jax.tree.map(np.asarray, runner.slots)
         for layer in range(cfg.num_moe_layers):
             model.layer_step(c.routed_LN[layer].tolist())
         slot_for_id = {i: int(s) for i, s in enumerate(c.slot_for_id) if s >= 0}
@@ -119,7 +120,6 @@ def test_slot_maps_follow_the_lru_model(slots):
                 assert c.slot_for_id[i] == s
                 for k, arr in enumerate((c.gate_SR, c.up_SR, c.down_SR)):
                     np.testing.assert_array_equal(arr[s], banks[i // E][k][i % E])
-    eng.cache, eng.slots = state.cache, state.experts
 
 
 def test_budget_too_small_is_refused_before_allocation():
@@ -143,7 +143,7 @@ def test_budget_too_small_is_refused_before_allocation():
 
 
 def test_budget_plans_slots():
-    from freetoken_jax.runtime.kv_cache import cache_bytes
+    from freetoken_jax.memory.kv_cache import cache_bytes
 
     cfg = MoEModelConfig(
         vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2

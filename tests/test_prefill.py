@@ -13,34 +13,35 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.runtime.steps import Sampling, forward
+from freetoken_jax.memory.kv_cache import init_cache
+from freetoken_jax.runtime.steps import PrefillBatch, Sampling, forward
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"]
 BASE = dict(dtype="float32", max_context=40, max_batch=2, page_size=4, prefill_chunk=8)
 
 
-def buffered_logits(eng, prompt):
-    """Logits at every prompt position, computed chunk by chunk through the buffered prefill."""
-    pages = eng.pages.allocate(len(prompt) + 1)
-    table, _ = eng.page_table([pages], 1)
+def buffered_logits(eng, prompt, slots=None):
+    """Logits at every prompt position, computed chunk by chunk through the buffered prefill on a
+    KV cache of the test's own and the slot cache `slots` (default: the engine's); returns
+    (logits, slot cache after)."""
+    ecfg = eng.engine_config
+    cache = init_cache(eng.model_config, ecfg, jnp.float32)
+    table = np.zeros((1, ecfg.pages_per_sequence), np.int32)
+    table[0] = np.arange(1, ecfg.pages_per_sequence + 1)
 
     @jax.jit
-    def f(weights, cache, batch, experts):
-        h, cache, experts = forward(
-            weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts, prefill=True
-        )
-        return weights.model().logits(h), cache, experts
+    def f(weights, experts, cache, batch, slots):
+        b = batch
+        h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True)
+        return weights.model().logits(h), cache, slots
 
-    box = [eng.slots]
-
-    def step(w, c, b):
-        lg, c, box[0] = f(w, c, b, box[0])
-        return lg, c
-
-    out = [np.asarray(lg[0, : min(T, len(prompt) - s)]) for s, T, lg in eng.prefill_chunks([prompt], table, Sampling.greedy(1), step)]
-    eng.pages.release(pages)
-    eng.slots = box[0]
-    return np.concatenate(out)
+    slots, out = eng.runner.slots if slots is None else slots, []
+    for start in range(0, len(prompt), ecfg.prefill_chunk):
+        seg = prompt[start : start + ecfg.prefill_chunk]
+        batch = PrefillBatch.chunk([seg], [start], table, ecfg.prefill_chunk, Sampling.greedy(1))
+        lg, cache, slots = f(eng.weights, eng.experts, cache, batch, slots)
+        out.append(np.asarray(lg[0, : len(seg)]))
+    return np.concatenate(out), slots
 
 
 def check_maps(c):
@@ -58,15 +59,17 @@ def test_buffered_prefill_matches_fused(family, load, ckpt_root):
     ecfg = EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * cfg.num_experts, prefill_load=load)
     off = FreeTokenEngine.from_pretrained(path, ecfg)
     rng = np.random.default_rng(5)
+    slots = off.runner.slots
     for n in (1, 3, 5, 19):  # 1, page − 1, page + 1, three chunks
         prompt = [int(t) for t in rng.integers(3, cfg.vocab_size, n)]
-        np.testing.assert_allclose(buffered_logits(off, prompt), fused.logits(prompt), atol=1e-5, rtol=0, err_msg=f"{family} n={n}")
-        check_maps(off.slots)
+        got, slots = buffered_logits(off, prompt, slots)
+        np.testing.assert_allclose(got, fused.logits(prompt), atol=1e-5, rtol=0, err_msg=f"{family} n={n}")
+        check_maps(slots)
     prompts = [[int(t) for t in rng.integers(3, cfg.vocab_size, n)] for n in (13, 6)]
     want = fused.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
     for _ in range(2):  # the second time, experts the first left resident are used in place
         assert off.generate_batch(prompts, max_new_tokens=8, ignore_eos=True) == want
-        check_maps(off.slots)
+        check_maps(off.runner.slots)
     assert off.compilations()["decode"] == 1
 
 
@@ -78,13 +81,13 @@ def test_buffers_keep_the_last_layers_and_fallback_is_logged(load, ckpt_root, ca
     E, L = cfg.num_experts, cfg.num_moe_layers
     off = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=(L + 2) * E, prefill_load=load))
     prompt = list(range(3, 20))
-    buffered_logits(off, prompt)
-    sfi = np.asarray(off.slots.slot_for_id).reshape(L, E)
+    _, slots = buffered_logits(off, prompt)
+    sfi = np.asarray(slots.slot_for_id).reshape(L, E)
     assert (sfi[-2:] >= 0).all()  # the last two layers stay resident after prefill
     # ... and their slots hold their experts' rows exactly (whichever way they were loaded)
     layers = [v for _, v in sorted(off.weights.params["layers"].items()) if "experts" in v["mlp"]]
     for m in (L - 2, L - 1):
-        for k, arr in (("gate", off.slots.gate_SR), ("up", off.slots.up_SR), ("down", off.slots.down_SR)):
+        for k, arr in (("gate", slots.gate_SR), ("up", slots.up_SR), ("down", slots.down_SR)):
             bank = np.asarray(layers[m]["mlp"]["experts"][k].get_value())
             np.testing.assert_array_equal(np.asarray(arr)[sfi[m]], bank, err_msg=f"{load} layer {m} {k}")
     if load != "auto":
@@ -95,7 +98,7 @@ def test_buffers_keep_the_last_layers_and_fallback_is_logged(load, ckpt_root, ca
         got = small.generate_batch([prompt], max_new_tokens=6, ignore_eos=True)
     assert got == fused.generate_batch([prompt], max_new_tokens=6, ignore_eos=True)
     assert any("without double buffering" in r.message for r in caplog.records)
-    assert small.compilations()["prefill"] >= 1 and "prefill_step_buffered" not in small._traces
+    assert small.compilations()["prefill"] >= 1 and "prefill_step_buffered" not in small.runner.steps.traces
 
 
 def test_borrow_takes_least_recently_used_and_empties_them():
@@ -134,8 +137,8 @@ def test_short_chunks_go_through_the_slot_cache(ckpt_root):
         ecfg = EngineConfig(**{**one, "prefill_chunk": chunk}, moe_strategy="offload", expert_slots=3 * cfg.num_experts)
         off = FreeTokenEngine.from_pretrained(path, ecfg)
         assert off.generate_batch([prompt], max_new_tokens=6, ignore_eos=True) == want
-        check_maps(off.slots)
-        taken = {k for k in off._traces if k.startswith("prefill_step")}
+        check_maps(off.runner.slots)
+        taken = {k for k in off.runner.steps.traces if k.startswith("prefill_step")}
         assert taken == {path_taken}, (chunk, taken)
     # 8 of 128 experts per token: up to 35 tokens reach at most 90% of a layer's experts, if they fit the slots
     big = dataclasses.replace(cfg, num_experts=128, top_k=8)

@@ -1,15 +1,13 @@
 """Synthetic routing (benchmarks' --routing-skew): distinct ids per token, reproducible, varying
 with position, Zipf-shaped popularity, and every strategy computes the same routing."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.runtime.routing import log_popularity, synthetic_ids
+from freetoken_jax.runtime.routing import SyntheticRouting, log_popularity, synthetic_ids
 
 
 def test_draws_are_distinct_reproducible_and_zipf_shaped():
@@ -35,13 +33,14 @@ def test_draws_are_distinct_reproducible_and_zipf_shaped():
 
 def test_every_strategy_computes_the_same_synthetic_routing(ckpt_root):
     path = make_checkpoint("qwen3_moe", ckpt_root)
-    base = dict(dtype="float32", max_context=48, max_batch=2, page_size=4, prefill_chunk=16)
+    # The draw depends on a token's row: both prompts run side by side under every strategy.
+    base = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16)
     prompts = [[3, 14, 15, 92, 65, 35], [27, 18, 28]]
     out = {}
     for strategy in ("fused", "offload", "cpu"):
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**base, moe_strategy=strategy, hybrid_overhead=0.0))
         plain = eng.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
-        eng.weights = dataclasses.replace(eng.weights, routing_skew=1.0)
+        eng.use(SyntheticRouting(eng.experts, jnp.float32(1.0)))
         out[strategy] = eng.generate_batch(prompts, max_new_tokens=8, ignore_eos=True)
         if strategy == "fused":
             assert out[strategy] != plain  # the override changes what is computed

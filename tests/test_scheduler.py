@@ -108,13 +108,13 @@ def test_running_limit_keeps_decoding_rows_within_the_slots(reference, given, de
     per_row = cfg.top_k * cfg.num_moe_layers
     ec = EC.replace(moe_strategy="offload", expert_slots=2 * per_row + per_row // 2, max_running=given)
     s = demo_scheduler(ec)
-    seen, decode = [], s._decode
+    seen, decode = [], s.batcher._decode
 
     def counting_decode():
-        seen.append(sum(r is not None for r in s.rows))
+        seen.append(sum(r is not None for r in s.batcher.rows))
         return decode()
 
-    s._decode = counting_decode
+    s.batcher._decode = counting_decode
     want = 2 if given is None else given
     assert s.running_limit() == want and s.get_metrics()["running_limit"] == want
     greedy = [i for i in range(len(PROMPTS)) if i % 2][:4]

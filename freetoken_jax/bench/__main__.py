@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         with layers.expert_impl(args.expert_impl):
             run(args)
         return 0
-    from freetoken_jax.bench.bw import profile_path, run_bw
+    from freetoken_jax.bench.bw import run_bw
+    from freetoken_jax.runtime.choice import profile_path
 
     prof = run_bw(path=args.profile, json_path=args.json, threshold=args.threshold, working_set_gb=args.working_set_gb,
                   host_read_gb=args.host_read_gb, hidden=args.hidden, ffn=args.ffn)  # fmt: skip

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import platform
 import tempfile
 import threading
 import time
@@ -26,49 +25,9 @@ import time
 import numpy as np
 
 from freetoken_jax.bench.measure import executor_pass, h2d_bandwidth, median_time
+from freetoken_jax.runtime.choice import SCHEMA, THRESHOLD, cpu_model, device_name, profile_path, recommend
 
 log = logging.getLogger("freetoken_jax")
-
-SCHEMA = 1
-THRESHOLD = 2.0
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_name() -> str:
-    import jax
-
-    d = jax.devices()[0]
-    return f"{d.platform}:{getattr(d, 'device_kind', '')}"
-
-
-def profile_path(path: str | None = None) -> str:
-    from freetoken_jax.demo import cache_dir
-
-    return path or os.path.join(cache_dir(), "benchbw.json")
-
-
-def recommend(fig: dict, threshold: float = THRESHOLD) -> dict:
-    """Strategy and q* from measured figures (contended ones when present)."""
-    cpu = fig.get("contended_cpu_moe_gb_s") or fig.get("cpu_moe_gb_s")
-    pcie = fig.get("contended_fetch_gb_s") or fig.get("fetch_gb_s") or fig.get("h2d_gb_s")
-    if not pcie:
-        return dict(strategy="fused", q=None, reason="no accelerator link measured: the experts are in host memory already")
-    if not cpu:
-        return dict(strategy="offload", q=1.0, reason="no CPU executor figure")
-    q = min(1.0, max(0.0, pcie / (pcie + cpu)))
-    if cpu > threshold * pcie:
-        return dict(strategy="hybrid", q=q, reason=f"CPU {cpu:.1f} GB/s > {threshold} x PCIe {pcie:.1f} GB/s")
-    return dict(strategy="offload", q=q, reason=f"CPU {cpu:.1f} GB/s <= {threshold} x PCIe {pcie:.1f} GB/s")
 
 
 def _host_read(gb: float, threads: int, reps: int) -> float:
@@ -253,31 +212,4 @@ def run_bw(
         with os.fdopen(fd, "w") as f:
             json.dump(prof, f, indent=1)
         os.replace(tmp, p)
-    return prof
-
-
-def load_profile(path: str | None = None) -> dict | None:
-    """The saved profile if it is readable, current and from this machine's device and CPU."""
-    p = profile_path(path)
-    if not os.path.isfile(p):
-        return None
-    try:
-        with open(p) as f:
-            prof = json.load(f)
-        if not isinstance(prof, dict):
-            raise ValueError("not a JSON object")
-    except (OSError, ValueError) as e:
-        log.warning("ignoring %s: unreadable (%s); run `python -m freetoken_jax.bench bw` again", p, e)
-        return None
-    if prof.get("schema") != SCHEMA:
-        log.warning("ignoring %s: schema %s, this engine writes %s; run the bench again", p, prof.get("schema"), SCHEMA)
-        return None
-    if prof.get("device") != device_name() or prof.get("cpu_model") != cpu_model():
-        log.warning(
-            "ignoring %s: measured on %s / %s, this is %s / %s", p, prof.get("device"), prof.get("cpu_model"), device_name(), cpu_model()
-        )
-        return None
-    if not isinstance(prof.get("recommendation"), dict) or "strategy" not in prof["recommendation"]:
-        log.warning("ignoring %s: no recommendation in it", p)
-        return None
     return prof

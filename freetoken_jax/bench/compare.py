@@ -41,14 +41,45 @@ import numpy as np
 
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
-from freetoken_jax.runtime import buckets
+from freetoken_jax.memory.expert_cache import init_slot_cache
+from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
+from freetoken_jax.runtime.handoff import resolve_mode
+from freetoken_jax.runtime.offload import host_bank_views
+from freetoken_jax.runtime.routing import SyntheticRouting
+from freetoken_jax.runtime.runner import ModelRunner, StepSet, decode_job
+from freetoken_jax.runtime.sampling import GenerationParams
+from freetoken_jax.runtime.steps import DecodeState, shapes
+from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
 PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerStreaming(Offload):
+    """The `layer` / `stream` baselines: every MoE layer's whole bank copied to the device at
+    every step and dropped (accelerate-style offloading); no slot cache."""
+
+    @property
+    def uses_slots(self) -> bool:
+        return False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PerToken(Offload):
+    """The `per-token` prefill baseline: every chunk through the slot cache as decode does."""
+
+    def prefill_path(self, cfg, tokens, num_slots):
+        return "slots"
+
+
 class Bench:
-    """One host-bank engine and the figures the bounds need."""
+    """One set of host banks (the weights of an offload engine) and the figures the bounds need;
+    each row runs its variant's expert backend over them in a `ModelRunner` of its own geometry,
+    driven by a `Batcher` as serving drives it. All rows share one `StepSet`: one compile per
+    shape and backend kind."""
 
     def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False, prefill_chunk: int = 64,
                  layers: int | None = None):  # fmt: skip
@@ -56,7 +87,7 @@ class Bench:
         from freetoken_jax import EngineConfig, FreeTokenEngine
 
         self.ecfg = EngineConfig(dtype=dtype, moe_strategy="offload", max_batch=max_batch, max_context=max_context, page_size=16,
-                                 prefill_chunk=prefill_chunk)  # fmt: skip
+                                 prefill_chunk=prefill_chunk, prefix_cache=False)  # fmt: skip
         t0 = time.perf_counter()
         if model in PRESETS:
             cfg = preset_config(model)
@@ -65,24 +96,15 @@ class Bench:
             self.engine = FreeTokenEngine(cfg, self.ecfg.replace(expert_slots=max_batch * cfg.top_k))
         else:
             self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))
-        self.cfg = self.engine.model_config
+        self.cfg = self.engine.model_config  # its runner stays small (B x k slots): rows bring their own
         self.build_s = time.perf_counter() - t0
         gpu = jax.default_backend() == "gpu"
         self.hbm = copy_bandwidth(4.0 if gpu else 0.05, 20 if gpu else 3)
-        from freetoken_jax.runtime.offload import host_bank_views
-
-        self.views = host_bank_views(self.engine.weights.params)  # one static object: one executable per variant
+        self.views = host_bank_views(self.engine.weights.params)  # one static object: one executable per backend kind
         self.bp = h2d_bandwidth(gib=1.0 if gpu else 0.05)
         self.bh = executor_bandwidth(self.engine, self.views)
         self._fused = None
-        from freetoken_jax.runtime.steps import decode_step, prefill_step, prefill_step_slots
-
-        # Held for the whole run: one compile per shape (and weights variant) across rows and prompts.
-        self._prefill_plain = jax.jit(prefill_step, donate_argnums=(1,))
-        self._prefill_slots = jax.jit(prefill_step_slots, donate_argnums=(1, 3))
-        self._compiled: dict = {}  # decode steps by `_compile_key`: rows of the same shapes share one
-        self._kv_shape = jax.eval_shape(lambda c: c, self.engine.cache)  # a row holds the cache itself while it runs
-        self._step = jax.jit(lambda w, s, b, t: decode_step(w, dataclasses.replace(s, tokens_B=t), b), donate_argnums=(1,))
+        self.steps = StepSet(dtype)
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
                  f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
@@ -97,14 +119,9 @@ class Bench:
         cfg = self.cfg
         return min(max(B * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes)), (cfg.num_moe_layers + 2) * cfg.num_experts)
 
-    def weights(self, variant: str, q: float, skew: float | None):
-        """The `Weights` of a variant, or None when it cannot run here."""
-        from freetoken_jax.runtime.handoff import resolve_mode
-
-        w = self.engine.weights
-        if variant in ("hybrid", "cpu"):
-            w = dataclasses.replace(w, strategy=variant, host_banks=self.views, handoff=resolve_mode("auto"),
-                                    hybrid_q=jnp.float32(q) if variant == "hybrid" else None)  # fmt: skip
+    def variant(self, variant: str, q: float, skew: float | None) -> tuple | None:
+        """(weights, expert backend) of a variant, or None when it cannot run here."""
+        weights, handoff = self.engine.weights, resolve_mode("auto")
         if variant == "fused":
             if self._fused is None:
                 from freetoken_jax import FreeTokenEngine
@@ -116,61 +133,61 @@ class Bench:
                     self._fused = False
             if not self._fused:
                 return None
-            w = self._fused.weights
-        return dataclasses.replace(w, routing_skew=None if skew is None else float(skew))
+            weights, experts = self._fused.weights, FUSED
+        elif variant == "hybrid":
+            experts = Hybrid(self.views, handoff, self.ecfg.hybrid_overhead, self.ecfg.prefill_load, float(q))
+        elif variant == "cpu":
+            experts = Cpu(self.views, handoff)
+        elif variant in ("layer", "stream"):
+            experts = LayerStreaming(self.ecfg.prefill_load)
+        elif variant == "per-token":
+            experts = PerToken(self.ecfg.prefill_load)
+        else:  # offload, naive (few slots), offload-copy
+            experts = Offload("copy" if variant == "offload-copy" else self.ecfg.prefill_load)
+        return weights, experts if skew is None else SyntheticRouting(experts, float(skew))
 
     def _decode_slots(self, variant: str, B: int, vram_gb: float) -> int | None:
-        slots = {"naive": B * self.cfg.top_k, "layer": None, "cpu": None, "fused": None}.get(variant)
-        return self.slots_for(vram_gb, B) if variant in ("offload", "hybrid") else slots
+        if variant in ("offload", "hybrid"):
+            return self.slots_for(vram_gb, B)
+        return B * self.cfg.top_k if variant == "naive" else None
 
-    def _compile_key(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, skew=None, label=None, **_) -> tuple:
-        """What a row's decode executable depends on: the weights variant, the batch, the slots
-        and the page-table width (the routing skew and hybrid's q are traced values: any skew,
-        any q, one executable)."""
-        return (label or variant, B, self._decode_slots(variant, B, vram_gb), self._table_pages(prompt_len, steps), skew is None)
+    def _runner(self, weights, experts, B: int, slots: int | None, **ecfg) -> ModelRunner:
+        """A runner of `B` rows, all running at once, and `slots` expert slots over the shared weights."""
+        plan = self.engine.plan if self._fused is None or weights is not self._fused.weights else self._fused.plan
+        return ModelRunner(self.cfg, self.ecfg.replace(max_batch=B, max_running=B, **ecfg), weights, experts, dataclasses.replace(plan, slots=slots or 0),
+                           self.steps)  # fmt: skip
 
-    @staticmethod
-    def _row_tokens(prompt_len: int, steps: int) -> int:
-        return prompt_len + steps + 8  # the KV a decode row allocates
+    def _decode_job(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, experts=None, **_) -> tuple:
+        """The (decode step, argument shapes) of a `decode` row, from shapes alone (nothing is
+        allocated, so several compile at once: `precompile`)."""
+        from freetoken_jax.memory.kv_cache import init_cache
 
-    def _table_pages(self, prompt_len: int, steps: int) -> int:
-        """The page-table width of a decode row (`FreeTokenEngine.page_table`'s bucket)."""
-        return buckets.pages_bucket(self.engine.pages.pages_for(self._row_tokens(prompt_len, steps)), self.ecfg.pages_per_sequence)
-
-    def compile_decode(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, weights=None):
-        """The decode step of a `decode` row, compiled from shapes alone: it touches no engine
-        state, so several compile at once (`precompile`)."""
-        from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState
-
-        cfg = self.cfg
-        weights = weights or self.weights(variant, q, skew)
-        slots = self._decode_slots(variant, B, vram_gb)
-        i32 = jax.ShapeDtypeStruct((B,), jnp.int32)
-        experts = (
-            None if slots is None else jax.eval_shape(lambda: init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)))
-        )
-        state = DecodeState(self._kv_shape, i32, i32, experts)
-        return self._step.lower(weights, state, DecodeBatch.shapes(B, self._table_pages(prompt_len, steps)), i32).compile()
+        weights, experts = self.variant(variant, q, skew) if experts is None else (self.engine.weights, experts)
+        slots, ecfg, dtype = self._decode_slots(variant, B, vram_gb), self.ecfg.replace(max_batch=B), jnp.dtype(self.ecfg.dtype)
+        state = jax.eval_shape(lambda: DecodeState(
+            init_cache(self.cfg, ecfg, dtype), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
+            None if slots is None else init_slot_cache(self.cfg, slots, B, dtype),
+        ))  # fmt: skip
+        return decode_job(self.steps, weights, experts, shapes(state, committed=True), ecfg.pages_per_sequence)
 
     def precompile(self, rows: list[dict], workers: int) -> None:
         """Compiles the decode steps of `rows` (each a dict of `decode`'s arguments) on `workers`
-        threads ahead of the runs, once per distinct `_compile_key`; `decode` then takes them."""
+        threads ahead of the runs, once per distinct executable; `decode` then finds them."""
         import concurrent.futures
-
-        rows = list({self._compile_key(**r): r for r in rows if r["variant"] != "fused"}.values())
 
         def one(r: dict) -> None:
             t0, name = time.perf_counter(), r.get("label") or r["variant"]
             try:
-                args = {k: r.get(k) for k in ("variant", "B", "vram_gb", "prompt_len", "steps", "q", "skew", "weights")}
-                self._compiled[self._compile_key(**r)] = self.compile_decode(**args)
+                self.steps.precompile([self._decode_job(**r)])
                 self.log(f"{name} B={r['B']}: decode step compiled ahead in {time.perf_counter() - t0:.0f} s")
             except Exception as e:  # noqa: BLE001 - the row compiles again when it runs, and reports
                 self.log(f"{name} B={r['B']}: compiling ahead failed: {type(e).__name__}: {e}")
 
+        # rows that differ only in the skew or q share an executable (both are traced)
+        distinct = {(r.get("label") or r["variant"], r["B"], self._decode_slots(r["variant"], r["B"], r["vram_gb"]), r["skew"] is None): r
+                    for r in rows}  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(one, rows))
+            list(pool.map(one, distinct.values()))
 
     def decode(
         self,
@@ -181,85 +198,80 @@ class Bench:
         steps: int,
         q: float,
         skew: float | None,
-        weights=None,
+        experts=None,
         label=None,
         prompt_by_decode: bool = False,
     ) -> dict | None:
-        """One decode row; `weights` replaces the variant's own (a variant of it), `label` names it.
-        With `prompt_by_decode` the prompt is fed through the decode step itself, one token per
-        step, instead of a prefill (no prefill executable to compile; no time to first token)."""
+        """One decode row: B requests of `prompt_len` random tokens, `steps` decode steps each,
+        sampled at temperature 1 (random weights make greedy tokens repeat). With
+        `prompt_by_decode` the prompt is fed through the decode step itself, one token per step,
+        instead of a prefill (no prefill executable to compile; no time to first token). `experts`
+        replaces the variant's backend (a variant of it), `label` names the row."""
         from tqdm import tqdm
 
         from freetoken_jax import _cpu_ext
-        from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling
 
-        cfg, eng = self.cfg, self.engine
-        weights = weights or self.weights(variant, q, skew)
-        if weights is None:
+        cfg = self.cfg
+        wx = self.variant(variant, q, skew) if experts is None else (self.engine.weights, experts)
+        if wx is None:
             return None
         slots = self._decode_slots(variant, B, vram_gb)
-        key = self._compile_key(variant, B, vram_gb, prompt_len, steps, skew=skew, label=label)
+        t_start = time.perf_counter()
+        runner = self._runner(*wx, B, slots)
+        batcher = Batcher(runner, prefix_cache=False, prefill_rows=B, prompt_by_decode=prompt_by_decode)
         rng = np.random.default_rng(7 + B)
-        prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
-        pages = [eng.pages.allocate(self._row_tokens(prompt_len, steps)) for _ in range(B)]
+        fed = prompt_len if prompt_by_decode else 0
+        handles = [
+            RequestHandle([int(t) for t in rng.integers(0, cfg.vocab_size, prompt_len)],
+                          GenerationParams(max_new_tokens=steps + 1, temperature=1.0, seed=b, ignore_eos=True))
+            for b in range(B)
+        ]  # fmt: skip
+        counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
         try:
-            table, _ = eng.page_table(pages, B)
-            sampling = Sampling.greedy(B)
-            # The KV cache is the same under every host-bank variant: they share one prefill executable.
-            pw = self.weights("offload", q, skew) if weights.strategy in ("offload", "hybrid") else weights
-            step_prefill = lambda w, c, b: self._prefill_plain(pw, c, b)  # noqa: E731
-            t_start, ttft, fed = time.perf_counter(), None, prompt_len if prompt_by_decode else 0
-            first = jnp.asarray([p[0] for p in prompts], jnp.int32)
-            for _pass in range(0 if prompt_by_decode else 2):  # the first pass compiles
-                t0 = time.perf_counter()
-                for _s, _t, first in eng.prefill_chunks(prompts, table, sampling, step_prefill):  # noqa: B007
-                    pass
-                first.block_until_ready()
-                ttft = time.perf_counter() - t0
-            experts = (
-                None
-                if slots is None
-                else jax.device_put(init_slot_cache(cfg, slots, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
-            )
-            state = DecodeState(eng.cache, jnp.copy(first), jnp.full((B,), prompt_len - fed, jnp.int32), experts)
-            eng.cache = None
-            batch = DecodeBatch(jnp.asarray(table), jnp.ones((B,), bool), sampling)
-            # Each step reads a seeded random input token per row (random weights make sampled tokens
-            # repeat), after the prompt's tokens when it is fed through the decode step.
-            inputs = list(jnp.asarray(np.array(prompts, np.int32).T[:fed], jnp.int32))
-            inputs += list(jnp.asarray(rng.integers(0, cfg.vocab_size, (steps, B)), jnp.int32))
+            ttft = None
+            if not prompt_by_decode:  # the first pass compiles the prefill; the second is the rows' own
+                firsts = [RequestHandle(h.prompt, dataclasses.replace(h.params, max_new_tokens=1)) for h in handles]
+                for hs in (firsts, handles):
+                    t0 = time.perf_counter()
+                    for h in hs:
+                        batcher.submit(h)
+                    while not all(h.generated for h in hs):  # a row decodes from the step after its prefill ends
+                        batcher.step()
+                    ttft = time.perf_counter() - t0
+                runner.reset_slots()  # the timed decode starts from cold slots
+            else:
+                for h in handles:
+                    batcher.submit(h)
             t1 = time.perf_counter()
-            step = self._compiled.get(key) or self.compile_decode(variant, B, vram_gb, prompt_len, steps, q, skew, weights)
-            self._compiled[key] = step
+            step, args = decode_job(self.steps, *wx, shapes(runner.state, committed=True), runner.engine_config.pages_per_sequence)
+            step.lower(*args).compile()  # found compiled when `precompile` ran
             prefilled = "prompt fed through the decode step" if prompt_by_decode else f"prefill {t1 - t_start:.0f} s (compile included)"
             self.log(f"{label or variant} B={B}: {prefilled}, decode step ready in {time.perf_counter() - t1:.0f} s")
-            counters = lambda c: np.array([np.asarray(a).sum() for a in (c.hits_L, c.misses_L, c.cpu_L)])  # noqa: E731
             warm = fed + max(1, min(16, steps // 4))
-            before, t0 = None, 0.0
-            for i in tqdm(range(fed + steps), desc=f"{variant} B={B}", leave=False, disable=None):
-                if i == warm:
-                    state.tokens_B.block_until_ready()
-                    before = None if slots is None else counters(state.experts)
+            before, t0, bar = None, 0.0, tqdm(total=fed + steps, desc=f"{variant} B={B}", leave=False, disable=None)
+            while not all(h.finished for h in handles):
+                done = batcher.metrics["decode_steps"]
+                if done == warm and before is None:
+                    runner.state.tokens_B.block_until_ready()
+                    before = None if slots is None else counters(runner.slots)
                     _cpu_ext.handoff_stats(True)
                     t0 = time.perf_counter()
                 t1 = time.perf_counter()
-                _tok, state = step(weights, state, batch, inputs[i])
-                if i == 0:  # a step that never returns shows here, not only as a missing row
-                    state.tokens_B.block_until_ready()
+                batcher.step()
+                if done == 0 and batcher.metrics["decode_steps"] == 1:  # a step that never returns shows here
+                    runner.state.tokens_B.block_until_ready()
                     self.log(f"{label or variant} B={B}: first step took {(time.perf_counter() - t1) * 1e3:.0f} ms")
-            state.tokens_B.block_until_ready()
-            n = fed + steps - warm
+                bar.update(batcher.metrics["decode_steps"] - done)
+            bar.close()
+            batcher.flush()
+            runner.state.tokens_B.block_until_ready()
+            n = batcher.metrics["decode_steps"] - warm
             dt = (time.perf_counter() - t0) / n
             hs = _cpu_ext.handoff_stats(True)
-            eng.cache = state.cache
+            after = None if slots is None else counters(runner.slots)
+            P = runner.engine_config.pages_per_sequence
         finally:
-            if eng.cache is None:
-                from freetoken_jax.runtime.kv_cache import init_cache
-
-                eng.cache = init_cache(cfg, self.ecfg, jnp.dtype(self.ecfg.dtype))
-            for p in pages:
-                eng.pages.release(p)
+            runner.close()
         L, E = cfg.num_moe_layers, cfg.num_experts
         on_cpu = 0.0
         if variant == "layer":
@@ -268,11 +280,11 @@ class Bench:
             fetched, hit, distinct = 0.0, (1.0 if variant == "fused" else 0.0), float(min(E, B * cfg.top_k))
             on_cpu = L * distinct if variant == "cpu" else 0.0
         else:
-            hits, misses, cpu = counters(state.experts) - before
+            hits, misses, cpu = after - before
             fetched, on_cpu, hit = misses / n, cpu / n, hits / max(1, hits + misses + cpu)
             distinct = (hits + misses + cpu) / n / L
-        plan = eng.plan
-        kv = cfg.num_layers * B * table.shape[1] * self.ecfg.page_size * sum(int(np.prod(s)) for s in cfg.kv_entry_shapes()) * 2
+        plan = self.engine.plan
+        kv = cfg.num_layers * B * P * self.ecfg.page_size * sum(int(np.prod(s)) for s in cfg.kv_entry_shapes()) * 2
         resident = plan.dense_bytes - cfg.vocab_size * cfg.hidden_dim * 2 + (L * distinct - on_cpu) * self.expert_bytes + kv
         link = fetched * self.expert_bytes / self.bp
         if variant == "hybrid":
@@ -284,7 +296,7 @@ class Bench:
             strategy=label or variant, batch=B, vram_gb=vram_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
             routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=None if ttft is None else ttft * 1e3, hit_rate=float(hit),
             gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
-            q=None if weights.hybrid_q is None else float(weights.hybrid_q), bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
+            q=float(q) if variant == "hybrid" else None, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
         )  # fmt: skip
         if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
             c = hs["count"]
@@ -297,52 +309,36 @@ class Bench:
         """Time to prefill one prompt. offload / hybrid: through two borrowed layer buffers of a
         `vram_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
         dropped; per-token: the decode path (routed experts looked up and fetched per token)."""
-        from freetoken_jax.memory.expert_cache import init_slot_cache
-        from freetoken_jax.runtime.steps import Sampling
-
-        eng, cfg = self.engine, self.cfg
-        weights = self.weights({"stream": "offload", "per-token": "offload", "offload-copy": "offload"}.get(variant, variant), q, None)
-        if weights is None:
+        cfg = self.cfg
+        wx = self.variant(variant, q, None)
+        if wx is None:
             return None
-        if variant == "offload-copy":
-            weights = dataclasses.replace(weights, prefill_load="copy")
         slots, chunk = None, self.ecfg.prefill_chunk
         if variant in ("offload", "offload-copy", "hybrid", "per-token"):
-            n = self.slots_for(vram_gb, self.ecfg.max_batch)
-            if variant == "per-token":  # the largest chunk whose routed experts fit the slots (n >= top_k: `slots_for`)
-                chunk = min(chunk, 1 << (n // cfg.top_k).bit_length() - 1)
-            slots = jax.device_put(init_slot_cache(cfg, n, self.ecfg.max_batch, jnp.dtype(self.ecfg.dtype)), jax.devices()[0])
-        box = [slots]
-
-        def step(w, c, b):
-            if variant == "per-token":
-                tok, c, box[0] = self._prefill_slots(weights, c, b, box[0])
-            elif box[0] is not None:
-                tok, c, box[0] = eng.prefill(weights, c, b, box[0])
-            else:
-                tok, c = self._prefill_plain(weights, c, b)
-            return tok, c
-
-        prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len))
-        pages = [eng.pages.allocate(prompt_len + 1)]
+            slots = self.slots_for(vram_gb, self.ecfg.max_batch)
+            if variant == "per-token":  # the largest chunk whose routed experts fit the slots (slots >= top_k: `slots_for`)
+                chunk = min(chunk, 1 << (slots // cfg.top_k).bit_length() - 1)
+        runner = self._runner(*wx, self.ecfg.max_batch, slots, prefill_chunk=chunk)
+        batcher = Batcher(runner, prefix_cache=False)
+        prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len)]
         try:
-            table, _ = eng.page_table(pages, 1)
             # The first pass compiles: a prompt of one full chunk and the same last chunk suffices.
             for p in (prompt[: min(prompt_len, chunk + prompt_len % chunk)], prompt):
                 t0 = time.perf_counter()
-                for _s, _t, first in eng.prefill_chunks([p], table, Sampling.greedy(1), step, chunk):  # noqa: B007
-                    pass
-                first.block_until_ready()
+                h = RequestHandle(p, GenerationParams(max_new_tokens=1))
+                batcher.submit(h)
+                while not h.finished:
+                    batcher.step()
                 ttft = time.perf_counter() - t0
+            first = h.generated[0]
         finally:
-            for p in pages:
-                eng.pages.release(p)
+            runner.close()
         chunks = -(-prompt_len // self.ecfg.prefill_chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
         bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, vram_gb=vram_gb if slots is not None else None,
-                    buffered=bool(slots is not None and variant != "per-token" and slots.num_slots >= 2 * cfg.num_experts),
-                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=int(np.asarray(first).reshape(-1)[0]),
+                    buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
+                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first,
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
 
 

@@ -30,3 +30,12 @@ class PageAllocator:
         if any(p <= 0 or p >= self.num_pages for p in pages):
             raise ValueError(f"not pages of this pool: {pages}")
         self._free.extend(reversed(pages))
+
+    def grown(self, num_pages: int) -> PageAllocator:
+        """An allocator of a larger pool whose pages held here are held there too."""
+        if num_pages < self.num_pages:
+            raise ValueError(f"cannot grow {self.num_pages} pages to {num_pages}")
+        new = PageAllocator(num_pages, self.page_size)
+        free = set(self._free)
+        new._free = [p for p in new._free if p >= self.num_pages or p in free]
+        return new

@@ -49,9 +49,17 @@ def build_abstract(cfg: MoEModelConfig, dtype: str = "float32") -> nnx.State:
     return nnx.state(model, nnx.Param)
 
 
+def param_count(cfg: MoEModelConfig) -> dict[str, int]:
+    """Parameter counts split into dense weights and routed experts."""
+    counts = {"dense": 0, "experts": 0}
+    for path, var in build_abstract(cfg, "float32").flat_state():
+        counts["experts" if is_expert_path(path) else "dense"] += var.get_value().size
+    return counts
+
+
 def abstract_graphdef(cfg: MoEModelConfig, dtype: str = "float32"):
     model = nnx.eval_shape(lambda: MoETransformer(cfg, jnp_dtype(dtype), nnx.Rngs(0)))
     return nnx.split(model, nnx.Param)
 
 
-__all__ = ["MoETransformer", "abstract_graphdef", "build_abstract", "build_random", "is_expert_path", "random_params"]
+__all__ = ["MoETransformer", "abstract_graphdef", "build_abstract", "build_random", "is_expert_path", "param_count", "random_params"]

@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.runtime.kv_cache import KVView, gather_pages, write_pages
+from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 
 _INIT = nnx.initializers.normal(0.02)
 

@@ -4,6 +4,8 @@ tensor-name map."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -61,6 +63,27 @@ def family_for(hf_config: dict[str, Any]) -> Family:
     raise ConfigError(
         f"unsupported architecture {archs or hf_config.get('model_type')!r}; supported: " + ", ".join(supported_architectures())
     )
+
+
+def read_hf_config(path: str | os.PathLike) -> dict[str, Any]:
+    """The parsed `config.json` of a checkpoint directory (or the file itself)."""
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        p = os.path.join(p, "config.json")
+    try:
+        with open(p) as f:
+            return json.load(f)
+    except FileNotFoundError as e:
+        raise ConfigError(f"no config.json at {path!s}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{p} is not valid JSON: {e}") from e
+
+
+def config_from_hf(path_or_dict: str | os.PathLike | dict) -> MoEModelConfig:
+    """A model config from a Hugging Face `config.json` (a directory, the file, or its parsed
+    dict), parsed by its family (`architectures`)."""
+    d = path_or_dict if isinstance(path_or_dict, dict) else read_hf_config(path_or_dict)
+    return family_for(d).parse(d)
 
 
 def family_named(name: str) -> Family:

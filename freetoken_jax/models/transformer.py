@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.models.layers import _INIT, MLP, Attention, ExpertFn, MLAttention, MoEBlock, RMSNorm, linear, rope_cos_sin
-from freetoken_jax.runtime.kv_cache import KVCache, KVView
 
 
 class DecoderLayer(nnx.Module):

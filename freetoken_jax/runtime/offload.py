@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
 from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many
 
 KINDS = ("gate", "up", "down")
@@ -37,15 +38,6 @@ def host_memory_kind() -> str | None:
     """`pinned_host` where a GPU reads host memory over PCIe; None (default memory) on the CPU
     backend, where host memory is device memory and Pallas interpret mode refuses pinned_host."""
     return "pinned_host" if jax.default_backend() == "gpu" else None
-
-
-def moe_layer_fns(model, make) -> list:
-    """One expert function per layer: `make(m)` for the m-th MoE layer, None for dense layers."""
-    fns, m = [], 0
-    for layer in model.layers:
-        fns.append(make(m) if layer.is_moe else None)
-        m += layer.is_moe
-    return fns
 
 
 def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:

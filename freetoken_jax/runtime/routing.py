@@ -11,9 +11,14 @@ changes from step to step. The router's weights are kept (only the ids change).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from freetoken_jax.runtime.experts import ExpertBackend
 
 
 def log_ranks(num_experts: int, layer: int) -> np.ndarray:
@@ -50,3 +55,31 @@ def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, 
         out.append(lambda x, ids, w, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w))
         m += 1
     return out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SyntheticRouting(ExpertBackend):
+    """A benchmark backend: `inner` computes the experts that a seeded Zipf(`skew`) draw picks
+    instead of the router's (the router's weights are kept). `skew` is traced: every exponent
+    runs in one executable."""
+
+    inner: ExpertBackend
+    skew: Any  # float32 scalar
+
+    @property
+    def strategy(self):
+        return self.inner.strategy
+
+    @property
+    def uses_slots(self) -> bool:
+        return self.inner.uses_slots
+
+    def prefill_path(self, cfg, tokens, num_slots):
+        return self.inner.prefill_path(cfg, tokens, num_slots)
+
+    def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
+        fns, after = self.inner.expert_fns(model, valid_T, positions_T, slots, buffered)
+        if fns is None:
+            fns = [layer.mlp.fused_expert_fn() if layer.is_moe else None for layer in model.layers]
+        return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew), after

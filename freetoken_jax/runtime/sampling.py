@@ -7,8 +7,78 @@ output does not depend on what else is in the batch.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Sequence
+
 import jax
 import jax.numpy as jnp
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationParams:
+    """What one request asks for."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def check(self, prompt: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
+        """The prompt as a list of ints, or `RequestError` saying what is wrong."""
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("the prompt is empty; give at least one token")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"token ids out of range [0, {vocab_size}): {bad[:8]}")
+        if self.max_new_tokens <= 0:
+            raise RequestError(f"max_new_tokens must be at least 1, got {self.max_new_tokens}")
+        total = len(ids) + self.max_new_tokens
+        if total > max_context:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({self.max_new_tokens}) = {total} exceeds the configured "
+                f"context of {max_context} tokens (EngineConfig.max_context)"
+            )
+        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0):  # NaN fails too
+            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        return ids
+
+    def stop_set(self, eos_token_ids: Iterable[int]) -> frozenset:
+        """The tokens that end this request: its stop tokens, and EOS unless `ignore_eos`."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_token_ids))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """Per-row sampling parameters."""
+
+    seeds_B: jax.Array  # uint32
+    temperature_B: jax.Array  # float32, <= 0: greedy
+    top_k_B: jax.Array  # int32, <= 0: off
+    top_p_B: jax.Array  # float32, >= 1: off
+
+    @classmethod
+    def greedy(cls, batch: int) -> Sampling:
+        return cls(jnp.zeros(batch, jnp.uint32), jnp.zeros(batch, jnp.float32), jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.float32))
+
+
+def sampling_rows(ps: Sequence[GenerationParams | None]) -> Sampling:
+    """Per-row sampling arrays; rows without a request (None) are greedy."""
+    ps = [p or GenerationParams() for p in ps]
+    return Sampling(
+        jnp.asarray([p.seed for p in ps], jnp.uint32),
+        jnp.asarray([p.temperature for p in ps], jnp.float32),
+        jnp.asarray([p.top_k for p in ps], jnp.int32),
+        jnp.asarray([p.top_p for p in ps], jnp.float32),
+    )
 
 
 def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B) -> jax.Array:

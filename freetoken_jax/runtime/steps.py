@@ -12,55 +12,27 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from freetoken_jax.memory.expert_cache import SlotCache
-from freetoken_jax.runtime.kv_cache import KVCache, KVView
-from freetoken_jax.runtime.sampling import sample
+from freetoken_jax.memory.kv_cache import KVCache, KVView
+from freetoken_jax.runtime.experts import FUSED, ExpertBackend
+from freetoken_jax.runtime.sampling import Sampling, sample
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Weights:
-    """The model's parameters with its (static) NNX graph definition and how routed experts run:
-    "fused" (every expert resident), "offload" (experts in host banks, a slot cache in the
-    decode state), "hybrid" (offload, with a fraction 1 − `hybrid_q` of each layer's misses
-    computed on the host instead of fetched) or "cpu" (every expert computed on the host by the
-    C++ executor); `host_banks` holds numpy views of the banks per MoE layer and `handoff` says
-    how CPU work leaves the jitted step ("ffi", "ffi_nograph" or "callback", see `runtime/handoff.py`)."""
+    """The model's parameters with its (static) NNX graph definition. Under the host-bank
+    strategies the routed experts' leaves are the host banks themselves (`runtime/offload.py`);
+    how they are computed is the step's `experts` backend (`runtime/experts.py`)."""
 
     params: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
-    strategy: str = dataclasses.field(default="fused", metadata=dict(static=True))
-    host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
-    # Strategy "hybrid": the share of misses fetched, a traced float32 scalar (any q, one
-    # executable; the engine's probe tries several). None for every other strategy.
-    hybrid_q: Any = None
-    handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))  # see runtime/handoff.py
-    hybrid_overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))  # see EngineConfig
-    prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))  # see EngineConfig
-    # Benchmarks only: a Zipf exponent; routed experts are then drawn from that popularity
-    # instead of taken from the router (`runtime/routing.py`). None: the model's own routing.
-    # A traced value: every exponent runs in the same executable.
-    routing_skew: Any = None
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """Per-row sampling parameters."""
-
-    seeds_B: jax.Array  # uint32
-    temperature_B: jax.Array  # float32, <= 0: greedy
-    top_k_B: jax.Array  # int32, <= 0: off
-    top_p_B: jax.Array  # float32, >= 1: off
-
-    @classmethod
-    def greedy(cls, batch: int) -> Sampling:
-        return cls(jnp.zeros(batch, jnp.uint32), jnp.zeros(batch, jnp.float32), jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -118,6 +90,17 @@ class PrefillBatch:
     sampling: Sampling
 
     @classmethod
+    def chunk(cls, segments, starts, table_BP, T: int, sampling: Sampling) -> PrefillBatch:
+        """A chunk of `T` positions per row: row b holds the tokens `segments[b]` from position
+        `starts[b]` (the rest of its T padding); rows past `segments` are all padding."""
+        B = table_BP.shape[0]
+        tok, valid, pos = np.zeros((B, T), np.int32), np.zeros((B, T), bool), np.zeros((B, T), np.int32)
+        for b, (seg, start) in enumerate(zip(segments, starts)):
+            tok[b, : len(seg)], valid[b, : len(seg)] = seg, True
+            pos[b] = np.arange(start, start + T)
+        return cls(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(table_BP, jnp.int32), sampling)
+
+    @classmethod
     def shapes(cls, B: int, T: int, P: int) -> PrefillBatch:
         """The shapes of a chunk of `B` rows × `T` tokens and `P` pages built from fresh arrays."""
         i32 = jax.ShapeDtypeStruct((B, T), jnp.int32)
@@ -129,62 +112,45 @@ def _page_size(cache: KVCache) -> int:
 
 
 def forward(
-    weights: Weights, cache: KVCache, tokens_BT, positions_BT, valid_BT, page_table_BP, experts: SlotCache | None = None, prefill=False
+    weights: Weights,
+    experts: ExpertBackend,
+    cache: KVCache,
+    tokens_BT,
+    positions_BT,
+    valid_BT,
+    page_table_BP,
+    slots: SlotCache | None = None,
+    buffered: bool = False,
 ):
     """Final hidden states [B, T, D] of this step's tokens, the extended KV cache and the expert
-    slot cache (given for decode under "offload"/"hybrid", and for prefill through its borrowed
-    layer buffers, `prefill=True`)."""
+    slot cache (given for decode and slot-cache prefill under offload / hybrid, and for prefill
+    through borrowed layer buffers with `buffered`)."""
     model = weights.model()
     view = KVView.build(positions_BT, valid_BT, page_table_BP, _page_size(cache))
-    fns, ex = None, None
-    if weights.strategy == "fused":
-        if weights.routing_skew is not None:
-            fns = [layer.mlp.fused_expert_fn() if layer.is_moe else None for layer in model.layers]
-    else:
-        from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
-
-        if weights.strategy == "cpu":
-            ex = CpuExpertExecutor(model.cfg, weights.host_banks, valid_BT.reshape(-1), weights.handoff)
-        else:
-            hybrid = weights.strategy == "hybrid" and experts is not None and not prefill  # prefill loads whole layers either way
-            ex = OffloadExecutor(
-                model.cfg,
-                model,
-                experts,
-                valid_BT.reshape(-1),
-                weights.hybrid_q if hybrid else None,
-                weights.host_banks,
-                weights.handoff,
-                weights.hybrid_overhead,
-                prefill,
-                weights.prefill_load,
-            )
-        fns = ex.expert_fns(model)
-    if weights.routing_skew is not None:
-        from freetoken_jax.runtime.routing import with_synthetic_routing
-
-        fns = with_synthetic_routing(fns, positions_BT.reshape(-1), model.cfg.num_experts, weights.routing_skew)
+    fns, slots_after = experts.expert_fns(model, valid_BT.reshape(-1), positions_BT.reshape(-1), slots, buffered)
     h, cache = model(tokens_BT, positions_BT, view, cache, fns)
-    return h, cache, getattr(ex, "cache", experts)  # the slot cache after this step (offload, hybrid)
+    return h, cache, slots_after()
 
 
-def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch) -> tuple[jax.Array, DecodeState]:
+def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, DecodeState]:
     """One token for every active row: returns the sampled tokens [B] and the next state."""
     active = batch.active_B
-    h, cache, experts = forward(
-        weights, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP, state.experts
-    )
+    h, cache, slots = forward(
+        weights, experts, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP,
+        state.experts,
+    )  # fmt: skip
     logits = weights.model().logits(h[:, 0])
     s = batch.sampling
     nxt = sample(logits, s.seeds_B, state.positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
     nxt = jnp.where(active, nxt, state.tokens_B)
-    return nxt, DecodeState(cache, nxt, state.positions_B + active.astype(jnp.int32), experts)
+    return nxt, DecodeState(cache, nxt, state.positions_B + active.astype(jnp.int32), slots)
 
 
-def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
+def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:
     """Writes a chunk of each row's prompt into the cache and samples the token that follows
-    each row's last valid position in this chunk (meaningful for the chunk that ends a prompt)."""
-    h, cache, _ = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    each row's last valid position in this chunk (meaningful for the chunk that ends a prompt).
+    Host-bank backends stream each layer's whole bank here (no slot cache)."""
+    h, cache, _ = forward(weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
     return _sample_last(weights, h, batch), cache
 
 
@@ -198,25 +164,25 @@ def _sample_last(weights: Weights, h, batch: PrefillBatch) -> jax.Array:
     return sample(logits, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B)
 
 
-def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: SlotCache):
+def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch, slots: SlotCache, experts: ExpertBackend):
     """`prefill_step` under "offload"/"hybrid" with at least 2 × num_experts slots: layers are
     loaded into two borrowed slot buffers, layer L+1 while layer L computes (`OffloadExecutor`).
     Returns (tokens, KV cache, slot cache) with the maps coherent again."""
-    h, cache, experts = forward(
-        weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts, prefill=True
-    )
-    return _sample_last(weights, h, batch), cache, experts
+    b = batch
+    h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True)
+    return _sample_last(weights, h, batch), cache, slots
 
 
-def prefill_step_slots(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: SlotCache):
+def prefill_step_slots(weights: Weights, cache: KVCache, batch: PrefillBatch, slots: SlotCache, experts: ExpertBackend):
     """`prefill_step` through the slot cache as in decode: each token's routed experts looked up,
     the misses fetched (and, under "hybrid", shared with the CPU). For chunks too short to use
     most of a layer's experts (`offload.slot_prefill_pays`). Returns (tokens, KV cache, slot cache)."""
-    h, cache, experts = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, experts)
-    return _sample_last(weights, h, batch), cache, experts
+    b = batch
+    h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots)
+    return _sample_last(weights, h, batch), cache, slots
 
 
-def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch) -> tuple[jax.Array, KVCache]:
+def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:
     """Like `prefill_step`, but returns the float32 logits at every position [B, T, V]."""
-    h, cache, _ = forward(weights, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    h, cache, _ = forward(weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
     return weights.model().logits(h), cache

@@ -86,7 +86,8 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
 
     def RebuildCache(self, request, context):  # noqa: N802
         from freetoken_jax.config import ConfigError
-        from freetoken_jax.scheduler.elastic import Busy, RebuildFailed, status
+        from freetoken_jax.runtime.runner import RebuildFailed
+        from freetoken_jax.scheduler.batcher import Busy
 
         slots = request.expert_slots if request.HasField("expert_slots") else None
         pages = request.kv_pages if request.HasField("kv_pages") else None
@@ -98,18 +99,16 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         except RebuildFailed as e:
             context.abort(grpc.StatusCode.INTERNAL, str(e))
-        return pb.CacheStatus(json=json.dumps(status(self.s.scheduler)))
+        return pb.CacheStatus(json=json.dumps(self.s.scheduler.status()))
 
     def GetCacheStatus(self, request, context):  # noqa: N802
-        from freetoken_jax.scheduler.elastic import status
-
-        return pb.CacheStatus(json=json.dumps(status(self.s.scheduler)))
+        return pb.CacheStatus(json=json.dumps(self.s.scheduler.status()))
 
     def GetMetrics(self, request, context):  # noqa: N802
         return pb.MetricsResponse(json=json.dumps({**self.s.engine.get_metrics(), **self.s.scheduler.get_metrics()}))
 
     def ListModels(self, request, context):  # noqa: N802
-        return pb.ListModelsResponse(models=[pb.Model(id=self.s.model_name, strategy=self.s.engine.engine_config.moe_strategy)])
+        return pb.ListModelsResponse(models=[pb.Model(id=self.s.model_name, strategy=self.s.engine.engine_config.moe_strategy.value)])
 
 
 def serve_grpc(service: Service, host: str = "127.0.0.1", port: int = 50051, workers: int = 32) -> tuple[grpc.Server, int]:

@@ -83,9 +83,7 @@ class Handler(BaseHTTPRequestHandler):
                 return self._send_json(503, {"status": "failed", "model": s.model_name, "detail": s.scheduler.failed})
             return self._send_json(200, {"status": "ok", "model": s.model_name})
         if self.path == "/v1/cache/status":
-            from freetoken_jax.scheduler.elastic import status
-
-            return self._send_json(200, status(s.scheduler))
+            return self._send_json(200, s.scheduler.status())
         if self.path == "/v1/models":
             return self._send_json(
                 200,
@@ -133,7 +131,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def _rebuild(self, body):
         from freetoken_jax.config import ConfigError
-        from freetoken_jax.scheduler.elastic import Busy, RebuildFailed
+        from freetoken_jax.runtime.runner import RebuildFailed
+        from freetoken_jax.scheduler.batcher import Busy
 
         unknown = set(body) - {"expert_slots", "kv_pages", "drain", "model"}
         if unknown:

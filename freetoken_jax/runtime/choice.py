@@ -1,0 +1,113 @@
+"""Which strategy `moe_strategy="auto"` runs, from the machine's measured bandwidth profile.
+
+`python -m freetoken_jax.bench bw` measures the machine and writes `<cache dir>/benchbw.json`
+(schema version, time, device, CPU model, dtype, figures, recommendation); `load_profile` reads
+it back, ignoring — with a message, never an exception — a missing, corrupt, old-schema or
+foreign (other GPU or CPU) profile. `resolve_auto` picks fused when every expert fits the
+device budget, else the profile's recommendation, else offload (hybrid only on evidence);
+`FreeTokenEngine` then checks a hybrid recommendation with a short decode probe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
+from freetoken_jax.memory.budget import device_memory_bytes, plan_memory
+from freetoken_jax.paths import cache_dir
+
+log = logging.getLogger("freetoken_jax")
+
+SCHEMA = 1
+THRESHOLD = 2.0
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_name() -> str:
+    import jax
+
+    d = jax.devices()[0]
+    return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+
+
+def profile_path(path: str | None = None) -> str:
+    return path or os.path.join(cache_dir(), "benchbw.json")
+
+
+def recommend(fig: dict, threshold: float = THRESHOLD) -> dict:
+    """Strategy and q* from measured figures (contended ones when present)."""
+    cpu = fig.get("contended_cpu_moe_gb_s") or fig.get("cpu_moe_gb_s")
+    pcie = fig.get("contended_fetch_gb_s") or fig.get("fetch_gb_s") or fig.get("h2d_gb_s")
+    if not pcie:
+        return dict(strategy="fused", q=None, reason="no accelerator link measured: the experts are in host memory already")
+    if not cpu:
+        return dict(strategy="offload", q=1.0, reason="no CPU executor figure")
+    q = min(1.0, max(0.0, pcie / (pcie + cpu)))
+    if cpu > threshold * pcie:
+        return dict(strategy="hybrid", q=q, reason=f"CPU {cpu:.1f} GB/s > {threshold} x PCIe {pcie:.1f} GB/s")
+    return dict(strategy="offload", q=q, reason=f"CPU {cpu:.1f} GB/s <= {threshold} x PCIe {pcie:.1f} GB/s")
+
+
+def load_profile(path: str | None = None) -> dict | None:
+    """The saved profile if it is readable, current and from this machine's device and CPU."""
+    p = profile_path(path)
+    if not os.path.isfile(p):
+        return None
+    try:
+        with open(p) as f:
+            prof = json.load(f)
+        if not isinstance(prof, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: unreadable (%s); run `python -m freetoken_jax.bench bw` again", p, e)
+        return None
+    if prof.get("schema") != SCHEMA:
+        log.warning("ignoring %s: schema %s, this engine writes %s; run the bench again", p, prof.get("schema"), SCHEMA)
+        return None
+    if prof.get("device") != device_name() or prof.get("cpu_model") != cpu_model():
+        log.warning(
+            "ignoring %s: measured on %s / %s, this is %s / %s", p, prof.get("device"), prof.get("cpu_model"), device_name(), cpu_model()
+        )
+        return None
+    if not isinstance(prof.get("recommendation"), dict) or "strategy" not in prof["recommendation"]:
+        log.warning("ignoring %s: no recommendation in it", p)
+        return None
+    return prof
+
+
+def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, itemsize: int) -> tuple[EngineConfig, str]:
+    """(config with the strategy chosen, why): fused when everything fits; else a matching
+    benchbw.json's recommendation; else offload."""
+    try:
+        plan_memory(cfg, ecfg.replace(moe_strategy=Strategy.FUSED), dense, kv, itemsize, device_memory_bytes())
+        return ecfg.replace(moe_strategy=Strategy.FUSED), "every expert fits the device budget"
+    except ConfigError:
+        pass
+    prof = load_profile()
+    if prof is None:
+        return ecfg.replace(moe_strategy=Strategy.OFFLOAD), (
+            "the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"
+        )
+    rec = prof["recommendation"]
+    strategy = Strategy.HYBRID if rec["strategy"] == "hybrid" else Strategy.OFFLOAD
+    q = rec.get("q")
+    new = ecfg.replace(moe_strategy=strategy, hybrid_q=float(q) if q is not None else ecfg.hybrid_q)
+    fig = prof.get("figures") or {}
+    us, link = fig.get("handoff_ffi_us"), fig.get("contended_fetch_gb_s", fig.get("fetch_gb_s"))
+    if isinstance(us, (int, float)) and isinstance(link, (int, float)) and us > 0 and link > 0:
+        # the handoff's measured cost in units of one expert's PCIe fetch time
+        new = new.replace(hybrid_overhead=us * 1e-6 / (cfg.expert_params * itemsize / (link * 1e9)))
+    return new, f"the experts do not fit; benchbw.json recommends {strategy.value} ({rec.get('reason', '')})"

@@ -1,0 +1,387 @@
+"""The one owner of a model's device state, and the one place steps are compiled.
+
+`ModelRunner` holds the weights and their expert backend, the memory plan, the page allocator
+and the decode state (paged KV cache, each row's last token and position, the expert slot
+cache); it runs prefill chunks, decode steps and scoring on that state, and resizes it
+(`resize`). Nobody else keeps a reference to the state between calls: the batcher asks the
+runner to run a step and gets tokens back.
+
+`StepSet` holds the jitted steps (decode, the three prefills, score), counts how often each is
+traced (= compiled: one executable per shape bucket), and compiles ahead of time for serving
+warm-up, resize validation and benchmarks (`precompile`).
+
+Elastic resize (between generations, no row running): (1) validate — the new geometry passes the
+memory planner, holds at least one step's experts, and its decode step compiles; on a GPU its
+memory analysis must fit what the old geometry frees plus what is free; a rejected target
+changes nothing. (2) switch — free the old KV pool and slot arrays, allocate the new ones (host
+banks stay; slots start cold); pages held by the caller's prefix cache survive when the pool
+grows (copied), otherwise the caller drops its prefix cache. (3) on a failure in (2), rebuild
+the previous geometry; if that fails too, the runner is `failed` and refuses work.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
+from freetoken_jax.memory.budget import MemoryPlan, device_memory_bytes, plan_memory
+from freetoken_jax.memory.expert_cache import init_slot_cache
+from freetoken_jax.memory.kv_cache import cache_bytes, init_cache
+from freetoken_jax.memory.kv_pages import PageAllocator
+from freetoken_jax.models import jnp_dtype
+from freetoken_jax.runtime import buckets
+from freetoken_jax.runtime.experts import ExpertBackend, Hybrid
+from freetoken_jax.runtime.steps import (
+    DecodeBatch,
+    DecodeState,
+    PrefillBatch,
+    Sampling,
+    Weights,
+    decode_step,
+    on_device,
+    prefill_step,
+    prefill_step_buffered,
+    prefill_step_slots,
+    score_step,
+    shapes,
+)
+
+log = logging.getLogger("freetoken_jax")
+
+
+class RebuildFailed(RuntimeError):
+    """The new geometry could not be built; the previous one was restored (or, if that failed too,
+    the runner is in a failed state)."""
+
+
+def _traced(step, dtype: str, traces: dict[str, int]):
+    """A fresh function object per step set (jit caches executables per function object), traced
+    with full-precision float32 matmuls when the model runs in float32 (GPUs otherwise use
+    reduced-precision passes for float32 dots). `traces` counts how often each step is traced,
+    which is how often it is compiled."""
+
+    @functools.wraps(step)
+    def run(*args):
+        traces[step.__name__] = traces.get(step.__name__, 0) + 1
+        if dtype == "float32":
+            with jax.default_matmul_precision("highest"):
+                return step(*args)
+        return step(*args)
+
+    return run
+
+
+class StepSet:
+    """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`,
+    `prefill(weights, cache, batch, experts)`, `prefill_buffered` / `prefill_slots(weights, cache,
+    batch, slots, experts)` and `score(weights, cache, batch, experts)`."""
+
+    def __init__(self, dtype: str):
+        self.traces: dict[str, int] = {}
+        jit = lambda f, donate: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate)  # noqa: E731
+        self.decode = jit(decode_step, (1,))
+        self.prefill = jit(prefill_step, (1,))
+        self.prefill_buffered = jit(prefill_step_buffered, (1, 3))
+        self.prefill_slots = jit(prefill_step_slots, (1, 3))
+        self.score = jit(score_step, (1,))
+
+    def compilations(self) -> dict[str, int]:
+        """Executables compiled so far per step kind (one per bucket)."""
+        t = self.traces
+        return dict(
+            prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0) + t.get("prefill_step_slots", 0),
+            decode=t.get("decode_step", 0),
+            score=t.get("score_step", 0),
+        )
+
+    @staticmethod
+    def precompile(jobs: list[tuple], workers: int = 1) -> None:
+        """Compiles each (jitted step, argument shapes) on `workers` threads. The shapes must be
+        placed as the calls' arguments will be (`steps.shapes`), so the calls find them compiled."""
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(lambda job: job[0].lower(*job[1]).compile(), jobs))
+
+
+def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, pages_per_row: int) -> tuple:
+    """(decode step, its argument shapes) for a state of these shapes (`steps.shapes`)."""
+    return steps.decode, (weights, state, DecodeBatch.shapes(state.tokens_B.shape[0], pages_per_row), experts)
+
+
+class ModelRunner:
+    """Runs steps on the device state it owns. `rows` = `engine_config.max_batch` decode rows."""
+
+    def __init__(
+        self,
+        model_config: MoEModelConfig,
+        engine_config: EngineConfig,
+        weights: Weights,
+        experts: ExpertBackend,
+        plan: MemoryPlan,
+        steps: StepSet | None = None,
+    ):
+        self.model_config, self.engine_config, self.weights, self.experts, self.plan = model_config, engine_config, weights, experts, plan
+        self.steps = steps or StepSet(engine_config.dtype)
+        self.pages = PageAllocator(engine_config.total_kv_pages, engine_config.page_size)
+        self.state = self._fresh_state(engine_config, plan)
+        self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
+        self._prefill_note: str | None = None
+        self._set_rows = jax.jit(
+            lambda st, rows, tok, pos: dataclasses.replace(
+                st, tokens_B=st.tokens_B.at[rows].set(tok, mode="drop"), positions_B=st.positions_B.at[rows].set(pos, mode="drop")
+            ),
+            donate_argnums=(0,),
+        )
+
+    def _fresh_state(self, ecfg: EngineConfig, plan: MemoryPlan) -> DecodeState:
+        cfg, dtype, B = self.model_config, jnp_dtype(ecfg.dtype), ecfg.max_batch
+        slots = init_slot_cache(cfg, plan.slots, B, dtype) if self.experts.uses_slots else None
+        # Committed to the device like every later version of it: one executable per step (`on_device`).
+        return DecodeState.start(on_device(init_cache(cfg, ecfg, dtype)), np.zeros(B), np.zeros(B), slots)
+
+    def reset_slots(self) -> None:
+        """Empties the slot cache (a cold start for a measurement)."""
+        if self.state.experts is not None:
+            for a in jax.tree.leaves(self.state.experts):
+                a.delete()
+            cfg, ecfg = self.model_config, self.engine_config
+            slots = on_device(init_slot_cache(cfg, self.plan.slots, ecfg.max_batch, jnp_dtype(ecfg.dtype)))
+            self.state = dataclasses.replace(self.state, experts=slots)
+
+    def close(self) -> None:
+        """Frees the device state now (a runner that will not run again)."""
+        for a in jax.tree.leaves(self.state):
+            a.delete()
+
+    @property
+    def rows(self) -> int:
+        return self.engine_config.max_batch
+
+    @property
+    def slots(self):
+        """The expert slot cache (offload / hybrid), else None."""
+        return self.state.experts
+
+    def use(self, experts: ExpertBackend) -> None:
+        """Runs later steps with `experts` (same slot geometry: a hybrid backend at another q, or
+        offload over the same slots); the engine config follows (strategy, hybrid's q)."""
+        if experts.uses_slots != self.experts.uses_slots:
+            raise ValueError(f"{experts.strategy} and {self.experts.strategy} differ in whether they keep a slot cache")
+        self.experts = experts
+        ecfg = self.engine_config.replace(moe_strategy=experts.strategy)
+        if isinstance(experts, Hybrid):
+            ecfg = ecfg.replace(hybrid_q=float(experts.q))
+        self.engine_config = ecfg
+
+    # Steps -------------------------------------------------------------------------------------------
+    def _prefill_fn(self, tokens: int):
+        """(jitted step, whether it takes the slot cache) for a prefill chunk of `tokens` (rows ×
+        length): the path the backend picks for the slot cache (`ExpertBackend.prefill_path`);
+        without slots each layer's whole bank is streamed."""
+        slots = self.state.experts
+        path = "stream" if slots is None else self.experts.prefill_path(self.model_config, tokens, slots.num_slots)
+        if path == "slots":
+            return self.steps.prefill_slots, True
+        if path == "buffered":
+            return self.steps.prefill_buffered, True
+        if slots is not None and self._prefill_note is None:
+            E = self.model_config.num_experts
+            self._prefill_note = f"prefill streams whole layers without double buffering: {slots.num_slots} slots < 2 x {E} experts"
+            log.info(self._prefill_note)
+        return self.steps.prefill, False
+
+    def prefill(self, batch: PrefillBatch) -> jax.Array:
+        """One prefill chunk into the runner's KV (and slot) cache; returns each row's token after
+        its last valid position in the chunk."""
+        step, with_slots = self._prefill_fn(batch.tokens_BT.size)
+        st = self.state
+        if with_slots:
+            tok, cache, slots = step(self.weights, st.cache, batch, st.experts, self.experts)
+        else:
+            (tok, cache), slots = step(self.weights, st.cache, batch, self.experts), st.experts
+        self.state = dataclasses.replace(st, cache=cache, experts=slots)
+        return tok
+
+    def decode(self, batch: DecodeBatch) -> jax.Array:
+        """One decode step over all rows (inactive rows masked); returns the tokens [rows]."""
+        tok, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
+        return tok
+
+    def set_rows(self, rows: np.ndarray, tokens_R, positions_R) -> None:
+        """Sets the next input token and position of decode rows `rows` (entries ≥ `rows` are
+        ignored: padding)."""
+        self.state = self._set_rows(self.state, jnp.asarray(rows, jnp.int32), tokens_R, jnp.asarray(positions_R, jnp.int32))
+
+    def score(self, batch: PrefillBatch) -> jax.Array:
+        """Float32 logits [B, T, V] of a chunk; its K/V is written to the cache like a prefill's."""
+        logits, cache = self.steps.score(self.weights, self.state.cache, batch, self.experts)
+        self.state = dataclasses.replace(self.state, cache=cache)
+        return logits
+
+    def score_prompt(self, ids: list[int]) -> np.ndarray:
+        """Float32 logits at every position of `ids`, chunk by chunk: [len(ids), V]."""
+        pages = self.pages.allocate(len(ids))
+        try:
+            table = np.zeros((1, self.engine_config.pages_per_sequence), np.int32)
+            table[0, : len(pages)] = pages
+            out, start = [], 0
+            while start < len(ids):
+                T = buckets.chunk_bucket(len(ids) - start, self.engine_config.prefill_chunk)
+                seg = ids[start : start + T]
+                out.append(np.asarray(self.score(PrefillBatch.chunk([seg], [start], table, T, Sampling.greedy(1))))[0, : len(seg)])
+                start += T
+            return np.concatenate(out, axis=0)
+        finally:
+            self.pages.release(pages)
+
+    # Ahead-of-time compiles ------------------------------------------------------------------------
+    def decode_job(self, state: DecodeState | None = None) -> tuple:
+        """(decode step, argument shapes) placed as the calls place them; `state`: the shapes of
+        another geometry's state."""
+        st = state or shapes(self.state, committed=True)
+        return decode_job(self.steps, self.weights, self.experts, st, self.engine_config.pages_per_sequence)
+
+    def prefill_jobs(self, chunks: list[int], rows: int = 1) -> list[tuple]:
+        """(prefill step, argument shapes) of a chunk of `rows` × T tokens for each T in `chunks`."""
+        st, P, jobs = shapes(self.state, committed=True), self.engine_config.pages_per_sequence, []
+        for T in chunks:
+            step, with_slots = self._prefill_fn(rows * T)
+            args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, P))
+            jobs.append((step, args + ((st.experts, self.experts) if with_slots else (self.experts,))))
+        return jobs
+
+    def chunk_buckets(self) -> list[int]:
+        chunk = self.engine_config.prefill_chunk
+        return sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)})
+
+    def warm_up(self, workers: int = 4, prefill_rows: int = 1) -> dict:
+        """Compiles the decode step and the prefill step of every chunk bucket before any request
+        arrives (on `workers` threads); returns {"steps": n, "seconds": s}."""
+        t0 = time.perf_counter()
+        jobs = [self.decode_job(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
+        log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
+        self.steps.precompile(jobs, workers)
+        out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
+        log.info("warm-up: %d steps compiled in %.1f s", out["steps"], out["seconds"])
+        return out
+
+    # Elastic resize --------------------------------------------------------------------------------
+    def status(self) -> dict:
+        ecfg = self.engine_config
+        return dict(
+            moe_strategy=ecfg.moe_strategy.value,
+            expert_slots=self.plan.slots if ecfg.uses_slots else None,
+            kv_pages=self.pages.num_pages,
+            kv_pages_free=self.pages.free_pages,
+            plan=self.plan.describe(),
+            failed=self.failed,
+        )
+
+    def resize(self, expert_slots: int | None = None, kv_pages: int | None = None, *, keep_held_pages: bool = False) -> bool:
+        """Resizes the expert slots and/or the KV page pool; the caller makes sure no row runs.
+        With `keep_held_pages` the pages still allocated (a prefix cache's) keep their contents
+        when the pool grows. Returns whether they were kept (else every page is free again)."""
+        if self.failed:
+            raise RebuildFailed(self.failed)
+        new, plan = self._validate(expert_slots, kv_pages)  # nothing touched yet
+        prev = (self.engine_config, self.plan)
+        try:
+            return self._allocate(new, plan, keep_held_pages)
+        except Exception as e:  # noqa: BLE001 - roll back whatever went wrong
+            try:
+                self._allocate(*prev, keep_held_pages=False)
+            except Exception as e2:  # noqa: BLE001
+                self.failed = f"rebuild failed ({e}) and restoring the previous geometry failed too ({e2}); restart the server"
+                raise RebuildFailed(self.failed) from e2
+            raise RebuildFailed(
+                f"rebuild to {dataclasses.asdict(new)} failed ({type(e).__name__}: {e}); the previous geometry was restored"
+            ) from e
+
+    def _validate(self, expert_slots, kv_pages) -> tuple[EngineConfig, MemoryPlan]:
+        ecfg = self.engine_config
+        if expert_slots is None and kv_pages is None:
+            raise ConfigError("give expert_slots and/or kv_pages")
+        if expert_slots is not None:
+            if not ecfg.uses_slots:
+                raise ConfigError(f"strategy {ecfg.moe_strategy.value!r} has no expert slots to resize (only 'offload' and 'hybrid' do)")
+            if not isinstance(expert_slots, int) or isinstance(expert_slots, bool) or expert_slots <= 0:
+                raise ConfigError(f"expert_slots must be a positive integer, got {expert_slots!r}")
+        if kv_pages is not None:
+            if not isinstance(kv_pages, int) or isinstance(kv_pages, bool) or kv_pages < 2:
+                raise ConfigError(f"kv_pages must be an integer of at least 2 (page 0 is reserved), got {kv_pages!r}")
+            need = self.pages.pages_for(ecfg.max_context)
+            if kv_pages - 1 < need:
+                raise ConfigError(
+                    f"kv_pages={kv_pages} cannot hold one full-length sequence ({need} pages of {ecfg.page_size} tokens + the reserved page)"
+                )
+        new = ecfg.replace(
+            kv_pages=kv_pages if kv_pages is not None else self.pages.num_pages,
+            expert_slots=expert_slots if expert_slots is not None else (self.plan.slots if ecfg.uses_slots else None),
+            initial_expert_capacity=None,
+        )
+        itemsize = jnp.dtype(jnp_dtype(new.dtype)).itemsize
+        cfg = self.model_config
+        plan = plan_memory(cfg, new, self.plan.dense_bytes, cache_bytes(cfg, new, itemsize), itemsize, device_memory_bytes())
+        try:
+            self._compile_check(new, plan)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a geometry that does not compile is refused, untouched
+            raise ConfigError(f"the new geometry failed to compile: {type(e).__name__}: {e}") from e
+        return new, plan
+
+    def _compile_check(self, new: EngineConfig, plan: MemoryPlan) -> None:
+        """Compiles the new geometry's decode step (through the same jitted step, with the
+        arguments placed as later calls place them, so the first step after the resize finds it
+        compiled) and checks its memory against the device."""
+        cfg, dtype, B = self.model_config, jnp_dtype(new.dtype), new.max_batch
+        state = jax.eval_shape(
+            lambda: DecodeState(
+                init_cache(cfg, new, dtype),
+                jnp.zeros((B,), jnp.int32),
+                jnp.zeros((B,), jnp.int32),
+                init_slot_cache(cfg, plan.slots, B, dtype) if new.uses_slots else None,
+            )
+        )
+        step, args = self.decode_job(shapes(state, committed=True))
+        compiled = step.lower(*args).compile()
+        limit = device_memory_bytes()
+        ma = compiled.memory_analysis() if limit else None
+        if ma is not None:
+            in_use = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
+            old = sum(x.nbytes for x in jax.tree.leaves((self.state.cache, self.state.experts)))
+            need = cache_bytes(cfg, new, jnp.dtype(dtype).itemsize) + plan.slot_bytes * new.uses_slots
+            need += getattr(ma, "temp_size_in_bytes", 0)
+            if in_use - old + need > limit:
+                raise ConfigError(
+                    f"the new geometry needs {need / 2**30:.2f} GiB; after freeing the old one only {(limit - in_use + old) / 2**30:.2f} GiB would be free"
+                )
+
+    def _allocate(self, new: EngineConfig, plan: MemoryPlan, keep_held_pages: bool) -> bool:
+        """Frees the old pool and slots and builds the new ones (the destructive phase)."""
+        cfg, dtype, old = self.model_config, jnp_dtype(new.dtype), self.state
+        keep = keep_held_pages and new.total_kv_pages >= self.pages.num_pages
+        if keep:
+            kv = tuple(
+                tuple(jnp.zeros((new.total_kv_pages, *a.shape[1:]), a.dtype).at[: a.shape[0]].set(a) for a in layer) for layer in old.cache
+            )
+            pages = self.pages.grown(new.total_kv_pages)
+        else:
+            for a in jax.tree.leaves(old.cache):
+                a.delete()
+            kv = on_device(init_cache(cfg, new, dtype))
+            pages = PageAllocator(new.total_kv_pages, new.page_size)
+        if old.experts is not None:
+            for a in jax.tree.leaves(old.experts):
+                a.delete()
+        slots = init_slot_cache(cfg, plan.slots, new.max_batch, dtype) if new.uses_slots else None
+        self.state = DecodeState.start(kv, np.zeros(new.max_batch), np.zeros(new.max_batch), slots)
+        self.pages, self.engine_config, self.plan = pages, new, plan
+        return keep

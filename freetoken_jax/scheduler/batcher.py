@@ -1,0 +1,387 @@
+"""The generation loop: continuous batching over one `ModelRunner`, with no thread of its own.
+
+Requests (`RequestHandle`) are `submit`ted into a waiting queue; each `step()` (1) takes
+cancellations, (2) admits waiting requests into free decode rows up to `running_limit`
+(reusing the longest cached prefix from the radix tree, taking KV pages for the rest, evicting
+unused cached prefixes when short), (3) dispatches one decode step for every decoding row and
+then reads the tokens of the step before it (the device stays one step ahead of the host),
+(4) runs one prefill chunk for up to `prefill_rows` admitted rows, oldest first, and (5) finishes
+rows that stopped, returning their pages (full pages of their sequence go to the radix tree).
+Tokens and the end of each request are put on the request's own queue as `Event`s.
+
+Two drivers: `Scheduler` calls `step()` from its loop thread for serving; `FreeTokenEngine`'s
+`generate` / `generate_batch` call it in the caller's thread until their requests are done. The
+decode step always runs all `max_batch` rows (inactive ones masked) over the full page table,
+so it compiles once; prefill compiles once per (rows, chunk) bucket.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from freetoken_jax.memory.kv_pages import OutOfPages
+from freetoken_jax.runtime import buckets
+from freetoken_jax.runtime.runner import ModelRunner, RebuildFailed
+from freetoken_jax.runtime.sampling import GenerationParams, RequestError, sampling_rows
+from freetoken_jax.runtime.steps import DecodeBatch, PrefillBatch
+from freetoken_jax.scheduler.radix import RadixCache
+
+
+class Busy(RuntimeError):
+    """Requests are running; retry, or ask to drain first."""
+
+
+@dataclasses.dataclass
+class Event:
+    kind: str  # "token", "done", "error"
+    token: int | None = None
+    reason: str | None = None  # done: "stop", "length", "cancelled"
+    usage: dict | None = None
+    message: str | None = None
+
+
+class RequestHandle:
+    """A submitted request: iterate `events()`; `cancel()` frees its pages at the next step."""
+
+    _ids = iter(range(1, 1 << 62))
+
+    def __init__(self, prompt: list[int], params: GenerationParams):
+        self.id = next(self._ids)
+        self.prompt, self.params = prompt, params
+        self.queue: queue.Queue[Event] = queue.Queue()
+        self.cancelled = threading.Event()
+        self.generated: list[int] = []
+        self.prefix_hit_tokens = 0
+        self.finished = False  # set by the batcher when its last event is queued
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def events(self, timeout: float | None = None):
+        while True:
+            ev = self.queue.get(timeout=timeout)
+            yield ev
+            if ev.kind in ("done", "error"):
+                return
+
+    def result(self, timeout: float | None = None) -> tuple[list[int], str]:
+        toks, reason = [], None
+        for ev in self.events(timeout):
+            if ev.kind == "token":
+                toks.append(ev.token)
+            elif ev.kind == "done":
+                reason = ev.reason
+            else:
+                raise RequestError(ev.message)
+        return toks, reason
+
+
+@dataclasses.dataclass
+class _Row:
+    handle: RequestHandle
+    pages: list[int]  # every page of the sequence, cached prefix first
+    nodes: list  # locked radix nodes of the cached prefix
+    start: int  # tokens already in the cache (cached prefix + prefilled chunks)
+    stops: frozenset
+    decoding: bool = False
+
+
+def _fresh_metrics() -> dict:
+    return dict(requests=0, requests_submitted=0, requests_finished=0, requests_cancelled=0, prefix_hit_tokens=0, prompt_tokens=0, prefilled_tokens=0, generated_tokens=0,
+                decode_steps=0, prefill_seconds=0.0, decode_seconds=0.0, rebuilds=0)  # fmt: skip
+
+
+class Batcher:
+    """Rows, page table and prefix cache of one runner; see the module docstring. `lock` guards
+    the waiting queue when another thread submits (the scheduler's)."""
+
+    def __init__(self, runner: ModelRunner, *, prefix_cache: bool = True, prefill_rows: int = 1, lock=None, prompt_by_decode=False):
+        """`prompt_by_decode`: feed prompts through the decode step, one token per step, instead
+        of prefilling them (`bench --prompt-by-decode`: no prefill executable to compile)."""
+        self.runner = runner
+        self.prefix_cache, self.prompt_by_decode = prefix_cache and not prompt_by_decode, prompt_by_decode
+        self.prefill_rows = self._own_prefill_rows = max(1, min(prefill_rows, runner.rows))
+        self.lock = lock or contextlib.nullcontext()
+        self.driver: str | None = None  # who steps it, when not the engine's own callers (`claim`)
+        self.waiting: collections.deque[RequestHandle] = collections.deque()
+        self.admitting = True  # False while a resize drains the running rows
+        self._geometry()
+        self.metrics = _fresh_metrics()
+        self._inflight: tuple | None = None  # (tokens of the decode step in flight, its [(row, handle)])
+
+    def _geometry(self) -> None:
+        ecfg = self.runner.engine_config
+        self.B, self.page_size = ecfg.max_batch, ecfg.page_size
+        self.rows: list[_Row | None] = [None] * self.B
+        self.table = np.zeros((self.B, ecfg.pages_per_sequence), np.int32)
+        self.radix = RadixCache(ecfg.page_size) if self.prefix_cache else None
+
+    def reset_metrics(self) -> None:
+        self.metrics = _fresh_metrics()
+
+    def claim(self, driver: str, *, prefill_rows: int, lock) -> None:
+        """Hands the loop to `driver` (a scheduler thread) with its prefill batching and the lock
+        its submitting threads take; the engine's own `generate` refuses work until `release`."""
+        if self.driver is not None:
+            raise RuntimeError(f"a {self.driver} already drives this engine")
+        if not self.idle():
+            raise Busy("the engine is generating; claim it when idle")
+        self.driver, self.prefill_rows, self.lock = driver, max(1, min(prefill_rows, self.B)), lock
+
+    def release(self) -> None:
+        self.driver, self.prefill_rows, self.lock = None, self._own_prefill_rows, contextlib.nullcontext()
+
+    # Requests ----------------------------------------------------------------------------------------
+    def check(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
+        """The prompt as ints once the request is known to be servable (raises `RequestError`)."""
+        r = self.runner
+        if r.failed:
+            raise RequestError(f"the engine is in a failed state: {r.failed}")
+        ids = p.check(prompt, r.model_config.vocab_size, r.engine_config.max_context)
+        need, pool = r.pages.pages_for(len(ids) + p.max_new_tokens), r.pages.num_pages - 1
+        if need > pool:
+            raise RequestError(f"this request needs {need} KV pages; the pool has {pool} in all")
+        return ids
+
+    def submit(self, h: RequestHandle) -> None:
+        """Queues a checked request (`check`)."""
+        with self.lock:
+            self.waiting.append(h)
+            self.metrics["requests_submitted"] += 1
+
+    def idle(self) -> bool:
+        """No request waiting or running and no decode step in flight."""
+        with self.lock:
+            waiting = bool(self.waiting)
+        return not waiting and self._inflight is None and all(r is None for r in self.rows)
+
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def running_limit(self) -> int:
+        """Requests that may run at once: `max_running` when set; under offload / hybrid, the
+        rows whose routed experts for one step fit the slot cache (each row routes to top_k
+        experts in each MoE layer; with more rows a step evicts what the next one needs again);
+        otherwise `max_batch`."""
+        given = self.runner.engine_config.max_running
+        if given is not None:
+            return min(given, self.B)
+        slots = self.runner.slots
+        if slots is None:
+            return self.B
+        cfg = self.runner.model_config
+        return max(1, min(self.B, slots.num_slots // (cfg.top_k * cfg.num_moe_layers)))
+
+    # The loop --------------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One iteration (module docstring); returns whether there was work. The decode step is
+        dispatched before the prefill chunk: rows whose prompt the chunk ends decode from the
+        next iteration on."""
+        self._cancellations()
+        if self.admitting:
+            self._admit()
+        busy = self._decode()
+        return self._prefill() or busy
+
+    def fail_all(self, message: str) -> None:
+        """Ends every running request with an error (the loop keeps serving the rest)."""
+        self._inflight = None
+        for i, r in enumerate(self.rows):
+            if r is not None:
+                self._finish(r.handle, Event("error", message=message))
+                self._release(i, cache_prefix=False)
+
+    def drop_prefixes(self) -> None:
+        """Empties the prefix cache (its KV was computed by what is about to change)."""
+        if self.radix is not None:
+            self.runner.pages.release(self.radix.evict(self.radix.cached_pages))
+
+    def flush(self) -> None:
+        """Reads a decode step still in flight once no row decodes (its tokens are dropped)."""
+        while self._inflight is not None and not any(r is not None and r.decoding for r in self.rows):
+            self._decode()
+
+    def _cancellations(self) -> None:
+        with self.lock:
+            gone = [h for h in self.waiting if h.cancelled.is_set()]
+            for h in gone:
+                self.waiting.remove(h)
+        for h in gone:
+            self._done(h, "cancelled")
+        for i, r in enumerate(self.rows):
+            if r is not None and r.handle.cancelled.is_set():
+                self._done(r.handle, "cancelled")
+                self._release(i, cache_prefix=True)
+
+    def _admit(self) -> None:
+        pages, limit = self.runner.pages, self.running_limit()
+        while self.running() < limit:
+            with self.lock:
+                if not self.waiting:
+                    return
+                h = self.waiting[0]
+            nodes = self.radix.match(h.prompt, max_pages=(len(h.prompt) - 1) // self.page_size) if self.radix else []
+            cached = [n.page for n in nodes]
+            need = pages.pages_for(len(h.prompt) + h.params.max_new_tokens) - len(cached)
+            if need > pages.free_pages and self.radix is not None:
+                for p in self.radix.evict(need - pages.free_pages):
+                    pages.release([p])
+            try:
+                own = pages.allocate(need * self.page_size)
+            except OutOfPages:
+                if self.radix is not None:
+                    self.radix.unlock(nodes)
+                return  # wait for running requests to finish
+            with self.lock:
+                self.waiting.popleft()
+            row = self.rows.index(None)
+            hit = len(cached) * self.page_size
+            h.prefix_hit_tokens = hit
+            self.metrics["requests"] += 1
+            self.metrics["prefix_hit_tokens"] += hit
+            self.metrics["prompt_tokens"] += len(h.prompt)
+            self.rows[row] = _Row(h, cached + own, nodes, hit, h.params.stop_set(self.runner.model_config.eos_token_ids),
+                                  decoding=self.prompt_by_decode)  # fmt: skip
+            self.table[row] = 0
+            self.table[row, : len(cached) + len(own)] = cached + own
+
+    def _prefill(self) -> bool:
+        """One chunk of up to `prefill_rows` rows still in their prompts, oldest first."""
+        todo = sorted((r.handle.id, i) for i, r in enumerate(self.rows) if r is not None and not r.decoding)[: self.prefill_rows]
+        if not todo:
+            return False
+        t0 = time.perf_counter()
+        idx = [i for _, i in todo]
+        rows = [self.rows[i] for i in idx]
+        Bp = buckets.batch_bucket(len(rows), self.prefill_rows)
+        T = buckets.chunk_bucket(max(len(r.handle.prompt) - r.start for r in rows), self.runner.engine_config.prefill_chunk)
+        segs = [r.handle.prompt[r.start : r.start + T] for r in rows]
+        table = np.zeros((Bp, self.table.shape[1]), np.int32)
+        table[: len(idx)] = self.table[idx]
+        sampling = sampling_rows([r.handle.params for r in rows] + [None] * (Bp - len(rows)))
+        first = self.runner.prefill(PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling))
+        ends = np.full(Bp, self.B, np.int32)  # rows whose prompt this chunk ends (padding: B, dropped)
+        lengths = np.zeros(Bp, np.int32)
+        for b, (i, r, seg) in enumerate(zip(idx, rows, segs)):
+            r.start += len(seg)
+            self.metrics["prefilled_tokens"] += len(seg)
+            if r.start >= len(r.handle.prompt):
+                ends[b], lengths[b] = i, len(r.handle.prompt)
+        if (ends < self.B).any():
+            self.runner.set_rows(ends, first, lengths)
+            toks = np.asarray(first)
+            for b in np.flatnonzero(ends < self.B):
+                self.rows[ends[b]].decoding = True
+                self._emit(int(ends[b]), int(toks[b]))
+        self.metrics["prefill_seconds"] += time.perf_counter() - t0
+        return True
+
+    def _decode(self) -> bool:
+        """Dispatches the next decode step, then emits the tokens of the step before it: the
+        device runs one step ahead of the host's emitting, finishing and admitting. A row whose
+        request ends on the earlier step's token runs one step too many; its token is dropped
+        (its KV write lands past the cached prefix in pages the stream order protects)."""
+        t0 = time.perf_counter()
+        earlier, self._inflight = self._inflight, None
+        ahead = {id(h) for _, h in earlier[1]} if earlier else set()
+        feeding = np.array([r is not None and r.decoding and r.start < len(r.handle.prompt) for r in self.rows])
+        active = feeding | np.array([
+            r is not None and r.decoding and len(r.handle.generated) + (id(r.handle) in ahead) < r.handle.params.max_new_tokens
+            for r in self.rows
+        ])  # fmt: skip
+        if feeding.any():  # this step's input is the row's next prompt token, not its last sample
+            rows = [self.rows[i] for i in np.flatnonzero(feeding)]
+            self.runner.set_rows(np.flatnonzero(feeding), jnp.asarray([r.handle.prompt[r.start] for r in rows], jnp.int32),
+                                 [r.start for r in rows])  # fmt: skip
+            for r in rows:
+                r.start += 1
+        if active.any():
+            batch = DecodeBatch(
+                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
+            )
+            nxt = self.runner.decode(batch)
+            self.metrics["decode_steps"] += 1
+            # a step that fed a prompt token other than the last samples nothing of the request's
+            emits = active & ~np.array([r is not None and r.start < len(r.handle.prompt) for r in self.rows])
+            self._inflight = (nxt, [(int(i), self.rows[i].handle) for i in np.flatnonzero(emits)])
+        if earlier is not None and earlier[1]:
+            toks = np.asarray(earlier[0])
+            for i, h in earlier[1]:
+                r = self.rows[i]
+                if r is not None and r.handle is h:  # not finished, cancelled or failed meanwhile
+                    self._emit(i, int(toks[i]))
+        if active.any() or earlier is not None:
+            self.metrics["decode_seconds"] += time.perf_counter() - t0
+            return True
+        return False
+
+    def _emit(self, i: int, token: int) -> None:
+        r = self.rows[i]
+        h = r.handle
+        h.generated.append(token)
+        self.metrics["generated_tokens"] += 1
+        h.queue.put(Event("token", token=token))
+        reason = "stop" if token in r.stops else "length" if len(h.generated) >= h.params.max_new_tokens else None
+        if reason:
+            self._done(h, reason)
+            self._release(i, cache_prefix=True)
+
+    def _done(self, h: RequestHandle, reason: str) -> None:
+        usage = dict(prompt_tokens=len(h.prompt), completion_tokens=len(h.generated), prefix_hit_tokens=h.prefix_hit_tokens)
+        self.metrics["requests_cancelled" if reason == "cancelled" else "requests_finished"] += 1
+        self._finish(h, Event("done", reason=reason, usage=usage))
+
+    @staticmethod
+    def _finish(h: RequestHandle, ev: Event) -> None:
+        h.finished = True
+        h.queue.put(ev)
+
+    def _release(self, i: int, cache_prefix: bool) -> None:
+        r = self.rows[i]
+        self.rows[i] = None
+        self.table[i] = 0
+        pages = r.pages
+        if self.radix is not None:
+            self.radix.unlock(r.nodes)
+            if cache_prefix:
+                # KV exists for the prompt and every generated token but the last.
+                written = (r.handle.prompt + r.handle.generated[:-1])[: r.start + max(0, len(r.handle.generated) - 1)]
+                pages = self.radix.insert(written, r.pages)
+            else:
+                pages = r.pages[len(r.nodes) :]
+        held = {n.page for n in r.nodes}
+        self.runner.pages.release([p for p in pages if p not in held])
+
+    # Resize ----------------------------------------------------------------------------------------
+    def status(self) -> dict:
+        return dict(self.runner.status(), prefix_cached_pages=self.radix.cached_pages if self.radix else 0,
+                    rebuilds=self.metrics["rebuilds"])  # fmt: skip
+
+    def resize(self, expert_slots: int | None = None, kv_pages: int | None = None) -> dict:
+        """Resizes the runner's slots and/or KV pages while no request runs (`ModelRunner.resize`);
+        cached prefixes survive a growing pool. Returns the new status."""
+        if self._inflight is not None or self.running():
+            raise Busy("requests are running; retry when idle")
+        radix = self.radix
+        try:
+            kept = self.runner.resize(expert_slots, kv_pages, keep_held_pages=radix is not None)
+        except RebuildFailed:  # the pool was rebuilt empty: cached prefixes are gone with it
+            self._geometry()
+            raise
+        self._geometry()
+        if kept:
+            self.radix = radix
+        self.metrics["rebuilds"] += 1
+        return self.status()
+
+
+__all__ = ["Batcher", "Busy", "Event", "RequestHandle"]
