@@ -35,6 +35,12 @@ from freetoken_jax.runtime.sampling import GenerationParams, RequestError, sampl
 from freetoken_jax.runtime.steps import DecodeBatch, PrefillBatch
 from freetoken_jax.scheduler.radix import RadixCache
 
+# Decode steps the device may run ahead of the host while no running request can stop on a
+# sampled token (each ends by its length): reading tokens one step behind left the H200 idle
+# between hybrid steps of ~20 ms (Qwen3-30B-A3B shape, 16 GB of slots, skew 1: 22-29 ms per
+# step against 19.8 ms when the host does not wait; benchmarks/RESULTS.md).
+LENGTH_ONLY_AHEAD = 3
+
 
 class Busy(RuntimeError):
     """Requests are running; retry, or ask to drain first."""
@@ -116,7 +122,8 @@ class Batcher:
         self.admitting = True  # False while a resize drains the running rows
         self._geometry()
         self.metrics = _fresh_metrics()
-        self._inflight: tuple | None = None  # (tokens of the decode step in flight, its [(row, handle)])
+        # decode steps dispatched and not yet read: (their tokens, [(row, handle)] to emit)
+        self._inflight: collections.deque[tuple] = collections.deque()
 
     def _geometry(self) -> None:
         ecfg = self.runner.engine_config
@@ -124,6 +131,7 @@ class Batcher:
         self.rows: list[_Row | None] = [None] * self.B
         self.table = np.zeros((self.B, ecfg.pages_per_sequence), np.int32)
         self.radix = RadixCache(ecfg.page_size) if self.prefix_cache else None
+        self._batch_key, self._batch = None, None  # the last decode batch put on the device
 
     def reset_metrics(self) -> None:
         self.metrics = _fresh_metrics()
@@ -162,7 +170,7 @@ class Batcher:
         """No request waiting or running and no decode step in flight."""
         with self.lock:
             waiting = bool(self.waiting)
-        return not waiting and self._inflight is None and all(r is None for r in self.rows)
+        return not waiting and not self._inflight and all(r is None for r in self.rows)
 
     def running(self) -> int:
         return sum(r is not None for r in self.rows)
@@ -194,7 +202,7 @@ class Batcher:
 
     def fail_all(self, message: str) -> None:
         """Ends every running request with an error (the loop keeps serving the rest)."""
-        self._inflight = None
+        self._inflight.clear()
         for i, r in enumerate(self.rows):
             if r is not None:
                 self._finish(r.handle, Event("error", message=message))
@@ -207,7 +215,7 @@ class Batcher:
 
     def flush(self) -> None:
         """Reads a decode step still in flight once no row decodes (its tokens are dropped)."""
-        while self._inflight is not None and not any(r is not None and r.decoding for r in self.rows):
+        while self._inflight and not any(r is not None and r.decoding for r in self.rows):
             self._decode()
 
     def _cancellations(self) -> None:
@@ -286,16 +294,17 @@ class Batcher:
         return True
 
     def _decode(self) -> bool:
-        """Dispatches the next decode step, then emits the tokens of the step before it: the
-        device runs one step ahead of the host's emitting, finishing and admitting. A row whose
-        request ends on the earlier step's token runs one step too many; its token is dropped
-        (its KV write lands past the cached prefix in pages the stream order protects)."""
+        """Dispatches the next decode step, then emits the tokens of the steps before it, keeping
+        the device ahead of the host's emitting, finishing and admitting: one step while some
+        running request can stop on a token it samples, `LENGTH_ONLY_AHEAD` steps while every
+        one ends by its length alone (nothing then waits on the tokens). A row whose request ends
+        on an earlier step's token has run a step too many; its token is dropped (its KV write
+        lands past the cached prefix in pages the stream order protects)."""
         t0 = time.perf_counter()
-        earlier, self._inflight = self._inflight, None
-        ahead = {id(h) for _, h in earlier[1]} if earlier else set()
+        pending = collections.Counter(id(h) for _, entries in self._inflight for _, h in entries)
         feeding = np.array([r is not None and r.decoding and r.start < len(r.handle.prompt) for r in self.rows])
         active = feeding | np.array([
-            r is not None and r.decoding and len(r.handle.generated) + (id(r.handle) in ahead) < r.handle.params.max_new_tokens
+            r is not None and r.decoding and len(r.handle.generated) + pending[id(r.handle)] < r.handle.params.max_new_tokens
             for r in self.rows
         ])  # fmt: skip
         if feeding.any():  # this step's input is the row's next prompt token, not its last sample
@@ -305,24 +314,40 @@ class Batcher:
             for r in rows:
                 r.start += 1
         if active.any():
-            batch = DecodeBatch(
-                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
-            )
-            nxt = self.runner.decode(batch)
+            nxt = self.runner.decode(self._decode_batch(active))
             self.metrics["decode_steps"] += 1
             # a step that fed a prompt token other than the last samples nothing of the request's
             emits = active & ~np.array([r is not None and r.start < len(r.handle.prompt) for r in self.rows])
-            self._inflight = (nxt, [(int(i), self.rows[i].handle) for i in np.flatnonzero(emits)])
-        if earlier is not None and earlier[1]:
-            toks = np.asarray(earlier[0])
-            for i, h in earlier[1]:
+            self._inflight.append((nxt, [(int(i), self.rows[i].handle) for i in np.flatnonzero(emits)]))
+        stoppable = any(r is not None and r.stops for r in self.rows)
+        keep = (1 if stoppable else LENGTH_ONLY_AHEAD) if active.any() else 0
+        busy = bool(active.any())
+        while len(self._inflight) > keep:
+            toks, entries = self._inflight.popleft()
+            busy = True
+            if entries:
+                toks = np.asarray(toks)
+            for i, h in entries:
                 r = self.rows[i]
                 if r is not None and r.handle is h:  # not finished, cancelled or failed meanwhile
                     self._emit(i, int(toks[i]))
-        if active.any() or earlier is not None:
+            if not active.any():
+                break  # one step's tokens per call once nothing is dispatched
+        if busy:
             self.metrics["decode_seconds"] += time.perf_counter() - t0
-            return True
-        return False
+        return busy
+
+    def _decode_batch(self, active: np.ndarray) -> DecodeBatch:
+        """The decode step's page table, active rows and sampling arrays on the device, made again
+        only when the rows or the active set change: a step of the same rows puts nothing new on
+        the device (on a busy host, e.g. beside the CPU executor, every transfer is dispatch time)."""
+        key = (tuple(r.handle.id if r else 0 for r in self.rows), active.tobytes())
+        if self._batch_key != key:
+            self._batch_key = key
+            self._batch = DecodeBatch(
+                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
+            )
+        return self._batch
 
     def _emit(self, i: int, token: int) -> None:
         r = self.rows[i]
@@ -369,7 +394,7 @@ class Batcher:
     def resize(self, expert_slots: int | None = None, kv_pages: int | None = None) -> dict:
         """Resizes the runner's slots and/or KV pages while no request runs (`ModelRunner.resize`);
         cached prefixes survive a growing pool. Returns the new status."""
-        if self._inflight is not None or self.running():
+        if self._inflight or self.running():
             raise Busy("requests are running; retry when idle")
         radix = self.radix
         try:
