@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -182,13 +181,4 @@ class Scheduler:
         return out
 
 
-def wait_idle(s: Scheduler, timeout: float = 30.0) -> bool:
-    t = time.time() + timeout
-    while time.time() < t:
-        if s.idle():
-            return True
-        time.sleep(0.01)
-    return False
-
-
-__all__ = ["Busy", "Event", "Overloaded", "RequestHandle", "Scheduler", "wait_idle"]
+__all__ = ["Busy", "Event", "Overloaded", "RequestHandle", "Scheduler"]

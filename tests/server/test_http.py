@@ -8,9 +8,10 @@ import urllib.request
 import anthropic
 import openai
 import pytest
+from helpers import wait_idle
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.scheduler.scheduler import Scheduler, wait_idle
+from freetoken_jax.scheduler.scheduler import Scheduler
 from freetoken_jax.server.http import Service, serve_http
 
 EC = EngineConfig(dtype="float32", max_context=128, max_batch=4, page_size=8, prefill_chunk=32)

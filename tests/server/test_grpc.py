@@ -9,9 +9,10 @@ import threading
 
 import grpc
 import pytest
+from helpers import wait_idle
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.scheduler.scheduler import Scheduler, wait_idle
+from freetoken_jax.scheduler.scheduler import Scheduler
 from freetoken_jax.server.grpc_service import serve_grpc
 from freetoken_jax.server.pb import freetoken_pb2 as pb
 from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc

@@ -4,11 +4,12 @@ frees pages; back-pressure; requests that can never fit fail fast."""
 import threading
 
 import pytest
+from helpers import wait_idle
 
 from freetoken_jax import EngineConfig, FreeTokenEngine, RequestError
 from freetoken_jax.engine import GenerationParams
 from freetoken_jax.scheduler.radix import RadixCache
-from freetoken_jax.scheduler.scheduler import Overloaded, wait_idle
+from freetoken_jax.scheduler.scheduler import Overloaded
 
 EC = EngineConfig(dtype="float32", max_context=96, max_batch=4, page_size=8, prefill_chunk=16)
 PROMPTS = [[256] + list(b"the same long shared preamble, then request %d" % i) for i in range(9)]

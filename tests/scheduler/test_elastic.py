@@ -6,12 +6,13 @@ import urllib.error
 import urllib.request
 
 import pytest
+from helpers import wait_idle
 
 from freetoken_jax import ConfigError, EngineConfig, FreeTokenEngine
 from freetoken_jax.engine import GenerationParams
 from freetoken_jax.runtime import runner as runner_mod
 from freetoken_jax.scheduler.batcher import Busy
-from freetoken_jax.scheduler.scheduler import Overloaded, wait_idle
+from freetoken_jax.scheduler.scheduler import Overloaded
 from freetoken_jax.server.http import serve_http
 from freetoken_jax.server.service import Service
 
