@@ -10,7 +10,9 @@ from hf_models import make_checkpoint
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.memory.expert_cache import SlotCache, fetch_count, find_misses, place_misses
 
-BASE = dict(dtype="float32", max_context=48, max_batch=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid", hybrid_overhead=0.0)
+# max_running: both rows decode together even with the fewest slots (one step's experts for max_batch rows)
+BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid",
+            hybrid_overhead=0.0)  # fmt: skip
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
 
 

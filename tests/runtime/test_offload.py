@@ -16,7 +16,8 @@ PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
 
 
 def engines(path, **offload_kw):
-    base = dict(dtype="float32", max_context=48, max_batch=2, page_size=4, prefill_chunk=16)
+    # both rows decode together even with the minimum slots (one step's experts for max_batch rows)
+    base = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**base))
     off = FreeTokenEngine.from_pretrained(path, EngineConfig(**base, moe_strategy="offload", **offload_kw))
     return fused, off

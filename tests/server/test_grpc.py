@@ -18,7 +18,7 @@ from freetoken_jax.server.pb import freetoken_pb2 as pb
 from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
 from freetoken_jax.server.service import Service
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
