@@ -134,8 +134,8 @@ def prefill_chunk(args) -> list:
     (`auto`: the engine's choice, `dense` at this size; `ragged`: grouped matmuls); writes
     each compiled step's HLO beside the profile."""
     from freetoken_jax.bench.compare import Bench
-    from freetoken_jax.memory.expert_cache import init_slot_cache
     from freetoken_jax.memory.kv_cache import init_cache
+    from freetoken_jax.memory.slot_cache import init_slot_cache
     from freetoken_jax.runtime.experts import Offload
     from freetoken_jax.runtime.steps import PrefillBatch, on_device, prefill_step_buffered
 

@@ -319,10 +319,10 @@ class FreeTokenEngine:
         m["memory_plan"] = self.plan.describe()
         m["strategy_reason"] = self.strategy_reason
         if self.runner.slots is not None:
-            m.update(self.expert_cache_metrics())
+            m.update(self.slot_cache_metrics())
         return m
 
-    def expert_cache_metrics(self) -> dict:
+    def slot_cache_metrics(self) -> dict:
         """Slot-cache telemetry (offload / hybrid): hit rates counted per distinct routed expert
         per layer step, experts and bytes fetched, slot occupancy."""
         c = self.runner.slots

@@ -41,7 +41,7 @@ import numpy as np
 
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
-from freetoken_jax.memory.expert_cache import init_slot_cache
+from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.offload import host_bank_views

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
 
 GB = 1 << 30
 
@@ -58,7 +58,7 @@ def plan_memory(
         budget = device_bytes
     reserved = int((ecfg.reserved_vram_gb or 0.0) * GB)
     base = int(ecfg.base_model_vram_gb * GB) if ecfg.base_model_vram_gb is not None else dense_bytes
-    if ecfg.moe_strategy == "fused":
+    if ecfg.moe_strategy is Strategy.FUSED:
         if budget is not None and base + kv_bytes + all_experts + reserved > budget:
             raise ConfigError(
                 f"strategy 'fused' needs {(base + kv_bytes + all_experts + reserved) / GB:.1f} GiB (dense {base / GB:.1f}, "
@@ -66,7 +66,7 @@ def plan_memory(
                 "moe_strategy='offload' or a smaller max_context / max_batch"
             )
         return MemoryPlan("fused", dense_bytes, kv_bytes, expert, all_experts, cfg.num_moe_layers * cfg.num_experts, budget, "all resident")
-    if ecfg.moe_strategy == "cpu":
+    if ecfg.moe_strategy is Strategy.CPU:
         if budget is not None and base + kv_bytes + reserved > budget:
             raise ConfigError(
                 f"the dense weights ({base / GB:.2f} GiB) and KV pages ({kv_bytes / GB:.2f} GiB) exceed the budget of {budget / GB:.2f} GiB"
@@ -100,7 +100,7 @@ def plan_memory(
             f"room for {slots} expert slots, but one decode step at max_batch={ecfg.max_batch} routes up to {need} experts per layer "
             f"({need * expert / GB:.2f} GiB of slots); raise the budget, or lower max_batch"
         )
-    return MemoryPlan(ecfg.moe_strategy, dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
+    return MemoryPlan(ecfg.moe_strategy.value, dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
 
 
 def host_memory_available() -> int | None:

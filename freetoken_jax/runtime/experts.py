@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import jax
 
 from freetoken_jax.config import EngineConfig, Strategy
-from freetoken_jax.memory.expert_cache import SlotCache
+from freetoken_jax.memory.slot_cache import SlotCache
 
 
 def moe_layer_fns(model, make) -> list:

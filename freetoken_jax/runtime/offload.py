@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
+from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
 from freetoken_jax.models.layers import routed_experts
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many

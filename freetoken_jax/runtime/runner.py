@@ -33,9 +33,9 @@ import numpy as np
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
 from freetoken_jax.memory.budget import MemoryPlan, device_memory_bytes, plan_memory
-from freetoken_jax.memory.expert_cache import init_slot_cache
 from freetoken_jax.memory.kv_cache import cache_bytes, init_cache
 from freetoken_jax.memory.kv_pages import PageAllocator
+from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.models import jnp_dtype
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.experts import ExpertBackend, Hybrid
@@ -148,12 +148,12 @@ class ModelRunner:
 
     def reset_slots(self) -> None:
         """Empties the slot cache (a cold start for a measurement)."""
-        if self.state.experts is not None:
-            for a in jax.tree.leaves(self.state.experts):
+        if self.state.slots is not None:
+            for a in jax.tree.leaves(self.state.slots):
                 a.delete()
             cfg, ecfg = self.model_config, self.engine_config
             slots = on_device(init_slot_cache(cfg, self.plan.slots, ecfg.max_batch, jnp_dtype(ecfg.dtype)))
-            self.state = dataclasses.replace(self.state, experts=slots)
+            self.state = dataclasses.replace(self.state, slots=slots)
 
     def close(self) -> None:
         """Frees the device state now (a runner that will not run again)."""
@@ -167,7 +167,7 @@ class ModelRunner:
     @property
     def slots(self):
         """The expert slot cache (offload / hybrid), else None."""
-        return self.state.experts
+        return self.state.slots
 
     def use(self, experts: ExpertBackend) -> None:
         """Runs later steps with `experts` (same slot geometry: a hybrid backend at another q, or
@@ -185,7 +185,7 @@ class ModelRunner:
         """(jitted step, whether it takes the slot cache) for a prefill chunk of `tokens` (rows ×
         length): the path the backend picks for the slot cache (`ExpertBackend.prefill_path`);
         without slots each layer's whole bank is streamed."""
-        slots = self.state.experts
+        slots = self.state.slots
         path = "stream" if slots is None else self.experts.prefill_path(self.model_config, tokens, slots.num_slots)
         if path == "slots":
             return self.steps.prefill_slots, True
@@ -203,10 +203,10 @@ class ModelRunner:
         step, with_slots = self._prefill_fn(batch.tokens_BT.size)
         st = self.state
         if with_slots:
-            tok, cache, slots = step(self.weights, st.cache, batch, st.experts, self.experts)
+            tok, cache, slots = step(self.weights, st.cache, batch, st.slots, self.experts)
         else:
-            (tok, cache), slots = step(self.weights, st.cache, batch, self.experts), st.experts
-        self.state = dataclasses.replace(st, cache=cache, experts=slots)
+            (tok, cache), slots = step(self.weights, st.cache, batch, self.experts), st.slots
+        self.state = dataclasses.replace(st, cache=cache, slots=slots)
         return tok
 
     def decode(self, batch: DecodeBatch) -> jax.Array:
@@ -254,7 +254,7 @@ class ModelRunner:
         for T in chunks:
             step, with_slots = self._prefill_fn(rows * T)
             args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, P))
-            jobs.append((step, args + ((st.experts, self.experts) if with_slots else (self.experts,))))
+            jobs.append((step, args + ((st.slots, self.experts) if with_slots else (self.experts,))))
         return jobs
 
     def chunk_buckets(self) -> list[int]:
@@ -356,7 +356,7 @@ class ModelRunner:
         ma = compiled.memory_analysis() if limit else None
         if ma is not None:
             in_use = (jax.devices()[0].memory_stats() or {}).get("bytes_in_use", 0)
-            old = sum(x.nbytes for x in jax.tree.leaves((self.state.cache, self.state.experts)))
+            old = sum(x.nbytes for x in jax.tree.leaves((self.state.cache, self.state.slots)))
             need = cache_bytes(cfg, new, jnp.dtype(dtype).itemsize) + plan.slot_bytes * new.uses_slots
             need += getattr(ma, "temp_size_in_bytes", 0)
             if in_use - old + need > limit:
@@ -378,8 +378,8 @@ class ModelRunner:
                 a.delete()
             kv = on_device(init_cache(cfg, new, dtype))
             pages = PageAllocator(new.total_kv_pages, new.page_size)
-        if old.experts is not None:
-            for a in jax.tree.leaves(old.experts):
+        if old.slots is not None:
+            for a in jax.tree.leaves(old.slots):
                 a.delete()
         slots = init_slot_cache(cfg, plan.slots, new.max_batch, dtype) if new.uses_slots else None
         self.state = DecodeState.start(kv, np.zeros(new.max_batch), np.zeros(new.max_batch), slots)

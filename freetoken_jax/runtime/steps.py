@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from freetoken_jax.memory.expert_cache import SlotCache
 from freetoken_jax.memory.kv_cache import KVCache, KVView
+from freetoken_jax.memory.slot_cache import SlotCache
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
 from freetoken_jax.runtime.sampling import Sampling, sample
 
@@ -39,17 +39,17 @@ class Weights:
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
     """What one decode step reads and replaces: the paged KV cache, each row's last token and
-    its position, and (strategy "offload") the expert slot cache."""
+    its position, and (offload, hybrid) the expert slot cache."""
 
     cache: KVCache
     tokens_B: jax.Array  # int32
     positions_B: jax.Array  # int32
-    experts: SlotCache | None = None
+    slots: SlotCache | None = None
 
     @classmethod
-    def start(cls, cache: KVCache, tokens_B, positions_B, experts: SlotCache | None = None) -> DecodeState:
+    def start(cls, cache: KVCache, tokens_B, positions_B, slots: SlotCache | None = None) -> DecodeState:
         """A first state, every array committed to the device (see `on_device`)."""
-        return cls(*on_device((cache, jnp.asarray(tokens_B, jnp.int32), jnp.asarray(positions_B, jnp.int32), experts)))
+        return cls(*on_device((cache, jnp.asarray(tokens_B, jnp.int32), jnp.asarray(positions_B, jnp.int32), slots)))
 
 
 def on_device(tree):
@@ -137,7 +137,7 @@ def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, expert
     active = batch.active_B
     h, cache, slots = forward(
         weights, experts, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP,
-        state.experts,
+        state.slots,
     )  # fmt: skip
     logits = weights.model().logits(h[:, 0])
     s = batch.sampling

@@ -8,7 +8,7 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.memory.expert_cache import SlotCache, fetch_count, find_misses, place_misses
+from freetoken_jax.memory.slot_cache import SlotCache, fetch_count, find_misses, place_misses
 
 # max_running: both rows decode together even with the fewest slots (one step's experts for max_batch rows)
 BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid",

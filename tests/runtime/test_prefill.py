@@ -102,7 +102,7 @@ def test_buffers_keep_the_last_layers_and_fallback_is_logged(load, ckpt_root, ca
 
 
 def test_borrow_takes_least_recently_used_and_empties_them():
-    from freetoken_jax.memory.expert_cache import SlotCache, borrow_for_prefill, keep_buffer
+    from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, keep_buffer
 
     S, E, L = 10, 3, 4
     ids = jnp.array([0, 1, 2, 3, 4, 5, 6, -1, 8, 9], jnp.int32)
