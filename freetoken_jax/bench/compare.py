@@ -24,8 +24,8 @@ q*, tokens/s as a multiple of the naive baseline's (when it ran at that batch an
 ratio to the bound: fetched bytes / Bp (all missed bytes / (Bp + Bh) for hybrid, Bh
 for cpu) + bytes read on the device / device copy bandwidth. Each row's requests decode the
 tokens they sample (temperature 1), as served requests do; random weights route those tokens to
-few experts (on the demo model a cold offload row hits ~0.86 where seeded random input tokens
-hit far less), so cache figures without `--routing-skew` flatter every cache. `--routing-skew S`
+few experts (the demo model's offload row at 0.001 GB hit 0.86 in one run on a CPU), so cache
+figures without `--routing-skew` flatter every cache (the loop before fed seeded random tokens). `--routing-skew S`
 replaces the routing by seeded draws from a Zipf(S) popularity (`runtime/routing.py`), the same
 under every strategy; the recorded figures use it.
 """
