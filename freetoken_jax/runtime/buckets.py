@@ -14,7 +14,3 @@ def batch_bucket(n: int, max_batch: int) -> int:
 
 def chunk_bucket(remaining: int, prefill_chunk: int, minimum: int = 16) -> int:
     return min(prefill_chunk, max(minimum, next_pow2(remaining)))
-
-
-def pages_bucket(pages: int, max_pages: int) -> int:
-    return min(next_pow2(pages), max_pages)
