@@ -16,6 +16,9 @@ from typing import Any
 
 SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 DTYPES = ("float32", "bfloat16")
+# Storage formats of routed experts (`quant/formats.py`), each with the multiple of 32 its blocks
+# need along a matrix's input dimension (fp8 pads a short last block). "bf16": the model dtype.
+EXPERT_FORMATS = {"bf16": 1, "q8_0": 32, "q4_0": 32, "fp8": 1, "mxfp4": 32, "nvfp4": 64}
 
 
 class Strategy(enum.StrEnum):
@@ -103,6 +106,8 @@ class MoEModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # How the routed experts are stored (EXPERT_FORMATS): "bf16" (the model dtype) or a block format.
+    expert_format: str = "bf16"
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -141,6 +146,14 @@ class MoEModelConfig:
                 )
             if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
                 raise ConfigError("topk_group groups hold fewer experts than top_k")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ConfigError(f"unknown expert format {self.expert_format!r}; choose from {tuple(EXPERT_FORMATS)}")
+        multiple = EXPERT_FORMATS[self.expert_format]
+        if self.hidden_dim % multiple or self.moe_intermediate_dim % multiple:
+            raise ConfigError(
+                f"expert format {self.expert_format} stores blocks of {multiple} weights along each input dimension; "
+                f"hidden_dim {self.hidden_dim} and moe_intermediate_dim {self.moe_intermediate_dim} must be multiples of it"
+            )
         if not self.moe_layers:
             set_("moe_layers", (True,) * self.num_layers)
         if len(self.moe_layers) != self.num_layers:

@@ -1,0 +1,380 @@
+"""Expert weight formats: byte layouts, jnp quantizers and dequantizers, numpy references.
+
+A format stores one matrix W [O, I] (O output rows, I the input dimension: the checkpoints'
+layout) as O rows of blocks along I, each block its scale bytes followed by its quant bytes, then
+an optional trailer: `nbytes(O, I)` uint8 in all. A bank holds one such matrix per expert and
+projection, one expert per row (`docs/FORMATS.md` gives every layout byte by byte):
+
+| format | weights per block | block bytes | layout of a block | trailer |
+|---|---|---|---|---|
+| q8_0 | 32 | 34 | f16 d, 32 × int8 q; w = d·q (GGUF Q8_0) | — |
+| q4_0 | 32 | 18 | f16 d, 16 bytes: byte j = q[j] ∣ q[j+16] ≪ 4; w = d·(q − 8) (GGUF Q4_0) | — |
+| mxfp4 | 32 | 17 | e8m0 e, 16 bytes of e2m1 as q4_0; w = 2^(e−127)·v (GGUF MXFP4) | — |
+| nvfp4 | 64 | 36 | 4 × e4m3 s (one per 16), 4 × 8 bytes of e2m1, byte j of 16 = v[j] ∣ v[j+8] ≪ 4 (GGUF NVFP4) | f32 g; w = g·s·v |
+| fp8 | 128 | 132 | f32 s, 128 × e4m3 q; w = s·q (a short last block is zero-padded) | — |
+
+The jnp functions run inside jitted steps (dequantize, on the device or the CPU backend) and at
+load (quantize, one layer at a time). `quantize_ref` / `dequantize_ref` are the numpy
+references: quantizers compute in float32 with ggml's arithmetic (so that q8_0, q4_0 and mxfp4
+bytes equal the `gguf` package's), dequantizers are exact in float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from freetoken_jax.config import EXPERT_FORMATS, ConfigError
+
+# e2m1 magnitudes by code (bit 3 is the sign).
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+FP8_MAX, FP4_MAX = 448.0, 6.0
+# Scales multiply by these float32 reciprocals (XLA rewrites a division by a constant so).
+_INV_FP8, _INV_NV = np.float32(1 / FP8_MAX), np.float32(1 / (FP4_MAX * FP8_MAX))
+
+
+@dataclasses.dataclass(frozen=True)
+class Format:
+    name: str
+    block: int  # weights per block along the input dimension
+    block_bytes: int
+    trailer: int = 0  # bytes after the rows (nvfp4: the float32 tensor scale)
+    pads: bool = False  # a short last block is zero-padded (fp8); otherwise I must be a multiple of `block`
+
+    def blocks(self, I: int) -> int:
+        return -(-I // self.block)
+
+    def row_bytes(self, I: int) -> int:
+        return self.blocks(I) * self.block_bytes
+
+    def nbytes(self, O: int, I: int) -> int:
+        """Bytes of one [O, I] matrix."""
+        return O * self.row_bytes(I) + self.trailer
+
+    def check(self, O: int, I: int, what: str = "a matrix") -> None:
+        if O <= 0 or I <= 0:
+            raise ConfigError(f"{what} of shape [{O}, {I}] cannot be stored")
+        if not self.pads and I % self.block:
+            raise ConfigError(f"{self.name} stores blocks of {self.block} along the input dimension; {what} has {I} inputs")
+
+    # jnp -----------------------------------------------------------------------------------------
+    def quantize(self, w: jax.Array) -> jax.Array:
+        """[..., O, I] (any float dtype) → uint8 [..., nbytes(O, I)]."""
+        *lead, O, I = w.shape
+        self.check(O, I)
+        w = jnp.asarray(w).astype(jnp.float32)
+        return _QUANTIZE[self.name](self, w).reshape(*lead, self.nbytes(O, I))
+
+    def dequantize(self, b: jax.Array, O: int, I: int, dtype=jnp.float32) -> jax.Array:
+        """uint8 [..., nbytes(O, I)] → [..., O, I] in `dtype` (scales applied in float32)."""
+        lead = b.shape[:-1]
+        if b.shape[-1] != self.nbytes(O, I):
+            raise ValueError(f"{self.name} [{O}, {I}] is {self.nbytes(O, I)} bytes, got rows of {b.shape[-1]}")
+        rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, self.blocks(I), self.block_bytes)
+        w = _DEQUANTIZE[self.name](self, rows, b[..., O * self.row_bytes(I) :])
+        return w.reshape(*lead, O, self.blocks(I) * self.block)[..., :I].astype(dtype)
+
+    # numpy references ----------------------------------------------------------------------------
+    def quantize_ref(self, w: np.ndarray) -> np.ndarray:
+        O, I = w.shape
+        self.check(O, I)
+        return _QUANTIZE_REF[self.name](self, np.asarray(w, np.float32)).reshape(-1)
+
+    def dequantize_ref(self, b: np.ndarray, O: int, I: int) -> np.ndarray:
+        b = np.asarray(b, np.uint8).reshape(-1)
+        rows = b[: O * self.row_bytes(I)].reshape(O, self.blocks(I), self.block_bytes)
+        w = _DEQUANTIZE_REF[self.name](self, rows, b[O * self.row_bytes(I) :])
+        return w.reshape(O, -1)[:, :I]
+
+
+FORMATS = {
+    "q8_0": Format("q8_0", 32, 34),
+    "q4_0": Format("q4_0", 32, 18),
+    "mxfp4": Format("mxfp4", 32, 17),
+    "nvfp4": Format("nvfp4", 64, 36, trailer=4),
+    "fp8": Format("fp8", 128, 132, pads=True),
+}
+assert {n: 1 if f.pads else f.block for n, f in FORMATS.items()} == {n: m for n, m in EXPERT_FORMATS.items() if n != "bf16"}
+
+
+def get_format(name: str) -> Format:
+    if name not in FORMATS:
+        raise ConfigError(f"unknown expert format {name!r}; choose from {EXPERT_FORMATS}")
+    return FORMATS[name]
+
+
+# Shared pieces ------------------------------------------------------------------------------------
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """The bytes of each element, little-endian, along a new last axis (none for 1-byte types)."""
+    if x.dtype.itemsize == 1:
+        return jax.lax.bitcast_convert_type(x, jnp.uint8)[..., None]
+    return jax.lax.bitcast_convert_type(x, jnp.uint8)
+
+
+def _from_bytes(b: jax.Array, dtype) -> jax.Array:
+    """[..., itemsize] bytes → [...] of `dtype`."""
+    if jnp.dtype(dtype).itemsize == 1:
+        return jax.lax.bitcast_convert_type(b[..., 0], dtype)
+    return jax.lax.bitcast_convert_type(b, dtype)
+
+
+def _blocks(w: jax.Array, block: int) -> jax.Array:
+    """[..., O, I] → [..., O, ceil(I/block), block], zero-padded."""
+    *lead, O, I = w.shape
+    pad = (-I) % block
+    if pad:
+        w = jnp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, pad)])
+    return w.reshape(*lead, O, -1, block)
+
+
+def _roundf(x):
+    """ggml's roundf: halves away from zero."""
+    a = jnp.abs(x)
+    f = jnp.floor(a)
+    return jnp.sign(x) * (f + jnp.floor(2 * (a - f)))
+
+
+def _inv(d):
+    return jnp.where(d == 0, 0.0, 1.0 / jnp.where(d == 0, 1.0, d))
+
+
+def _pack_halves(q: jax.Array) -> jax.Array:
+    """Codes [..., 2n] (uint8 < 16) → [..., n] bytes: q[j] | q[j+n] << 4."""
+    n = q.shape[-1] // 2
+    return q[..., :n] | (q[..., n:] << 4)
+
+
+def _unpack_halves(b: jax.Array) -> jax.Array:
+    return jnp.concatenate([b & 15, b >> 4], axis=-1)
+
+
+def _e2m1(code: jax.Array) -> jax.Array:
+    """e2m1 codes (uint8 < 16) → float32, computed (no table lookup: it fuses)."""
+    c = code.astype(jnp.int32)
+    e, m = (c >> 1) & 3, (c & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * m))
+    return jnp.where(c >= 8, -mag, mag)
+
+
+def _nearest_e2m1(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """The e2m1 code whose value × scale is nearest to x (first code on ties, as ggml)."""
+    err = jnp.abs(scale[..., None] * jnp.asarray(E2M1, jnp.float32) - x[..., None])
+    return jnp.argmin(err, axis=-1).astype(jnp.uint8)
+
+
+def _e8m0_half(e):
+    """2^(e − 128) as float32 (ggml_e8m0_to_fp32_half)."""
+    e = e.astype(jnp.uint32)
+    bits = jnp.where(e < 2, jnp.uint32(0x00200000) << e, (e - 1) << 23)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+# q8_0 ---------------------------------------------------------------------------------------------
+def _q8_0_q(f, w):
+    b = _blocks(w, 32)
+    d = jnp.max(jnp.abs(b), axis=-1, keepdims=True) / 127
+    q = _roundf(jax.lax.optimization_barrier(b * _inv(d))).astype(jnp.int8)
+    return jnp.concatenate([_as_bytes(d[..., 0].astype(jnp.float16)), _as_bytes(q)[..., 0]], axis=-1)
+
+
+def _q8_0_dq(f, rows, trailer):
+    d = _from_bytes(rows[..., 0:2], jnp.float16).astype(jnp.float32)
+    return _from_bytes(rows[..., 2:, None], jnp.int8).astype(jnp.float32) * d[..., None]
+
+
+# q4_0 ---------------------------------------------------------------------------------------------
+def _q4_0_q(f, w):
+    b = _blocks(w, 32)
+    mx = jnp.take_along_axis(b, jnp.argmax(jnp.abs(b), axis=-1, keepdims=True), axis=-1)
+    d = mx / -8
+    t = jax.lax.optimization_barrier(b * _inv(d))  # rounded before the + 8.5, as ggml (no fused multiply-add)
+    q = jnp.clip(jnp.trunc(t + 8.5), 0, 15).astype(jnp.uint8)
+    return jnp.concatenate([_as_bytes(d[..., 0].astype(jnp.float16)), _pack_halves(q)], axis=-1)
+
+
+def _q4_0_dq(f, rows, trailer):
+    d = _from_bytes(rows[..., 0:2], jnp.float16).astype(jnp.float32)
+    return (_unpack_halves(rows[..., 2:]).astype(jnp.float32) - 8.0) * d[..., None]
+
+
+# mxfp4 --------------------------------------------------------------------------------------------
+def _mxfp4_q(f, w):
+    b = _blocks(w, 32)
+    amax = jnp.max(jnp.abs(b), axis=-1)
+    exp = ((jax.lax.bitcast_convert_type(amax, jnp.uint32) >> 23) & 255).astype(jnp.int32) - 127  # ⌊log2 amax⌋
+    e = jnp.where(amax > 0, jnp.clip(exp - 2 + 127, 0, 254), 0).astype(jnp.uint8)
+    q = _nearest_e2m1(b, 2 * _e8m0_half(e)[..., None])
+    return jnp.concatenate([e[..., None], _pack_halves(q)], axis=-1)
+
+
+def _mxfp4_dq(f, rows, trailer):
+    scale = 2 * _e8m0_half(rows[..., 0])
+    return _e2m1(_unpack_halves(rows[..., 1:])) * scale[..., None]
+
+
+# nvfp4 --------------------------------------------------------------------------------------------
+def _nvfp4_q(f, w):
+    g = jnp.max(jnp.abs(w), axis=(-2, -1)) * _INV_NV
+    g = jnp.where(g > 0, g, 1.0)
+    b = _blocks(w, 16)  # [..., O, I/16, 16]
+    s = (jnp.max(jnp.abs(b), axis=-1) / FP4_MAX / g[..., None, None]).astype(jnp.float8_e4m3fn)
+    q = _nearest_e2m1(b, (s.astype(jnp.float32) * g[..., None, None])[..., None])
+    O = w.shape[-2]
+    s4 = _as_bytes(s)[..., 0].reshape(*s.shape[:-1], -1, 4)  # [..., O, I/64, 4]
+    q4 = _pack_halves(q).reshape(*q.shape[:-2], -1, 32)  # [..., O, I/64, 4 × 8]
+    rows = jnp.concatenate([s4, q4], axis=-1).reshape(*w.shape[:-2], O * s4.shape[-2] * 36)
+    return jnp.concatenate([rows, _as_bytes(g.astype(jnp.float32))], axis=-1)
+
+
+def _nvfp4_dq(f, rows, trailer):
+    g = _from_bytes(trailer, jnp.float32)
+    s = _from_bytes(rows[..., 0:4, None], jnp.float8_e4m3fn).astype(jnp.float32)  # [..., O, nb, 4]
+    q = rows[..., 4:].reshape(*rows.shape[:-1], 4, 8)
+    v = _e2m1(_unpack_halves(q)) * s[..., None]  # [..., O, nb, 4, 16]
+    return v.reshape(*rows.shape[:-1], 64) * g[..., None, None, None]
+
+
+# fp8 ----------------------------------------------------------------------------------------------
+def _fp8_q(f, w):
+    *lead, O, I = w.shape
+    t = f.block
+    tiles = jnp.pad(w, [(0, 0)] * len(lead) + [(0, (-O) % t), (0, (-I) % t)])
+    tiles = tiles.reshape(*lead, tiles.shape[-2] // t, t, tiles.shape[-1] // t, t)
+    s = jnp.max(jnp.abs(tiles), axis=(-3, -1)) * _INV_FP8  # [..., O/t, I/t]
+    s = jnp.where(s > 0, s, 1.0)
+    s_rows = jnp.repeat(s, t, axis=-2)[..., :O, :]  # [..., O, nb]: each row carries its tile's scale
+    q = (_blocks(w, t) / s_rows[..., None]).astype(jnp.float8_e4m3fn)
+    return jnp.concatenate([_as_bytes(s_rows), _as_bytes(q)[..., 0]], axis=-1)
+
+
+def _fp8_dq(f, rows, trailer):
+    s = _from_bytes(rows[..., 0:4], jnp.float32)
+    return _from_bytes(rows[..., 4:, None], jnp.float8_e4m3fn).astype(jnp.float32) * s[..., None]
+
+
+_QUANTIZE = {"q8_0": _q8_0_q, "q4_0": _q4_0_q, "mxfp4": _mxfp4_q, "nvfp4": _nvfp4_q, "fp8": _fp8_q}
+_DEQUANTIZE = {"q8_0": _q8_0_dq, "q4_0": _q4_0_dq, "mxfp4": _mxfp4_dq, "nvfp4": _nvfp4_dq, "fp8": _fp8_dq}
+
+
+# numpy references ---------------------------------------------------------------------------------
+def _np_blocks(w, block):
+    O, I = w.shape
+    return np.pad(w, [(0, 0), (0, (-I) % block)]).reshape(O, -1, block)
+
+
+def _np_roundf(x):
+    a = np.abs(x)
+    f = np.floor(a)
+    return np.sign(x) * (f + np.floor(2 * (a - f)))
+
+
+def _np_inv(d):
+    with np.errstate(divide="ignore"):
+        return np.where(d == 0, np.float32(0), np.float32(1) / d).astype(np.float32)
+
+
+def _np_e2m1_codes(x, scale):
+    err = np.abs(scale[..., None] * E2M1.astype(np.float32) - x[..., None])
+    return np.argmin(err, axis=-1).astype(np.uint8)
+
+
+def _np_halves(q):
+    n = q.shape[-1] // 2
+    return q[..., :n] | (q[..., n:] << np.uint8(4))
+
+
+def _np_unhalves(b):
+    return np.concatenate([b & 15, b >> 4], axis=-1)
+
+
+def _ref_q8_0(f, w):
+    b = _np_blocks(w, 32)
+    d = (np.abs(b).max(-1, keepdims=True) / np.float32(127)).astype(np.float32)
+    q = _np_roundf(b * _np_inv(d)).astype(np.int8)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=-1)
+
+
+def _ref_q4_0(f, w):
+    b = _np_blocks(w, 32)
+    mx = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
+    d = (mx / np.float32(-8)).astype(np.float32)
+    q = np.trunc(b * _np_inv(d) + np.float32(8.5)).clip(0, 15).astype(np.uint8)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), _np_halves(q)], axis=-1)
+
+
+def _ref_mxfp4(f, w):
+    b = _np_blocks(w, 32)
+    amax = np.abs(b).max(-1)
+    exp = ((amax.view(np.uint32) >> 23) & 255).astype(np.int32) - 127
+    e = np.where(amax > 0, np.clip(exp - 2 + 127, 0, 254), 0).astype(np.uint8)
+    scale = np.exp2(e.astype(np.float64) - 127).astype(np.float32)
+    return np.concatenate([e[..., None], _np_halves(_np_e2m1_codes(b, scale[..., None]))], axis=-1)
+
+
+def _ref_nvfp4(f, w):
+    g = np.float32(np.abs(w).max() * _INV_NV)
+    g = g if g > 0 else np.float32(1)
+    b = _np_blocks(w, 16)
+    s = (np.abs(b).max(-1) / np.float32(FP4_MAX) / g).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+    q = _np_e2m1_codes(b, (s.astype(np.float32) * g)[..., None])
+    O = w.shape[0]
+    s4 = s.view(np.uint8).reshape(O, -1, 4)
+    q4 = _np_halves(q).reshape(O, -1, 32)
+    return np.concatenate([np.concatenate([s4, q4], -1).reshape(-1), np.float32(g).reshape(1).view(np.uint8)])
+
+
+def _ref_fp8(f, w):
+    O, I = w.shape
+    t = f.block
+    tiles = np.pad(w, [(0, (-O) % t), (0, (-I) % t)])
+    tiles = tiles.reshape(tiles.shape[0] // t, t, tiles.shape[1] // t, t)
+    s = (np.abs(tiles).max(axis=(1, 3)) * _INV_FP8).astype(np.float32)
+    s = np.where(s > 0, s, np.float32(1))
+    s_rows = np.repeat(s, t, axis=0)[:O]
+    q = (_np_blocks(w, t) / s_rows[..., None]).astype(ml_dtypes.float8_e4m3fn)
+    return np.concatenate([s_rows[..., None].view(np.uint8).reshape(O, -1, 4), q.view(np.uint8)], axis=-1)
+
+
+def _dref_q8_0(f, rows, trailer):
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    return rows[..., 2:].view(np.int8).astype(np.float64) * d[..., None]
+
+
+def _dref_q4_0(f, rows, trailer):
+    d = rows[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
+    return (_np_unhalves(rows[..., 2:]).astype(np.float64) - 8) * d[..., None]
+
+
+def _dref_mxfp4(f, rows, trailer):
+    scale = np.exp2(rows[..., 0].astype(np.float64) - 127)
+    return E2M1[_np_unhalves(rows[..., 1:])] * scale[..., None]
+
+
+def _dref_nvfp4(f, rows, trailer):
+    g = np.float64(trailer.copy().view(np.float32)[0])
+    s = rows[..., 0:4].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    v = E2M1[_np_unhalves(rows[..., 4:].reshape(*rows.shape[:-1], 4, 8))] * s[..., None]
+    return v.reshape(*rows.shape[:-1], 64) * g
+
+
+def _dref_fp8(f, rows, trailer):
+    s = rows[..., 0:4].copy().view(np.float32)[..., 0].astype(np.float64)
+    return rows[..., 4:].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float64) * s[..., None]
+
+
+_QUANTIZE_REF = {"q8_0": _ref_q8_0, "q4_0": _ref_q4_0, "mxfp4": _ref_mxfp4, "nvfp4": _ref_nvfp4, "fp8": _ref_fp8}
+_DEQUANTIZE_REF = {"q8_0": _dref_q8_0, "q4_0": _dref_q4_0, "mxfp4": _dref_mxfp4, "nvfp4": _dref_nvfp4, "fp8": _dref_fp8}
+
+
+def bytes_per_weight(name: str, O: int = 4096, I: int = 4096) -> float:
+    """Average stored bytes per weight of a format (2 for bf16)."""
+    if name == "bf16":
+        return 2.0
+    return get_format(name).nbytes(O, I) / (O * I)
+
+
+__all__ = ["FORMATS", "Format", "bytes_per_weight", "get_format"]

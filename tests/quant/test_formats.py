@@ -1,0 +1,109 @@
+"""Expert formats: numpy references round-trip within each format's error, the jnp quantizer and
+dequantizer equal the references, q8_0 / q4_0 / mxfp4 bytes equal the `gguf` package's."""
+
+import gguf
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from freetoken_jax.config import ConfigError, MoEModelConfig
+from freetoken_jax.quant.formats import E2M1, FORMATS, get_format
+
+NAMES = sorted(FORMATS)
+
+
+def weights(O, I, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((O, I)).astype(np.float32) * np.exp(rng.standard_normal((O, 1))).astype(np.float32)
+    w[0, : min(I, 40)] = 0.0  # an all-zero block (scale 0)
+    return w
+
+
+def shapes(name):
+    f = FORMATS[name]
+    base = [(3, f.block), (5, 4 * f.block), (130, 2 * f.block)]
+    return base + ([(7, 200), (129, 300)] if f.pads else [])  # fp8: inputs not a multiple of its block
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_round_trip_error_is_within_the_format(name):
+    f = get_format(name)
+    for O, I in shapes(name):
+        w = weights(O, I)
+        b = f.quantize_ref(w)
+        assert b.dtype == np.uint8 and b.shape == (f.nbytes(O, I),)
+        back = f.dequantize_ref(b, O, I)
+        assert back.shape == (O, I) and back.dtype == np.float64
+        assert np.all(back[0, : min(I, 40) // f.block * f.block] == 0)
+        # Per-row error bound: half a quantization step of the block scale (relative to the row's max).
+        rel = np.abs(back - w).max(axis=1) / np.maximum(np.abs(w).max(axis=1), 1e-30)
+        bound = {"q8_0": 0.5 / 127 + 1e-3, "q4_0": 1 / 8 + 1e-3, "mxfp4": 0.25, "nvfp4": 0.25, "fp8": 1 / 16}[name]
+        assert rel.max() <= bound, (O, I, rel.max())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_jnp_quantizer_and_dequantizer_equal_the_references(name):
+    f = get_format(name)
+    for O, I in shapes(name):
+        w = np.stack([weights(O, I, s) for s in range(2)])  # a leading expert axis
+        got = np.asarray(f.quantize(jnp.asarray(w)))
+        ref = np.stack([f.quantize_ref(x) for x in w])
+        np.testing.assert_array_equal(got, ref)
+        deq = np.asarray(f.dequantize(jnp.asarray(ref), O, I))
+        assert deq.shape == (2, O, I)
+        np.testing.assert_array_equal(deq, np.stack([f.dequantize_ref(x, O, I) for x in ref]).astype(np.float32))
+
+
+GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
+
+
+@pytest.mark.parametrize("name", sorted(GGUF))
+def test_bytes_equal_gguf(name):
+    f = get_format(name)
+    w = weights(64, 512, 3)
+    mine = f.quantize_ref(w)
+    theirs = gguf.quants.quantize(w, GGUF[name])
+    np.testing.assert_array_equal(mine, theirs.reshape(-1))
+    np.testing.assert_array_equal(f.dequantize_ref(mine, 64, 512), gguf.quants.dequantize(theirs, GGUF[name]).astype(np.float64))
+
+
+def test_nvfp4_rows_are_gguf_nvfp4_times_the_tensor_scale():
+    f = get_format("nvfp4")
+    w = weights(8, 256, 4)
+    b = f.quantize_ref(w)
+    g = b[-4:].copy().view(np.float32)[0]
+    theirs = gguf.quants.dequantize(b[:-4].reshape(8, -1), gguf.GGMLQuantizationType.NVFP4)
+    np.testing.assert_array_equal(f.dequantize_ref(b, 8, 256), theirs.astype(np.float64) * np.float64(g))
+
+
+def test_layouts_byte_by_byte():
+    # q4_0: one block of 32 = 0..31 → d = -31/-8... (max magnitude 31 is positive: d = 31 / -8)
+    x = np.arange(32, dtype=np.float32).reshape(1, 32)
+    b = get_format("q4_0").quantize_ref(x)
+    d = np.float16(31 / -8)
+    assert b[:2].tobytes() == d.tobytes() and b.shape == (18,)
+    q = np.clip(np.trunc(x[0] / np.float32(d.astype(np.float32)) * 0 + x[0] * np.float32(1 / np.float32(31 / -8)) + 8.5), 0, 15)
+    assert list(b[2:]) == [int(q[j]) | int(q[j + 16]) << 4 for j in range(16)]
+    # fp8: a row's block is its f32 scale then its e4m3 codes; the tile scale is max|w| / 448
+    w = np.full((2, 128), 2.0, np.float32)
+    b = get_format("fp8").quantize_ref(w)
+    assert b.shape == (2 * 132,)
+    assert b[:4].view(np.float32)[0] == np.float32(2.0 / 448)
+    assert np.all(b[4:132].view(ml_dtypes.float8_e4m3fn).astype(np.float32) == 448)
+    # mxfp4: e8m0 exponent byte, then codes; 6 × 2^0 encodes as code 7 with e = 127
+    w = np.zeros((1, 32), np.float32)
+    w[0, 0], w[0, 16] = 6.0, -0.5
+    b = get_format("mxfp4").quantize_ref(w)
+    assert b[0] == 127 and b[1] == 7 | (9 << 4) and E2M1[9] == -0.5
+
+
+def test_bad_shapes_and_names_are_config_errors():
+    with pytest.raises(ConfigError, match="unknown expert format"):
+        get_format("q3_k")
+    with pytest.raises(ConfigError, match="blocks of 32"):
+        get_format("q4_0").check(4, 48)
+    with pytest.raises(ConfigError, match="unknown expert format"):
+        MoEModelConfig(vocab_size=64, hidden_dim=64, intermediate_dim=64, num_layers=1, num_experts=2, top_k=1, expert_format="int3")
+    with pytest.raises(ConfigError, match="multiples"):
+        MoEModelConfig(vocab_size=64, hidden_dim=96, intermediate_dim=64, num_layers=1, num_experts=2, top_k=1, expert_format="nvfp4")
