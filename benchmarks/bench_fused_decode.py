@@ -23,10 +23,11 @@ import numpy as np
 from flax import nnx
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.bench.expert_impls import named
 from freetoken_jax.bench.measure import copy_bandwidth
 from freetoken_jax.bench.presets import PRESETS
 from freetoken_jax.memory.kv_cache import KVView
-from freetoken_jax.models import layers
+from freetoken_jax.runtime.experts import Fused
 from freetoken_jax.runtime.runner import ModelRunner
 from freetoken_jax.runtime.steps import DecodeBatch, PrefillBatch, Sampling
 
@@ -42,7 +43,7 @@ def routed_ids(engine, state, batch):
         fns = []
         for layer in m.layers:
             if layer.is_moe:
-                fused = layer.mlp.fused_expert_fn()
+                fused = layer.mlp.expert_fn()
 
                 def fn(x, i, w, fused=fused):
                     ids.append(i)
@@ -67,7 +68,7 @@ def bench(engine: FreeTokenEngine, B: int, prompt_len: int, steps: int, impl: st
     rng = np.random.default_rng(B)
     prompts = [list(rng.integers(0, cfg.vocab_size, prompt_len)) for _ in range(B)]
     # A runner of B rows over the engine's weights: prefill, then its decode step, timed.
-    runner = ModelRunner(cfg, ecfg.replace(max_batch=B), engine.weights, engine.experts, engine.plan)
+    runner = ModelRunner(cfg, ecfg.replace(max_batch=B), engine.weights, Fused(named(impl)), engine.plan)
     table = np.zeros((B, ecfg.pages_per_sequence), np.int32)
     for b in range(B):
         pages = runner.pages.allocate(prompt_len + steps + 2)
@@ -175,8 +176,7 @@ def main(argv=None) -> int:
             if impl == "slices" and B * cfg_topk(engine) > 16:
                 print(f"skipping slices at batch {B}: one unrolled matvec per token-expert pair is for decode of few rows", flush=True)
                 continue
-            with layers.expert_impl(impl):
-                r = bench(engine, B, args.prompt_len, args.steps, impl, bw)
+            r = bench(engine, B, args.prompt_len, args.steps, impl, bw)
             print(json.dumps(r), flush=True)
             rows.append(r)
         if not args.no_engine_path:

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
             cur, nxt = nxt, (load_layer(m + 1) if load and m + 1 < n else None)
             rows = layer_rows(cur, m)
             if compute:
-                out = routed_experts(x, ids, wts, *ex._shaped(*rows), cfg.hidden_act)
+                out = routed_experts(x, ids, wts, tuple(rows), ex.layout)
                 acc = acc + out.astype(jnp.float32).sum()  # every output used: none of the compute can be pruned
             else:  # every loaded byte read once (an element alone would let XLA skip the copy)
                 acc = acc + sum(r.astype(jnp.float32).sum() for r in rows)

@@ -22,6 +22,7 @@ buffers, loading layers by `--prefill-load`, for each expert implementation in `
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -33,9 +34,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
+from freetoken_jax.bench.expert_impls import named  # noqa: E402
 from freetoken_jax.bench.presets import preset_config  # noqa: E402
 from freetoken_jax.memory.kv_cache import init_cache  # noqa: E402
-from freetoken_jax.models import layers  # noqa: E402
+from freetoken_jax.runtime.experts import Fused  # noqa: E402
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
 
 
@@ -154,16 +156,16 @@ def prefill_chunk(args) -> list:
     for impl in args.variants:
         step = jax.jit(lambda *a: prefill_step_buffered(*a), donate_argnums=(1, 3))  # a fresh trace per implementation
         t = time.perf_counter()
-        with layers.expert_impl(impl):
-            compiled = step.lower(weights, box[0], batch, box[1], experts).compile()
+        backend = dataclasses.replace(experts, compute=named(impl))
+        compiled = step.lower(weights, box[0], batch, box[1], backend).compile()
         compile_s = time.perf_counter() - t
         with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
 
-        def run(k, compiled=compiled):
+        def run(k, compiled=compiled, backend=backend):
             tok = None
             for _ in range(k):
-                tok, box[0], box[1] = compiled(weights, box[0], batch, box[1], experts)
+                tok, box[0], box[1] = compiled(weights, box[0], batch, box[1], backend)
             tok.block_until_ready()
 
         run(1)
@@ -216,17 +218,17 @@ def main() -> int:
             cache = init_cache(cfg, ecfg, jnp.dtype(args.dtype))
             state = DecodeState.start(cache, np.arange(B), np.full(B, 64))
             t = time.perf_counter()
-            with layers.expert_impl(impl):
-                compiled = step.lower(engine.weights, state, batch).compile()
+            backend = Fused(named(impl))
+            compiled = step.lower(engine.weights, state, batch, backend).compile()
             compile_s = time.perf_counter() - t
             with open(os.path.join(args.out, f"decode_b{B}_{impl}.hlo.txt"), "w") as f:
                 f.write(compiled.as_text())
             box = [state]
 
-            def run(n, box=box, compiled=compiled, batch=batch):
+            def run(n, box=box, compiled=compiled, batch=batch, experts=backend):
                 tok = None
                 for _ in range(n):
-                    tok, box[0] = compiled(engine.weights, box[0], batch)
+                    tok, box[0] = compiled(engine.weights, box[0], batch, experts)
                 tok.block_until_ready()
 
             run(3)

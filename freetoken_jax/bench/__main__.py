@@ -14,6 +14,7 @@ import json
 import sys
 
 from freetoken_jax.bench.compare import PREFILL_VARIANTS, VARIANTS
+from freetoken_jax.bench.expert_impls import IMPLS
 from freetoken_jax.bench.presets import PRESETS
 
 
@@ -43,8 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--q", type=float, nargs="+", default=None,
                        help="hybrid's share of misses fetched over PCIe, one hybrid row per value (default: q* = Bp / (Bp + Bh) measured in this run)")  # fmt: skip
         p.add_argument("--json", default=None, help="write the figures here")
-        p.add_argument("--expert-impl", default="auto", choices=["auto", "gather", "ragged", "dense"],
-                       help="how routed experts are computed (models.layers.routed_experts)")  # fmt: skip
+        p.add_argument("--expert-impl", default="auto", choices=IMPLS,
+                       help="how the GPU computes routed experts (freetoken_jax/bench/expert_impls.py)")  # fmt: skip
         if name == "decode":
             p.add_argument("--batch", type=int, nargs="+", default=[1])
             p.add_argument("--routing-skew", type=float, nargs="+", default=[None],
@@ -80,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd in ("decode", "prefill"):
         from freetoken_jax.bench.compare import run
-        from freetoken_jax.models import layers
 
-        with layers.expert_impl(args.expert_impl):
-            run(args)
+        run(args)
         return 0
     from freetoken_jax.bench.bw import run_bw
     from freetoken_jax.runtime.choice import profile_path

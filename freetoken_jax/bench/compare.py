@@ -85,9 +85,13 @@ class Bench:
     shape and backend kind."""
 
     def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False, prefill_chunk: int = 64,
-                 layers: int | None = None):  # fmt: skip
-        """`layers`: keep only a preset's first layers (a quick check of the full width)."""
+                 layers: int | None = None, expert_impl: str = "auto"):  # fmt: skip
+        """`layers`: keep only a preset's first layers (a quick check of the full width);
+        `expert_impl`: how the GPU computes routed experts (`bench/expert_impls.py`)."""
         from freetoken_jax import EngineConfig, FreeTokenEngine
+        from freetoken_jax.bench.expert_impls import named
+
+        self.compute = named(expert_impl)
 
         self.ecfg = EngineConfig(dtype=dtype, moe_strategy="offload", max_batch=max_batch, max_context=max_context, page_size=16,
                                  prefill_chunk=prefill_chunk, prefix_cache=False)  # fmt: skip
@@ -147,6 +151,8 @@ class Bench:
             experts = PerToken(self.ecfg.prefill_load)
         else:  # offload, naive (few slots), offload-copy
             experts = Offload("copy" if variant == "offload-copy" else self.ecfg.prefill_load)
+        if self.compute is not None and hasattr(experts, "compute"):
+            experts = dataclasses.replace(experts, compute=self.compute)
         return weights, experts if skew is None else SyntheticRouting(experts, float(skew))
 
     def _decode_slots(self, variant: str, B: int, vram_gb: float) -> int | None:
@@ -409,7 +415,7 @@ def run(args) -> dict:
     steps = getattr(args, "gen_len", 0)
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
                   max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
-                  prefill_chunk=getattr(args, "chunk", 64))  # fmt: skip
+                  prefill_chunk=getattr(args, "chunk", 64), expert_impl=getattr(args, "expert_impl", "auto"))  # fmt: skip
     q = bench.bp / (bench.bp + bench.bh)  # q*, from this run's measured bandwidths
     hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,

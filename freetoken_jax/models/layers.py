@@ -8,7 +8,7 @@ routing are computed in float32 whatever the parameter dtype.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import math
 from collections.abc import Callable
 
@@ -19,6 +19,7 @@ from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
+from freetoken_jax.quant.formats import get_format
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -277,104 +278,116 @@ def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = 
     return ids_TK, w_TK * cfg.routed_scaling_factor
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """What an expert bank holds: the storage format (`config.EXPERT_FORMATS`), the FFN width F,
+    the hidden size D and the activation between the projections. A bank of n experts is gate/up
+    [n, F, D] and down [n, D, F] in the model dtype ("bf16"), the same flattened to one row per
+    expert (host banks and slots), or one row of `format.nbytes` bytes per expert and projection."""
+
+    fmt: str
+    F: int
+    D: int
+    act: str
+
+    @classmethod
+    def of(cls, cfg: MoEModelConfig) -> ExpertLayout:
+        return cls(cfg.expert_format, cfg.moe_intermediate_dim, cfg.hidden_dim, cfg.hidden_act)
+
+    @property
+    def quantized(self) -> bool:
+        return self.fmt != "bf16"
+
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """[out, in] of gate, up and down."""
+        return ((self.F, self.D), (self.F, self.D), (self.D, self.F))
+
+    def row_sizes(self) -> tuple[int, int, int]:
+        """Elements of one expert's row in each bank (bytes when quantized)."""
+        if not self.quantized:
+            return tuple(o * i for o, i in self.shapes())
+        f = get_format(self.fmt)
+        return tuple(f.nbytes(o, i) for o, i in self.shapes())
+
+    def matrices(self, banks, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Gate, up, down of the experts in `banks` as [..., out, in] in `dtype` (dequantized)."""
+        if not self.quantized:  # stacks [..., out, in] or rows [..., out·in]
+            return tuple((b if b.shape[-2:] == (o, i) else b.reshape(*b.shape[:-1], o, i)).astype(dtype)
+                         for b, (o, i) in zip(banks, self.shapes()))  # fmt: skip
+        f = get_format(self.fmt)
+        return tuple(f.dequantize(b, o, i, dtype) for b, (o, i) in zip(banks, self.shapes()))
+
+
 class Experts(nnx.Module):
     """The routed experts of one layer, stacked in the checkpoints' [out, in] layout:
-    gate/up [E, F, D], down [E, D, F]."""
+    gate/up [E, F, D], down [E, D, F]; with a quantized `expert_format`, one row of bytes per
+    expert and projection ([E, nbytes], `quant/formats.py`)."""
 
     def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
         E, D, F = cfg.num_experts, cfg.hidden_dim, cfg.moe_intermediate_dim
-        self.gate = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
-        self.up = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
-        self.down = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
+        layout = ExpertLayout.of(cfg)
+        if layout.quantized:
+            rows = layout.row_sizes()
+            self.gate, self.up, self.down = (nnx.Param(jnp.zeros((E, r), jnp.uint8)) for r in rows)
+        else:
+            self.gate = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
+            self.up = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
+            self.down = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
 
 
-# How routed experts are computed from stacked weights: "auto" picks "gather" for few token-expert
-# pairs (decode) and "dense" for many (prefill): on the H200 a 512-token chunk's experts took
-# 2.2 ms per layer dense against 8.2 ms through `ragged_dot_general` (benchmarks/RESULTS.md).
-EXPERT_IMPL = "auto"
 # "dense" computes at most this many bytes of float32 expert activations at once (a 512-token
 # chunk of Qwen3-30B-A3B needs 0.4 GB and goes in one piece).
 DENSE_SLICE_BYTES = 1 << 30
 
 
-@contextlib.contextmanager
-def expert_impl(impl: str):
-    """Steps traced inside compute routed experts by `impl` (see `routed_experts`); the previous
-    choice is back afterwards."""
-    global EXPERT_IMPL
-    before, EXPERT_IMPL = EXPERT_IMPL, impl
-    try:
-        yield
-    finally:
-        EXPERT_IMPL = before
+def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = "auto") -> jax.Array:
+    """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts, from `banks`
+    (gate, up, down of every expert, `layout`).
 
-
-def routed_experts(x_TD, ids_TK, w_TK, gate_EFD, up_EFD, down_EDF, act: str, impl: str | None = None) -> jax.Array:
-    """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts.
-
-    - "gather": one fused gather-and-reduce per projection over the chosen experts (few pairs);
-    - "slices": one dynamic slice per pair, each feeding its own matvec (no gathered copy);
-    - "ragged": sort the pairs by expert and run grouped matmuls, each expert read once;
-    - "dense": every token through every expert, weighted by its routing weights (0 where not
-      routed): E/K times the work of the pairs, but plain batched matmuls — for chunks where a
-      grouped matmul would be expanded into zero-padded dense ones (XLA's fallback for
-      `ragged_dot` does T·K × E rows of work, this T × E).
+    - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
+      the chosen experts, dequantizing what it gathers — only the chosen experts' stored bytes
+      are read;
+    - "dense" (many pairs: prefill): every token through every expert, weighted by its routing
+      weights (0 where not routed): E/K times the work of the pairs, but plain batched matmuls
+      over the bank (dequantized once into a scratch of the activations' dtype). On the H200 a
+      512-token chunk's experts took 2.2 ms per layer dense against 8.2 ms through
+      `ragged_dot_general` (benchmarks/RESULTS.md);
+    - "auto": gather when T·k ≤ E, else dense.
     """
     T, K = ids_TK.shape
-    E = gate_EFD.shape[0]
-    impl = impl or EXPERT_IMPL
+    E = banks[0].shape[0]
     if impl == "auto":
         impl = "gather" if T * K <= E else "dense"
-    f = activation(act)
+    f = activation(layout.act)
     dt = x_TD.dtype
     mm = dict(preferred_element_type=jnp.float32)
     if impl == "gather":
         # Written as multiply + reduce over the weights' contiguous rows so that XLA fuses the
-        # gather into one reduction per projection: each chosen expert is read once, in place.
+        # gather (and the dequantization) into one reduction per projection: each chosen expert
+        # is read once, in place.
         def matvec(v_TKI, w_TKOI):
-            return jnp.sum(v_TKI[:, :, None, :].astype(jnp.float32) * w_TKOI.astype(jnp.float32), axis=-1)
+            return jnp.sum(v_TKI[:, :, None, :].astype(jnp.float32) * w_TKOI, axis=-1)
 
+        g, u, d = layout.matrices(tuple(b[ids_TK] for b in banks), jnp.float32)
         xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
-        h = (f(matvec(xk, gate_EFD[ids_TK])) * matvec(xk, up_EFD[ids_TK])).astype(dt)
-        y = matvec(h, down_EDF[ids_TK])
+        h = (f(matvec(xk, g)) * matvec(xk, u)).astype(dt)
+        y = matvec(h, d)
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
-    if impl == "dense":
-        # The routing weight scales each expert's hidden activations (0 where not routed), so
-        # the down projection and the sum over experts are one matmul contracting (e, f). Tokens
-        # go through in slices whose float32 activations [E, t, F] (gate and up) stay within
-        # DENSE_SLICE_BYTES.
-        w_ET = jnp.zeros((E, T), jnp.float32).at[ids_TK, jnp.arange(T)[:, None]].add(w_TK.astype(jnp.float32))
-        step = max(1, DENSE_SLICE_BYTES // (2 * 4 * E * gate_EFD.shape[1]))
+    if impl != "dense":
+        raise ValueError(f"unknown expert implementation {impl!r}: auto, gather or dense")
+    # The routing weight scales each expert's hidden activations (0 where not routed), so the
+    # down projection and the sum over experts are one matmul contracting (e, f). Tokens go
+    # through in slices whose float32 activations [E, t, F] (gate and up) stay within
+    # DENSE_SLICE_BYTES.
+    gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
+    w_ET = jnp.zeros((E, T), jnp.float32).at[ids_TK, jnp.arange(T)[:, None]].add(w_TK.astype(jnp.float32))
+    step = max(1, DENSE_SLICE_BYTES // (2 * 4 * E * layout.F))
 
-        def dense(x, w):
-            h = f(jnp.einsum("td,efd->etf", x, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x, up_EFD, **mm)
-            return jnp.einsum("etf,edf->td", (h * w[:, :, None]).astype(dt), down_EDF, **mm).astype(dt)
+    def dense(x, w):
+        h = f(jnp.einsum("td,efd->etf", x, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x, up_EFD, **mm)
+        return jnp.einsum("etf,edf->td", (h * w[:, :, None]).astype(dt), down_EDF, **mm).astype(dt)
 
-        return jnp.concatenate([dense(x_TD[t : t + step], w_ET[:, t : t + step]) for t in range(0, T, step)])
-    if impl == "slices":
-        rows = []
-        for t in range(T):
-            acc = jnp.zeros((x_TD.shape[1],), jnp.float32)
-            for k in range(K):
-                e = ids_TK[t, k]
-                pick = lambda a: jax.lax.dynamic_index_in_dim(a, e, 0, keepdims=False)  # noqa: B023
-                h = (f(jnp.dot(pick(gate_EFD), x_TD[t], **mm)) * jnp.dot(pick(up_EFD), x_TD[t], **mm)).astype(dt)
-                acc = acc + w_TK[t, k] * jnp.dot(pick(down_EDF), h, **mm)
-            rows.append(acc)
-        return jnp.stack(rows).astype(dt)
-    flat = ids_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    tok = order // K
-    xs = x_TD[tok]
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    # Grouped matmuls contracting the weights' minor (input) dimension: [E, out, in] as stored.
-    dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    rdot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, **mm)
-    g, u = rdot(xs, gate_EFD), rdot(xs, up_EFD)
-    h = (f(g) * u).astype(dt)
-    y = rdot(h, down_EDF)
-    y = y * w_TK.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x_TD.shape[1]), jnp.float32).at[tok].add(y).astype(dt)
+    return jnp.concatenate([dense(x_TD[t : t + step], w_ET[:, t : t + step]) for t in range(0, T, step)])
 
 
 ExpertFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
@@ -390,17 +403,19 @@ class MoEBlock(nnx.Module):
         self.experts = Experts(cfg, dtype, rngs)
         self.shared_experts = MLP(cfg, cfg.shared_expert_dim, dtype, rngs) if cfg.shared_expert_dim else None
         self.shared_expert_gate = linear(cfg.hidden_dim, 1, bias=False, dtype=dtype, rngs=rngs) if cfg.shared_expert_gate else None
-        self.act = cfg.hidden_act
+        self.layout = ExpertLayout.of(cfg)
 
-    def fused_expert_fn(self) -> ExpertFn:
-        e = self.experts
-        return lambda x, ids, w: routed_experts(x, ids, w, e.gate[...], e.up[...], e.down[...], self.act)
+    def expert_fn(self, compute=None) -> ExpertFn:
+        """This layer's routed experts computed from its own resident banks by `compute(x_TD,
+        ids_TK, w_TK, banks, layout)` (default `routed_experts`)."""
+        e, layout = self.experts, self.layout
+        return lambda x, ids, w: (compute or routed_experts)(x, ids, w, (e.gate[...], e.up[...], e.down[...]), layout)
 
     def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None) -> jax.Array:
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         ids, w = self.gate(x_TD)
-        out = (expert_fn or self.fused_expert_fn())(x_TD, ids, w)
+        out = (expert_fn or self.expert_fn())(x_TD, ids, w)
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)
             if self.shared_expert_gate is not None:

@@ -14,7 +14,10 @@ weights run under any backend (the auto probe and `bench` switch backends over o
 | `Hybrid` | host banks | GPU for fetched misses and hits, CPU executor for the rest | yes |
 | `Cpu` | host banks | the CPU executor | none |
 
-`runtime/routing.SyntheticRouting` wraps any of them for benchmarks.
+`runtime/routing.SyntheticRouting` wraps any of them for benchmarks. The GPU-side backends take
+`compute` (static): how a layer's routed experts are computed from its banks, by default
+`models.layers.routed_experts`; benchmarks put other implementations there
+(`bench/expert_impls.py`).
 """
 
 from __future__ import annotations
@@ -66,10 +69,14 @@ class ExpertBackend:
 class Fused(ExpertBackend):
     """Every expert resident: the model computes from its own stacks."""
 
+    compute: Any = dataclasses.field(default=None, metadata=dict(static=True))
     strategy: ClassVar[Strategy] = Strategy.FUSED
 
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
-        return None, lambda: slots
+        if self.compute is None:
+            return None, lambda: slots
+        blocks = [layer.mlp for layer in model.layers if layer.is_moe]
+        return moe_layer_fns(model, lambda m: blocks[m].expert_fn(self.compute)), lambda: slots
 
 
 @jax.tree_util.register_dataclass
@@ -80,6 +87,7 @@ class Offload(ExpertBackend):
     `layer` baseline) each layer's whole bank is streamed. `prefill_load`: see `EngineConfig`."""
 
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))
+    compute: Any = dataclasses.field(default=None, metadata=dict(static=True))
     strategy: ClassVar[Strategy] = Strategy.OFFLOAD
 
     def prefill_path(self, cfg, tokens, num_slots):
@@ -95,7 +103,7 @@ class Offload(ExpertBackend):
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
         from freetoken_jax.runtime.offload import OffloadExecutor
 
-        ex = OffloadExecutor(model.cfg, model, slots, valid_T, prefill=buffered, prefill_load=self.prefill_load)
+        ex = OffloadExecutor(model.cfg, model, slots, valid_T, prefill=buffered, prefill_load=self.prefill_load, compute=self.compute)
         return ex.expert_fns(model), lambda: ex.cache
 
 
@@ -112,6 +120,7 @@ class Hybrid(ExpertBackend):
     overhead: float = dataclasses.field(default=0.0, metadata=dict(static=True))
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))
     q: Any = None  # a Python float: traced as a (weakly typed) float32 scalar
+    compute: Any = dataclasses.field(default=None, metadata=dict(static=True))
     strategy: ClassVar[Strategy] = Strategy.HYBRID
     prefill_path = Offload.prefill_path
 
@@ -121,7 +130,7 @@ class Hybrid(ExpertBackend):
         hybrid = slots is not None and not buffered
         ex = OffloadExecutor(
             model.cfg, model, slots, valid_T, self.q if hybrid else None, self.host_banks, self.handoff, self.overhead, buffered,
-            self.prefill_load,
+            self.prefill_load, self.compute,
         )  # fmt: skip
         return ex.expert_fns(model), lambda: ex.cache
 
@@ -129,7 +138,7 @@ class Hybrid(ExpertBackend):
         return dataclasses.replace(self, q=float(q))
 
     def as_offload(self) -> Offload:
-        return Offload(self.prefill_load)
+        return Offload(self.prefill_load, self.compute)
 
 
 @jax.tree_util.register_dataclass

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
-from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.models.layers import ExpertLayout, routed_experts
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many
 
@@ -65,10 +65,12 @@ class OffloadExecutor:
         hybrid_overhead: float = 0.0,
         prefill: bool = False,
         prefill_load: str = "auto",
+        compute=None,
     ):
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
         self.hybrid_q, self.host_banks, self.handoff, self.hybrid_overhead = hybrid_q, host_banks, handoff, hybrid_overhead
         self.prefill, self.prefill_load = prefill, prefill_load
+        self.compute, self.layout = compute or routed_experts, ExpertLayout.of(cfg)
         if prefill and cache is not None:
             self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
             self.layer_slots: dict = {}
@@ -119,7 +121,7 @@ class OffloadExecutor:
                 nxt = self.banks[m + 1] if self._copies_bank(m + 1) else ()
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
                 self._load_layer(m + 1, nxt or None)
-            out = routed_experts(x_TD, ids_TK, w_TK, *self._shaped(*layer), self.cfg.hidden_act)
+            out = self.compute(x_TD, ids_TK, w_TK, tuple(layer), self.layout)
             if m == n - 1:  # the last two layers' fetched experts stay resident
                 for last in range(max(0, n - 2), n):
                     self.cache = keep_buffer(self.cache, self.buffers[last % 2], last)
@@ -132,11 +134,6 @@ class OffloadExecutor:
         if host_memory_kind() is None:
             return bank
         return jax.device_put(bank, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="device"))
-
-    def _shaped(self, gate, up, down):
-        F, D = self.cfg.moe_intermediate_dim, self.cfg.hidden_dim
-        n = gate.shape[0]
-        return gate.reshape(n, F, D), up.reshape(n, F, D), down.reshape(n, D, F)
 
     def _decode_fn(self, m: int):
         cpu = None
@@ -154,7 +151,7 @@ class OffloadExecutor:
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
                 w_gpu = jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK)
-                return routed_experts(x_TD, slots_TK, w_gpu, *self._shaped(*fetched), self.cfg.hidden_act)
+                return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layout)
 
             if cpu is None:
                 return gpu_side(self.cache)
@@ -169,7 +166,7 @@ class OffloadExecutor:
     def _prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK):
             banks = [self._on_device(b) for b in self.banks[m]]
-            return routed_experts(x_TD, ids_TK, w_TK, *self._shaped(*banks), self.cfg.hidden_act)
+            return self.compute(x_TD, ids_TK, w_TK, tuple(banks), self.layout)
 
         return fn
 

@@ -81,5 +81,5 @@ class SyntheticRouting(ExpertBackend):
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
         fns, after = self.inner.expert_fns(model, valid_T, positions_T, slots, buffered)
         if fns is None:
-            fns = [layer.mlp.fused_expert_fn() if layer.is_moe else None for layer in model.layers]
+            fns = [layer.mlp.expert_fn() if layer.is_moe else None for layer in model.layers]
         return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew), after

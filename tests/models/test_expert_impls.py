@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.bench.expert_impls import named
+from freetoken_jax.models.layers import ExpertLayout, routed_experts
 
 
 def reference(x, ids, w, gate, up, down):
@@ -27,9 +28,9 @@ def test_impls_match_reference(impl, T, K, E, D, F):
     down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, K)).astype(np.float32)
-    got = routed_experts(
-        jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down), "silu", impl=impl
-    )
+    layout = ExpertLayout("bf16", F, D, "silu")
+    compute = named(impl) or routed_experts
+    got = compute(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
     ref = reference(x, ids, w, gate, up, down)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
 
@@ -44,9 +45,10 @@ def test_dense_in_token_slices_matches_one_piece(monkeypatch):
     down = jnp.asarray(rng.standard_normal((E, D, F)) * 0.3, jnp.float32)
     ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
     w = jnp.asarray(rng.random((T, K)), jnp.float32)
-    whole = routed_experts(x, ids, w, gate, up, down, "silu", impl="dense")
+    layout = ExpertLayout("bf16", F, D, "silu")
+    whole = routed_experts(x, ids, w, (gate, up, down), layout, impl="dense")
     monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * E * F * 3)  # 3 tokens per slice: 4 slices, the last short
-    sliced = routed_experts(x, ids, w, gate, up, down, "silu", impl="dense")
+    sliced = routed_experts(x, ids, w, (gate, up, down), layout, impl="dense")
     np.testing.assert_allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-6, atol=1e-6)
     ref = reference(np.asarray(x), np.asarray(ids), np.asarray(w), np.asarray(gate), np.asarray(up), np.asarray(down))
     assert np.linalg.norm(np.asarray(sliced) - ref) / np.linalg.norm(ref) < 1e-5
