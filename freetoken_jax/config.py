@@ -180,6 +180,15 @@ class MoEModelConfig:
         """Parameters of one routed expert (gate, up and down projections)."""
         return 3 * self.hidden_dim * self.moe_intermediate_dim
 
+    def with_expert_format(self, fmt: str | None) -> MoEModelConfig:
+        """This model with its experts stored as `fmt` (None: as they are). Only unquantized
+        experts are quantized; a quantized model keeps its format."""
+        if fmt is None or fmt == self.expert_format:
+            return self
+        if self.expert_format != "bf16":
+            raise ConfigError(f"the experts are stored as {self.expert_format}; quantizing them again to {fmt} is not supported")
+        return dataclasses.replace(self, expert_format=fmt)
+
     def kv_entry_shapes(self) -> tuple[tuple[int, ...], ...]:
         """Per-token shapes of what one layer's KV cache stores.
 
@@ -267,6 +276,9 @@ class EngineConfig:
     prefix_cache: bool = True
     prefill_chunk: int = 512
     seed: int = 0
+    # Routed experts quantized to this format (EXPERT_FORMATS) as the weights are loaded or made;
+    # None: as the checkpoint stores them. A checkpoint already quantized loads as it is.
+    expert_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -297,6 +309,8 @@ class EngineConfig:
         for name in ("total_vram_gb", "base_model_vram_gb", "reserved_vram_gb"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.expert_format is not None and self.expert_format not in EXPERT_FORMATS:
+            raise ConfigError(f"unknown expert format {self.expert_format!r}; choose from {tuple(EXPERT_FORMATS)}")
         if self.kv_pages is not None and self.kv_pages < 2:
             raise ConfigError(f"kv_pages must be at least 2 (page 0 is reserved), got {self.kv_pages}")
 

@@ -24,6 +24,7 @@ from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Stra
 from freetoken_jax.memory.budget import GB, device_memory_bytes, host_memory_available, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
+from freetoken_jax.quant.banks import quantize_params, quantizing
 from freetoken_jax.runtime.choice import resolve_auto
 from freetoken_jax.runtime.experts import ExpertBackend, make_backend
 from freetoken_jax.runtime.offload import host_bank_placer, to_host_banks
@@ -57,7 +58,8 @@ class FreeTokenEngine:
         is accepted; neither: seeded random weights (`EngineConfig.seed`). `model_path`: the
         checkpoint directory it came from."""
         ecfg = engine_config or EngineConfig()
-        cfg = model_config
+        cfg = model_config.with_expert_format(ecfg.expert_format)
+        quantize = cfg.expert_format != model_config.expert_format  # on load, a layer at a time
         self.model_config, self.tokenizer, self.name = cfg, tokenizer, name
         self.model_path = model_path
         itemsize = jnp.dtype(jnp_dtype(ecfg.dtype)).itemsize
@@ -84,10 +86,15 @@ class FreeTokenEngine:
                 )
             place = host_bank_placer()
         graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)
-        if params is None:
-            params = load(place) if load is not None else random_params(cfg, ecfg.dtype, ecfg.seed, place)
-        elif host:
-            params = to_host_banks(params)
+        if params is None and load is not None:
+            params = load(quantizing(place, cfg.expert_format) if quantize else place)
+        elif params is None:
+            params = random_params(cfg, ecfg.dtype, ecfg.seed, place)
+        else:
+            if quantize:
+                params = quantize_params(params, cfg.expert_format)
+            if host:
+                params = to_host_banks(params)
         self.runner = ModelRunner(cfg, ecfg, Weights(params, graphdef), make_backend(ecfg, params), plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)
         if probe:

@@ -45,6 +45,7 @@ import numpy as np
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
 from freetoken_jax.memory.slot_cache import init_slot_cache
+from freetoken_jax.quant.layout import expert_bytes
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.offload import host_bank_views
@@ -118,7 +119,7 @@ class Bench:
 
     @property
     def expert_bytes(self) -> int:
-        return self.cfg.expert_params * jnp.dtype(self.ecfg.dtype).itemsize
+        return expert_bytes(self.cfg, jnp.dtype(self.ecfg.dtype).itemsize)
 
     def slots_for(self, vram_gb: float, B: int) -> int:
         """Slots a budget buys: at least one step's experts, at most every expert and the two

@@ -17,7 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from freetoken_jax.models.layers import ExpertLayout, activation, routed_experts
+from freetoken_jax.models.layers import activation, routed_experts
+from freetoken_jax.quant.layout import ExpertLayout
 
 IMPLS = ("auto", "gather", "dense", "slices", "ragged")
 

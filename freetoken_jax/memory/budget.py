@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
+from freetoken_jax.quant.layout import expert_bytes
 
 GB = 1 << 30
 
@@ -49,7 +50,7 @@ def device_memory_bytes() -> int | None:
 def plan_memory(
     cfg: MoEModelConfig, ecfg: EngineConfig, dense_bytes: int, kv_bytes: int, itemsize: int, device_bytes: int | None
 ) -> MemoryPlan:
-    expert = cfg.expert_params * itemsize
+    expert = expert_bytes(cfg, itemsize)
     all_experts = cfg.num_moe_layers * cfg.num_experts * expert
     budget = None
     if ecfg.total_vram_gb is not None:

@@ -8,7 +8,8 @@ layer per step). Every update has fixed shapes: a layer's needs are the B × k r
 misses padded with a mask, so the step compiles once per batch bucket.
 
 Each slot array holds one expert per row, flattened: gate and up as [F·D] (rows of the [F, D]
-matrix), down as [D·F]; the host banks use the same row layout, so a fetch copies rows verbatim.
+matrix), down as [D·F], or for a quantized expert format the matrix's bytes (uint8,
+`quant/layout.py`); the host banks use the same row layout, so a fetch copies rows verbatim.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.quant.layout import ExpertLayout
 
 _NEVER = jnp.iinfo(jnp.int32).max
 
@@ -26,7 +28,7 @@ _NEVER = jnp.iinfo(jnp.int32).max
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotCache:
-    gate_SR: jax.Array  # [S, F*D] expert rows
+    gate_SR: jax.Array  # [S, F*D] expert rows (bytes when quantized)
     up_SR: jax.Array
     down_SR: jax.Array  # [S, D*F]
     slot_for_id: jax.Array  # int32 [L_moe * E]
@@ -48,10 +50,11 @@ class SlotCache:
 
 
 def init_slot_cache(cfg: MoEModelConfig, slots: int, max_batch: int, dtype) -> SlotCache:
-    L, E, F, D = cfg.num_moe_layers, cfg.num_experts, cfg.moe_intermediate_dim, cfg.hidden_dim
-    z = lambda: jnp.zeros((slots, F * D), dtype)  # noqa: E731
+    L, E = cfg.num_moe_layers, cfg.num_experts
+    layout = ExpertLayout.of(cfg)
+    gate, up, down = (jnp.zeros((slots, r), layout.bank_dtype(dtype)) for r in layout.row_sizes())
     return SlotCache(
-        z(), z(), z(),
+        gate, up, down,
         jnp.full((L * E,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32),
         jnp.zeros((), jnp.int32), jnp.zeros((L,), jnp.int32), jnp.zeros((L,), jnp.int32),
         jnp.full((L, max_batch * cfg.top_k), -1, jnp.int32),

@@ -27,7 +27,15 @@ def is_expert_path(path: tuple) -> bool:
 def random_params(cfg: MoEModelConfig, dtype: str = "float32", seed: int = 0, place=None) -> nnx.State:
     """Seeded random parameters built leaf by leaf (normal, std 0.02; norms at one, biases at
     zero). `place(path, array)` may move each leaf as soon as it exists (e.g. experts to host
-    banks), so the device never holds more than one leaf beyond what stays there."""
+    banks), so the device never holds more than one leaf beyond what stays there. With a
+    quantized `cfg.expert_format`, the experts are those of the unquantized model of the same
+    seed, quantized as they are made."""
+    if cfg.expert_format != "bf16":
+        import dataclasses
+
+        from freetoken_jax.quant.banks import quantizing
+
+        return random_params(dataclasses.replace(cfg, expert_format="bf16"), dtype, seed, quantizing(place, cfg.expert_format))
     abstract = build_abstract(cfg, dtype)
     key = jax.random.PRNGKey(seed)
     out = []

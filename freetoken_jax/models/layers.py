@@ -8,7 +8,6 @@ routing are computed in float32 whatever the parameter dtype.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable
 
@@ -19,7 +18,7 @@ from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
-from freetoken_jax.quant.formats import get_format
+from freetoken_jax.quant.layout import ExpertLayout
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -276,46 +275,6 @@ def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = 
     if cfg.norm_topk_prob:
         w_TK = w_TK / (w_TK.sum(-1, keepdims=True) + (1e-20 if cfg.router_scoring == "sigmoid" else 0.0))
     return ids_TK, w_TK * cfg.routed_scaling_factor
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertLayout:
-    """What an expert bank holds: the storage format (`config.EXPERT_FORMATS`), the FFN width F,
-    the hidden size D and the activation between the projections. A bank of n experts is gate/up
-    [n, F, D] and down [n, D, F] in the model dtype ("bf16"), the same flattened to one row per
-    expert (host banks and slots), or one row of `format.nbytes` bytes per expert and projection."""
-
-    fmt: str
-    F: int
-    D: int
-    act: str
-
-    @classmethod
-    def of(cls, cfg: MoEModelConfig) -> ExpertLayout:
-        return cls(cfg.expert_format, cfg.moe_intermediate_dim, cfg.hidden_dim, cfg.hidden_act)
-
-    @property
-    def quantized(self) -> bool:
-        return self.fmt != "bf16"
-
-    def shapes(self) -> tuple[tuple[int, int], ...]:
-        """[out, in] of gate, up and down."""
-        return ((self.F, self.D), (self.F, self.D), (self.D, self.F))
-
-    def row_sizes(self) -> tuple[int, int, int]:
-        """Elements of one expert's row in each bank (bytes when quantized)."""
-        if not self.quantized:
-            return tuple(o * i for o, i in self.shapes())
-        f = get_format(self.fmt)
-        return tuple(f.nbytes(o, i) for o, i in self.shapes())
-
-    def matrices(self, banks, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Gate, up, down of the experts in `banks` as [..., out, in] in `dtype` (dequantized)."""
-        if not self.quantized:  # stacks [..., out, in] or rows [..., out·in]
-            return tuple((b if b.shape[-2:] == (o, i) else b.reshape(*b.shape[:-1], o, i)).astype(dtype)
-                         for b, (o, i) in zip(banks, self.shapes()))  # fmt: skip
-        f = get_format(self.fmt)
-        return tuple(f.dequantize(b, o, i, dtype) for b, (o, i) in zip(banks, self.shapes()))
 
 
 class Experts(nnx.Module):

@@ -18,6 +18,7 @@ import platform
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
 from freetoken_jax.memory.budget import device_memory_bytes, plan_memory
 from freetoken_jax.paths import cache_dir
+from freetoken_jax.quant.layout import expert_bytes
 
 log = logging.getLogger("freetoken_jax")
 
@@ -109,5 +110,5 @@ def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, i
     us, link = fig.get("handoff_ffi_us"), fig.get("contended_fetch_gb_s", fig.get("fetch_gb_s"))
     if isinstance(us, (int, float)) and isinstance(link, (int, float)) and us > 0 and link > 0:
         # the handoff's measured cost in units of one expert's PCIe fetch time
-        new = new.replace(hybrid_overhead=us * 1e-6 / (cfg.expert_params * itemsize / (link * 1e9)))
+        new = new.replace(hybrid_overhead=us * 1e-6 / (expert_bytes(cfg, itemsize) / (link * 1e9)))
     return new, f"the experts do not fit; benchbw.json recommends {strategy.value} ({rec.get('reason', '')})"

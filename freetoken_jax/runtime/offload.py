@@ -26,7 +26,8 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
-from freetoken_jax.models.layers import ExpertLayout, routed_experts
+from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many
 
@@ -185,8 +186,8 @@ def host_bank_placer():
             return jnp.asarray(a)
         bank = jax.device_put(a.reshape(a.shape[0], -1), host)
         bank.block_until_ready()
-        if isinstance(a, jax.Array) and a is not bank and not a.is_deleted():
-            a.delete()
+        if isinstance(a, jax.Array) and not a.is_deleted() and a.unsafe_buffer_pointer() != bank.unsafe_buffer_pointer():
+            a.delete()  # the device copy (on the CPU backend a bank may be the same buffer)
         return bank
 
     return place
