@@ -1,6 +1,8 @@
-"""Helpers shared by the serving tests."""
+"""Helpers shared by the tests."""
 
 import time
+
+import numpy as np
 
 
 def wait_idle(sched, timeout: float = 30.0) -> bool:
@@ -11,3 +13,17 @@ def wait_idle(sched, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def executor_reference(x, tokens, experts, weights, gate, up, down, F, act):
+    """The CPU executor's job in float64: out[t] += w · down_e(act(gate_e x_t) ⊙ up_e x_t)."""
+    x = x.astype(np.float64)
+    T, H = x.shape
+    g64, u64, d64 = (np.asarray(b, np.float64) for b in (gate, up, down))
+    out = np.zeros((T, H))
+    f = {"silu": lambda v: v / (1 + np.exp(-v)), "gelu": lambda v: 0.5 * v * (1 + np.vectorize(__import__("math").erf)(v / np.sqrt(2))),
+         "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))}[act]  # fmt: skip
+    for t, e, w in zip(tokens, experts, weights):
+        G, U, D = g64[e].reshape(F, H), u64[e].reshape(F, H), d64[e].reshape(H, F)
+        out[t] += w * D @ (f(G @ x[t]) * (U @ x[t]))
+    return out

@@ -42,18 +42,31 @@ using F32 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>
 BankType TypeOf(const Bank& a, const char* name) {
   if (a.dtype() == nb::dtype<float>()) return BankType::kF32;
   if (a.dtype() == nb::dtype<uint16_t>()) return BankType::kBF16;  // bfloat16 bits
-  throw std::invalid_argument(std::string(name) + " must be float32, or bfloat16 viewed as uint16");
+  throw std::invalid_argument(std::string(name) + " must be float32, bfloat16 viewed as uint16, or uint8 with a quantized format");
 }
 
-// Checks gate/up [E, ffn*H] and down [E, H*ffn] of one dtype and describes them.
-Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, int64_t ffn) {
+// Checks gate/up (an [ffn, H] matrix per expert) and down ([H, ffn]) of one type and describes
+// them: float32 / bfloat16 rows of ffn*H elements, or uint8 rows in `format` (quant_dot.h).
+Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, int64_t ffn, const std::string& format) {
   auto dim = [](const Bank& a, int i) { return static_cast<int64_t>(a.shape(i)); };
-  BankType type = TypeOf(gate, "gate");
-  if (TypeOf(up, "up") != type || TypeOf(down, "down") != type) throw std::invalid_argument("gate, up and down must share one dtype");
   if (ffn <= 0 || H <= 0) throw std::invalid_argument("ffn and the hidden size must be positive");
+  BankType type;
+  if (format.empty() || format == "bf16" || format == "f32") {
+    type = TypeOf(gate, "gate");
+    if (TypeOf(up, "up") != type || TypeOf(down, "down") != type) throw std::invalid_argument("gate, up and down must share one dtype");
+  } else {
+    type = ParseBankType(format.c_str());
+    for (const Bank* b : {&gate, &up, &down})
+      if (b->dtype() != nb::dtype<uint8_t>()) throw std::invalid_argument("banks of format " + format + " must be uint8");
+    if (!RowFits(type, H) || !RowFits(type, ffn))
+      throw std::invalid_argument(format + " stores whole blocks of " + std::to_string(LayoutOf(type).block) + " weights along a row");
+  }
   const int64_t E = dim(gate, 0);
-  if (dim(gate, 1) != ffn * H || dim(up, 0) != E || dim(up, 1) != ffn * H || dim(down, 0) != E || dim(down, 1) != H * ffn)
-    throw std::invalid_argument("banks must be gate/up [E, ffn*H] and down [E, H*ffn] for x of width H");
+  const int64_t elem = type == BankType::kF32 ? 4 : type == BankType::kBF16 ? 2 : 1;
+  const int64_t want_gu = MatrixBytes(type, ffn, H) / elem, want_d = MatrixBytes(type, H, ffn) / elem;
+  if (dim(gate, 1) != want_gu || dim(up, 0) != E || dim(up, 1) != want_gu || dim(down, 0) != E || dim(down, 1) != want_d)
+    throw std::invalid_argument("banks must hold one expert per row: gate/up [E, " + std::to_string(want_gu) + "] and down [E, " +
+                                std::to_string(want_d) + "] for x of width H and " + BankTypeName(type) + " weights");
   return Banks{gate.data(), up.data(), down.data(), type, E, H, ffn};
 }
 
@@ -70,6 +83,9 @@ NB_MODULE(_cpu_ext, m) {
       },
       "ISA tiers usable on this CPU, lowest first (scalar, avx2_fma, avx512f, avx512_bf16, amx_bf16).");
 
+  m.def(
+      "format_nbytes", [](const std::string& format, int64_t rows, int64_t n) { return MatrixBytes(ParseBankType(format.c_str()), rows, n); },
+      nb::arg("format"), nb::arg("rows"), nb::arg("n"), "Bytes of one [rows, n] matrix in `format` (the executor's table).");
   m.def(
       "stream_read",
       [](nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, int threads) {
@@ -112,11 +128,11 @@ NB_MODULE(_cpu_ext, m) {
       .def(
           "run",
           [](MoeExecutor& self, F32x2 x, I32 tokens, I32 experts, F32 weights, Bank gate, Bank up, Bank down, int64_t ffn,
-             const std::string& act, Out out) {
+             const std::string& act, Out out, const std::string& format) {
             const int64_t T = static_cast<int64_t>(x.shape(0)), H = static_cast<int64_t>(x.shape(1));
             const int64_t N = static_cast<int64_t>(tokens.shape(0));
             auto dim = [](const auto& a, int i) { return static_cast<int64_t>(a.shape(i)); };
-            Banks b = MakeBanks(gate, up, down, H, ffn);
+            Banks b = MakeBanks(gate, up, down, H, ffn, format);
             const int64_t E = b.experts;
             if (dim(experts, 0) != N || dim(weights, 0) != N) throw std::invalid_argument("tokens, experts and weights must have one length");
             if (dim(out, 0) != T || dim(out, 1) != H) throw std::invalid_argument("out must have x's shape");
@@ -129,15 +145,16 @@ NB_MODULE(_cpu_ext, m) {
             self.Run(x.data(), T, tokens.data(), experts.data(), weights.data(), N, b, a, out.data());
           },
           nb::arg("x"), nb::arg("tokens"), nb::arg("experts"), nb::arg("weights"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("ffn"),
-          nb::arg("act"), nb::arg("out"),
-          "out[t] += w * down_e(act(gate_e x_t) * up_e x_t) for every (t, e, w); x and out float32 [T, H].");
+          nb::arg("act"), nb::arg("out"), nb::arg("format") = "",
+          "out[t] += w * down_e(act(gate_e x_t) * up_e x_t) for every (t, e, w); x and out float32 [T, H]; `format`: the "
+          "banks' quantized format (empty: float32 or bfloat16 by dtype).");
 
   m.def(
       "register_handoff_layer",
-      [](MoeExecutor& executor, Bank gate, Bank up, Bank down, int64_t hidden, int64_t ffn, const std::string& act) {
-        return RegisterHandoffLayer(&executor, MakeBanks(gate, up, down, hidden, ffn), ParseAct(act));
-      },
+      [](MoeExecutor& executor, Bank gate, Bank up, Bank down, int64_t hidden, int64_t ffn, const std::string& act,
+         const std::string& format) { return RegisterHandoffLayer(&executor, MakeBanks(gate, up, down, hidden, ffn, format), ParseAct(act)); },
       nb::arg("executor"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("hidden"), nb::arg("ffn"), nb::arg("act"),
+      nb::arg("format") = "",
       "Registers one MoE layer's host banks for the FFI handoff; returns its handle. The banks and the executor must outlive "
       "every call that uses the handle.");
   m.def(

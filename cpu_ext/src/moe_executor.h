@@ -2,8 +2,9 @@
 //
 // For work items (token t, expert e, weight w) it computes
 //   out[t] += w * down_e( act(gate_e x_t) * (up_e x_t) )
-// with gate/up banks [E, F*H] (row f of expert e is its f-th output row, length H) and the
-// down bank [E, H*F] (row h of length F), in float32 or bfloat16. Work is split in two phases
+// with gate/up banks holding per expert an [F, H] matrix (row f: its f-th output row, length H)
+// and the down bank an [H, F] one, in float32, bfloat16 or a quantized format (quant_dot.h); one
+// bank row per expert. Work is split in two phases
 // over a persistent thread pool: (1) every item's F hidden units in chunks, (2) the H output rows
 // in chunks, each chunk looping over all items, so no two threads write the same output row.
 #pragma once
@@ -18,11 +19,11 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "quant_dot.h"
 
 namespace freetoken {
 
 enum class Act { kSilu, kGelu, kGeluTanh };
-enum class BankType { kF32, kBF16 };
 
 // A pool of worker threads (optionally pinned one per core) that runs `fn(task)` for
 // task in [0, n); the calling thread takes tasks too. `Run` returns once every task has run and
@@ -57,6 +58,13 @@ struct Banks {
   BankType type;
   int64_t experts, hidden, ffn;  // E, H, F
 };
+
+// Row r of expert e's [rows, n] matrix in a bank, and the matrix's scale (nvfp4's trailer; 1 for
+// the other formats).
+inline const uint8_t* BankRow(const void* bank, BankType type, int64_t e, int64_t rows, int64_t n, int64_t r) {
+  return static_cast<const uint8_t*>(bank) + e * MatrixBytes(type, rows, n) + r * RowBytes(type, n);
+}
+float MatrixScale(const void* bank, BankType type, int64_t e, int64_t rows, int64_t n);
 
 class MoeExecutor {
  public:

@@ -2,8 +2,8 @@
 
 `CpuExecutor.run(x_TH, tokens, experts, weights, gate, up, down)` returns
 Σ w · down_e(act(gate_e x_t) ⊙ up_e x_t) per token as float32 [T, H]. The banks are the engine's
-host banks — one row per expert, gate/up [E, F·H], down [E, H·F], float32 or bfloat16 — read in
-place: a numpy view of the bank's memory is handed to C++, never a copy, and the view (and with
+host banks — one row per expert, gate/up [E, F·H], down [E, H·F], float32 or bfloat16, or the
+bytes of a quantized expert format (`fmt`, `quant/formats.py`) — read in place: a numpy view of the bank's memory is handed to C++, never a copy, and the view (and with
 it the bank) is kept alive by the caller for the duration of the call.
 """
 
@@ -48,15 +48,34 @@ def host_view(a) -> np.ndarray:
 _KEEP: dict[int, object] = {}
 
 
-def _bank_view(a) -> np.ndarray:
+def _bank_view(a, fmt: str = "bf16") -> np.ndarray:
     a = np.asarray(a)
     if a.ndim != 2:
         raise ValueError(f"an expert bank must be 2-D [E, row], got shape {a.shape}")
+    if fmt != "bf16":
+        if a.dtype != np.uint8:
+            raise TypeError(f"{fmt} expert banks must be uint8, got {a.dtype}")
+        return np.ascontiguousarray(a)
     if a.dtype == ml_dtypes.bfloat16:
         return np.ascontiguousarray(a).view(np.uint16)
     if a.dtype != np.float32:
         raise TypeError(f"expert banks must be float32 or bfloat16, got {a.dtype}")
     return np.ascontiguousarray(a)
+
+
+def _ffn(row: int, H: int, fmt: str) -> int:
+    """F of gate rows of `row` elements (bytes when quantized) for inputs of width H."""
+    if fmt == "bf16":
+        if row % H:
+            raise ValueError(f"gate rows ({row}) are not a multiple of H={H}")
+        return row // H
+    from freetoken_jax.quant.formats import get_format
+
+    per_row = get_format(fmt).row_bytes(H)
+    F, rest = divmod(row - get_format(fmt).trailer, per_row)
+    if rest or F <= 0:
+        raise ValueError(f"gate rows of {row} bytes are not {fmt} matrices with {H} inputs")
+    return F
 
 
 _SHARED: CpuExecutor | None = None
@@ -100,28 +119,29 @@ class CpuExecutor:
     def threads(self) -> int:
         return self._ex.threads
 
-    def run(self, x_TH, tokens, experts, weights, gate, up, down, act: str = "silu") -> np.ndarray:
+    def run(self, x_TH, tokens, experts, weights, gate, up, down, act: str = "silu", fmt: str = "bf16") -> np.ndarray:
         x = np.ascontiguousarray(np.asarray(x_TH, dtype=np.float32))
         if x.ndim != 2:
             raise ValueError(f"x must be [T, H], got shape {x.shape}")
-        g, u, d = _bank_view(gate), _bank_view(up), _bank_view(down)
+        g, u, d = _bank_view(gate, fmt), _bank_view(up, fmt), _bank_view(down, fmt)
         H = x.shape[1]
-        if g.shape[1] % H:
-            raise ValueError(f"gate rows ({g.shape[1]}) are not a multiple of H={H}")
+        F = _ffn(g.shape[1], H, fmt)
         out = np.zeros_like(x)
         self._ex.run(
             x,
             np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1),
             np.ascontiguousarray(experts, dtype=np.int32).reshape(-1),
             np.ascontiguousarray(weights, dtype=np.float32).reshape(-1),
-            g, u, d, g.shape[1] // H, act, out,
+            g, u, d, F, act, out, "" if fmt == "bf16" else fmt,
         )  # fmt: skip
         return out
 
-    def register_layer(self, gate, up, down, hidden: int, ffn: int, act: str = "silu") -> int:
+    def register_layer(self, gate, up, down, hidden: int, ffn: int, act: str = "silu", fmt: str = "bf16") -> int:
         """Registers one layer's banks for the FFI handoff (`freetoken_jax.runtime.handoff`);
         returns the handle its calls carry. The banks stay referenced for the executor's life."""
-        views = (_bank_view(gate), _bank_view(up), _bank_view(down))
-        handle = int(_cpu_ext.register_handoff_layer(self._ex, *views, hidden, ffn, act))  # the same banks: the same handle
+        views = (_bank_view(gate, fmt), _bank_view(up, fmt), _bank_view(down, fmt))
+        handle = int(
+            _cpu_ext.register_handoff_layer(self._ex, *views, hidden, ffn, act, "" if fmt == "bf16" else fmt)
+        )  # the same banks: the same handle
         self._registered[handle] = ((gate, up, down), views)
         return handle

@@ -240,4 +240,5 @@ class CpuExpertExecutor:
     def layer(self, m: int):
         from freetoken_jax.runtime.handoff import LayerHandoff
 
-        return LayerHandoff(self.mode, *self.host_banks[m], self.cfg.hidden_dim, self.cfg.moe_intermediate_dim, self.cfg.hidden_act)
+        cfg = self.cfg
+        return LayerHandoff(self.mode, *self.host_banks[m], cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act, cfg.expert_format)

@@ -1,0 +1,453 @@
+#include "quant_dot.h"
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define FREETOKEN_X86 1
+#endif
+
+namespace freetoken {
+
+FormatLayout LayoutOf(BankType type) {
+  switch (type) {
+    case BankType::kF32:
+      return {1, 4, 0, false};
+    case BankType::kBF16:
+      return {1, 2, 0, false};
+    case BankType::kQ8_0:
+      return {32, 34, 0, false};
+    case BankType::kQ4_0:
+      return {32, 18, 0, false};
+    case BankType::kMxfp4:
+      return {32, 17, 0, false};
+    case BankType::kNvfp4:
+      return {64, 36, 4, false};
+    case BankType::kFp8:
+      return {128, 132, 0, true};
+  }
+  return {1, 4, 0, false};
+}
+
+static const char* const kNames[] = {"f32", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8"};
+
+BankType ParseBankType(const char* name) {
+  for (int i = 0; i < 7; ++i)
+    if (std::string(name) == kNames[i]) return static_cast<BankType>(i);
+  throw std::invalid_argument(std::string("unknown bank format '") + name + "'; use f32, bf16, q8_0, q4_0, mxfp4, nvfp4 or fp8");
+}
+
+const char* BankTypeName(BankType type) { return kNames[static_cast<int>(type)]; }
+
+namespace {
+
+// Scalar decoders -----------------------------------------------------------------------------------
+inline float Bf16ToF32(uint16_t v) {
+  uint32_t u = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float F16ToF32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 31, man = h & 1023;
+  float v;
+  if (exp == 0) {
+    v = std::ldexp(static_cast<float>(man), -24);
+  } else if (exp == 31) {
+    v = man ? NAN : INFINITY;
+  } else {
+    uint32_t u = ((exp + 112) << 23) | (man << 13);
+    std::memcpy(&v, &u, 4);
+  }
+  return sign ? -v : v;
+}
+
+inline float LoadF32(const uint8_t* p) {
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+
+inline float E8m0(uint8_t e) { return std::ldexp(1.0f, static_cast<int>(e) - 127); }
+
+struct E4m3Table {
+  float v[256];
+  E4m3Table() {
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float mag = e == 0 ? std::ldexp(static_cast<float>(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if ((b & 0x7F) == 0x7F) mag = NAN;
+      v[b] = (b & 0x80) ? -mag : mag;
+    }
+  }
+};
+const E4m3Table kE4m3;
+constexpr float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// The reference tier: one weight at a time.
+float DotF32Scalar(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += LoadF32(row + 4 * i) * x[i];
+  return acc;
+}
+
+float DotBf16Scalar(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t w;
+    std::memcpy(&w, row + 2 * i, 2);
+    acc += Bf16ToF32(w) * x[i];
+  }
+  return acc;
+}
+
+float DotQ8_0Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < n / 32; ++b, r += 34, x += 32) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(r + 2);
+    float s = 0.f;
+    for (int j = 0; j < 32; ++j) s += q[j] * x[j];
+    acc += F16ToF32(r) * s;
+  }
+  return acc;
+}
+
+float DotQ4_0Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < n / 32; ++b, r += 18, x += 32) {
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += ((r[2 + j] & 15) - 8) * x[j] + ((r[2 + j] >> 4) - 8) * x[j + 16];
+    acc += F16ToF32(r) * s;
+  }
+  return acc;
+}
+
+float DotMxfp4Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < n / 32; ++b, r += 17, x += 32) {
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += kE2m1[r[1 + j] & 15] * x[j] + kE2m1[r[1 + j] >> 4] * x[j + 16];
+    acc += E8m0(r[0]) * s;
+  }
+  return acc;
+}
+
+float DotNvfp4Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < n / 64; ++b, r += 36) {
+    for (int k = 0; k < 4; ++k, x += 16) {
+      const uint8_t* q = r + 4 + 8 * k;
+      float s = 0.f;
+      for (int j = 0; j < 8; ++j) s += kE2m1[q[j] & 15] * x[j] + kE2m1[q[j] >> 4] * x[j + 8];
+      acc += kE4m3.v[r[k]] * s;
+    }
+  }
+  return acc;
+}
+
+float DotFp8Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  float acc = 0.f;
+  for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
+    const int64_t m = n - i0 < 128 ? n - i0 : 128;
+    float s = 0.f;
+    for (int64_t j = 0; j < m; ++j) s += kE4m3.v[r[4 + j]] * x[i0 + j];
+    acc += LoadF32(r) * s;
+  }
+  return acc;
+}
+
+#ifdef FREETOKEN_X86
+// AVX2 + FMA + F16C -------------------------------------------------------------------------------
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+
+AVX2_TARGET inline float Hsum256(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+AVX2_TARGET inline float HalfToF32(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+AVX2_TARGET float DotF32Avx2(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+  const float* w = reinterpret_cast<const float*>(row);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i), _mm256_loadu_ps(x + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+  }
+  return Hsum256(_mm256_add_ps(acc0, acc1)) + DotF32Scalar(row + 4 * i, x + i, nullptr, n - i);
+}
+
+AVX2_TARGET float DotBf16Avx2(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i)));
+    __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i + 8)));
+    acc0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(a, 16)), _mm256_loadu_ps(x + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b, 16)), _mm256_loadu_ps(x + i + 8), acc1);
+  }
+  return Hsum256(_mm256_add_ps(acc0, acc1)) + DotBf16Scalar(row + 2 * i, x + i, nullptr, n - i);
+}
+
+// 8 int8 (or uint8 minus `bias`) codes → float32 lanes.
+AVX2_TARGET inline __m256 I8x8(const int8_t* q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))); }
+
+AVX2_TARGET float DotQ8_0Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n / 32; ++b, r += 34, x += 32) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(r + 2);
+    __m256 s = _mm256_mul_ps(I8x8(q), _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(I8x8(q + 8), _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(I8x8(q + 16), _mm256_loadu_ps(x + 16), s);
+    s = _mm256_fmadd_ps(I8x8(q + 24), _mm256_loadu_ps(x + 24), s);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToF32(r)), s, acc);
+  }
+  return Hsum256(acc);
+}
+
+AVX2_TARGET inline __m256 cvt(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+AVX2_TARGET float DotQ4_0Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
+  for (int64_t b = 0; b < n / 32; ++b, r += 18, x += 32) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2));
+    const __m128i lo = _mm_sub_epi8(_mm_and_si128(raw, low), eight);  // weights 0..15
+    const __m128i hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(raw, 4), low), eight);  // weights 16..31
+    __m256 s = _mm256_mul_ps(cvt(lo), _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(cvt(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(cvt(hi), _mm256_loadu_ps(x + 16), s);
+    s = _mm256_fmadd_ps(cvt(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToF32(r)), s, acc);
+  }
+  return Hsum256(acc);
+}
+
+// e2m1 codes (8 in the low bytes of v) → float32: magnitudes by table, sign from bit 3.
+AVX2_TARGET inline __m256 E2m1x8(__m128i v) {
+  const __m256 mags = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+  const __m256i c = _mm256_cvtepu8_epi32(v);
+  const __m256 m = _mm256_permutevar8x32_ps(mags, c);  // uses the low 3 bits
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(8)), 28);
+  return _mm256_xor_ps(m, _mm256_castsi256_ps(sign));
+}
+
+AVX2_TARGET float DotMxfp4Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < n / 32; ++b, r += 17, x += 32) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 1));
+    const __m128i lo = _mm_and_si128(raw, low), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low);
+    __m256 s = _mm256_mul_ps(E2m1x8(lo), _mm256_loadu_ps(x));
+    s = _mm256_fmadd_ps(E2m1x8(_mm_srli_si128(lo, 8)), _mm256_loadu_ps(x + 8), s);
+    s = _mm256_fmadd_ps(E2m1x8(hi), _mm256_loadu_ps(x + 16), s);
+    s = _mm256_fmadd_ps(E2m1x8(_mm_srli_si128(hi, 8)), _mm256_loadu_ps(x + 24), s);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(E8m0(r[0])), s, acc);
+  }
+  return Hsum256(acc);
+}
+
+AVX2_TARGET float DotNvfp4Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t b = 0; b < n / 64; ++b, r += 36) {
+    for (int k = 0; k < 4; ++k, x += 16) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 4 + 8 * k));
+      __m256 s = _mm256_mul_ps(E2m1x8(_mm_and_si128(raw, low)), _mm256_loadu_ps(x));
+      s = _mm256_fmadd_ps(E2m1x8(_mm_and_si128(_mm_srli_epi16(raw, 4), low)), _mm256_loadu_ps(x + 8), s);
+      acc = _mm256_fmadd_ps(_mm256_set1_ps(kE4m3.v[r[k]]), s, acc);
+    }
+  }
+  return Hsum256(acc);
+}
+
+// 8 e4m3 codes → float32 / 256, through float16 (exact, subnormals included).
+AVX2_TARGET inline __m256 E4m3x8(const uint8_t* q) {
+  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7), _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8));
+  return _mm256_cvtph_ps(h);
+}
+
+AVX2_TARGET float DotFp8Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  float tail = 0.f;
+  for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
+    const int64_t m = n - i0 < 128 ? n - i0 : 128;
+    __m256 s = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= m; j += 8) s = _mm256_fmadd_ps(E4m3x8(r + 4 + j), _mm256_loadu_ps(x + i0 + j), s);
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(LoadF32(r) * 256.f), s, acc);
+    for (; j < m; ++j) tail += LoadF32(r) * kE4m3.v[r[4 + j]] * x[i0 + j];
+  }
+  return Hsum256(acc) + tail;
+}
+
+// AVX-512F (+F16C) ---------------------------------------------------------------------------------
+#define AVX512_TARGET __attribute__((target("avx512f,fma,f16c")))
+
+AVX512_TARGET float DotF32Avx512(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+  const float* w = reinterpret_cast<const float*>(row);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), acc1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + DotF32Scalar(row + 4 * i, x + i, nullptr, n - i);
+}
+
+AVX512_TARGET float DotBf16Avx512(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i)));
+    __m512i b = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + i + 16)));
+    acc0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(a, 16)), _mm512_loadu_ps(x + i), acc0);
+    acc1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(b, 16)), _mm512_loadu_ps(x + i + 16), acc1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + DotBf16Scalar(row + 2 * i, x + i, nullptr, n - i);
+}
+
+AVX512_TARGET inline float Half512(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+AVX512_TARGET float DotQ8_0Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t b = 0; b < n / 32; ++b, r += 34, x += 32) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 18));
+    __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), _mm512_loadu_ps(x));
+    s = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), _mm512_loadu_ps(x + 16), s);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(Half512(r)), s, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+AVX512_TARGET float DotQ4_0Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
+  for (int64_t b = 0; b < n / 32; ++b, r += 18, x += 32) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2)));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(c, low), eight));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(c, 4), eight));
+    __m512 s = _mm512_mul_ps(lo, _mm512_loadu_ps(x));
+    s = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + 16), s);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(Half512(r)), s, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+AVX512_TARGET float DotMxfp4Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
+  const __m512i low = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < n / 32; ++b, r += 17, x += 32) {
+    const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 1)));
+    __m512 s = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_and_si512(c, low), lut), _mm512_loadu_ps(x));
+    s = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), lut), _mm512_loadu_ps(x + 16), s);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(E8m0(r[0])), s, acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+AVX512_TARGET float DotNvfp4Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  const __m512 lut = _mm512_loadu_ps(kE2m1);
+  const __m512i low = _mm512_set1_epi32(15);
+  // Lanes 0-7 take the low nibbles of a sub-block's 8 bytes, lanes 8-15 the high ones.
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4);
+  for (int64_t b = 0; b < n / 64; ++b, r += 36) {
+    for (int k = 0; k < 4; ++k, x += 16) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r + 4 + 8 * k));
+      const __m512i c = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(raw, raw));
+      const __m512 v = _mm512_permutexvar_ps(_mm512_and_si512(_mm512_srlv_epi32(c, shift), low), lut);
+      acc = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(kE4m3.v[r[k]]), v), _mm512_loadu_ps(x), acc);
+    }
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+AVX512_TARGET inline __m512 E4m3x16(const uint8_t* q) {
+  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 7),
+                                    _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 8));
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
+}
+
+AVX512_TARGET float DotFp8Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  float tail = 0.f;
+  for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
+    const int64_t m = n - i0 < 128 ? n - i0 : 128;
+    __m512 s = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= m; j += 16) s = _mm512_fmadd_ps(E4m3x16(r + 4 + j), _mm512_loadu_ps(x + i0 + j), s);
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(LoadF32(r) * 256.f), s, acc);
+    for (; j < m; ++j) tail += LoadF32(r) * kE4m3.v[r[4 + j]] * x[i0 + j];
+  }
+  return _mm512_reduce_add_ps(acc) + tail;
+}
+
+// bf16 × bf16 dot products with float32 accumulation (vdpbf16ps); the vector is rounded to bf16.
+__attribute__((target("avx512f,avx512bf16"))) float DotBf16Avx512Bf16(const uint8_t* row, const float* x, const uint16_t* xb, int64_t n) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    __m512i a0 = _mm512_loadu_si512(w + i), b0 = _mm512_loadu_si512(xb + i);
+    __m512i a1 = _mm512_loadu_si512(w + i + 32), b1 = _mm512_loadu_si512(xb + i + 32);
+    acc0 = _mm512_dpbf16_ps(acc0, (__m512bh)a0, (__m512bh)b0);
+    acc1 = _mm512_dpbf16_ps(acc1, (__m512bh)a1, (__m512bh)b1);
+  }
+  float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  for (; i < n; ++i) acc += Bf16ToF32(w[i]) * Bf16ToF32(xb[i]);
+  return acc;
+}
+#endif
+
+constexpr DotFn kScalar[] = {DotF32Scalar, DotBf16Scalar, DotQ8_0Scalar, DotQ4_0Scalar, DotMxfp4Scalar, DotNvfp4Scalar, DotFp8Scalar};
+#ifdef FREETOKEN_X86
+constexpr DotFn kAvx2[] = {DotF32Avx2, DotBf16Avx2, DotQ8_0Avx2, DotQ4_0Avx2, DotMxfp4Avx2, DotNvfp4Avx2, DotFp8Avx2};
+constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0Avx512, DotMxfp4Avx512, DotNvfp4Avx512, DotFp8Avx512};
+#endif
+
+}  // namespace
+
+DotFn DotFor(IsaTier tier, BankType type) {
+  const int t = static_cast<int>(type);
+#ifdef FREETOKEN_X86
+  switch (tier) {
+    case IsaTier::kAmxBf16:
+    case IsaTier::kAvx512Bf16:
+      return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
+    case IsaTier::kAvx512F:
+      return kAvx512[t];
+    case IsaTier::kAvx2Fma:
+      return kAvx2[t];
+    default:
+      break;
+  }
+#endif
+  (void)tier;
+  return kScalar[t];
+}
+
+}  // namespace freetoken

@@ -1,0 +1,44 @@
+// Bank element types of the CPU executor and their dot products with a float32 vector.
+//
+// A bank row holds one matrix row of an expert: float32, bfloat16, or the blocks of a quantized
+// format (freetoken_jax/quant/formats.py and docs/FORMATS.md give the byte layouts; the table in
+// quant_dot.cc mirrors formats.py and a test checks that they agree).
+#pragma once
+
+#include <cstdint>
+
+#include "cpu_features.h"
+
+namespace freetoken {
+
+enum class BankType { kF32, kBF16, kQ8_0, kQ4_0, kMxfp4, kNvfp4, kFp8 };
+
+struct FormatLayout {
+  int64_t block;        // weights per block along the row
+  int64_t block_bytes;  // bytes per block
+  int64_t trailer;      // bytes after a matrix's rows (nvfp4: its float32 scale)
+  bool pads;            // a short last block is zero-padded (fp8); otherwise rows hold whole blocks
+};
+
+FormatLayout LayoutOf(BankType type);
+// Parses "f32", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8"; throws std::invalid_argument.
+BankType ParseBankType(const char* name);
+const char* BankTypeName(BankType type);
+
+inline int64_t RowBytes(BankType type, int64_t n) {
+  const FormatLayout l = LayoutOf(type);
+  return (n + l.block - 1) / l.block * l.block_bytes;
+}
+inline int64_t MatrixBytes(BankType type, int64_t rows, int64_t n) { return rows * RowBytes(type, n) + LayoutOf(type).trailer; }
+// Whether rows of n weights can be stored (whole blocks, unless the format pads).
+inline bool RowFits(BankType type, int64_t n) {
+  const FormatLayout l = LayoutOf(type);
+  return n > 0 && (l.pads || n % l.block == 0);
+}
+
+// Σ_i w_i x_i over one row of n weights. `xb` is x rounded to bf16 (the bf16 dot-product tier
+// reads it for bf16 banks; null elsewhere). An nvfp4 row leaves out its matrix's float32 scale.
+using DotFn = float (*)(const uint8_t* row, const float* x, const uint16_t* xb, int64_t n);
+DotFn DotFor(IsaTier tier, BankType type);
+
+}  // namespace freetoken

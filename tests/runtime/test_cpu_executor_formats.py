@@ -1,0 +1,79 @@
+"""The C++ executor on quantized banks: every format on every ISA tier this machine has equals the
+float64 matmul of the dequantized reference weights."""
+
+import numpy as np
+import pytest
+from helpers import executor_reference as reference
+
+from freetoken_jax import _cpu_ext
+from freetoken_jax.quant.formats import FORMATS, get_format
+from freetoken_jax.runtime.cpu_executor import CpuExecutor, supported_tiers
+
+
+def quantized_banks(fmt, E, F, H, rng):
+    f = get_format(fmt)
+    banks, dense = [], []
+    for O, I in ((F, H), (F, H), (H, F)):
+        rows = [f.quantize_ref(rng.standard_normal((O, I)).astype(np.float32) * 0.2) for _ in range(E)]
+        banks.append(np.stack(rows))
+        dense.append(np.stack([f.dequantize_ref(r, O, I).reshape(-1) for r in rows]))
+    return banks, dense
+
+
+def shapes(fmt):
+    f = FORMATS[fmt]
+    m = 1 if f.pads else f.block
+    out = [(1, 2 * m, m, 4, 2), (3, m, 3 * m, 5, 9), (4, 4 * m, 2 * m, 3, 0)]
+    return out + ([(2, 200, 72, 3, 5)] if f.pads else [])  # rows that end in a short block
+
+
+@pytest.mark.parametrize("tier", supported_tiers())
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_quantized_banks_match_the_dequantized_reference(tier, fmt):
+    ex = CpuExecutor(threads=3, max_tier=tier)
+    for T, H, F, E, N in shapes(fmt):
+        rng = np.random.default_rng(T + H + F + N)
+        (gate, up, down), (g64, u64, d64) = quantized_banks(fmt, E, F, H, rng)
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        tokens, experts, weights = rng.integers(0, T, N), rng.integers(0, E, N), rng.random(N).astype(np.float32)
+        got = ex.run(x, tokens, experts, weights, gate, up, down, "silu", fmt)
+        if N == 0:
+            assert not got.any()
+            continue
+        ref = reference(x, tokens, experts, weights, g64, u64, d64, F, "silu")
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < 2e-5, (tier, fmt, (T, H, F), err)
+
+
+def test_the_executor_sizes_formats_as_python_does():
+    for name, f in FORMATS.items():
+        for O, I in ((3, 128), (64, 256), (7, 200 if f.pads else 192)):
+            assert _cpu_ext.format_nbytes(name, O, I) == f.nbytes(O, I)
+
+
+def test_bad_quantized_banks_are_refused():
+    ex = CpuExecutor(threads=1)
+    (gate, up, down), _ = quantized_banks("q4_0", 2, 32, 64, np.random.default_rng(0))
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(ValueError, match="not q4_0 matrices"):
+        ex.run(x, [0], [0], [1.0], gate[:, :-1], up, down, "silu", "q4_0")
+    with pytest.raises(ValueError, match="one expert per row"):  # the C++ check, past the Python one
+        _cpu_ext.CpuMoeExecutor(1).run(
+            x,
+            np.zeros(1, np.int32),
+            np.zeros(1, np.int32),
+            np.ones(1, np.float32),
+            gate,
+            up,
+            down[:, :-18],
+            32,
+            "silu",
+            np.zeros_like(x),
+            "q4_0",
+        )
+    with pytest.raises(ValueError, match="not q8_0 matrices"):  # read as q8_0, the rows are too short
+        ex.run(x, [0], [0], [1.0], gate, up, down, "silu", "q8_0")
+    with pytest.raises(TypeError, match="uint8"):
+        ex.run(x, [0], [0], [1.0], gate.astype(np.float32), up, down, "silu", "q4_0")
+    with pytest.raises(ValueError, match="unknown bank format"):
+        _cpu_ext.format_nbytes("q3_k", 1, 32)
