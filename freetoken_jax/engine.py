@@ -325,6 +325,8 @@ class FreeTokenEngine:
         m["moe_strategy"] = self.engine_config.moe_strategy.value
         m["memory_plan"] = self.plan.describe()
         m["strategy_reason"] = self.strategy_reason
+        m["expert_format"] = self.model_config.expert_format
+        m["expert_bytes"] = self.plan.expert_bytes  # one routed expert as stored (its three projections)
         if self.runner.slots is not None:
             m.update(self.slot_cache_metrics())
         return m

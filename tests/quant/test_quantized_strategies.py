@@ -1,0 +1,51 @@
+"""Quantized experts through every strategy: for each format (on a family each, all families
+covered), fused, offload, hybrid and cpu give the same greedy tokens and logits within 1e-4 of
+each other on the same quantized weights, and stay within the format's tolerance of the
+unquantized model."""
+
+import numpy as np
+import pytest
+from hf_models import make_checkpoint
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.config import MoEModelConfig
+
+BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, hybrid_overhead=0.0)
+PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
+# Largest logit change against the unquantized model, relative to the largest logit. Per weight, a
+# format errs by at most half a step of its block scale: 1/254 of the block's largest weight for
+# q8_0, 1/16 for fp8 (3 mantissa bits), 1/16-1/4 for the 4-bit formats; over a layer's inputs these
+# errors mostly cancel. Measured on these models: q8_0 0.0024, fp8 0.021, nvfp4 0.017, mxfp4 0.056,
+# q4_0 0.068 (Mixtral) and 0.18 (DeepSeek-V3, whose sigmoid router then picks another expert for
+# one token). The bounds leave about twice that.
+TOLERANCE = {"q8_0": 0.005, "fp8": 0.05, "nvfp4": 0.04, "mxfp4": 0.12, "q4_0": 0.36}
+CASES = [("mixtral", "q4_0"), ("qwen2_moe", "q8_0"), ("qwen3_moe", "mxfp4"), ("deepseek_v2", "fp8"), ("deepseek_v3", "q4_0"),
+         ("generic", "nvfp4")]  # fmt: skip
+GENERIC = MoEModelConfig(vocab_size=96, hidden_dim=64, intermediate_dim=128, num_layers=2, num_experts=6, top_k=2, num_heads=4,
+                         num_kv_heads=2)  # fmt: skip
+
+
+def engine(family, path, **kw):
+    ecfg = EngineConfig(**BASE, **kw)
+    return FreeTokenEngine(GENERIC, ecfg) if family == "generic" else FreeTokenEngine.from_pretrained(path, ecfg)
+
+
+@pytest.mark.parametrize("family,fmt", CASES)
+def test_strategies_agree_on_quantized_experts(family, fmt, ckpt_root):
+    path = None if family == "generic" else make_checkpoint(family, ckpt_root)
+    plain = engine(family, path, moe_strategy="fused")
+    fused = engine(family, path, moe_strategy="fused", expert_format=fmt)
+    assert fused.model_config.expert_format == fmt and fused.get_metrics()["expert_format"] == fmt
+    want = fused.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True)
+    logits = np.asarray(fused.logits(PROMPTS[0]))
+    ref = np.asarray(plain.logits(PROMPTS[0]))
+    rel = np.abs(logits - ref).max() / np.abs(ref).max()
+    assert 0 < rel <= TOLERANCE[fmt], rel  # quantized: not the same numbers, but close
+    k = fused.model_config.top_k
+    for strategy, kw in (("offload", dict(expert_slots=2 * k)), ("hybrid", dict(expert_slots=2 * k, hybrid_q=0.5)), ("cpu", {})):
+        eng = engine(family, path, moe_strategy=strategy, expert_format=fmt, **kw)
+        assert eng.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True) == want, (family, fmt, strategy)
+        np.testing.assert_allclose(np.asarray(eng.logits(PROMPTS[0])), logits, atol=1e-4, rtol=0)
+        if strategy == "hybrid":
+            m = eng.get_metrics()
+            assert m["experts_on_cpu"] > 0 and m["experts_fetched"] > 0
