@@ -16,6 +16,7 @@ import sys
 from freetoken_jax.bench.compare import PREFILL_VARIANTS, VARIANTS
 from freetoken_jax.bench.expert_impls import IMPLS
 from freetoken_jax.bench.presets import PRESETS
+from freetoken_jax.config import EXPERT_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     bw.add_argument("--host-read-gb", type=float, default=1.0)
     bw.add_argument("--hidden", type=int, default=2048)
     bw.add_argument("--ffn", type=int, default=768)
+    bw.add_argument("--formats", nargs="*", default=[f for f in EXPERT_FORMATS if f != "bf16"], choices=[f for f in EXPERT_FORMATS if f != "bf16"],
+                    help="quantized expert formats to measure the CPU executor on as well")  # fmt: skip
     for name, help_ in (
         ("decode", "decode tokens/s of several strategies side by side"),
         ("prefill", "prefill time of several strategies"),
@@ -44,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--q", type=float, nargs="+", default=None,
                        help="hybrid's share of misses fetched over PCIe, one hybrid row per value (default: q* = Bp / (Bp + Bh) measured in this run)")  # fmt: skip
         p.add_argument("--json", default=None, help="write the figures here")
+        p.add_argument("--expert-format", default=None, choices=list(EXPERT_FORMATS),
+                       help="store the experts in this format (a preset's random weights are quantized as built; default: as the checkpoint)")  # fmt: skip
         p.add_argument("--expert-impl", default="auto", choices=IMPLS,
                        help="how the GPU computes routed experts (freetoken_jax/bench/expert_impls.py)")  # fmt: skip
         if name == "decode":
@@ -88,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from freetoken_jax.runtime.choice import profile_path
 
     prof = run_bw(path=args.profile, json_path=args.json, threshold=args.threshold, working_set_gb=args.working_set_gb,
-                  host_read_gb=args.host_read_gb, hidden=args.hidden, ffn=args.ffn)  # fmt: skip
+                  host_read_gb=args.host_read_gb, hidden=args.hidden, ffn=args.ffn, formats=tuple(args.formats))  # fmt: skip
     print(json.dumps(prof["figures"], indent=1))
     r = prof["recommendation"]
     print(f"recommendation: {r['strategy']} (q* = {r['q']}): {r['reason']}\nwritten to {profile_path(args.profile)}")

@@ -1,7 +1,8 @@
 """`python -m freetoken_jax.bench bw`: measure the machine with the engine's own kernels and decide.
 
 Figures (GB/s): STREAM-like host read (C++, every core); the CPU expert executor at batch 1 over
-bf16 experts rotating through a working set far beyond the last-level cache; and, on a GPU,
+bf16 experts rotating through a working set far beyond the last-level cache, and over the same
+experts in each quantized format asked for (`--formats`; with its ratio to the host read); and, on a GPU,
 pinned host → device `device_put`, the Pallas fetch kernel moving experts from a pinned bank
 into slots (calls dispatched ahead, so that the device never waits for the host between them),
 and the executor and the fetch again running at the same time (contended). The
@@ -46,8 +47,10 @@ def measure(
     host_read_gb: float = 1.0,
     threads: int = 0,
     reps: int = 3,
+    formats: tuple[str, ...] = (),
 ) -> dict:
-    """Runs the probes; sizes default to Qwen3-30B-A3B experts (bf16, top-8)."""
+    """Runs the probes; sizes default to Qwen3-30B-A3B experts (bf16, top-8). `formats`: also
+    the executor on these quantized expert formats (the same experts, quantized)."""
     import jax
     import ml_dtypes
 
@@ -66,6 +69,14 @@ def measure(
     cpu_pass, cpu_bytes = executor_pass(ex, [banks], x, top_k)  # the whole working set, batch 1
     fig["cpu_moe_gb_s"] = cpu_bytes / median_time(cpu_pass, reps) / 1e9
     fig["cpu_tier"] = ex.tier
+    for fmt in formats:  # the same experts quantized: bytes of the format read per second
+        from freetoken_jax.quant.banks import quantize_stack
+
+        shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
+        q = [np.asarray(quantize_stack(fmt, b.reshape(E, *s))) for b, s in zip(banks, shapes)]
+        run, nbytes = executor_pass(ex, [q], x, top_k, fmt=fmt)
+        fig[f"cpu_moe_{fmt}_gb_s"] = nbytes / median_time(run, reps) / 1e9
+        fig[f"cpu_moe_{fmt}_of_read"] = fig[f"cpu_moe_{fmt}_gb_s"] / fig["host_read_gb_s"]
     fig.update(handoff_cost(reps=reps))
     if jax.default_backend() == "gpu":
         fig.update(_gpu_probes(banks, E, cpu_bytes, cpu_pass, reps))

@@ -86,7 +86,7 @@ class Bench:
     shape and backend kind."""
 
     def __init__(self, model: str, *, dtype: str, max_batch: int, max_context: int, quiet: bool = False, prefill_chunk: int = 64,
-                 layers: int | None = None, expert_impl: str = "auto"):  # fmt: skip
+                 layers: int | None = None, expert_impl: str = "auto", expert_format: str | None = None):  # fmt: skip
         """`layers`: keep only a preset's first layers (a quick check of the full width);
         `expert_impl`: how the GPU computes routed experts (`bench/expert_impls.py`)."""
         from freetoken_jax import EngineConfig, FreeTokenEngine
@@ -95,7 +95,7 @@ class Bench:
         self.compute = named(expert_impl)
 
         self.ecfg = EngineConfig(dtype=dtype, moe_strategy="offload", max_batch=max_batch, max_context=max_context, page_size=16,
-                                 prefill_chunk=prefill_chunk, prefix_cache=False)  # fmt: skip
+                                 prefill_chunk=prefill_chunk, prefix_cache=False, expert_format=expert_format)  # fmt: skip
         t0 = time.perf_counter()
         if model in PRESETS:
             cfg = preset_config(model)
@@ -416,11 +416,12 @@ def run(args) -> dict:
     steps = getattr(args, "gen_len", 0)
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
                   max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
-                  prefill_chunk=getattr(args, "chunk", 64), expert_impl=getattr(args, "expert_impl", "auto"))  # fmt: skip
+                  prefill_chunk=getattr(args, "chunk", 64), expert_impl=getattr(args, "expert_impl", "auto"),
+                  expert_format=getattr(args, "expert_format", None))  # fmt: skip
     q = bench.bp / (bench.bp + bench.bh)  # q*, from this run's measured bandwidths
     hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-               dtype=args.dtype, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
+               dtype=args.dtype, expert_format=bench.cfg.expert_format, expert_bytes=bench.expert_bytes, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
 
     def write() -> None:

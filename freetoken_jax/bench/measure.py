@@ -43,7 +43,7 @@ def h2d_bandwidth(host=None, gib: float = 1.0, reps: int = 5) -> float:
     return host.nbytes / median_time(lambda: jax.device_put(host, device).block_until_ready(), reps)
 
 
-def executor_pass(ex, layers, x, top_k: int, act: str = "silu"):
+def executor_pass(ex, layers, x, top_k: int, act: str = "silu", fmt: str = "bf16"):
     """One batch-1 pass of the CPU executor over every expert of `layers` ([(gate, up, down)],
     host banks): one token's top-k experts per call, in turn. Returns (run, bytes one run reads)."""
     E = layers[0][0].shape[0]
@@ -53,7 +53,7 @@ def executor_pass(ex, layers, x, top_k: int, act: str = "silu"):
     def run():
         for banks in layers:
             for c in range(calls):
-                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, *banks, act)
+                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, *banks, act, fmt)
 
     expert_bytes = sum(b.nbytes // b.shape[0] for b in layers[0])
     return run, len(layers) * calls * k * expert_bytes
@@ -66,5 +66,5 @@ def executor_bandwidth(engine, views, reps: int = 3) -> float:
 
     cfg = engine.model_config
     x = np.random.default_rng(0).standard_normal((1, cfg.hidden_dim), dtype=np.float32)
-    run, nbytes = executor_pass(shared_executor(), views, x, cfg.top_k, cfg.hidden_act)
+    run, nbytes = executor_pass(shared_executor(), views, x, cfg.top_k, cfg.hidden_act, cfg.expert_format)
     return nbytes / median_time(run, reps)

@@ -48,9 +48,14 @@ def profile_path(path: str | None = None) -> str:
     return path or os.path.join(cache_dir(), "benchbw.json")
 
 
-def recommend(fig: dict, threshold: float = THRESHOLD) -> dict:
-    """Strategy and q* from measured figures (contended ones when present)."""
+def recommend(fig: dict, threshold: float = THRESHOLD, fmt: str = "bf16") -> dict:
+    """Strategy and q* from measured figures (contended ones when present), for experts stored as
+    `fmt`: the executor's rate on that format (`cpu_moe_<fmt>_gb_s`, scaled by the contention
+    measured on bf16) against the link, both in bytes of the format."""
     cpu = fig.get("contended_cpu_moe_gb_s") or fig.get("cpu_moe_gb_s")
+    own = fig.get(f"cpu_moe_{fmt}_gb_s") if fmt != "bf16" else None
+    if own and cpu and fig.get("cpu_moe_gb_s"):
+        cpu = own * cpu / fig["cpu_moe_gb_s"]
     pcie = fig.get("contended_fetch_gb_s") or fig.get("fetch_gb_s") or fig.get("h2d_gb_s")
     if not pcie:
         return dict(strategy="fused", q=None, reason="no accelerator link measured: the experts are in host memory already")
@@ -103,6 +108,8 @@ def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, i
             "the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"
         )
     rec = prof["recommendation"]
+    if cfg.expert_format != "bf16" and isinstance(prof.get("figures"), dict):
+        rec = recommend(prof["figures"], prof.get("threshold", THRESHOLD), cfg.expert_format)
     strategy = Strategy.HYBRID if rec["strategy"] == "hybrid" else Strategy.OFFLOAD
     q = rec.get("q")
     new = ecfg.replace(moe_strategy=strategy, hybrid_q=float(q) if q is not None else ecfg.hybrid_q)
