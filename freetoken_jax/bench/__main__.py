@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--q", type=float, nargs="+", default=None,
                        help="hybrid's share of misses fetched over PCIe, one hybrid row per value (default: q* = Bp / (Bp + Bh) measured in this run)")  # fmt: skip
         p.add_argument("--json", default=None, help="write the figures here")
+        p.add_argument("--layers", type=int, default=None, help="keep only a preset's first layers (the llama.cpp comparison uses 24)")
         p.add_argument("--expert-format", default=None, choices=list(EXPERT_FORMATS),
                        help="store the experts in this format (a preset's random weights are quantized as built; default: as the checkpoint)")  # fmt: skip
         p.add_argument("--expert-impl", default="auto", choices=IMPLS,

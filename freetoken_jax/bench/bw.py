@@ -69,11 +69,13 @@ def measure(
     cpu_pass, cpu_bytes = executor_pass(ex, [banks], x, top_k)  # the whole working set, batch 1
     fig["cpu_moe_gb_s"] = cpu_bytes / median_time(cpu_pass, reps) / 1e9
     fig["cpu_tier"] = ex.tier
-    for fmt in formats:  # the same experts quantized: bytes of the format read per second
+    for fmt in formats:  # the same experts quantized, repeated to the same working set in bytes of the format
         from freetoken_jax.quant.banks import quantize_stack
 
         shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
         q = [np.asarray(quantize_stack(fmt, b.reshape(E, *s))) for b, s in zip(banks, shapes)]
+        copies = max(1, round(expert_bytes / sum(a.shape[1] for a in q)))
+        q = [np.tile(a, (copies, 1)) for a in q]
         run, nbytes = executor_pass(ex, [q], x, top_k, fmt=fmt)
         fig[f"cpu_moe_{fmt}_gb_s"] = nbytes / median_time(run, reps) / 1e9
         fig[f"cpu_moe_{fmt}_of_read"] = fig[f"cpu_moe_{fmt}_gb_s"] / fig["host_read_gb_s"]

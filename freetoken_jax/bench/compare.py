@@ -417,7 +417,7 @@ def run(args) -> dict:
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
                   max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
                   prefill_chunk=getattr(args, "chunk", 64), expert_impl=getattr(args, "expert_impl", "auto"),
-                  expert_format=getattr(args, "expert_format", None))  # fmt: skip
+                  expert_format=getattr(args, "expert_format", None), layers=getattr(args, "layers", None))  # fmt: skip
     q = bench.bp / (bench.bp + bench.bh)  # q*, from this run's measured bandwidths
     hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
