@@ -15,9 +15,12 @@ def wait_idle(sched, timeout: float = 30.0) -> bool:
     return False
 
 
-def executor_reference(x, tokens, experts, weights, gate, up, down, F, act):
-    """The CPU executor's job in float64: out[t] += w · down_e(act(gate_e x_t) ⊙ up_e x_t)."""
-    x = x.astype(np.float64)
+def executor_reference(x, tokens, experts, weights, gate, up, down, F, act, round_activations=None):
+    """The CPU executor's job in float64: out[t] += w · down_e(act(gate_e x_t) ⊙ up_e x_t);
+    `round_activations(v)`, when given, is applied to x_t and to the hidden vector first (as
+    kernels that quantize their activations do)."""
+    rnd = round_activations or (lambda v: v)
+    x = rnd(x.astype(np.float64))
     T, H = x.shape
     g64, u64, d64 = (np.asarray(b, np.float64) for b in (gate, up, down))
     out = np.zeros((T, H))
@@ -25,5 +28,5 @@ def executor_reference(x, tokens, experts, weights, gate, up, down, F, act):
          "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))}[act]  # fmt: skip
     for t, e, w in zip(tokens, experts, weights):
         G, U, D = g64[e].reshape(F, H), u64[e].reshape(F, H), d64[e].reshape(H, F)
-        out[t] += w * D @ (f(G @ x[t]) * (U @ x[t]))
+        out[t] += w * D @ rnd(f(G @ x[t]) * (U @ x[t]))
     return out

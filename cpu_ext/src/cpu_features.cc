@@ -42,11 +42,11 @@ std::vector<IsaTier> SupportedTiers() {
   Regs l7s1 = Cpuid(7, 1);
   bool avx2 = l7.b & (1u << 5), fma = l1.c & (1u << 12);
   bool avx512f = l7.b & (1u << 16), avx512bw = l7.b & (1u << 30), avx512vl = l7.b & (1u << 31);
-  bool avx512bf16 = l7s1.a & (1u << 5);
+  bool avx512bf16 = l7s1.a & (1u << 5), avx512vnni = l7.c & (1u << 11);
   bool amx_tile = l7.d & (1u << 24), amx_bf16 = l7.d & (1u << 22);
   if (ymm && avx2 && fma) tiers.push_back(IsaTier::kAvx2Fma); else return tiers;
   if (zmm && avx512f && avx512bw && avx512vl) tiers.push_back(IsaTier::kAvx512F); else return tiers;
-  if (avx512bf16) tiers.push_back(IsaTier::kAvx512Bf16); else return tiers;
+  if (avx512bf16 && avx512vnni) tiers.push_back(IsaTier::kAvx512Bf16); else return tiers;
   if (amx_state && amx_tile && amx_bf16) tiers.push_back(IsaTier::kAmxBf16);
 #endif
   return tiers;

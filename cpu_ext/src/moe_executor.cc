@@ -107,12 +107,6 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
 
 namespace {
 
-inline uint16_t F32ToBf16(float f) {  // round to nearest even
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 inline float Activate(float g, Act act) {
   switch (act) {
@@ -149,14 +143,14 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   if (items == 0) return;
   std::lock_guard<std::mutex> lock(run_mu_);
   const int64_t H = b.hidden, F = b.ffn;
-  const DotFn dot = DotFor(tier_, b.type);
   const BankType ty = b.type;
-  const bool bf16_dot = tier_ == IsaTier::kAvx512Bf16 && b.type == BankType::kBF16;
-  // Activations rounded to bf16 once, for the bf16 dot-product tier.
-  std::vector<uint16_t> xb(bf16_dot ? tokens * H : 0);
-  for (size_t i = 0; i < xb.size(); ++i) xb[i] = F32ToBf16(x[i]);
+  const DotFn dot = DotFor(tier_, ty);
+  // Vectors prepared once for kernels that read them (bf16 copies, int8 blocks: quant_dot.h).
+  const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, ty, F);
+  std::vector<uint8_t> xprep(static_cast<size_t>(tokens * px)), hprep(static_cast<size_t>(items * ph));
+  if (px)
+    for (int64_t t = 0; t < tokens; ++t) Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px);
   std::vector<float> hidden(static_cast<size_t>(items) * F);
-  std::vector<uint16_t> hidden_b(bf16_dot ? hidden.size() : 0);
   // Per-item matrix scales (nvfp4; 1 otherwise).
   std::vector<float> scale(3 * items);
   for (int64_t i = 0; i < items; ++i) {
@@ -170,15 +164,14 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     const int64_t i = task / nf, f0 = (task % nf) * fchunk, f1 = std::min(F, f0 + fchunk);
     const int64_t e = expert_of[i], t = token_of[i];
     const float* xt = x + t * H;
-    const uint16_t* xbt = bf16_dot ? xb.data() + t * H : nullptr;
+    const uint8_t* xpt = px ? xprep.data() + t * px : nullptr;
     for (int64_t f = f0; f < f1; ++f) {
-      float g = scale[3 * i] * dot(BankRow(b.gate, ty, e, F, H, f), xt, xbt, H);
-      float u = scale[3 * i + 1] * dot(BankRow(b.up, ty, e, F, H, f), xt, xbt, H);
-      float h = Activate(g, act) * u;
-      hidden[i * F + f] = h;
-      if (bf16_dot) hidden_b[i * F + f] = F32ToBf16(h);
+      float g = scale[3 * i] * dot(BankRow(b.gate, ty, e, F, H, f), xt, xpt, H);
+      float u = scale[3 * i + 1] * dot(BankRow(b.up, ty, e, F, H, f), xt, xpt, H);
+      hidden[i * F + f] = Activate(g, act) * u;
     }
   });
+  if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, ty, hidden.data() + i * F, F, hprep.data() + i * ph); });
   // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
   const int64_t hchunk = 16, nh = (H + hchunk - 1) / hchunk;
   pool_.Run(nh, [&](int64_t task) {
@@ -187,7 +180,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
       const int64_t e = expert_of[i], t = token_of[i];
       const float w = weight_of[i] * scale[3 * i + 2];
       const float* hi = hidden.data() + i * F;
-      const uint16_t* hbi = bf16_dot ? hidden_b.data() + i * F : nullptr;
+      const uint8_t* hbi = ph ? hprep.data() + i * ph : nullptr;
       for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * dot(BankRow(b.down, ty, e, H, F, h), hi, hbi, F);
     }
   });

@@ -1,5 +1,6 @@
 #include "quant_dot.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -74,7 +75,12 @@ inline float LoadF32(const uint8_t* p) {
   return f;
 }
 
-inline float E8m0(uint8_t e) { return std::ldexp(1.0f, static_cast<int>(e) - 127); }
+inline float E8m0(uint8_t e) {  // 2^(e - 127)
+  const uint32_t u = e == 0 ? 0x00400000u : static_cast<uint32_t>(e) << 23;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
 
 struct E4m3Table {
   float v[256];
@@ -91,13 +97,13 @@ const E4m3Table kE4m3;
 constexpr float kE2m1[16] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 
 // The reference tier: one weight at a time.
-float DotF32Scalar(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+float DotF32Scalar(const uint8_t* row, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t i = 0; i < n; ++i) acc += LoadF32(row + 4 * i) * x[i];
   return acc;
 }
 
-float DotBf16Scalar(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+float DotBf16Scalar(const uint8_t* row, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t i = 0; i < n; ++i) {
     uint16_t w;
@@ -107,7 +113,7 @@ float DotBf16Scalar(const uint8_t* row, const float* x, const uint16_t*, int64_t
   return acc;
 }
 
-float DotQ8_0Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+float DotQ8_0Scalar(const uint8_t* r, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t b = 0; b < n / 32; ++b, r += 34, x += 32) {
     const int8_t* q = reinterpret_cast<const int8_t*>(r + 2);
@@ -118,7 +124,7 @@ float DotQ8_0Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n
   return acc;
 }
 
-float DotQ4_0Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+float DotQ4_0Scalar(const uint8_t* r, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t b = 0; b < n / 32; ++b, r += 18, x += 32) {
     float s = 0.f;
@@ -128,7 +134,7 @@ float DotQ4_0Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n
   return acc;
 }
 
-float DotMxfp4Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+float DotMxfp4Scalar(const uint8_t* r, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t b = 0; b < n / 32; ++b, r += 17, x += 32) {
     float s = 0.f;
@@ -138,7 +144,7 @@ float DotMxfp4Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t 
   return acc;
 }
 
-float DotNvfp4Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+float DotNvfp4Scalar(const uint8_t* r, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t b = 0; b < n / 64; ++b, r += 36) {
     for (int k = 0; k < 4; ++k, x += 16) {
@@ -151,7 +157,7 @@ float DotNvfp4Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t 
   return acc;
 }
 
-float DotFp8Scalar(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+float DotFp8Scalar(const uint8_t* r, const float* x, const void*, int64_t n) {
   float acc = 0.f;
   for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
     const int64_t m = n - i0 < 128 ? n - i0 : 128;
@@ -179,7 +185,7 @@ AVX2_TARGET inline float HalfToF32(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-AVX2_TARGET float DotF32Avx2(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotF32Avx2(const uint8_t* row, const float* x, const void*, int64_t n) {
   const float* w = reinterpret_cast<const float*>(row);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -190,7 +196,7 @@ AVX2_TARGET float DotF32Avx2(const uint8_t* row, const float* x, const uint16_t*
   return Hsum256(_mm256_add_ps(acc0, acc1)) + DotF32Scalar(row + 4 * i, x + i, nullptr, n - i);
 }
 
-AVX2_TARGET float DotBf16Avx2(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotBf16Avx2(const uint8_t* row, const float* x, const void*, int64_t n) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -206,7 +212,7 @@ AVX2_TARGET float DotBf16Avx2(const uint8_t* row, const float* x, const uint16_t
 // 8 int8 (or uint8 minus `bias`) codes → float32 lanes.
 AVX2_TARGET inline __m256 I8x8(const int8_t* q) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)))); }
 
-AVX2_TARGET float DotQ8_0Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotQ8_0Avx2(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t b = 0; b < n / 32; ++b, r += 34, x += 32) {
     const int8_t* q = reinterpret_cast<const int8_t*>(r + 2);
@@ -221,7 +227,7 @@ AVX2_TARGET float DotQ8_0Avx2(const uint8_t* r, const float* x, const uint16_t*,
 
 AVX2_TARGET inline __m256 cvt(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-AVX2_TARGET float DotQ4_0Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotQ4_0Avx2(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   const __m128i low = _mm_set1_epi8(15), eight = _mm_set1_epi8(8);
   for (int64_t b = 0; b < n / 32; ++b, r += 18, x += 32) {
@@ -246,7 +252,7 @@ AVX2_TARGET inline __m256 E2m1x8(__m128i v) {
   return _mm256_xor_ps(m, _mm256_castsi256_ps(sign));
 }
 
-AVX2_TARGET float DotMxfp4Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotMxfp4Avx2(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   const __m128i low = _mm_set1_epi8(15);
   for (int64_t b = 0; b < n / 32; ++b, r += 17, x += 32) {
@@ -261,7 +267,7 @@ AVX2_TARGET float DotMxfp4Avx2(const uint8_t* r, const float* x, const uint16_t*
   return Hsum256(acc);
 }
 
-AVX2_TARGET float DotNvfp4Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotNvfp4Avx2(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   const __m128i low = _mm_set1_epi8(15);
   for (int64_t b = 0; b < n / 64; ++b, r += 36) {
@@ -282,7 +288,7 @@ AVX2_TARGET inline __m256 E4m3x8(const uint8_t* q) {
   return _mm256_cvtph_ps(h);
 }
 
-AVX2_TARGET float DotFp8Avx2(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX2_TARGET float DotFp8Avx2(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   float tail = 0.f;
   for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
@@ -299,7 +305,7 @@ AVX2_TARGET float DotFp8Avx2(const uint8_t* r, const float* x, const uint16_t*, 
 // AVX-512F (+F16C) ---------------------------------------------------------------------------------
 #define AVX512_TARGET __attribute__((target("avx512f,fma,f16c")))
 
-AVX512_TARGET float DotF32Avx512(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotF32Avx512(const uint8_t* row, const float* x, const void*, int64_t n) {
   const float* w = reinterpret_cast<const float*>(row);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t i = 0;
@@ -310,7 +316,7 @@ AVX512_TARGET float DotF32Avx512(const uint8_t* row, const float* x, const uint1
   return _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + DotF32Scalar(row + 4 * i, x + i, nullptr, n - i);
 }
 
-AVX512_TARGET float DotBf16Avx512(const uint8_t* row, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotBf16Avx512(const uint8_t* row, const float* x, const void*, int64_t n) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t i = 0;
@@ -329,7 +335,7 @@ AVX512_TARGET inline float Half512(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-AVX512_TARGET float DotQ8_0Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotQ8_0Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t b = 0; b < n / 32; ++b, r += 34, x += 32) {
     const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2));
@@ -341,7 +347,7 @@ AVX512_TARGET float DotQ8_0Avx512(const uint8_t* r, const float* x, const uint16
   return _mm512_reduce_add_ps(acc);
 }
 
-AVX512_TARGET float DotQ4_0Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotQ4_0Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi32(15), eight = _mm512_set1_epi32(8);
   for (int64_t b = 0; b < n / 32; ++b, r += 18, x += 32) {
@@ -355,7 +361,7 @@ AVX512_TARGET float DotQ4_0Avx512(const uint8_t* r, const float* x, const uint16
   return _mm512_reduce_add_ps(acc);
 }
 
-AVX512_TARGET float DotMxfp4Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotMxfp4Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   const __m512 lut = _mm512_loadu_ps(kE2m1);
   const __m512i low = _mm512_set1_epi32(15);
@@ -368,7 +374,7 @@ AVX512_TARGET float DotMxfp4Avx512(const uint8_t* r, const float* x, const uint1
   return _mm512_reduce_add_ps(acc);
 }
 
-AVX512_TARGET float DotNvfp4Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotNvfp4Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   const __m512 lut = _mm512_loadu_ps(kE2m1);
   const __m512i low = _mm512_set1_epi32(15);
@@ -392,7 +398,7 @@ AVX512_TARGET inline __m512 E4m3x16(const uint8_t* q) {
   return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
 }
 
-AVX512_TARGET float DotFp8Avx512(const uint8_t* r, const float* x, const uint16_t*, int64_t n) {
+AVX512_TARGET float DotFp8Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   float tail = 0.f;
   for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
@@ -407,8 +413,9 @@ AVX512_TARGET float DotFp8Avx512(const uint8_t* r, const float* x, const uint16_
 }
 
 // bf16 × bf16 dot products with float32 accumulation (vdpbf16ps); the vector is rounded to bf16.
-__attribute__((target("avx512f,avx512bf16"))) float DotBf16Avx512Bf16(const uint8_t* row, const float* x, const uint16_t* xb, int64_t n) {
+__attribute__((target("avx512f,avx512bf16"))) float DotBf16Avx512Bf16(const uint8_t* row, const float* x, const void* prep, int64_t n) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(row);
+  const uint16_t* xb = static_cast<const uint16_t*>(prep);
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 64 <= n; i += 64) {
@@ -421,7 +428,101 @@ __attribute__((target("avx512f,avx512bf16"))) float DotBf16Avx512Bf16(const uint
   for (; i < n; ++i) acc += Bf16ToF32(w[i]) * Bf16ToF32(xb[i]);
   return acc;
 }
+
+// int8 activations (Prepare) × q8_0 / q4_0 weights with VNNI: two blocks (64 weights) per
+// dpbusd. The prepared vector holds, per pair of blocks, the 64 int8 codes (natural order), the
+// 16 lanes' scales [d_a × 8, d_b × 8] and each lane's sum of its 4 codes; dpbusd multiplies
+// unsigned by signed bytes, so the weights go in offset (q4_0's codes 0..15 as stored, q8_0's
+// codes + 128) and the offset times the lane sums comes off.
+constexpr int64_t kPairBytes = 64 + 16 * 4 + 16 * 4;
+
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c")))
+
+VNNI_TARGET inline __m512 PairScales(const uint8_t* wa, const uint8_t* wb, const uint8_t* p) {
+  uint16_t ha, hb;
+  std::memcpy(&ha, wa, 2);
+  std::memcpy(&hb, wb, 2);
+  const __m128 dw = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(ha), hb, 1));
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  return _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(dw)), _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64)));
+}
+
+VNNI_TARGET float DotQ4_0Vnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(prep);
+  const int64_t nb = n / 32, pairs = nb / 2;
+  __m512 acc = _mm512_setzero_ps();
+  const __m256i low = _mm256_set1_epi8(15);
+  for (int64_t i = 0; i < pairs; ++i, r += 36, p += kPairBytes) {
+    const __m256i raw = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 20)),
+                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2)));  // [a | b]
+    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [a_lo, b_lo, a_hi, b_hi]
+    w = _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));            // [a_lo, a_hi, b_lo, b_hi]
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(p));
+    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(p + 128), 3));  // codes are q + 8
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), PairScales(r, r + 18, p), acc);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  if (nb % 2) {  // an odd last block: the first half of the last pair
+    const int8_t* q = reinterpret_cast<const int8_t*>(p);
+    int32_t dot = 0;
+    for (int j = 0; j < 16; ++j) dot += ((r[2 + j] & 15) - 8) * q[j] + ((r[2 + j] >> 4) - 8) * q[j + 16];
+    s += static_cast<float>(dot) * F16ToF32(r) * LoadF32(p + 64);
+  }
+  return s;
+}
+
+VNNI_TARGET float DotQ8_0Vnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
+  const uint8_t* p = static_cast<const uint8_t*>(prep);
+  const int64_t nb = n / 32, pairs = nb / 2;
+  __m512 acc = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t i = 0; i < pairs; ++i, r += 68, p += kPairBytes) {
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 2))),
+                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 36)), 1);
+    w = _mm512_xor_si512(w, flip);  // q + 128, unsigned
+    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(p));
+    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(p + 128), 7));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), PairScales(r, r + 34, p), acc);
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  if (nb % 2) {
+    const int8_t *q = reinterpret_cast<const int8_t*>(p), *w = reinterpret_cast<const int8_t*>(r + 2);
+    int32_t dot = 0;
+    for (int j = 0; j < 32; ++j) dot += w[j] * q[j];
+    s += static_cast<float>(dot) * F16ToF32(r) * LoadF32(p + 64);
+  }
+  return s;
+}
 #endif
+
+// x → int8 blocks of 32 in pairs (see kPairBytes); a missing second block of a pair is zeros.
+void PrepareQ8(const float* x, int64_t n, uint8_t* out) {
+  const int64_t nb = n / 32;
+  std::memset(out, 0, static_cast<size_t>((nb + 1) / 2 * kPairBytes));
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + 32 * b;
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    uint8_t* p = out + (b / 2) * kPairBytes;
+    const int half = static_cast<int>(b % 2);
+    int8_t* q = reinterpret_cast<int8_t*>(p) + 32 * half;
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::lround(xb[j] * id));  // halves away from zero
+    for (int l = 0; l < 8; ++l) {
+      std::memcpy(p + 64 + 4 * (8 * half + l), &d, 4);
+      const int32_t sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+      std::memcpy(p + 128 + 4 * (8 * half + l), &sum, 4);
+    }
+  }
+}
+
+inline bool UsesVnni(IsaTier tier, BankType type) {
+  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && (type == BankType::kQ4_0 || type == BankType::kQ8_0);
+}
+inline bool UsesBf16Dot(IsaTier tier, BankType type) {
+  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type == BankType::kBF16;
+}
 
 constexpr DotFn kScalar[] = {DotF32Scalar, DotBf16Scalar, DotQ8_0Scalar, DotQ4_0Scalar, DotMxfp4Scalar, DotNvfp4Scalar, DotFp8Scalar};
 #ifdef FREETOKEN_X86
@@ -431,12 +532,39 @@ constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0
 
 }  // namespace
 
+int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
+#ifdef FREETOKEN_X86
+  if (UsesVnni(tier, type)) return (n / 32 + 1) / 2 * kPairBytes;
+  if (UsesBf16Dot(tier, type)) return 2 * n;
+#endif
+  (void)tier, (void)type, (void)n;
+  return 0;
+}
+
+void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out) {
+#ifdef FREETOKEN_X86
+  if (UsesVnni(tier, type)) return PrepareQ8(x, n, out);
+  if (UsesBf16Dot(tier, type)) {
+    for (int64_t i = 0; i < n; ++i) {  // round to nearest even
+      uint32_t u;
+      std::memcpy(&u, x + i, 4);
+      u += 0x7fff + ((u >> 16) & 1);
+      const uint16_t h = static_cast<uint16_t>(u >> 16);
+      std::memcpy(out + 2 * i, &h, 2);
+    }
+  }
+#endif
+  (void)tier, (void)type, (void)x, (void)n, (void)out;
+}
+
 DotFn DotFor(IsaTier tier, BankType type) {
   const int t = static_cast<int>(type);
 #ifdef FREETOKEN_X86
   switch (tier) {
     case IsaTier::kAmxBf16:
     case IsaTier::kAvx512Bf16:
+      if (type == BankType::kQ4_0) return DotQ4_0Vnni;
+      if (type == BankType::kQ8_0) return DotQ8_0Vnni;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];

@@ -36,9 +36,16 @@ inline bool RowFits(BankType type, int64_t n) {
   return n > 0 && (l.pads || n % l.block == 0);
 }
 
-// Σ_i w_i x_i over one row of n weights. `xb` is x rounded to bf16 (the bf16 dot-product tier
-// reads it for bf16 banks; null elsewhere). An nvfp4 row leaves out its matrix's float32 scale.
-using DotFn = float (*)(const uint8_t* row, const float* x, const uint16_t* xb, int64_t n);
+// Σ_i w_i x_i over one row of n weights. `prep` is x prepared by `Prepare` for the kernels that
+// read it (null where PrepBytes is 0). An nvfp4 row leaves out its matrix's float32 scale.
+using DotFn = float (*)(const uint8_t* row, const float* x, const void* prep, int64_t n);
 DotFn DotFor(IsaTier tier, BankType type);
+
+// What some kernels read instead of (or beside) the float32 vector, made once per vector: the
+// bf16 dot tier reads x rounded to bf16; the VNNI kernels of q8_0 / q4_0 (tier avx512_bf16 and
+// up) read x quantized to int8 per block of 32 as llama.cpp does (d = max|x| / 127, q = round(x / d)),
+// so their sums are those of x dequantized from those blocks. 0 bytes: the kernel reads x alone.
+int64_t PrepBytes(IsaTier tier, BankType type, int64_t n);
+void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out);
 
 }  // namespace freetoken
