@@ -46,6 +46,7 @@ from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_
 from freetoken_jax.bench.presets import PRESETS, preset_config
 from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.quant.layout import expert_bytes
+from freetoken_jax.runtime.cpu_executor import hybrid_threads
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.offload import host_bank_views
@@ -111,6 +112,7 @@ class Bench:
         self.views = host_bank_views(self.engine.weights.params)  # one static object: one executable per backend kind
         self.bp = h2d_bandwidth(gib=1.0 if gpu else 0.05)
         self.bh = executor_bandwidth(self.engine, self.views)
+        self.bh_hybrid = executor_bandwidth(self.engine, self.views, threads=hybrid_threads())  # hybrid's pool
         self._fused = None
         self.steps = StepSet(dtype)
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
@@ -298,7 +300,7 @@ class Bench:
         resident = plan.dense_bytes - cfg.vocab_size * cfg.hidden_dim * 2 + (L * distinct - on_cpu) * self.expert_bytes + kv
         link = fetched * self.expert_bytes / self.bp
         if variant == "hybrid":
-            link = (fetched + on_cpu) * self.expert_bytes / (self.bp + self.bh)
+            link = (fetched + on_cpu) * self.expert_bytes / (self.bp + self.bh_hybrid)
         elif variant == "cpu":
             link = on_cpu * self.expert_bytes / self.bh
         bound = link + resident / self.hbm
@@ -418,11 +420,11 @@ def run(args) -> dict:
                   max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
                   prefill_chunk=getattr(args, "chunk", 64), expert_impl=getattr(args, "expert_impl", "auto"),
                   expert_format=getattr(args, "expert_format", None), layers=getattr(args, "layers", None))  # fmt: skip
-    q = bench.bp / (bench.bp + bench.bh)  # q*, from this run's measured bandwidths
+    q = bench.bp / (bench.bp + bench.bh_hybrid)  # q*, from this run's measured bandwidths (hybrid's executor threads)
     hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                dtype=args.dtype, expert_format=bench.cfg.expert_format, expert_bytes=bench.expert_bytes, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
-               executor_gb_s=bench.bh / 1e9, q=q, rows=[])  # fmt: skip
+               executor_gb_s=bench.bh / 1e9, hybrid_executor_gb_s=bench.bh_hybrid / 1e9, q=q, rows=[])  # fmt: skip
 
     def write() -> None:
         if args.json:

@@ -59,12 +59,12 @@ def executor_pass(ex, layers, x, top_k: int, act: str = "silu", fmt: str = "bf16
     return run, len(layers) * calls * k * expert_bytes
 
 
-def executor_bandwidth(engine, views, reps: int = 3) -> float:
+def executor_bandwidth(engine, views, reps: int = 3, threads: int | None = None) -> float:
     """The CPU executor at batch 1 over the engine's own host banks (`views`, from
     `host_bank_views`), every layer in turn: bytes of expert weights read per second."""
     from freetoken_jax.runtime.cpu_executor import shared_executor
 
     cfg = engine.model_config
     x = np.random.default_rng(0).standard_normal((1, cfg.hidden_dim), dtype=np.float32)
-    run, nbytes = executor_pass(shared_executor(), views, x, cfg.top_k, cfg.hidden_act, cfg.expert_format)
+    run, nbytes = executor_pass(shared_executor(threads), views, x, cfg.top_k, cfg.hidden_act, cfg.expert_format)
     return nbytes / median_time(run, reps)

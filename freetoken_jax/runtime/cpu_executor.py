@@ -78,9 +78,6 @@ def _ffn(row: int, H: int, fmt: str) -> int:
     return F
 
 
-_SHARED: CpuExecutor | None = None
-
-
 def default_threads() -> int:
     """FREETOKEN_CPU_THREADS if set; else the cores this process may run on, less one (where there
     are 8 or more) for the thread that holds the GPU stream at the handoff (cpu_ext/src/ffi_handoff.h):
@@ -96,12 +93,32 @@ def default_threads() -> int:
     return n - 1 if n >= 8 else n
 
 
-def shared_executor() -> CpuExecutor:
-    """One executor (one thread pool, `default_threads()`) for the whole process."""
-    global _SHARED
-    if _SHARED is None:
-        _SHARED = CpuExecutor(default_threads())
-    return _SHARED
+def hybrid_threads() -> int:
+    """Executor threads under strategy "hybrid": FREETOKEN_HYBRID_THREADS if set, else half the
+    cores. Its CPU share runs beside the threads that drive the GPU step (the XLA launch thread,
+    the handoff's, the host loop); on the H200 machine (16 cores, q4_0 experts, 24 layers) hybrid
+    decoded 65.6 tok/s with 15 executor threads, 91.8 with 12 and 98.3 with 8
+    (benchmarks/RESULTS.md), while strategy "cpu" wants every core."""
+    import os
+
+    if os.environ.get("FREETOKEN_HYBRID_THREADS"):
+        n = int(os.environ["FREETOKEN_HYBRID_THREADS"])
+        if n <= 0:
+            raise ValueError(f"FREETOKEN_HYBRID_THREADS must be a positive integer, got {n}")
+        return n
+    return max(1, default_threads() // 2)
+
+
+_SHARED: dict[int, CpuExecutor] = {}
+
+
+def shared_executor(threads: int | None = None) -> CpuExecutor:
+    """One executor (one thread pool) per thread count for the whole process; default
+    `default_threads()`."""
+    n = threads or default_threads()
+    if n not in _SHARED:
+        _SHARED[n] = CpuExecutor(n)
+    return _SHARED[n]
 
 
 class CpuExecutor:

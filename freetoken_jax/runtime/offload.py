@@ -139,7 +139,9 @@ class OffloadExecutor:
     def _decode_fn(self, m: int):
         cpu = None
         if self.hybrid_q is not None:
-            cpu = CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T, self.handoff).layer(m)
+            from freetoken_jax.runtime.cpu_executor import hybrid_threads
+
+            cpu = CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T, self.handoff, hybrid_threads()).layer(m)
 
         def fn(x_TD, ids_TK, w_TK):
             T, K = ids_TK.shape
@@ -227,8 +229,8 @@ class CpuExpertExecutor:
     """Strategy "cpu": every routed expert computed by the C++ executor straight from the host
     banks (no slots on the device at all); also the CPU share of strategy "hybrid"."""
 
-    def __init__(self, cfg: MoEModelConfig, host_banks: list, valid_T: jax.Array, mode: str = "callback"):
-        self.cfg, self.host_banks, self.valid_T, self.mode = cfg, host_banks, valid_T, mode
+    def __init__(self, cfg: MoEModelConfig, host_banks: list, valid_T: jax.Array, mode: str = "callback", threads: int | None = None):
+        self.cfg, self.host_banks, self.valid_T, self.mode, self.threads = cfg, host_banks, valid_T, mode, threads
 
     def expert_fns(self, model) -> list:
         def make(m):
@@ -241,4 +243,5 @@ class CpuExpertExecutor:
         from freetoken_jax.runtime.handoff import LayerHandoff
 
         cfg = self.cfg
-        return LayerHandoff(self.mode, *self.host_banks[m], cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act, cfg.expert_format)
+        return LayerHandoff(self.mode, *self.host_banks[m], cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act, cfg.expert_format,
+                            self.threads)  # fmt: skip

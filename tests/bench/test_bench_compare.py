@@ -19,7 +19,7 @@ def test_decode_side_by_side(tmp_path, capsys):
     assert main(argv) == 0
     d = json.loads(out.read_text())
     assert d["kind"] == "decode" and d["h2d_gb_s"] > 0 and d["executor_gb_s"] > 0
-    assert d["q"] == pytest.approx(d["h2d_gb_s"] / (d["h2d_gb_s"] + d["executor_gb_s"]))  # q*, measured
+    assert d["q"] == pytest.approx(d["h2d_gb_s"] / (d["h2d_gb_s"] + d["hybrid_executor_gb_s"]))  # q*, measured on hybrid's threads
     # one hybrid row per --q value, all in one executable (q is traced): at q = 1 every miss is fetched
     full = {r["vram_gb"]: r for r in d["rows"] if r["strategy"] == "hybrid" and r["q"] == pytest.approx(1)}
     assert set(full) == {0.0005, 0.002} and all(r["experts_on_cpu_per_step"] == 0 for r in full.values())
