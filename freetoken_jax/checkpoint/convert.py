@@ -20,7 +20,7 @@ import numpy as np
 from freetoken_jax.checkpoint.ftw import FTWReader, FTWWriter, aligned_empty
 from freetoken_jax.checkpoint.hf import read_param
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
-from freetoken_jax.config import ConfigError, MoEModelConfig
+from freetoken_jax.config import EXPERT_FORMATS, ConfigError, MoEModelConfig
 from freetoken_jax.models import build_abstract, is_expert_path
 from freetoken_jax.models.generic import config_from_json, config_to_json
 from freetoken_jax.models.registry import family_for
@@ -80,18 +80,23 @@ def _source(src: str):
     return cfg, (lambda path: read_param(st, path, fam, cfg)), "safetensors"
 
 
-def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float = 8.0, verify: bool = True, progress: bool = True) -> str:
-    """Writes the FTW directory `dst` from `src`; returns its path."""
+def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float = 8.0, verify: bool = True, progress: bool = True,
+            expert_format: str | None = None) -> str:  # fmt: skip
+    """Writes the FTW directory `dst` from `src`; returns its path. `expert_format`: quantize the
+    routed experts to this format (`docs/FORMATS.md`) as they are written, a layer at a time; the
+    index's model config records it, so loading needs no flag."""
     if not os.path.isdir(src):
         raise FileNotFoundError(f"no checkpoint directory at {src!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     cfg, get, kind = _source(src)
+    target = cfg.with_expert_format(expert_format)  # ConfigError before anything is written
+    quantize = target.expert_format != cfg.expert_format
     want = DTYPES[dtype] if dtype else None
     abstract = list(build_abstract(cfg, want or "float32").flat_state())
     total = sum(int(np.prod(v.get_value().shape)) * v.get_value().dtype.itemsize for _, v in abstract)
     meta = dict(
-        model_config=config_to_json(cfg),
+        model_config=config_to_json(target),
         dtype=want or "source",
         source=dict(path=os.path.abspath(src), kind=kind, fingerprint=fingerprint(src)),
     )
@@ -106,6 +111,10 @@ def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float 
                     raise CheckpointError(f"{src}: {_name(path)} has shape {tuple(a.shape)}, the config needs {tuple(sds.shape)}")
                 if want is not None and a.dtype != sds.dtype:
                     a = np.asarray(np.asarray(a, np.float32), dtype=sds.dtype)
+                if quantize and is_expert_path(path):
+                    from freetoken_jax.quant.banks import quantize_stack
+
+                    a = np.asarray(quantize_stack(target.expert_format, a))
                 w.add(_name(path), a, "experts_bank" if is_expert_path(path) else "weight")
                 if bar is not None:
                     bar.update(int(np.prod(sds.shape)) * sds.dtype.itemsize)
@@ -194,9 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     ap.add_argument("--shard-gib", type=float, default=8.0)
     ap.add_argument("--no-verify", action="store_true", help="skip reading the result back to verify checksums")
+    ap.add_argument("--expert-format", default=None, choices=list(EXPERT_FORMATS),
+                    help="quantize the routed experts to this format as they are written (docs/FORMATS.md); default: as the source")  # fmt: skip
     args = ap.parse_args(argv)
     try:
-        out = convert(args.src, args.dst, dtype=args.dtype, shard_gib=args.shard_gib, verify=not args.no_verify)
+        out = convert(args.src, args.dst, dtype=args.dtype, shard_gib=args.shard_gib, verify=not args.no_verify,
+                      expert_format=args.expert_format)  # fmt: skip
     except (ConfigError, CheckpointError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.checkpoint import ftw
 from freetoken_jax.checkpoint.convert import convert, main
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+from freetoken_jax.config import ConfigError
 
 EC = EngineConfig(dtype="float32", max_context=64, max_batch=1, page_size=4, prefill_chunk=16)
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33]
@@ -111,6 +112,24 @@ def test_bf16_conversion_loads(hf_and_ftw, tmp_path):
     a = FreeTokenEngine.from_pretrained(src, EC.replace(dtype="bfloat16")).logits(PROMPT)
     b = FreeTokenEngine.from_pretrained(dst, EC.replace(dtype="bfloat16")).logits(PROMPT)
     np.testing.assert_array_equal(a, b)
+
+
+def test_convert_quantizes_experts_and_loads_without_a_flag(hf_and_ftw, tmp_path):
+    src, _ = hf_and_ftw["qwen3_moe"]
+    dst = convert(src, str(tmp_path / "q4"), dtype="f32", progress=False, expert_format="q4_0")
+    idx = json.load(open(os.path.join(dst, "freetoken_weight.json")))
+    assert idx["model_config"]["freetoken_config"]["expert_format"] == "q4_0"
+    banks = {t["dtype"] for t in idx["tensors"].values() if t["kind"] == "experts_bank"}
+    assert banks == {"U8"}
+    loaded = FreeTokenEngine.from_pretrained(dst, EC)  # no expert_format given: the index says q4_0
+    on_load = FreeTokenEngine.from_pretrained(src, EC.replace(expert_format="q4_0"))
+    assert loaded.model_config.expert_format == "q4_0"
+    np.testing.assert_array_equal(loaded.logits(PROMPT), on_load.logits(PROMPT))  # the same bytes either way
+    with pytest.raises(ConfigError, match="quantizing them again"):
+        FreeTokenEngine.from_pretrained(dst, EC.replace(expert_format="q8_0"))
+    with pytest.raises(ConfigError, match="unknown expert format"):
+        convert(src, str(tmp_path / "bad"), progress=False, expert_format="q3_k")
+    assert not os.path.exists(tmp_path / "bad")
 
 
 def copy_ftw(hf_and_ftw, tmp_path):
