@@ -94,11 +94,12 @@ def default_threads() -> int:
 
 
 def hybrid_threads() -> int:
-    """Executor threads under strategy "hybrid": FREETOKEN_HYBRID_THREADS if set, else half the
-    cores. Its CPU share runs beside the threads that drive the GPU step (the XLA launch thread,
-    the handoff's, the host loop); on the H200 machine (16 cores, q4_0 experts, 24 layers) hybrid
-    decoded 65.6 tok/s with 15 executor threads, 91.8 with 12 and 98.3 with 8
-    (benchmarks/RESULTS.md), while strategy "cpu" wants every core."""
+    """Executor threads under strategy "hybrid": FREETOKEN_HYBRID_THREADS if set, else the
+    `default_threads()` less 3 (at least half of them). Its CPU share runs beside the threads
+    that drive the GPU step (the XLA launch thread, the handoff's, the host loop). On the H200
+    machine (16 cores) q4_0 hybrid decoded 65.6 tok/s with 15 executor threads, 91.8 with 12 and
+    98.3 with 8, while bf16 hybrid (48 layers, skew 0) took 30.9-32.5 ms per token with 15 and
+    36.5 with 8 (benchmarks/RESULTS.md); strategy "cpu" wants every core."""
     import os
 
     if os.environ.get("FREETOKEN_HYBRID_THREADS"):
@@ -106,7 +107,8 @@ def hybrid_threads() -> int:
         if n <= 0:
             raise ValueError(f"FREETOKEN_HYBRID_THREADS must be a positive integer, got {n}")
         return n
-    return max(1, default_threads() // 2)
+    n = default_threads()
+    return max(1, n // 2, n - 3)
 
 
 _SHARED: dict[int, CpuExecutor] = {}
