@@ -1,6 +1,7 @@
 """Quantized experts through every strategy: for each format (on a family each, all families
 covered), fused, offload, hybrid and cpu give the same greedy tokens and logits within 1e-4 of
-each other on the same quantized weights, and stay within the format's tolerance of the
+each other on the same quantized weights (the CPU executor's int8-activation kernels within
+their rounding), and stay within the format's tolerance of the
 unquantized model."""
 
 import numpy as np
@@ -9,6 +10,7 @@ from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.runtime.cpu_executor import supported_tiers
 
 BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, hybrid_overhead=0.0)
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
@@ -45,7 +47,10 @@ def test_strategies_agree_on_quantized_experts(family, fmt, ckpt_root):
     for strategy, kw in (("offload", dict(expert_slots=2 * k)), ("hybrid", dict(expert_slots=2 * k, hybrid_q=0.5)), ("cpu", {})):
         eng = engine(family, path, moe_strategy=strategy, expert_format=fmt, **kw)
         assert eng.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True) == want, (family, fmt, strategy)
-        np.testing.assert_allclose(np.asarray(eng.logits(PROMPTS[0])), logits, atol=1e-4, rtol=0)
+        # the executor's VNNI kernels (q8_0 / q4_0 on the avx512_bf16 tier) multiply activations
+        # rounded to int8 blocks, as llama.cpp does: logits within that rounding (5.4e-3 measured)
+        atol = 2e-2 if strategy == "cpu" and fmt in ("q4_0", "q8_0") and "avx512_bf16" in supported_tiers() else 1e-4
+        np.testing.assert_allclose(np.asarray(eng.logits(PROMPTS[0])), logits, atol=atol, rtol=0)
         if strategy == "hybrid":
             m = eng.get_metrics()
             assert m["experts_on_cpu"] > 0 and m["experts_fetched"] > 0
