@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.quant.formats import get_format
@@ -56,8 +57,6 @@ class ExpertLayout:
 
     def bank_dtype(self, dtype):
         """The element type of banks and slots: uint8 when quantized, else the model dtype."""
-        import jax.numpy as jnp
-
         return jnp.uint8 if self.quantized else dtype
 
 
