@@ -12,9 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from typing import Any
 
-SUPPORTED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+import jax
+
+# The activations of expert and dense FFNs, by name: the jnp function the device computes. The C++
+# executor has its own table of the same names (`cpu_ext/src/moe_executor.h`, exported as
+# `_freetoken_cpu.ACTIVATIONS`; a test checks that the two agree).
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
 DTYPES = ("float32", "bfloat16")
 # Storage formats of routed experts (`quant/formats.py`), each with the multiple of 32 its blocks
 # need along a matrix's input dimension (fp8 pads a short last block). "bf16": the model dtype.
@@ -132,8 +142,8 @@ class MoEModelConfig:
             raise ConfigError("MLA needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
         if self.rope_dim % 2:
             raise ConfigError(f"the rotary dimension must be even, got {self.rope_dim}")
-        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
-            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; use one of {SUPPORTED_ACTIVATIONS}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"hidden_act {self.hidden_act!r} is not supported; use one of {tuple(ACTIVATIONS)}")
         if self.router_scoring not in ("softmax", "sigmoid"):
             raise ConfigError(f"router_scoring must be 'softmax' or 'sigmoid', got {self.router_scoring!r}")
         if self.topk_method not in ("greedy", "group_limited_greedy", "noaux_tc"):

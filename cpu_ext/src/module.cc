@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <iterator>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -24,13 +25,6 @@ IsaTier ParseTier(const std::string& name) {
   for (int t = 0; t <= static_cast<int>(IsaTier::kAmxBf16); ++t)
     if (name == TierName(static_cast<IsaTier>(t))) return static_cast<IsaTier>(t);
   throw std::invalid_argument("unknown ISA tier '" + name + "'; use scalar, avx2_fma, avx512f, avx512_bf16 or amx_bf16");
-}
-
-Act ParseAct(const std::string& name) {
-  if (name == "silu") return Act::kSilu;
-  if (name == "gelu") return Act::kGelu;
-  if (name == "gelu_tanh") return Act::kGeluTanh;
-  throw std::invalid_argument("unknown activation '" + name + "'; use silu, gelu or gelu_tanh");
 }
 
 using Bank = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -73,6 +67,7 @@ Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, i
 }  // namespace
 
 NB_MODULE(_cpu_ext, m) {
+  m.attr("ACTIVATIONS") = nb::tuple(nb::cast(std::vector<std::string>(std::begin(kActNames), std::end(kActNames))));
   m.doc() = "freetoken_jax CPU expert executor (C++).";
   m.def(
       "supported_tiers",

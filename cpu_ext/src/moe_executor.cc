@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <iterator>
+#include <stdexcept>
 
 #if defined(__linux__)
 #include <pthread.h>
@@ -121,6 +123,15 @@ inline float Activate(float g, Act act) {
 }
 
 }  // namespace
+
+Act ParseAct(const std::string& name) {
+  std::string known;
+  for (size_t i = 0; i < std::size(kActNames); ++i) {
+    if (name == kActNames[i]) return static_cast<Act>(i);
+    known += (i ? ", " : "") + std::string(kActNames[i]);
+  }
+  throw std::invalid_argument("unknown activation '" + name + "'; use one of " + known);
+}
 
 float MatrixScale(const void* bank, BankType type, int64_t e, int64_t rows, int64_t n) {
   if (type != BankType::kNvfp4) return 1.f;

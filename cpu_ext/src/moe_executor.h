@@ -23,7 +23,12 @@
 
 namespace freetoken {
 
+// The activations the executor computes, in enum order, by the names the Python side uses
+// (freetoken_jax/config.py ACTIVATIONS; the module exports this table and a test checks the two).
 enum class Act { kSilu, kGelu, kGeluTanh };
+inline constexpr const char* kActNames[] = {"silu", "gelu", "gelu_tanh"};
+// Parses a name of kActNames; throws std::invalid_argument listing them.
+Act ParseAct(const std::string& name);
 
 // A pool of worker threads (optionally pinned one per core) that runs `fn(task)` for
 // task in [0, n); the calling thread takes tasks too. `Run` returns once every task has run and

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.config import ACTIVATIONS, MoEModelConfig
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.quant.layout import ExpertLayout
 
@@ -24,13 +24,9 @@ _INIT = nnx.initializers.normal(0.02)
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
-    if name == "silu":
-        return jax.nn.silu
-    if name == "gelu":
-        return lambda x: jax.nn.gelu(x, approximate=False)
-    if name == "gelu_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    raise ValueError(f"unsupported activation {name!r}")
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; use one of {tuple(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
 
 
 class Linear(nnx.Module):

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from helpers import executor_reference as reference
 
+from freetoken_jax import _cpu_ext
+from freetoken_jax.config import ACTIVATIONS
 from freetoken_jax.runtime.cpu_executor import CpuExecutor, supported_tiers
 
 
@@ -23,7 +25,7 @@ def test_matches_float64(tier, dtype, T, H, F, E, N):
     weights = rng.random(N).astype(np.float32)
     ex = CpuExecutor(threads=3, max_tier=tier)
     assert ex.tier == (tier if tier != "amx_bf16" else "avx512_bf16")
-    for act in ("silu", "gelu", "gelu_tanh"):
+    for act in ACTIVATIONS:
         got = ex.run(x, tokens, experts, weights, gate, up, down, act)
         ref = reference(x, tokens, experts, weights, gate, up, down, F, act)
         if N == 0:
@@ -33,6 +35,11 @@ def test_matches_float64(tier, dtype, T, H, F, E, N):
         # bf16 dot products round the activations to bf16 too; every other tier is float32 math
         tol = 2e-2 if (tier in ("avx512_bf16", "amx_bf16") and dtype == ml_dtypes.bfloat16) else 2e-5
         assert err < tol, (tier, act, err)
+
+
+def test_one_table_of_activations():
+    """The executor computes exactly the activations the config accepts (same names)."""
+    assert _cpu_ext.ACTIVATIONS == tuple(ACTIVATIONS)
 
 
 def test_bad_input_raises():
@@ -54,7 +61,7 @@ def test_bad_input_raises():
         ex.run(x, [0], [0], [1.0], g.astype(np.float64), g, d)
     with pytest.raises(ValueError, match="share one dtype"):
         ex.run(x, [0], [0], [1.0], g, g.astype(ml_dtypes.bfloat16), d)
-    with pytest.raises(ValueError, match="activation"):
+    with pytest.raises(ValueError, match="activation 'relu'; use one of silu, gelu, gelu_tanh"):
         ex.run(x, [0], [0], [1.0], g, g, d, act="relu")
     with pytest.raises(ValueError):
         CpuExecutor(max_tier="sse9")
