@@ -3,7 +3,9 @@
 # on q4_0 experts, measure the CPU executor per format, then decode side by side at the shape of
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
-# Usage (device `run`, carry .whl): bash benchmarks/h200_quant.sh [decode|prefill|formats]...
+# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
+# lcpp-build|lcpp|capacity]... (lcpp-build: llama.cpp's llama-bench and the Q4_0 GGUF of the comparison, ≈ 4 min;
+# lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b preset, as many layers as RAM holds).
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
@@ -16,6 +18,21 @@ for what in "$@"; do
     bw) $B bw --json "$OUT/bw.json" 2>&1 | tail -40 ;;
     decode) $B decode $SHAPE --expert-format q4_0 --vram-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
     prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --vram-gb 2.2482 --prompt-len 2048 --chunk 2048 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | tail -8 ;;
+    lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1) &
+      mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
+      (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
+        timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?)
+      wait; tail -2 /tmp/gen.log; ls -la /tmp/q4.gguf ;;
+    lcpp) L=/tmp/lcpp/build/bin/llama-bench
+      $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
+      $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 | grep "^|" ;;
+    capacity) cap=$(python3 -c "import freetoken_jax, os; print(os.environ['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'])")  # GiB
+      n=$(python3 -c "print(min(94, int(($cap - 4) / (128 * 3 * 4096 * 1536 * 18 / 32 / 2**30))))")
+      echo "pinned cap $cap GiB of $(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo) GiB RAM: $n of 94 layers"
+      $B decode --preset qwen3-235b-a22b --layers $n --routing-skew 0 --prompt-len 16 --gen-len 32 --prompt-by-decode \
+        --expert-format q4_0 --vram-gb 64 --strategy hybrid offload --compile-workers 2 --json "$OUT/capacity.json" > "$OUT/capacity.log" 2>&1
+      echo "rc=$?"; grep -v "it/s\]" "$OUT/capacity.log" | tail -12 ;;
     formats) for f in q8_0 fp8 mxfp4 nvfp4; do
         s=$(python3 -c "print(round(847 * 3 * 768 * 2048 * {'q8_0': 34/32, 'fp8': 132/128, 'mxfp4': 17/32, 'nvfp4': 36/64}['$f'] / 1e9 + 5e-5, 4))")
         $B decode $SHAPE --expert-format $f --vram-gb $s --strategy hybrid offload --compile-workers 2 --json "$OUT/${f}_decode.json" 2>&1 | grep -v "it/s\]" | tail -4

@@ -2,13 +2,15 @@
 
 import os as _os
 
-# XLA caps pinned host allocations at XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (default 64): expert
-# banks may need more. Raise the cap to the machine's RAM unless the user set it; this takes
-# effect only if jax's GPU backend has not started yet.
+# XLA's pinned host pool (expert banks live there on a GPU) is a BFC allocator capped at
+# XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (default 64) that grows in regions of doubling size, each
+# pinned whole: past half the cap it pins up to the cap, whatever the banks need. Unless the
+# user set it, the cap becomes the machine's RAM less an eighth (at least 8 GiB) for the process
+# and the system; this takes effect only if jax's GPU backend has not started yet.
 if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in _os.environ and hasattr(_os, "sysconf"):
     try:
         _ram_gb = _os.sysconf("SC_PAGE_SIZE") * _os.sysconf("SC_PHYS_PAGES") // (1 << 30)
-        _os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(64, int(_ram_gb)))
+        _os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(max(1, _ram_gb - max(8, _ram_gb // 8)))
     except (ValueError, OSError):
         pass
 

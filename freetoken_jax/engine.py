@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
-from freetoken_jax.memory.budget import GB, device_memory_bytes, host_memory_available, plan_memory
+from freetoken_jax.memory.budget import GB, device_memory_bytes, host_memory_available, pinned_host_limit, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.quant.banks import quantize_params, quantizing
@@ -83,6 +83,13 @@ class FreeTokenEngine:
             if avail is not None and plan.all_experts_bytes > avail:
                 raise ConfigError(
                     f"the expert banks need {plan.all_experts_bytes / GB:.1f} GiB of host RAM but only {avail / GB:.1f} GiB is available"
+                )
+            cap = pinned_host_limit()
+            if cap is not None and plan.all_experts_bytes > cap:
+                raise ConfigError(
+                    f"the expert banks need {plan.all_experts_bytes / GB:.1f} GiB of pinned host memory, over XLA's cap of "
+                    f"{cap / GB:.0f} GiB: set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB higher (it must be set before jax starts; "
+                    "keep it below the RAM, since the pool may pin all of it)"
                 )
             place = host_bank_placer()
         graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)

@@ -69,6 +69,9 @@ Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, i
 NB_MODULE(_cpu_ext, m) {
   m.attr("ACTIVATIONS") = nb::tuple(nb::cast(std::vector<std::string>(std::begin(kActNames), std::end(kActNames))));
   m.doc() = "freetoken_jax CPU expert executor (C++).";
+  // Executors live as long as the process (one shared pool per thread count, referenced by the
+  // compiled steps' handoff registry): that they are still alive at exit is by design.
+  nb::set_leak_warnings(false);
   m.def(
       "supported_tiers",
       [] {

@@ -169,30 +169,38 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     scale[3 * i + 1] = MatrixScale(b.up, ty, expert_of[i], F, H);
     scale[3 * i + 2] = MatrixScale(b.down, ty, expert_of[i], H, F);
   }
+  // Rows r0..r0+rows of one matrix against a prepared vector, several at a time where the kernel can.
+  const DotRowsFn dot_rows = DotRowsFor(tier_, ty);
+  auto dots = [&](const uint8_t* row, int64_t stride, int64_t rows, const float* v, const uint8_t* prep, int64_t n, float* out) {
+    if (dot_rows) return dot_rows(row, stride, rows, v, prep, n, out);
+    for (int64_t r = 0; r < rows; ++r) out[r] = dot(row + r * stride, v, prep, n);
+  };
   // Phase 1: hidden[i, f] = act(gate_e[f] . x_t) * (up_e[f] . x_t), in chunks of rows.
-  const int64_t fchunk = 16, nf = (F + fchunk - 1) / fchunk;
+  constexpr int64_t fchunk = 16;
+  const int64_t nf = (F + fchunk - 1) / fchunk, hrow = RowBytes(ty, H), frow = RowBytes(ty, F);
   pool_.Run(items * nf, [&](int64_t task) {
     const int64_t i = task / nf, f0 = (task % nf) * fchunk, f1 = std::min(F, f0 + fchunk);
     const int64_t e = expert_of[i], t = token_of[i];
     const float* xt = x + t * H;
     const uint8_t* xpt = px ? xprep.data() + t * px : nullptr;
-    for (int64_t f = f0; f < f1; ++f) {
-      float g = scale[3 * i] * dot(BankRow(b.gate, ty, e, F, H, f), xt, xpt, H);
-      float u = scale[3 * i + 1] * dot(BankRow(b.up, ty, e, F, H, f), xt, xpt, H);
-      hidden[i * F + f] = Activate(g, act) * u;
-    }
+    float g[fchunk], u[fchunk];
+    dots(BankRow(b.gate, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, g);
+    dots(BankRow(b.up, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, u);
+    for (int64_t f = f0; f < f1; ++f)
+      hidden[i * F + f] = Activate(scale[3 * i] * g[f - f0], act) * scale[3 * i + 1] * u[f - f0];
   });
   if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, ty, hidden.data() + i * F, F, hprep.data() + i * ph); });
   // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
-  const int64_t hchunk = 16, nh = (H + hchunk - 1) / hchunk;
+  constexpr int64_t hchunk = 16;
+  const int64_t nh = (H + hchunk - 1) / hchunk;
   pool_.Run(nh, [&](int64_t task) {
     const int64_t h0 = task * hchunk, h1 = std::min(H, h0 + hchunk);
+    float d[hchunk];
     for (int64_t i = 0; i < items; ++i) {
       const int64_t e = expert_of[i], t = token_of[i];
       const float w = weight_of[i] * scale[3 * i + 2];
-      const float* hi = hidden.data() + i * F;
-      const uint8_t* hbi = ph ? hprep.data() + i * ph : nullptr;
-      for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * dot(BankRow(b.down, ty, e, H, F, h), hi, hbi, F);
+      dots(BankRow(b.down, ty, e, H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
+      for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0];
     }
   });
 }

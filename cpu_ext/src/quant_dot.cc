@@ -5,6 +5,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -429,96 +430,186 @@ __attribute__((target("avx512f,avx512bf16"))) float DotBf16Avx512Bf16(const uint
   return acc;
 }
 
-// int8 activations (Prepare) × q8_0 / q4_0 weights with VNNI: two blocks (64 weights) per
-// dpbusd. The prepared vector holds, per pair of blocks, the 64 int8 codes (natural order), the
-// 16 lanes' scales [d_a × 8, d_b × 8] and each lane's sum of its 4 codes; dpbusd multiplies
-// unsigned by signed bytes, so the weights go in offset (q4_0's codes 0..15 as stored, q8_0's
-// codes + 128) and the offset times the lane sums comes off.
-constexpr int64_t kPairBytes = 64 + 16 * 4 + 16 * 4;
-
-#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vnni,fma,f16c")))
-
-VNNI_TARGET inline __m512 PairScales(const uint8_t* wa, const uint8_t* wb, const uint8_t* p) {
-  uint16_t ha, hb;
-  std::memcpy(&ha, wa, 2);
-  std::memcpy(&hb, wb, 2);
-  const __m128 dw = _mm_cvtph_ps(_mm_insert_epi16(_mm_cvtsi32_si128(ha), hb, 1));
-  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  return _mm512_mul_ps(_mm512_permutexvar_ps(idx, _mm512_castps128_ps512(dw)), _mm512_loadu_ps(reinterpret_cast<const float*>(p + 64)));
+// int8 activations (Prepare) × 4- and 8-bit weights with VNNI (q8_0, q4_0, mxfp4, nvfp4), one
+// block of 32 weights per 256-bit dpbusd, four rows at a time (they share the activation loads and
+// the scale conversion). dpbusd multiplies unsigned by signed bytes, so the weights enter as
+// unsigned codes: q4_0's stored 0..15 (value + 8), q8_0's q + 128, and the e2m1 formats' doubled
+// values (−12..12) + 12 through a byte table. Prepare stores per block of 32 activations their
+// int8 codes in the order the kernel reads the weights, eight int32 lane sums times −offset (the
+// accumulator's start, which takes the offset back off), and the block's float scale.
+struct VnniPrep {
+  const int8_t* q;   // [nb, 32] codes
+  const int32_t* c;  // [nb, 8]  −offset × Σ codes of each group of 4
+  const float* d;    // [nb] activation scales
+};
+inline int64_t VnniPrepBytes(int64_t nb) { return nb * 68; }
+inline VnniPrep VnniView(const void* prep, int64_t nb) {
+  const int8_t* q = static_cast<const int8_t*>(prep);
+  const int32_t* c = reinterpret_cast<const int32_t*>(q + 32 * nb);
+  return {q, c, reinterpret_cast<const float*>(c + 8 * nb)};
 }
 
-VNNI_TARGET float DotQ4_0Vnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(prep);
-  const int64_t nb = n / 32, pairs = nb / 2;
-  __m512 acc = _mm512_setzero_ps();
-  const __m256i low = _mm256_set1_epi8(15);
-  for (int64_t i = 0; i < pairs; ++i, r += 36, p += kPairBytes) {
-    const __m256i raw = _mm256_set_m128i(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 20)),
-                                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 2)));  // [a | b]
-    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);  // [a_lo, b_lo, a_hi, b_hi]
-    w = _mm512_shuffle_i64x2(w, w, _MM_SHUFFLE(3, 1, 2, 0));            // [a_lo, a_hi, b_lo, b_hi]
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(p));
-    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(p + 128), 3));  // codes are q + 8
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), PairScales(r, r + 18, p), acc);
-  }
-  float s = _mm512_reduce_add_ps(acc);
-  if (nb % 2) {  // an odd last block: the first half of the last pair
-    const int8_t* q = reinterpret_cast<const int8_t*>(p);
-    int32_t dot = 0;
-    for (int j = 0; j < 16; ++j) dot += ((r[2 + j] & 15) - 8) * q[j] + ((r[2 + j] >> 4) - 8) * q[j + 16];
-    s += static_cast<float>(dot) * F16ToF32(r) * LoadF32(p + 64);
-  }
-  return s;
+#define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+VNNI_TARGET inline float Hsum(__m256 s) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-VNNI_TARGET float DotQ8_0Vnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
-  const uint8_t* p = static_cast<const uint8_t*>(prep);
-  const int64_t nb = n / 32, pairs = nb / 2;
-  __m512 acc = _mm512_setzero_ps();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t i = 0; i < pairs; ++i, r += 68, p += kPairBytes) {
-    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 2))),
-                                   _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 36)), 1);
-    w = _mm512_xor_si512(w, flip);  // q + 128, unsigned
-    __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(p));
-    dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(_mm512_loadu_si512(p + 128), 7));
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), PairScales(r, r + 34, p), acc);
+// 16 bytes of nibbles → 32 codes: byte j's low nibble at j, its high nibble at 16 + j.
+VNNI_TARGET inline __m256i Nibbles(const uint8_t* p) {
+  const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
+}
+
+// e2m1 codes → doubled value + 12 (0..24), a byte table for vpshufb.
+VNNI_TARGET inline __m256i E2m1Codes(__m256i nibbles) {
+  const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,  //
+                                       12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  return _mm256_shuffle_epi8(lut, nibbles);
+}
+
+// The four formats as the kernel sees them, per block of 32 weights: its bytes, its unsigned
+// codes, and (for R rows at once) each row's scale per lane times the activation scale d.
+struct Q4_0Vnni {
+  static constexpr int64_t kBytes = 18;
+  VNNI_TARGET static __m256i Codes(const uint8_t* b) { return Nibbles(b + 2); }
+};
+struct Q8_0Vnni {
+  static constexpr int64_t kBytes = 34;
+  VNNI_TARGET static __m256i Codes(const uint8_t* b) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_epi8(static_cast<char>(0x80)));
   }
-  float s = _mm512_reduce_add_ps(acc);
-  if (nb % 2) {
-    const int8_t *q = reinterpret_cast<const int8_t*>(p), *w = reinterpret_cast<const int8_t*>(r + 2);
-    int32_t dot = 0;
-    for (int j = 0; j < 32; ++j) dot += w[j] * q[j];
-    s += static_cast<float>(dot) * F16ToF32(r) * LoadF32(p + 64);
+};
+// f16 scales of R ≤ 4 rows' blocks: gathered into one register, converted once.
+template <int R>
+VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __m256* s) {
+  uint64_t h = 0;
+  for (int i = 0; i < R; ++i) {
+    uint16_t v;
+    std::memcpy(&v, b + i * stride, 2);
+    h |= static_cast<uint64_t>(v) << (16 * i);
   }
-  return s;
+  alignas(16) float f[4];
+  _mm_store_ps(f, _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h))), _mm_set1_ps(d)));
+  for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(f[i]);
+}
+struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
+  static constexpr int64_t kBytes = 17;
+  VNNI_TARGET static __m256i Codes(const uint8_t* b) { return E2m1Codes(Nibbles(b + 1)); }
+  template <int R>
+  VNNI_TARGET static void Scales(const uint8_t* b, int64_t stride, float d, __m256* s) {
+    for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(0.5f * E8m0(b[i * stride]) * d);
+  }
+};
+// nvfp4: 36-byte super-blocks of 64 weights, four e4m3 scales (one per 16) then four sub-blocks
+// of 8 bytes (low nibbles: weights 0..7, high: 8..15). A 32-weight block is two sub-blocks A, B:
+// its codes are [A 0..7, B 0..7, A 8..15, B 8..15] (Prepare stores activations in that order), so
+// lanes 0-1 and 4-5 take A's scale, 2-3 and 6-7 B's. `b` points at the block's first sub-block
+// and `sc` at its two scales.
+VNNI_TARGET inline __m256 Nvfp4Scale(const uint8_t* sc, float d) {
+  return _mm256_mul_ps(_mm256_blend_ps(_mm256_set1_ps(kE4m3.v[sc[0]]), _mm256_set1_ps(kE4m3.v[sc[1]]), 0xCC), _mm256_set1_ps(0.5f * d));
+}
+
+// The kernels walk R rows at once, more streams than the hardware prefetchers follow well (from
+// DRAM, four rows in step read at half the rate of one). The R rows after them are contiguous, so
+// each step prefetches its share of them as one stream: kBytes bytes from `p`.
+template <int64_t kBytes>
+VNNI_TARGET inline void PrefetchAhead(const uint8_t* p) {
+  for (int64_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + kBytes - 1), _MM_HINT_T0);
+}
+
+// Σ over a row's blocks for R rows (stride bytes apart) at once.
+template <class Fmt, int R>
+VNNI_TARGET inline void VnniRows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
+    const uint8_t* blk = r + b * Fmt::kBytes;
+    __m256 s[R];
+    if constexpr (std::is_same_v<Fmt, Mxfp4Vnni>) {
+      Fmt::template Scales<R>(blk, stride, p.d[b], s);
+    } else {
+      HalfScales<R>(blk, stride, p.d[b], s);
+    }
+    PrefetchAhead<R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);
+    for (int i = 0; i < R; ++i) {
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(blk + i * stride), q)), s[i], acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
+}
+
+template <int R>
+VNNI_TARGET inline void Nvfp4Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
+    const uint8_t* sb = r + (b / 2) * 36;  // the super-block
+    const int h = static_cast<int>(b % 2);
+    PrefetchAhead<R * 18>(r + R * stride + b * R * 18);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* row = sb + i * stride;
+      const __m256i w = E2m1Codes(Nibbles(row + 4 + 16 * h));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, w, q)), Nvfp4Scale(row + 2 * h, p.d[b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
+}
+
+template <class Fmt>
+VNNI_TARGET void DotRowsVnni(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
+  const int64_t nb = n / 32;
+  const VnniPrep p = VnniView(prep, nb);
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) {
+    if constexpr (std::is_same_v<Fmt, void>) Nvfp4Rows<4>(r + i * stride, stride, p, nb, out + i);
+    else VnniRows<Fmt, 4>(r + i * stride, stride, p, nb, out + i);
+  }
+  for (; i < rows; ++i) {
+    if constexpr (std::is_same_v<Fmt, void>) Nvfp4Rows<1>(r + i * stride, stride, p, nb, out + i);
+    else VnniRows<Fmt, 1>(r + i * stride, stride, p, nb, out + i);
+  }
+}
+template <class Fmt>
+VNNI_TARGET float DotVnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
+  float out;
+  DotRowsVnni<Fmt>(r, 0, 1, x, prep, n, &out);
+  return out;
 }
 #endif
 
-// x → int8 blocks of 32 in pairs (see kPairBytes); a missing second block of a pair is zeros.
-void PrepareQ8(const float* x, int64_t n, uint8_t* out) {
+// x → the VnniPrep of its blocks of 32: codes q = round(x / d), d = max|x| / 127 (halves away from
+// zero), in natural order or nvfp4's [0..7, 16..23, 8..15, 24..31]; lane sums times −offset.
+void PrepareQ8(const float* x, int64_t n, uint8_t* out, int offset, bool nvfp4_order) {
   const int64_t nb = n / 32;
-  std::memset(out, 0, static_cast<size_t>((nb + 1) / 2 * kPairBytes));
+  int8_t* qs = reinterpret_cast<int8_t*>(out);
+  int32_t* cs = reinterpret_cast<int32_t*>(out + 32 * nb);
+  float* ds = reinterpret_cast<float*>(cs + 8 * nb);
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    uint8_t* p = out + (b / 2) * kPairBytes;
-    const int half = static_cast<int>(b % 2);
-    int8_t* q = reinterpret_cast<int8_t*>(p) + 32 * half;
-    for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::lround(xb[j] * id));  // halves away from zero
-    for (int l = 0; l < 8; ++l) {
-      std::memcpy(p + 64 + 4 * (8 * half + l), &d, 4);
-      const int32_t sum = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
-      std::memcpy(p + 128 + 4 * (8 * half + l), &sum, 4);
+    int8_t* q = qs + 32 * b;
+    for (int j = 0; j < 32; ++j) {
+      const int src = nvfp4_order ? (j & 7) + ((j >> 3) & 1) * 16 + (j >> 4) * 8 : j;
+      q[j] = static_cast<int8_t>(std::lround(xb[src] * id));
     }
+    for (int l = 0; l < 8; ++l) cs[8 * b + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
+    ds[b] = d;
   }
 }
 
 inline bool UsesVnni(IsaTier tier, BankType type) {
-  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && (type == BankType::kQ4_0 || type == BankType::kQ8_0);
+  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) &&
+         (type == BankType::kQ4_0 || type == BankType::kQ8_0 || type == BankType::kMxfp4 || type == BankType::kNvfp4);
 }
 inline bool UsesBf16Dot(IsaTier tier, BankType type) {
   return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type == BankType::kBF16;
@@ -534,7 +625,7 @@ constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0
 
 int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
 #ifdef FREETOKEN_X86
-  if (UsesVnni(tier, type)) return (n / 32 + 1) / 2 * kPairBytes;
+  if (UsesVnni(tier, type)) return VnniPrepBytes(n / 32);
   if (UsesBf16Dot(tier, type)) return 2 * n;
 #endif
   (void)tier, (void)type, (void)n;
@@ -543,7 +634,10 @@ int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
 
 void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out) {
 #ifdef FREETOKEN_X86
-  if (UsesVnni(tier, type)) return PrepareQ8(x, n, out);
+  if (UsesVnni(tier, type)) {
+    const int offset = type == BankType::kQ4_0 ? 8 : type == BankType::kQ8_0 ? 128 : 12;
+    return PrepareQ8(x, n, out, offset, type == BankType::kNvfp4);
+  }
   if (UsesBf16Dot(tier, type)) {
     for (int64_t i = 0; i < n; ++i) {  // round to nearest even
       uint32_t u;
@@ -563,8 +657,10 @@ DotFn DotFor(IsaTier tier, BankType type) {
   switch (tier) {
     case IsaTier::kAmxBf16:
     case IsaTier::kAvx512Bf16:
-      if (type == BankType::kQ4_0) return DotQ4_0Vnni;
-      if (type == BankType::kQ8_0) return DotQ8_0Vnni;
+      if (type == BankType::kQ4_0) return DotVnni<Q4_0Vnni>;
+      if (type == BankType::kQ8_0) return DotVnni<Q8_0Vnni>;
+      if (type == BankType::kMxfp4) return DotVnni<Mxfp4Vnni>;
+      if (type == BankType::kNvfp4) return DotVnni<void>;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];
@@ -576,6 +672,25 @@ DotFn DotFor(IsaTier tier, BankType type) {
 #endif
   (void)tier;
   return kScalar[t];
+}
+
+DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
+#ifdef FREETOKEN_X86
+  if (UsesVnni(tier, type)) {
+    switch (type) {
+      case BankType::kQ4_0:
+        return DotRowsVnni<Q4_0Vnni>;
+      case BankType::kQ8_0:
+        return DotRowsVnni<Q8_0Vnni>;
+      case BankType::kMxfp4:
+        return DotRowsVnni<Mxfp4Vnni>;
+      default:
+        return DotRowsVnni<void>;  // nvfp4
+    }
+  }
+#endif
+  (void)tier, (void)type;
+  return nullptr;
 }
 
 }  // namespace freetoken

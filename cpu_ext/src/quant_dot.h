@@ -40,11 +40,17 @@ inline bool RowFits(BankType type, int64_t n) {
 // read it (null where PrepBytes is 0). An nvfp4 row leaves out its matrix's float32 scale.
 using DotFn = float (*)(const uint8_t* row, const float* x, const void* prep, int64_t n);
 DotFn DotFor(IsaTier tier, BankType type);
+// out[i] = row i · x for `rows` rows `stride` bytes apart (rows of one matrix), where a kernel
+// computes several rows at once (sharing loads of x and scale conversions); null where the tier
+// and type have only the single-row kernel.
+using DotRowsFn = void (*)(const uint8_t* row, int64_t stride, int64_t rows, const float* x, const void* prep, int64_t n, float* out);
+DotRowsFn DotRowsFor(IsaTier tier, BankType type);
 
 // What some kernels read instead of (or beside) the float32 vector, made once per vector: the
-// bf16 dot tier reads x rounded to bf16; the VNNI kernels of q8_0 / q4_0 (tier avx512_bf16 and
-// up) read x quantized to int8 per block of 32 as llama.cpp does (d = max|x| / 127, q = round(x / d)),
-// so their sums are those of x dequantized from those blocks. 0 bytes: the kernel reads x alone.
+// bf16 dot tier reads x rounded to bf16; the VNNI kernels of q8_0 / q4_0 / mxfp4 / nvfp4 (tier
+// avx512_bf16 and up) read x quantized to int8 per block of 32 as llama.cpp does (d = max|x| / 127,
+// q = round(x / d)), so their sums are those of x dequantized from those blocks. 0 bytes: the
+// kernel reads x alone.
 int64_t PrepBytes(IsaTier tier, BankType type, int64_t n);
 void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out);
 

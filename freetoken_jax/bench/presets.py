@@ -11,6 +11,11 @@ PRESETS: dict[str, MoEModelConfig | None] = {
         top_k=8, num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, rope_theta=1e6, family="qwen3_moe",
         max_position_embeddings=40960,
     ),
+    "qwen3-235b-a22b": MoEModelConfig(
+        vocab_size=151936, hidden_dim=4096, intermediate_dim=12288, moe_intermediate_dim=1536, num_layers=94, num_experts=128,
+        top_k=8, num_heads=64, num_kv_heads=4, head_dim=128, qk_norm=True, rope_theta=1e6, family="qwen3_moe",
+        max_position_embeddings=40960,
+    ),
     "deepseek-v2-lite": MoEModelConfig(
         vocab_size=102400, hidden_dim=2048, intermediate_dim=10944, moe_intermediate_dim=1408, num_layers=27, num_experts=64,
         top_k=6, attention="mla", num_heads=16, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,

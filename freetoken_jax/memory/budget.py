@@ -104,6 +104,19 @@ def plan_memory(
     return MemoryPlan(ecfg.moe_strategy.value, dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
 
 
+def pinned_host_limit() -> int | None:
+    """The cap on XLA's pinned host pool (`XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB`, freetoken_jax's
+    `__init__` sets its default) in bytes, where banks go to pinned host memory (a GPU); None on
+    the CPU backend, whose banks are ordinary host memory."""
+    import os
+
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    return int(os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "64")) * GB
+
+
 def host_memory_available() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), in bytes; None where unknown."""
     try:

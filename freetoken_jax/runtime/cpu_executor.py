@@ -9,6 +9,8 @@ it the bank) is kept alive by the caller for the duration of the call.
 
 from __future__ import annotations
 
+import os
+
 import ml_dtypes
 import numpy as np
 
@@ -111,16 +113,27 @@ def hybrid_threads() -> int:
     return max(1, n // 2, n - 3)
 
 
-_SHARED: dict[int, CpuExecutor] = {}
+def max_tier() -> str:
+    """The highest ISA tier the engine's executors may use: FREETOKEN_CPU_TIER if set, else
+    "amx_bf16" (the best this CPU has). From "avx512_bf16" up, q8_0 / q4_0 / mxfp4 / nvfp4 experts
+    multiply activations rounded to int8 blocks (as llama.cpp does) and bf16 experts activations
+    rounded to bf16; "avx512f" keeps every activation in float32 (slower)."""
+    tier = os.environ.get("FREETOKEN_CPU_TIER", "amx_bf16")
+    if tier not in TIERS:
+        raise ValueError(f"FREETOKEN_CPU_TIER must be one of {TIERS}, got {tier!r}")
+    return tier
+
+
+_SHARED: dict[tuple[int, str], CpuExecutor] = {}
 
 
 def shared_executor(threads: int | None = None) -> CpuExecutor:
-    """One executor (one thread pool) per thread count for the whole process; default
-    `default_threads()`."""
-    n = threads or default_threads()
-    if n not in _SHARED:
-        _SHARED[n] = CpuExecutor(n)
-    return _SHARED[n]
+    """One executor (one thread pool) per thread count and `max_tier()` for the whole process;
+    default `default_threads()`."""
+    key = (threads or default_threads(), max_tier())
+    if key not in _SHARED:
+        _SHARED[key] = CpuExecutor(*key)
+    return _SHARED[key]
 
 
 class CpuExecutor:
