@@ -149,6 +149,8 @@ MoeExecutor::MoeExecutor(int threads, IsaTier max_tier, bool pin) : pool_(thread
   if (tier_ == IsaTier::kAmxBf16) tier_ = IsaTier::kAvx512Bf16;  // no AMX kernel: the bf16 dot is the top tier
 }
 
+constexpr int64_t kMaxChunk = 128;  // rows a task reads of one matrix, at most
+
 void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, const int32_t* expert_of, const float* weight_of, int64_t items,
                       const Banks& b, Act act, float* out) {
   if (items == 0) return;
@@ -175,15 +177,24 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     if (dot_rows) return dot_rows(row, stride, rows, v, prep, n, out);
     for (int64_t r = 0; r < rows; ++r) out[r] = dot(row + r * stride, v, prep, n);
   };
+  // A task reads a run of rows of one matrix: at least 16, and about 32 KB of them, so that each
+  // stream is long enough for the prefetchers (quantized rows are short); fewer rows where that
+  // would leave threads without a task.
+  const int threads = pool_.size();
+  auto rows_per_task = [&](int64_t row_bytes, int64_t rows, int64_t parallel) {
+    int64_t c = std::min<int64_t>(kMaxChunk, std::max<int64_t>(16, (32768 / row_bytes + 3) / 4 * 4));
+    while (c > 16 && parallel * ((rows + c - 1) / c) < 2 * threads) c = std::max<int64_t>(16, c / 2 / 4 * 4);
+    return c;
+  };
   // Phase 1: hidden[i, f] = act(gate_e[f] . x_t) * (up_e[f] . x_t), in chunks of rows.
-  constexpr int64_t fchunk = 16;
-  const int64_t nf = (F + fchunk - 1) / fchunk, hrow = RowBytes(ty, H), frow = RowBytes(ty, F);
+  const int64_t hrow = RowBytes(ty, H), frow = RowBytes(ty, F);
+  const int64_t fchunk = rows_per_task(hrow, F, items), nf = (F + fchunk - 1) / fchunk;
   pool_.Run(items * nf, [&](int64_t task) {
     const int64_t i = task / nf, f0 = (task % nf) * fchunk, f1 = std::min(F, f0 + fchunk);
     const int64_t e = expert_of[i], t = token_of[i];
     const float* xt = x + t * H;
     const uint8_t* xpt = px ? xprep.data() + t * px : nullptr;
-    float g[fchunk], u[fchunk];
+    float g[kMaxChunk], u[kMaxChunk];
     dots(BankRow(b.gate, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, g);
     dots(BankRow(b.up, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, u);
     for (int64_t f = f0; f < f1; ++f)
@@ -191,11 +202,10 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   });
   if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, ty, hidden.data() + i * F, F, hprep.data() + i * ph); });
   // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
-  constexpr int64_t hchunk = 16;
-  const int64_t nh = (H + hchunk - 1) / hchunk;
+  const int64_t hchunk = rows_per_task(frow, H, 1), nh = (H + hchunk - 1) / hchunk;
   pool_.Run(nh, [&](int64_t task) {
     const int64_t h0 = task * hchunk, h1 = std::min(H, h0 + hchunk);
-    float d[hchunk];
+    float d[kMaxChunk];
     for (int64_t i = 0; i < items; ++i) {
       const int64_t e = expert_of[i], t = token_of[i];
       const float w = weight_of[i] * scale[3 * i + 2];

@@ -168,5 +168,13 @@ def test_host_memory_is_checked(monkeypatch):
     cfg = MoEModelConfig(
         vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
     )
+    ecfg = EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="offload", expert_slots=4)
     with pytest.raises(ConfigError, match="host RAM"):
-        FreeTokenEngine(cfg, EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="offload", expert_slots=4))
+        FreeTokenEngine(cfg, ecfg)
+    # On a GPU the banks also have to fit XLA's pinned pool: its cap is checked the same way.
+    monkeypatch.setattr(engine_mod, "host_memory_available", lambda: 1 << 40)
+    monkeypatch.setattr(engine_mod, "pinned_host_limit", lambda: 1000)
+    with pytest.raises(ConfigError, match="XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"):
+        FreeTokenEngine(cfg, ecfg)
+    monkeypatch.setattr(engine_mod, "pinned_host_limit", lambda: 1 << 40)
+    FreeTokenEngine(cfg, ecfg)  # both checks pass: the engine is built
