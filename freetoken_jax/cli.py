@@ -4,6 +4,7 @@ server's cache). Benchmarks are `python -m freetoken_jax.bench`; conversion `pyt
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -49,6 +50,7 @@ def cmd_serve(args) -> int:
     from freetoken_jax.scheduler.scheduler import Scheduler
     from freetoken_jax.server.grpc_service import serve_grpc
     from freetoken_jax.server.http import serve_http
+    from freetoken_jax.server.schemas import Limits
     from freetoken_jax.server.service import Service
 
     ecfg = EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=args.max_batch, moe_strategy=args.strategy,
@@ -59,9 +61,17 @@ def cmd_serve(args) -> int:
     sched = Scheduler(engine, max_queue=args.max_queue)
     if not args.no_warm_up:  # the ports open once the steps serving runs are compiled
         sched.warm_up(workers=args.warm_up_workers)
-    service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path)
-    httpd = serve_http(service, args.host, args.port)
-    grpc_server, gport = serve_grpc(service, args.host, args.grpc_port) if args.grpc_port >= 0 else (None, None)
+    template = None
+    if args.chat_template:
+        template = open(args.chat_template).read() if os.path.isfile(args.chat_template) else args.chat_template
+    service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path, template)
+    api_key = args.api_key or os.environ.get("FREETOKEN_API_KEY") or None
+    limits = Limits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout)
+    httpd = serve_http(service, args.host, args.port, limits=limits, api_key=api_key, admin_key=args.admin_key, log_prompts=args.log_prompts,
+                       allowed_origins=[o for o in (args.allowed_origins or "").split(",") if o], max_connections=args.max_connections)  # fmt: skip
+    grpc_server, gport = (
+        serve_grpc(service, args.host, args.grpc_port, api_key=api_key, limits=limits) if args.grpc_port >= 0 else (None, None)
+    )
     print(f"HTTP on http://{args.host}:{httpd.server_address[1]} (OpenAI /v1/chat/completions, Anthropic /v1/messages)", file=sys.stderr)
     if grpc_server is not None:
         print(f"gRPC on {args.host}:{gport}", file=sys.stderr)
@@ -128,15 +138,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
     v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC", parents=[compiled])
     v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
-    v.add_argument("--served-name", default=None, help="the model id clients send (default: the directory name)")
+    v.add_argument("--served-model-name", "--served-name", dest="served_name", default=None,
+                   help="the model id clients send (default: the directory name)")  # fmt: skip
     v.add_argument("--host", default="127.0.0.1")
     v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--api-key", default=None, help="key every route but /health asks for (default: $FREETOKEN_API_KEY; none: open)")
+    v.add_argument("--admin-key", default=None, help="key of /v1/cache/* (default: --api-key; neither: loopback clients only)")
+    v.add_argument("--allowed-origins", default=None, help="comma-separated browser origins allowed (CORS); others are refused")
+    v.add_argument("--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) over the model's")
+    v.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body")
+    v.add_argument("--max-connections", type=int, default=512, help="open connections before new ones get 503")
+    v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a non-streaming request may take")
+    v.add_argument("--log-prompts", action="store_true", help="log request bodies (prompts) beside the per-request line")
     v.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC")
     v.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES)
     v.add_argument("--hybrid-q", type=float, default=0.35, help="hybrid: share of missed experts fetched over PCIe (q* = Bp / (Bp + Bh))")
     v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
     v.add_argument("--expert-slots", type=int, default=None)
-    v.add_argument("--max-batch", type=int, default=4, help="requests decoded together")
+    v.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=4, help="requests decoded together")
     v.add_argument(
         "--max-running",
         type=int,
@@ -146,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warm-up", action="store_true", help="compile steps when first needed instead of before serving")
     v.add_argument("--warm-up-workers", type=int, default=4, help="threads compiling the steps before serving")
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
-    v.add_argument("--max-context", type=int, default=4096)
+    v.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=4096)
     v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     v.set_defaults(fn=cmd_serve)
     c = sub.add_parser("ctl", help="control a running server")

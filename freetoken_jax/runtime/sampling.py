@@ -8,10 +8,12 @@ output does not depend on what else is in the batch.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 class RequestError(ValueError):
@@ -46,8 +48,12 @@ class GenerationParams:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({self.max_new_tokens}) = {total} exceeds the configured "
                 f"context of {max_context} tokens (EngineConfig.max_context)"
             )
-        if not (self.temperature >= 0 and 0 < self.top_p <= 1 and self.top_k >= 0):  # NaN fails too
-            raise RequestError("need temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if not (0 <= self.temperature < math.inf and 0 < self.top_p <= 1 and 0 <= self.top_k <= vocab_size):  # NaN fails too
+            raise RequestError(f"need 0 <= temperature < inf, 0 < top_p <= 1 and 0 <= top_k <= {vocab_size} (the vocabulary)")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"stop token ids out of range [0, {vocab_size}): {bad[:8]}")
+        sampling_row(self)  # every value fits the step's arrays
         return ids
 
     def stop_set(self, eos_token_ids: Iterable[int]) -> frozenset:
@@ -70,15 +76,24 @@ class Sampling:
         return cls(jnp.zeros(batch, jnp.uint32), jnp.zeros(batch, jnp.float32), jnp.zeros(batch, jnp.int32), jnp.ones(batch, jnp.float32))
 
 
-def sampling_rows(ps: Sequence[GenerationParams | None]) -> Sampling:
-    """Per-row sampling arrays; rows without a request (None) are greedy."""
-    ps = [p or GenerationParams() for p in ps]
-    return Sampling(
-        jnp.asarray([p.seed for p in ps], jnp.uint32),
-        jnp.asarray([p.temperature for p in ps], jnp.float32),
-        jnp.asarray([p.top_k for p in ps], jnp.int32),
-        jnp.asarray([p.top_p for p in ps], jnp.float32),
-    )
+SamplingRow = tuple  # (seed, temperature, top_k, top_p) as the step's dtypes take them
+
+
+def sampling_row(p: GenerationParams | None) -> SamplingRow:
+    """One row of the sampling arrays (None: greedy); raises where a value does not fit its
+    dtype, so that a request is refused before it shares a step with others."""
+    p = p or GenerationParams()
+    seed, top_k = int(p.seed), int(p.top_k)
+    if not (0 <= seed < 1 << 32 and 0 <= top_k < 1 << 31):
+        raise RequestError(f"seed must be in [0, 2^32) and top_k in [0, 2^31), got {seed} and {top_k}")
+    return (np.uint32(seed), np.float32(p.temperature), np.int32(top_k), np.float32(p.top_p))
+
+
+def sampling_rows(rows: Sequence[SamplingRow | GenerationParams | None]) -> Sampling:
+    """Per-row sampling arrays from rows made by `sampling_row` (or parameters, or None:
+    greedy)."""
+    rows = [r if isinstance(r, tuple) else sampling_row(r) for r in rows]
+    return Sampling(*(jnp.asarray(np.array([r[j] for r in rows])) for j in range(4)))
 
 
 def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B) -> jax.Array:

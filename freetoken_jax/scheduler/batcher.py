@@ -31,7 +31,7 @@ import numpy as np
 from freetoken_jax.memory.kv_pages import OutOfPages
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.runner import ModelRunner, RebuildFailed
-from freetoken_jax.runtime.sampling import GenerationParams, RequestError, sampling_rows
+from freetoken_jax.runtime.sampling import GenerationParams, RequestError, sampling_row, sampling_rows
 from freetoken_jax.runtime.steps import DecodeBatch, PrefillBatch
 from freetoken_jax.scheduler.radix import RadixCache
 
@@ -68,9 +68,19 @@ class RequestHandle:
         self.generated: list[int] = []
         self.prefix_hit_tokens = 0
         self.finished = False  # set by the batcher when its last event is queued
+        self.sampling = None  # its row of the sampling arrays, made when admitted
+        self.notify = None  # called (on the loop thread) after each event is queued, if set
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def put(self, ev: Event) -> None:
+        self.queue.put(ev)
+        if self.notify is not None:
+            try:
+                self.notify()
+            except RuntimeError:  # the front end's event loop has closed: the queue still holds the event
+                pass
 
     def events(self, timeout: float | None = None):
         while True:
@@ -237,6 +247,14 @@ class Batcher:
                 if not self.waiting:
                     return
                 h = self.waiting[0]
+            try:  # what the request brings into the shared step: its failure is its own
+                h.sampling = sampling_row(h.params)
+                stops = h.params.stop_set(self.runner.model_config.eos_token_ids)
+            except Exception as e:  # noqa: BLE001
+                with self.lock:
+                    self.waiting.popleft()
+                self._finish(h, Event("error", message=f"bad request parameters: {type(e).__name__}: {e}"))
+                continue
             nodes = self.radix.match(h.prompt, max_pages=(len(h.prompt) - 1) // self.page_size) if self.radix else []
             cached = [n.page for n in nodes]
             need = pages.pages_for(len(h.prompt) + h.params.max_new_tokens) - len(cached)
@@ -257,8 +275,7 @@ class Batcher:
             self.metrics["requests"] += 1
             self.metrics["prefix_hit_tokens"] += hit
             self.metrics["prompt_tokens"] += len(h.prompt)
-            self.rows[row] = _Row(h, cached + own, nodes, hit, h.params.stop_set(self.runner.model_config.eos_token_ids),
-                                  decoding=self.prompt_by_decode)  # fmt: skip
+            self.rows[row] = _Row(h, cached + own, nodes, hit, stops, decoding=self.prompt_by_decode)
             self.table[row] = 0
             self.table[row, : len(cached) + len(own)] = cached + own
 
@@ -275,7 +292,7 @@ class Batcher:
         segs = [r.handle.prompt[r.start : r.start + T] for r in rows]
         table = np.zeros((Bp, self.table.shape[1]), np.int32)
         table[: len(idx)] = self.table[idx]
-        sampling = sampling_rows([r.handle.params for r in rows] + [None] * (Bp - len(rows)))
+        sampling = sampling_rows([r.handle.sampling for r in rows] + [None] * (Bp - len(rows)))
         first = self.runner.prefill(PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling))
         ends = np.full(Bp, self.B, np.int32)  # rows whose prompt this chunk ends (padding: B, dropped)
         lengths = np.zeros(Bp, np.int32)
@@ -345,7 +362,7 @@ class Batcher:
         if self._batch_key != key:
             self._batch_key = key
             self._batch = DecodeBatch(
-                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.params if r else None for r in self.rows])
+                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.sampling if r else None for r in self.rows])
             )
         return self._batch
 
@@ -354,7 +371,7 @@ class Batcher:
         h = r.handle
         h.generated.append(token)
         self.metrics["generated_tokens"] += 1
-        h.queue.put(Event("token", token=token))
+        h.put(Event("token", token=token))
         reason = "stop" if token in r.stops else "length" if len(h.generated) >= h.params.max_new_tokens else None
         if reason:
             self._done(h, reason)
@@ -368,7 +385,7 @@ class Batcher:
     @staticmethod
     def _finish(h: RequestHandle, ev: Event) -> None:
         h.finished = True
-        h.queue.put(ev)
+        h.put(ev)
 
     def _release(self, i: int, cache_prefix: bool) -> None:
         r = self.rows[i]

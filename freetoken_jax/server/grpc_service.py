@@ -10,28 +10,31 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import secrets
 from concurrent import futures
 
 import grpc
 
 from freetoken_jax.server.pb import freetoken_pb2 as pb
 from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
+from freetoken_jax.server.schemas import Limits
 from freetoken_jax.server.service import ApiError, Service
 
-_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED}
+_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
 
 
 class FreeTokenServicer(pb_grpc.FreeTokenServicer):
-    def __init__(self, service: Service):
-        self.s = service
+    def __init__(self, service: Service, limits: Limits):
+        self.s, self.limits = service, limits
 
     def _abort(self, context, e: ApiError):
         context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
 
     def Generate(self, request, context):  # noqa: N802
-        s = self.s
+        s, limits = self.s, self.limits
         try:
-            s.check_model({"model": request.model or None})
+            s.check_model(request.model or None)
             which = request.WhichOneof("input")
             if which == "text":
                 ids = s.encode(request.text)
@@ -47,6 +50,8 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
                 body["seed"] = int(sp.seed)
             params = s.params(body, int(request.max_new_tokens))
             params = dataclasses.replace(params, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+            if len(request.stop) > limits.max_stops or any(len(x) > limits.max_stop_chars for x in request.stop):
+                raise ApiError(400, f"at most {limits.max_stops} stop strings of at most {limits.max_stop_chars} characters each")
             handle = s.submit(ids, params)
         except ApiError as e:
             self._abort(context, e)
@@ -59,7 +64,7 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
                 try:
                     text = next(gen)
                 except StopIteration as stop:
-                    finish, _, usage = stop.value
+                    finish, usage = stop.value.finish, stop.value.usage
                     break
                 new = handle.generated[sent:]
                 sent = len(handle.generated)
@@ -111,10 +116,41 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
         return pb.ListModelsResponse(models=[pb.Model(id=self.s.model_name, strategy=self.s.engine.engine_config.moe_strategy.value)])
 
 
-def serve_grpc(service: Service, host: str = "127.0.0.1", port: int = 50051, workers: int = 32) -> tuple[grpc.Server, int]:
-    """Starts the gRPC server; returns it and the bound port (`port=0` picks a free one)."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
-    pb_grpc.add_FreeTokenServicer_to_server(FreeTokenServicer(service), server)
+class _KeyCheck(grpc.ServerInterceptor):
+    """Asks every call but Health for `authorization: Bearer KEY` (or `x-api-key`) metadata."""
+
+    def __init__(self, key: str):
+        self.key = key
+
+        def deny(request, context):
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is needed (metadata authorization: Bearer KEY)")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    def intercept_service(self, continuation, details):
+        if details.method.endswith("/Health"):
+            return continuation(details)
+        md = dict(details.invocation_metadata)
+        auth = md.get("authorization", "")
+        given = auth[7:].strip() if auth.lower().startswith("bearer ") else md.get("x-api-key")
+        if given and secrets.compare_digest(given, self.key):
+            return continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+
+
+def serve_grpc(service: Service, host: str = "127.0.0.1", port: int = 50051, workers: int = 32, *, api_key: str | None = None,
+               limits: Limits | None = None) -> tuple[grpc.Server, int]:  # fmt: skip
+    """Starts the gRPC server; returns it and the bound port (`port=0` picks a free one).
+    `api_key`: asked of every call but Health; `limits`: the HTTP server's (message size, stops)."""
+    limits = limits or Limits()
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=workers),
+        interceptors=[_KeyCheck(api_key)] if api_key else [],
+        options=[("grpc.max_receive_message_length", limits.max_body_bytes)],
+        maximum_concurrent_rpcs=workers * 8,
+    )
+    pb_grpc.add_FreeTokenServicer_to_server(FreeTokenServicer(service, limits), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     server.start()
     return server, bound

@@ -1,299 +1,511 @@
-"""A thin OpenAI/Anthropic-compatible HTTP front end over the scheduler.
+"""The OpenAI/Anthropic-compatible HTTP front end: FastAPI routes served by uvicorn.
 
-Routes: `GET /health`, `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`
-(OpenAI, with SSE streaming and usage), `POST /v1/messages` and `POST /v1/messages/count_tokens`
-(Anthropic, streaming events as Anthropic's API sends them), `GET /v1/metrics`. Each request is
-served on its own thread (stdlib `ThreadingHTTPServer`); generation goes through the
-`Scheduler`, so concurrent requests are batched. Errors use each API's own error shape. A client
-that disconnects mid-stream cancels its request, which frees its KV pages at the next step.
+Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` and
+`POST /v1/chat/completions` (OpenAI, SSE streaming with usage), `POST /v1/messages` and
+`POST /v1/messages/count_tokens` (Anthropic), `POST /tokenize`, `POST /detokenize` (vLLM's),
+`GET /metrics` (Prometheus), `GET /v1/metrics` (JSON), and the admin routes `GET /v1/cache/status`,
+`POST /v1/cache/rebuild`.
+
+Every error that can be known before generation (a body that is not valid JSON or fails its
+model in `schemas.py`, a prompt over the context, a full queue, a resize, a key) is answered with
+its status before a stream starts, in the API's own error shape; an error during a stream ends it
+with the API's error event (OpenAI: an `error` object then `[DONE]`; Anthropic: `event: error`).
+A client that goes away cancels its request, streaming or not, which frees its KV pages at the
+next step. `Guard` (outermost, pure ASGI) checks keys, origins, content types and body sizes and
+writes one log line per request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import queue
 import secrets
+import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Sequence
 
-from freetoken_jax.server.service import ApiError, Service, _num, _stops
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from freetoken_jax.server import schemas as S
+from freetoken_jax.server.metrics import ServerMetrics
+from freetoken_jax.server.service import ApiError, Output, Service
 from freetoken_jax.server.text import message_text, render_chat
 
+log = logging.getLogger("freetoken_jax.http")
 
-class Handler(BaseHTTPRequestHandler):
-    service: Service
-    protocol_version = "HTTP/1.1"
-    server_version = "freetoken_jax"
+_ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
+_ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+           "/tokenize", "/detokenize", "/v1/metrics", "/v1/cache/status", "/v1/cache/rebuild")  # fmt: skip
 
-    def log_message(self, fmt, *args):  # quiet by default
-        pass
 
-    # plumbing -------------------------------------------------------------------------------------
-    def _anthropic(self) -> bool:
-        return self.path.startswith("/v1/messages")
+def _is_anthropic(path: str) -> bool:
+    return path.startswith("/v1/messages")
 
-    def _send_json(self, status: int, obj) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
 
-    def _error(self, e: ApiError) -> None:
-        if self._anthropic():
-            kind = {"overloaded_error": "overloaded_error", "not_found_error": "not_found_error", "api_error": "api_error"}.get(
-                e.kind, "invalid_request_error"
-            )
-            self._send_json(
-                529 if e.kind == "overloaded_error" else e.status, {"type": "error", "error": {"type": kind, "message": e.message}}
-            )
-        else:
-            self._send_json(e.status, {"error": {"message": e.message, "type": e.kind, "param": None, "code": None}})
+def error_body(path: str, e: ApiError) -> dict:
+    if _is_anthropic(path):
+        kind = "overloaded_error" if e.kind == "overloaded_error" else _ANTHROPIC_KINDS.get(e.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": e.message}}
+    return {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}}
 
-    def _body(self) -> dict:
-        n = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(n) if n else b""
+
+def error_response(path: str, e: ApiError) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after)} if e.retry_after else None
+    return JSONResponse(error_body(path, e), e.status, headers=headers)
+
+
+# Guard: keys, origins, content types, body size, the request log -----------------------------------
+class Guard:
+    """Pure ASGI middleware around the app (no response buffering, so streams and disconnects
+    pass through). `api_key` is asked of every route but `/health`; the admin routes
+    (`/v1/cache/*`) ask `admin_key`, else `api_key`, else a loopback client. A request from an
+    `Origin` not in `allowed_origins` is refused (browsers send it with every cross-origin
+    request: a page elsewhere cannot drive this server), and so is a POST that is not JSON."""
+
+    def __init__(self, app, *, limits: S.Limits, metrics: ServerMetrics, api_key=None, admin_key=None, allowed_origins=()):
+        self.app, self.limits, self.metrics = app, limits, metrics
+        self.api_key, self.admin_key, self.origins = api_key, admin_key, set(allowed_origins)
+
+    @staticmethod
+    def _key(headers: dict) -> str | None:
+        auth = headers.get("authorization", "")
+        return auth[7:].strip() if auth.lower().startswith("bearer ") else headers.get("x-api-key")
+
+    def _check(self, scope, headers: dict) -> None:
+        path, method = scope["path"], scope["method"]
+        origin = headers.get("origin")
+        if origin is not None and origin not in self.origins:
+            raise ApiError(403, f"requests from origin {origin!r} are not allowed (serve --allowed-origins)", "permission_error")
+        given = self._key(headers)
+        if path.startswith("/v1/cache/"):
+            want = self.admin_key or self.api_key
+            if want is None and (scope.get("client") or ("",))[0] not in ("127.0.0.1", "::1", "localhost"):
+                raise ApiError(403, "the admin routes answer loopback clients only unless serve --admin-key is set", "permission_error")
+            if want is not None and not (given and secrets.compare_digest(given, want)):
+                raise ApiError(401, "the admin routes need the admin key (Authorization: Bearer KEY)", "authentication_error")
+        elif path != "/health" and self.api_key is not None and not (given and secrets.compare_digest(given, self.api_key)):
+            raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY or x-api-key: KEY)", "authentication_error")
+        if method == "POST":
+            ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+            if ctype != "application/json":
+                raise ApiError(415, f"the body must be application/json, not {ctype or 'missing'!r}")
+            n = headers.get("content-length")
+            if n is not None and (not n.isdigit() or int(n) > self.limits.max_body_bytes):
+                raise ApiError(413, f"the body may be at most {self.limits.max_body_bytes} bytes (serve --max-body-bytes)")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        rid = secrets.token_hex(6)
+        scope.setdefault("state", {})["rid"] = rid
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         try:
-            body = json.loads(raw or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from e
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
+            self._check(scope, headers)
+        except ApiError as e:
+            await error_response(scope["path"], e)(scope, receive, send_status)
+        else:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope["path"] if scope["path"] in _ROUTES else "other"
+            self.metrics.requests.labels(route, str(status[0])).inc()
+            st = scope["state"]
+            log.info("%s %s %s %d %.1f ms prompt_tokens=%s completion_tokens=%s", rid, scope["method"], scope["path"], status[0],
+                     1000 * (time.perf_counter() - t0), st.get("prompt_tokens", "-"), st.get("completion_tokens", "-"))  # fmt: skip
+
+
+# Bodies --------------------------------------------------------------------------------------------
+def _reject_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+async def read_body(request: Request, model: type[BaseModel], limits: S.Limits) -> BaseModel:
+    """The body, within the size limit and its timeout, parsed (strict JSON: no NaN, no lone
+    surrogates) and validated by `model`; `ApiError` 400/408/413 otherwise."""
+    chunks, size = [], 0
+
+    async def receive_all():
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limits.max_body_bytes:
+                raise ApiError(413, f"the body may be at most {limits.max_body_bytes} bytes (serve --max-body-bytes)")
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(receive_all(), limits.body_timeout_s)
+    except TimeoutError as e:
+        raise ApiError(408, f"the body did not arrive within {limits.body_timeout_s:.0f} s") from e
+    try:
+        obj = json.loads(b"".join(chunks) or b"null", parse_constant=_reject_constant)
+        json.dumps(obj, ensure_ascii=False).encode()  # lone surrogates ("\ud800") fail here
+    except (ValueError, RecursionError, UnicodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {type(e).__name__}: {str(e)[:200]}") from e
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where or None) from e
+
+
+# Generation ----------------------------------------------------------------------------------------
+async def events(handle):
+    """The request's events as the scheduler's loop thread queues them, without a thread here."""
+    loop = asyncio.get_running_loop()
+    ready = asyncio.Event()
+    handle.notify = lambda: loop.call_soon_threadsafe(ready.set)
+    while True:
+        ready.clear()
+        try:
+            ev = handle.queue.get_nowait()
+        except queue.Empty:
+            await ready.wait()
+            continue
+        yield ev
+        if ev.kind in ("done", "error"):
+            return
+
+
+class Generation:
+    """One submitted request: its `Output`, its arrival time and the deltas it yields."""
+
+    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str]):
+        self.s: Service = app_state.service
+        self.metrics: ServerMetrics = app_state.metrics
+        self.request, self.arrived = request, time.perf_counter()
+        self.prompt_tokens = len(ids)
+        self.handle = self.s.submit(ids, params)  # ApiError (400/429/503) before anything is sent
+        self.out: Output = self.s.output(self.handle, stops)
+
+    async def deltas(self):
+        """Text deltas; the request is cancelled if this stops early (a client gone, an error)."""
+        try:
+            async for ev in events(self.handle):
+                try:
+                    delta = self.out.feed(ev)
+                except ApiError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - detokenizing this request failed: it alone ends
+                    log.exception("request %s", self.request.scope["state"]["rid"])
+                    raise ApiError(500, f"internal error: {type(e).__name__}: {e}", "api_error") from e
+                if delta:
+                    yield delta
+            self.metrics.finished(self.arrived, self.out, time.perf_counter())
+            st = self.request.scope["state"]
+            st["prompt_tokens"], st["completion_tokens"] = self.prompt_tokens, (self.out.usage or {}).get("completion_tokens", 0)
+        finally:
+            if not self.out.done:
+                self.handle.cancel()
+
+    async def text(self, timeout: float) -> str:
+        """The whole text (non-streaming); a client that disconnects meanwhile cancels it."""
+
+        async def watch():
+            while (await self.request.receive())["type"] != "http.disconnect":
+                pass
+            self.handle.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            parts = []
+
+            async def collect():
+                async for d in self.deltas():
+                    parts.append(d)
+
+            await asyncio.wait_for(collect(), timeout)
+            return "".join(parts)
+        except TimeoutError as e:
+            self.handle.cancel()
+            raise ApiError(504, f"the request did not finish within {timeout:.0f} s", "timeout_error") from e
+        finally:
+            watcher.cancel()
+
+
+def sse(obj, event: str | None = None) -> str:
+    return (f"event: {event}\n" if event else "") + f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+def _usage(u: dict | None) -> dict:
+    u = u or {}
+    p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def _chat_ids(s: Service, messages, system=None) -> list[int]:
+    msgs = [] if system is None else [{"role": "system", "content": system}]
+    for m in messages:
+        try:
+            msgs.append({"role": m.role, "content": message_text(m.content if m.content is not None else "")})
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from e
+    try:
+        text = render_chat(s.template, msgs)
+    except Exception as e:  # noqa: BLE001 - template errors are the request's fault
+        raise ApiError(400, f"the chat template rejected the messages: {e}") from e
+    return s.encode(text)
+
+
+def _anthropic_ids(s: Service, body) -> list[int]:
+    system = body.system
+    if system is not None:
+        try:
+            system = message_text(system)
+        except ValueError as e:
+            raise ApiError(400, f"system: {e}", param="system") from e
+    return _chat_ids(s, body.messages, system)
+
+
+# The app -------------------------------------------------------------------------------------------
+def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str | None = None, admin_key: str | None = None,
+               allowed_origins: Sequence[str] = (), log_prompts: bool = False):  # fmt: skip
+    """The ASGI app: FastAPI routes inside `Guard` (and CORS when `allowed_origins` are given)."""
+    limits = limits or S.Limits()
+    app = FastAPI(title="freetoken_jax", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.service, app.state.metrics, app.state.limits = service, ServerMetrics(service), limits
+    s = service
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return error_response(request.url.path, e)
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, e: Exception):
+        log.exception("internal error")
+        return error_response(request.url.path, ApiError(500, f"internal error: {type(e).__name__}", "api_error"))
+
+    async def body_of(request: Request, model):
+        body = await read_body(request, model, limits)
+        s.check_model(body.model)
+        if log_prompts:
+            log.info("%s body %s", request.scope["state"]["rid"], body.model_dump_json()[:4000])
         return body
 
-    def _sse_start(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        self.close_connection = True
+    @app.get("/health")
+    async def health():
+        problem = s.scheduler.failed or (None if s.scheduler.thread.is_alive() else "the scheduler thread has stopped")
+        if problem:
+            return JSONResponse({"status": "failed", "model": s.model_name, "detail": problem}, 503)
+        return {"status": "ok", "model": s.model_name}
 
-    def _sse(self, obj, event: str | None = None) -> None:
-        data = (f"event: {event}\n" if event else "") + f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-        self.wfile.write(data.encode())
-        self.wfile.flush()
+    def model_card():
+        return {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "freetoken_jax", "max_model_len": s.max_context}
 
-    # routes ---------------------------------------------------------------------------------------
-    def do_GET(self):  # noqa: N802
-        s = self.service
-        if self.path == "/health":
-            if s.scheduler.failed:
-                return self._send_json(503, {"status": "failed", "model": s.model_name, "detail": s.scheduler.failed})
-            return self._send_json(200, {"status": "ok", "model": s.model_name})
-        if self.path == "/v1/cache/status":
-            return self._send_json(200, s.scheduler.status())
-        if self.path == "/v1/models":
-            return self._send_json(
-                200,
-                {"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created, "owned_by": "freetoken_jax"}]},
-            )
-        if self.path == "/v1/metrics":
-            return self._send_json(200, {**s.engine.get_metrics(), **s.scheduler.get_metrics()})
-        self._error(ApiError(404, f"no route GET {self.path}", "not_found_error"))
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
 
-    def do_POST(self):  # noqa: N802
-        routes = {
-            "/v1/completions": self._completions,
-            "/v1/chat/completions": self._chat,
-            "/v1/messages": self._messages,
-            "/v1/messages/count_tokens": self._count_tokens,
-            "/v1/cache/rebuild": self._rebuild,
-        }
-        fn = routes.get(self.path.split("?")[0])
-        try:
-            if fn is None:
-                raise ApiError(404, f"no route POST {self.path}", "not_found_error")
-            body = self._body()
-            self.service.check_model(body)
-            fn(body)
-        except ApiError as e:
-            self._error(e)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away; its request was cancelled where it streamed
-        except Exception as e:  # noqa: BLE001 - a bug must not take the server down
-            self._error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "api_error"))
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        s.check_model(model_id)
+        return model_card()
 
-    def _generate(self, ids, params, stops, on_delta):
-        """Runs one request; calls on_delta(text) per delta; cancels it if the client goes away."""
-        h = self.service.submit(ids, params)
-        try:
-            gen = self.service.run(h, stops)
-            while True:
-                try:
-                    on_delta(next(gen))
-                except StopIteration as stop:
-                    return stop.value
-        except BaseException:
-            h.cancel()
-            raise
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def _rebuild(self, body):
+    @app.get("/v1/metrics")
+    async def metrics_json():
+        return {**s.engine.get_metrics(), **s.scheduler.get_metrics()}
+
+    @app.get("/v1/cache/status")
+    async def cache_status():
+        return s.scheduler.status()
+
+    @app.post("/v1/cache/rebuild")
+    async def rebuild(request: Request):
         from freetoken_jax.config import ConfigError
         from freetoken_jax.runtime.runner import RebuildFailed
         from freetoken_jax.scheduler.batcher import Busy
 
-        unknown = set(body) - {"expert_slots", "kv_pages", "drain", "model"}
-        if unknown:
-            raise ApiError(400, f"unknown fields {sorted(unknown)}; give expert_slots and/or kv_pages (and drain)")
+        body = await body_of(request, S.RebuildRequest)
         try:
-            st = self.service.scheduler.rebuild_cache(body.get("expert_slots"), body.get("kv_pages"), drain=bool(body.get("drain")))
+            return await asyncio.to_thread(s.scheduler.rebuild_cache, body.expert_slots, body.kv_pages, drain=body.drain)
         except ConfigError as e:
             raise ApiError(400, str(e)) from e
         except Busy as e:
-            raise ApiError(409, str(e), "busy") from e
+            raise ApiError(409, str(e), "busy", retry_after=5) from e
         except RebuildFailed as e:
             raise ApiError(500, str(e), "api_error") from e
-        self._send_json(200, st)
 
-    # OpenAI ---------------------------------------------------------------------------------------
-    def _max_tokens(self, body: dict, keys=("max_tokens", "max_completion_tokens"), default=16) -> int:
-        for k in keys:
-            if body.get(k) is not None:
-                return _num(body, k, int, default, 1)
-        return default
-
-    def _openai(self, body, ids, chat: bool):
-        s = self.service
-        n = _num(body, "n", int, 1, 1, 1)
-        del n
-        params = s.params(body, self._max_tokens(body, default=256 if chat else 16))
-        stops = _stops(body.get("stop"))
-        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        finish_of = lambda f: "length" if f == "length" else "stop"  # noqa: E731
-        if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            self._sse_start()
-
-            def chunk(delta=None, finish=None, usage=None):
-                if chat:
-                    choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish, "logprobs": None}
-                else:
-                    choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish, "logprobs": None}
-                c = {
-                    "id": rid,
-                    "object": obj + (".chunk" if chat else ""),
-                    "created": created,
-                    "model": s.model_name,
-                    "choices": [] if usage else [choice],
-                }
-                if usage:
-                    c["usage"] = usage
-                self._sse(c)
-
-            if chat:
-                chunk({"role": "assistant", "content": ""})
-            finish, _, usage = self._generate(ids, params, stops, lambda d: chunk({"content": d}))
-            chunk({}, finish_of(finish))
-            if include_usage:
-                chunk(usage=self._usage(usage))
-            self._sse("[DONE]")
-            return
-        parts: list[str] = []
-        finish, _, usage = self._generate(ids, params, stops, parts.append)
-        text = "".join(parts)
-        choice = {"index": 0, "finish_reason": finish_of(finish), "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await body_of(request, S.TokenizeRequest)
+        if body.messages is not None:
+            ids = _chat_ids(s, body.messages)
+        elif body.prompt is not None:
+            ids = s.encode(body.prompt)
         else:
-            choice["text"] = text
-        self._send_json(
-            200, {"id": rid, "object": obj, "created": created, "model": s.model_name, "choices": [choice], "usage": self._usage(usage)}
+            raise ApiError(400, "give 'prompt' or 'messages'")
+        return {"count": len(ids), "max_model_len": s.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = await body_of(request, S.DetokenizeRequest)
+        return {"prompt": s.decode(body.tokens)}
+
+    # OpenAI --------------------------------------------------------------------------------------
+    async def openai(request: Request, body, ids: list[int], chat: bool):
+        max_tokens = next(
+            (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
+        params = s.params(body.model_dump(include={"temperature", "top_p", "top_k", "seed"}), max_tokens)
+        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits))
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
+        finish_of = lambda f: "length" if f == "length" else "stop"  # noqa: E731
+        if not body.stream:
+            text = await gen.text(limits.request_timeout_s)
+            choice = {"index": 0, "finish_reason": finish_of(gen.out.finish), "logprobs": None}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            return {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": s.model_name,
+                "choices": [choice],
+                "usage": _usage(gen.out.usage),
+            }
 
-    @staticmethod
-    def _usage(u):
-        u = u or {}
-        p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        def chunk(delta=None, finish=None, usage=None):
+            if chat:
+                choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish, "logprobs": None}
+            c = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": s.model_name,
+                 "choices": [] if usage else [choice]}  # fmt: skip
+            if usage:
+                c["usage"] = usage
+            return sse(c)
 
-    def _completions(self, body):
-        prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            ids = self.service.encode(prompt)
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = prompt
-        else:
-            raise ApiError(400, "'prompt' must be a non-empty string or a list of token ids")
-        self._openai(body, ids, chat=False)
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-    def _chat_ids(self, messages, system=None) -> list[int]:
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "'messages' must be a non-empty list")
-        msgs = [] if system is None else [{"role": "system", "content": system}]
-        for m in messages:
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
-                raise ApiError(400, "each message needs a 'role' string and 'content'")
+        async def stream():
+            if chat:
+                yield chunk({"role": "assistant", "content": ""})
             try:
-                msgs.append({"role": m["role"], "content": message_text(m["content"])})
-            except ValueError as e:
-                raise ApiError(400, str(e)) from e
-        try:
-            text = render_chat(self.service.template, msgs)
-        except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-            raise ApiError(400, f"the chat template rejected the messages: {e}") from e
-        return self.service.encode(text)
+                async for d in gen.deltas():
+                    yield chunk({"content": d})
+            except ApiError as e:
+                yield sse(error_body(request.url.path, e))
+                yield sse("[DONE]")
+                return
+            yield chunk({}, finish_of(gen.out.finish))
+            if include_usage:
+                yield chunk(usage=_usage(gen.out.usage))
+            yield sse("[DONE]")
 
-    def _chat(self, body):
-        self._openai(body, self._chat_ids(body.get("messages")), chat=True)
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    # Anthropic ------------------------------------------------------------------------------------
-    def _anthropic_ids(self, body) -> list[int]:
-        system = body.get("system")
-        if system is not None:
-            try:
-                system = message_text(system)
-            except ValueError as e:
-                raise ApiError(400, f"system: {e}") from e
-        return self._chat_ids(body.get("messages"), system)
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await body_of(request, S.CompletionRequest)
+        ids = s.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        return await openai(request, body, ids, chat=False)
 
-    def _count_tokens(self, body):
-        self._send_json(200, {"input_tokens": len(self._anthropic_ids(body))})
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await body_of(request, S.ChatRequest)
+        if len(body.messages) > limits.max_messages:
+            raise ApiError(400, f"at most {limits.max_messages} messages", param="messages")
+        return await openai(request, body, _chat_ids(s, body.messages), chat=True)
 
-    def _messages(self, body):
-        s = self.service
-        if body.get("max_tokens") is None:
-            raise ApiError(400, "max_tokens: field required")
-        ids = self._anthropic_ids(body)
-        params = s.params(body, _num(body, "max_tokens", int, 1, 1))
-        stops = _stops(body.get("stop_sequences"))
+    # Anthropic -----------------------------------------------------------------------------------
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        body = await body_of(request, S.CountTokensRequest)
+        return {"input_tokens": len(_anthropic_ids(s, body))}
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        body = await body_of(request, S.MessagesRequest)
+        ids = _anthropic_ids(s, body)
+        params = s.params(body.model_dump(include={"temperature", "top_p", "top_k", "seed"}), body.max_tokens)
+        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop_sequences", limits))
         mid = "msg_" + secrets.token_hex(12)
+        reason = lambda f: {"length": "max_tokens", "stop_string": "stop_sequence"}.get(f, "end_turn")  # noqa: E731
+        if not body.stream:
+            text = await gen.text(limits.request_timeout_s)
+            return {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": [{"type": "text", "text": text}],
+                    "stop_reason": reason(gen.out.finish), "stop_sequence": gen.out.stop_string,
+                    "usage": {"input_tokens": len(ids), "output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}}  # fmt: skip
 
-        def reason(f):
-            return {"length": "max_tokens", "stop_string": "stop_sequence"}.get(f, "end_turn")
-
-        if body.get("stream"):
-            self._sse_start()
+        async def stream():
             msg = {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": {"input_tokens": len(ids), "output_tokens": 0}}  # fmt: skip
-            self._sse({"type": "message_start", "message": msg}, "message_start")
-            self._sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
-            self._sse({"type": "ping"}, "ping")
-            emit = lambda d: self._sse(
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}, "content_block_delta"
-            )  # noqa: E731
-            finish, stop, usage = self._generate(ids, params, stops, emit)
-            self._sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
-            self._sse({"type": "message_delta", "delta": {"stop_reason": reason(finish), "stop_sequence": stop},
-                       "usage": {"output_tokens": (usage or {}).get("completion_tokens", 0)}}, "message_delta")  # fmt: skip
-            self._sse({"type": "message_stop"}, "message_stop")
-            return
-        parts: list[str] = []
-        finish, stop, usage = self._generate(ids, params, stops, parts.append)
-        self._send_json(200, {
-            "id": mid, "type": "message", "role": "assistant", "model": s.model_name,
-            "content": [{"type": "text", "text": "".join(parts)}], "stop_reason": reason(finish), "stop_sequence": stop,
-            "usage": {"input_tokens": len(ids), "output_tokens": (usage or {}).get("completion_tokens", 0)},
-        })  # fmt: skip
+            yield sse({"type": "message_start", "message": msg}, "message_start")
+            yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
+            yield sse({"type": "ping"}, "ping")
+            try:
+                async for d in gen.deltas():
+                    yield sse(
+                        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}, "content_block_delta"
+                    )
+            except ApiError as e:
+                yield sse(error_body(request.url.path, e), "error")
+                return
+            yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            yield sse({"type": "message_delta", "delta": {"stop_reason": reason(gen.out.finish), "stop_sequence": gen.out.stop_string},
+                       "usage": {"output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}}, "message_delta")  # fmt: skip
+            yield sse({"type": "message_stop"}, "message_stop")
+
+        return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def unknown(request: Request, rest: str):
+        raise ApiError(404, f"no route {request.method} {request.url.path}", "not_found_error")
+
+    guarded = Guard(app, limits=limits, metrics=app.state.metrics, api_key=api_key, admin_key=admin_key, allowed_origins=allowed_origins)
+    if allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        return CORSMiddleware(guarded, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    return guarded
 
 
-def serve_http(service: Service, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
-    """Starts the HTTP server on a background thread and returns it (`.shutdown()` stops it)."""
-    handler = type("BoundHandler", (Handler,), {"service": service})
-    server = ThreadingHTTPServer((host, port), handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="freetoken-http", daemon=True).start()
-    return server
+class HttpServer:
+    """uvicorn serving the app on a background thread; `server_address` is (host, bound port)."""
+
+    def __init__(self, app, host: str, port: int, *, max_connections: int = 512, max_header_bytes: int = 16384, keep_alive_s: float = 5.0):
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.server_address = sock.getsockname()[:2]
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", backlog=2048, limit_concurrency=max_connections,
+                                timeout_keep_alive=keep_alive_s, h11_max_incomplete_event_size=max_header_bytes)  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="freetoken-http", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self.server.started:
+            raise RuntimeError(f"the HTTP server did not start on {host}:{port}")
+
+    def shutdown(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def serve_http(service: Service, host: str = "127.0.0.1", port: int = 8000, **options) -> HttpServer:
+    """Starts the HTTP server on a background thread and returns it (`.shutdown()` stops it).
+    `options`: `create_app`'s (limits, keys, origins, log_prompts) and `HttpServer`'s."""
+    server_opts = {k: options.pop(k) for k in ("max_connections", "max_header_bytes", "keep_alive_s") if k in options}
+    return HttpServer(create_app(service, **options), host, port, **server_opts)

@@ -1,8 +1,9 @@
-"""What every front end shares: validation of request fields, the scheduler, the tokenizer and
-chat template, and the loop that turns a request's token events into text deltas."""
+"""What every front end shares: the checks of sampling fields, the scheduler, the tokenizer and
+chat template, and `Output`, which turns a request's token events into text deltas."""
 
 from __future__ import annotations
 
+import math
 import secrets
 import time
 
@@ -12,9 +13,12 @@ from freetoken_jax.server.text import TextStream, chat_template
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error"):
+    """A request's failure as the client sees it: an HTTP status, a message and the error kind
+    (OpenAI's `type`; `http.py` maps it to Anthropic's). `retry_after`: seconds, for 429/503."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None, retry_after: int | None = None):  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.kind = status, message, kind
+        self.status, self.message, self.kind, self.param, self.retry_after = status, message, kind, param, retry_after
 
 
 def _num(body: dict, key: str, typ, default, lo=None, hi=None):
@@ -23,52 +27,61 @@ def _num(body: dict, key: str, typ, default, lo=None, hi=None):
         return default
     if typ is float and isinstance(v, int) and not isinstance(v, bool):
         v = float(v)
-    if not isinstance(v, typ) or isinstance(v, bool):
-        raise ApiError(400, f"'{key}' must be {'an integer' if typ is int else 'a number'}")
+    if not isinstance(v, typ) or isinstance(v, bool) or (typ is float and not math.isfinite(v)):
+        raise ApiError(400, f"'{key}' must be {'an integer' if typ is int else 'a finite number'}", param=key)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {v}")
+        raise ApiError(400, f"'{key}' must be in [{lo}, {hi}], got {v}", param=key)
     return v
 
 
-def _stops(v) -> list[str]:
-    if v is None:
-        return []
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, list) and all(isinstance(s, str) for s in v):
-        return v
-    raise ApiError(400, "'stop' must be a string or a list of strings")
-
-
 class Service:
-    """What the HTTP handlers (and the gRPC service) share: the scheduler, tokenizer, template."""
+    """What the HTTP handlers and the gRPC service share: the scheduler, tokenizer, template."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, model_path: str | None = None):
+    def __init__(self, scheduler: Scheduler, model_name: str, model_path: str | None = None, template: str | None = None):
         self.scheduler, self.model_name = scheduler, model_name
         self.engine = scheduler.engine
         self.tokenizer = self.engine.tokenizer
-        self.template = chat_template(model_path)
+        self.template = template or chat_template(model_path)
         self.created = int(time.time())
 
-    def check_model(self, body: dict) -> None:
-        m = body.get("model")
-        if m is not None and m != self.model_name:
-            raise ApiError(404, f"model {m!r} does not exist; this server serves {self.model_name!r}", "not_found_error")
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.engine_config.max_context
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids")
         return self.tokenizer.encode(text)
 
-    def params(self, body: dict, max_tokens: int, seed_key: str = "seed") -> GenerationParams:
-        temperature = _num(body, "temperature", float, 1.0, 0.0, 2.0)
-        seed = _num(body, seed_key, int, None)
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ApiError(400, "this model has no tokenizer")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ApiError(400, f"token ids out of range [0, {self.vocab_size}): {bad[:8]}", param="tokens")
+        return self.tokenizer.decode(ids)
+
+    def params(self, body: dict, max_tokens: int) -> GenerationParams:
+        """Sampling fields of a request body (numbers finite and in range; top_k at most the
+        vocabulary; no seed: a random one)."""
+        seed = _num(body, "seed", int, None, 0, (1 << 32) - 1)
+        top_p = _num(body, "top_p", float, 1.0, 0.0, 1.0)
+        if top_p <= 0:
+            raise ApiError(400, "'top_p' must be greater than 0 (temperature 0 decodes greedily)", param="top_p")
         return GenerationParams(
             max_new_tokens=max_tokens,
-            temperature=temperature,
-            top_k=_num(body, "top_k", int, 0, 0),
-            top_p=_num(body, "top_p", float, 1.0, 0.0, 1.0) or 1.0,
-            seed=(seed if seed is not None else secrets.randbelow(1 << 31)) & 0xFFFFFFFF,
+            temperature=_num(body, "temperature", float, 1.0, 0.0, 2.0),
+            top_k=_num(body, "top_k", int, 0, 0, self.vocab_size),
+            top_p=top_p,
+            seed=seed if seed is not None else secrets.randbelow(1 << 31),
         )
 
     def submit(self, ids: list[int], params: GenerationParams):
@@ -77,28 +90,53 @@ class Service:
         except RequestError as e:
             raise ApiError(400, str(e)) from e
         except Overloaded as e:
-            raise ApiError(429, str(e), "overloaded_error") from e
+            resizing = not self.scheduler.batcher.admitting
+            raise ApiError(503 if resizing else 429, str(e), "overloaded_error", retry_after=5 if resizing else 1) from e
+
+    def output(self, handle, stops: list[str]) -> Output:
+        return Output(handle, self.tokenizer, stops)
 
     def run(self, handle, stops: list[str]):
-        """Yields text deltas; returns (finish, stop string, usage) through StopIteration."""
-        ts = TextStream(self.tokenizer, stops) if self.tokenizer is not None else None
-        finish, usage = "length", None
+        """Yields text deltas (blocking on the request's events); returns the `Output` through
+        StopIteration."""
+        out = self.output(handle, stops)
         for ev in handle.events(timeout=600):
-            if ev.kind == "token":
-                if ts is None:
-                    continue
-                delta, stopped = ts.push(ev.token)
-                if delta:
-                    yield delta
-                if stopped:
-                    handle.cancel()
-                    finish = "stop_string"
-            elif ev.kind == "done":
-                usage = ev.usage
-                if finish != "stop_string":
-                    finish = "length" if ev.reason == "length" else "stop"
-                    if ts is not None and (tail := ts.flush()):
-                        yield tail
-            else:
-                raise ApiError(500, ev.message or "generation failed", "api_error")
-        return finish, (ts.stop_string if ts else None), usage
+            if delta := out.feed(ev):
+                yield delta
+        return out
+
+
+class Output:
+    """One request's events in, text deltas out; holds back what may become a stop string and
+    cancels the request when one appears. After its last event: `finish` ("stop", "length",
+    "stop_string"), `stop_string`, `usage`. An error event raises `ApiError`."""
+
+    def __init__(self, handle, tokenizer, stops: list[str]):
+        self.handle = handle
+        self.text = TextStream(tokenizer, stops) if tokenizer is not None else None
+        self.finish, self.usage, self.done = "length", None, False
+        self.first_token_at: float | None = None
+
+    @property
+    def stop_string(self) -> str | None:
+        return self.text.stop_string if self.text else None
+
+    def feed(self, ev) -> str:
+        if ev.kind == "token":
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+            if self.text is None or self.finish == "stop_string":
+                return ""
+            delta, stopped = self.text.push(ev.token)
+            if stopped:
+                self.handle.cancel()
+                self.finish = "stop_string"
+            return delta
+        self.done = True
+        if ev.kind == "done":
+            self.usage = ev.usage
+            if self.finish != "stop_string":
+                self.finish = "length" if ev.reason == "length" else "stop"
+                return self.text.flush() if self.text is not None else ""
+            return ""
+        raise ApiError(500, ev.message or "generation failed", "api_error")

@@ -1,0 +1,129 @@
+"""The HTTP request bodies as typed models: what `http.py` accepts, checked before anything runs.
+
+Numbers are finite and in range, flags are JSON booleans (not "false"), strings are valid
+Unicode, and lists are bounded (`Limits`). Fields the APIs define that the engine does not act
+on yet pass through unchecked (`extra="allow"`); what they mean is the agent-API issue's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
+
+from freetoken_jax.server.service import ApiError
+
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one request may ask of the server (`serve` flags set them)."""
+
+    max_body_bytes: int = 8 << 20
+    max_stops: int = 16
+    max_stop_chars: int = 256
+    max_messages: int = 4096
+    request_timeout_s: float = 600.0  # a request's whole life, generation included
+    body_timeout_s: float = 30.0  # to receive the body once the headers are in
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: FiniteFloat | None = Field(None, ge=0, le=2)
+    top_p: FiniteFloat | None = Field(None, gt=0, le=1)
+    top_k: StrictInt | None = Field(None, ge=0)
+    seed: StrictInt | None = Field(None, ge=0, lt=1 << 32)
+    stream: StrictBool = False
+
+
+Stop = str | list[str] | None
+
+
+class StreamOptions(BaseModel):
+    include_usage: StrictBool = False
+
+
+class _OpenAI(_Body):
+    n: StrictInt | None = Field(None, ge=1, le=1)  # more choices per request: the agent-API issue
+    stop: Stop = None
+    stream_options: StreamOptions | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+
+
+class CompletionRequest(_OpenAI):
+    prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[StrictInt], Field(min_length=1)]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None
+
+
+class ChatRequest(_OpenAI):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+
+
+class AnthropicMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["user", "assistant"]
+    content: str | list[dict[str, Any]]
+
+
+class MessagesRequest(_Body):
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    max_tokens: StrictInt = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
+    system: str | list[dict[str, Any]] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool = True
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, v, info):
+        if v is not None and info.data.get("prompt") is not None:
+            raise ValueError("give 'prompt' or 'messages', not both")
+        return v
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class RebuildRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    expert_slots: StrictInt | None = Field(None, ge=1)
+    kv_pages: StrictInt | None = Field(None, ge=2)
+    drain: StrictBool = False
+
+
+def stops_of(body: BaseModel, field: str, limits: Limits) -> list[str]:
+    """A body's stop strings as a list, within `limits` (else `ApiError`)."""
+    v = getattr(body, field)
+    stops = [] if v is None else [v] if isinstance(v, str) else list(v)
+    if len(stops) > limits.max_stops or any(len(s) > limits.max_stop_chars for s in stops):
+        raise ApiError(400, f"at most {limits.max_stops} stop strings of at most {limits.max_stop_chars} characters each", param=field)
+    return stops
