@@ -4,6 +4,7 @@ server's cache). Benchmarks are `python -m freetoken_jax.bench`; conversion `pyt
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -85,6 +86,19 @@ def cmd_serve(args) -> int:
         grpc_server.stop(5)
     sched.shutdown()
     return 0
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A log handler that writes to whatever `sys.stderr` is when a record comes (a caller
+    may have replaced it since the handler was made)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _):
+        pass
 
 
 def cmd_ctl(args) -> int:
@@ -181,11 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    import logging
 
     log = logging.getLogger("freetoken_jax")  # the engine's choices (strategy, memory plan, limits) on stderr
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)

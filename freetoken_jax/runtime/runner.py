@@ -284,13 +284,24 @@ class ModelRunner:
             failed=self.failed,
         )
 
-    def resize(self, expert_slots: int | None = None, kv_pages: int | None = None, *, keep_held_pages: bool = False) -> bool:
+    def prepare_resize(self, expert_slots: int | None = None, kv_pages: int | None = None) -> tuple:
+        """Validates a new geometry and compiles its decode step without touching the current one
+        (safe beside running steps): what `resize(prepared=...)` then applies without that wait."""
+        return (self.engine_config, *self._validate(expert_slots, kv_pages))
+
+    def resize(self, expert_slots: int | None = None, kv_pages: int | None = None, *, keep_held_pages: bool = False,
+               prepared: tuple | None = None) -> bool:  # fmt: skip
         """Resizes the expert slots and/or the KV page pool; the caller makes sure no row runs.
         With `keep_held_pages` the pages still allocated (a prefix cache's) keep their contents
-        when the pool grows. Returns whether they were kept (else every page is free again)."""
+        when the pool grows. Returns whether they were kept (else every page is free again).
+        `prepared`: `prepare_resize`'s answer for the same sizes (validated again if the geometry
+        has changed since)."""
         if self.failed:
             raise RebuildFailed(self.failed)
-        new, plan = self._validate(expert_slots, kv_pages)  # nothing touched yet
+        if prepared is not None and prepared[0] is self.engine_config:
+            new, plan = prepared[1:]
+        else:
+            new, plan = self._validate(expert_slots, kv_pages)  # nothing touched yet
         prev = (self.engine_config, self.plan)
         try:
             return self._allocate(new, plan, keep_held_pages)

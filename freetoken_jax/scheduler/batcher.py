@@ -408,14 +408,15 @@ class Batcher:
         return dict(self.runner.status(), prefix_cached_pages=self.radix.cached_pages if self.radix else 0,
                     rebuilds=self.metrics["rebuilds"])  # fmt: skip
 
-    def resize(self, expert_slots: int | None = None, kv_pages: int | None = None) -> dict:
-        """Resizes the runner's slots and/or KV pages while no request runs (`ModelRunner.resize`);
-        cached prefixes survive a growing pool. Returns the new status."""
+    def resize(self, expert_slots: int | None = None, kv_pages: int | None = None, prepared: tuple | None = None) -> dict:
+        """Resizes the runner's slots and/or KV pages while no request runs (`ModelRunner.resize`;
+        `prepared`: its `prepare_resize` for the same sizes); cached prefixes survive a growing
+        pool. Returns the new status."""
         if self._inflight or self.running():
             raise Busy("requests are running; retry when idle")
         radix = self.radix
         try:
-            kept = self.runner.resize(expert_slots, kv_pages, keep_held_pages=radix is not None)
+            kept = self.runner.resize(expert_slots, kv_pages, keep_held_pages=radix is not None, prepared=prepared)
         except RebuildFailed:  # the pool was rebuilt empty: cached prefixes are gone with it
             self._geometry()
             raise

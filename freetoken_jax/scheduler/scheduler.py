@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -148,30 +149,38 @@ class Scheduler:
     def rebuild_cache(
         self, expert_slots: int | None = None, kv_pages: int | None = None, *, drain: bool = False, timeout: float = 600.0
     ) -> dict:
-        """Resizes expert slots and/or KV pages (`ModelRunner.resize`). Without `drain`, answers
-        `Busy` if any request is running or waiting; with it, stops admitting, lets running
-        requests finish, then rebuilds (waiting requests run afterwards)."""
+        """Resizes expert slots and/or KV pages (`ModelRunner.resize`). The new geometry is
+        validated and its decode step compiled first, while requests are still admitted and run
+        (a refusal touches nothing). Then, without `drain`, answers `Busy` if any request is
+        running or waiting; with it, stops admitting, lets running requests finish, and swaps
+        (waiting requests run afterwards). The answer says how long admission was stopped
+        (`refused_s`)."""
+        if not drain and (self.batcher.waiting or self.batcher.running()):
+            raise Busy("requests are running; retry when idle or pass drain=True")
+        prepared = self.engine.runner.prepare_resize(expert_slots, kv_pages)
         with self.lock:
             busy = bool(self.batcher.waiting) or self.batcher.running() > 0
             if busy and not drain:
                 raise Busy("requests are running; retry when idle or pass drain=True")
             self.batcher.admitting = False
+        t0 = time.perf_counter()
         reply: queue.Queue = queue.Queue()
-        self.control.put((lambda: self._rebuild_warm(expert_slots, kv_pages), reply))
+        self.control.put((lambda: self._rebuild_warm(expert_slots, kv_pages, prepared), reply))
         self.wake.set()
         ok, value = reply.get(timeout=timeout)
         self.wake.set()
         if not ok:
             raise value
+        value["refused_s"] = round(time.perf_counter() - t0, 3)
         return value
 
     def status(self) -> dict:
         return self.batcher.status()
 
-    def _rebuild_warm(self, expert_slots, kv_pages) -> dict:
+    def _rebuild_warm(self, expert_slots, kv_pages, prepared) -> dict:
         """The resize, then, on a server that was warmed up, the new geometry's steps compiled
         ahead as well (a failure there is logged: the resize itself has succeeded)."""
-        out = self.batcher.resize(expert_slots, kv_pages)
+        out = self.batcher.resize(expert_slots, kv_pages, prepared)
         if self.warm_workers:
             try:
                 out["warm_up"] = self.warm_up(self.warm_workers)

@@ -94,6 +94,29 @@ def test_busy_then_drain(sched):
     assert reason == "length" and 1 + len(toks) == 36  # one token was read above
 
 
+def test_drain_compiles_before_it_stops_admitting(sched, monkeypatch):
+    """The new geometry is validated and compiled while requests are still admitted; admission
+    stops only for the swap, and the answer says for how long."""
+    runner = sched.engine.runner
+    real = runner.prepare_resize
+    seen = []
+
+    def prepare(*a):
+        seen.append((sched.batcher.admitting, sched.batcher.running()))
+        return real(*a)
+
+    monkeypatch.setattr(runner, "prepare_resize", prepare)
+    h = sched.submit(PROMPTS[0], GenerationParams(max_new_tokens=30, ignore_eos=True))
+    next(h.events(60))
+    st = sched.rebuild_cache(kv_pages=30, drain=True)
+    assert seen == [(True, 1)]  # compiled beside the running request, admission still open
+    assert st["kv_pages"] == 30 and 0 <= st["refused_s"] < 60
+    assert h.result(60)[1] == "length"
+    with pytest.raises(ConfigError):
+        sched.rebuild_cache(kv_pages=1, drain=True)  # refused while validating: nothing stopped
+    assert sched.batcher.admitting
+
+
 def test_compile_failure_changes_nothing(sched, monkeypatch):
     want = outputs(sched)
     before = sched.status()
@@ -161,7 +184,8 @@ def test_http_endpoints(sched):
         assert e.value.code == 400
         with pytest.raises(urllib.error.HTTPError) as e:
             post({"slots": 4})
-        assert e.value.code == 400 and "unknown fields" in json.load(e.value)["error"]["message"]
+        msg = json.load(e.value)["error"]["message"]
+        assert e.value.code == 400 and "slots" in msg and "not permitted" in msg  # the unknown field, named
     finally:
         httpd.shutdown()
     assert wait_idle(sched)
@@ -188,7 +212,7 @@ def test_grpc_and_cli(sched, capsys):
         assert main(["ctl", "cache", "--url", url, "--kv-pages", "25"]) == 0
         assert json.loads(capsys.readouterr().out)["kv_pages"] == 25
         assert main(["ctl", "cache", "--url", url, "--slots", "0"]) == 2
-        assert "positive" in capsys.readouterr().err
+        assert "error 400: expert_slots" in capsys.readouterr().err
         assert json.loads(stub.GetCacheStatus(pb.CacheStatusRequest()).json)["kv_pages"] == 25
     finally:
         server.stop(None)
