@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
-from freetoken_jax.memory.budget import MemoryPlan, device_memory_bytes, plan_memory
+from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes, init_cache
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.memory.slot_cache import init_slot_cache
@@ -339,7 +339,16 @@ class ModelRunner:
         )
         itemsize = jnp.dtype(jnp_dtype(new.dtype)).itemsize
         cfg = self.model_config
-        plan = plan_memory(cfg, new, self.plan.dense_bytes, cache_bytes(cfg, new, itemsize), itemsize, device_memory_bytes())
+        device = device_memory_bytes()
+        plan = plan_memory(cfg, new, self.plan.dense_bytes, cache_bytes(cfg, new, itemsize), itemsize, device)
+        if device is None and new.total_vram_gb is None:  # the CPU backend: the caches are host RAM
+            grow = plan.kv_bytes + plan.slot_bytes - (self.plan.kv_bytes + self.plan.slot_bytes)
+            avail = host_memory_available()
+            if avail is not None and grow > avail // 2:
+                raise ConfigError(
+                    f"the new KV pages and slots need {grow / GB:.2f} GiB more memory; only {avail / GB:.2f} GiB is available "
+                    "(at most half of it is taken)"
+                )
         try:
             self._compile_check(new, plan)
         except ConfigError:

@@ -117,6 +117,14 @@ def test_drain_compiles_before_it_stops_admitting(sched, monkeypatch):
     assert sched.batcher.admitting
 
 
+def test_pool_bounded_by_free_memory(sched, monkeypatch):
+    monkeypatch.setattr(runner_mod, "host_memory_available", lambda: 1 << 20)  # 1 MiB free
+    before = sched.status()
+    with pytest.raises(ConfigError, match="more memory"):
+        sched.rebuild_cache(kv_pages=100_000)
+    assert sched.status() == before and sched.batcher.admitting
+
+
 def test_compile_failure_changes_nothing(sched, monkeypatch):
     want = outputs(sched)
     before = sched.status()
