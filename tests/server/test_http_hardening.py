@@ -107,6 +107,19 @@ def test_protocol_abuse(server):
     c.request("GET", "/health")
     r = c.getresponse()
     assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+    # A Content-Length that is not a number: 400 from the HTTP layer, not a 500.
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: ten\r\n\r\n{}")
+    assert s.recv(100).startswith(b"HTTP/1.1 400")
+    s.close()
+    # Half-sent requests hold a connection each, not a thread: with 64 of them open, a request
+    # is still served.
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(64)]
+    for k in idle:
+        k.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    assert post(port, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    for k in idle:
+        k.close()
     # An unsupported method gets a JSON error, not an HTML page.
     c.request("PUT", "/v1/completions", b"{}", {"Content-Type": "application/json"})
     r = c.getresponse()
@@ -262,13 +275,16 @@ def test_burst_of_64_clients_loses_nothing(server):
         assert (isinstance(b, dict) and b["usage"]["completion_tokens"] == 3) or (isinstance(b, str) and b.rstrip().endswith("[DONE]"))
 
 
-def test_metrics_tokenize_and_models(server):
+def test_metrics_tokenize_and_models(server, caplog):
     url, service, port = server
+    caplog.set_level("INFO", logger="freetoken_jax.http")
     before = service.scheduler.get_metrics()["requests"]
     oa(url).completions.create(model="demo", prompt="count me", max_tokens=2, temperature=0)
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request("GET", "/v1/metrics")
     assert json.loads(c.getresponse().read())["requests"] == before + 1
+    line = next(r.getMessage() for r in caplog.records if "POST /v1/completions 200" in r.getMessage())
+    assert "prompt_tokens=" in line and "completion_tokens=2" in line and "count me" not in line  # no prompt text by default
     c.request("GET", "/metrics")
     r = c.getresponse()
     fams = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
