@@ -2,7 +2,7 @@
 all (OpenAI completions, streaming off), then it stops. Reports requests/s, output tokens/s and
 latency percentiles.
 
-    python benchmarks/bench_serve.py --model demo --concurrency 1 4 16 --requests 48 --max-tokens 32
+    python benchmarks/bench_serve.py --model demo --concurrency 1 4 16 64 --requests 48 --max-tokens 32
     python benchmarks/bench_serve.py --preset qwen3-30b-a3b --strategy offload --expert-gb 16 --dtype bfloat16 \
         --concurrency 1 4 16 --resize 800 2400 1695
 
@@ -15,6 +15,7 @@ and after each resize.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import threading
@@ -68,6 +69,7 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--model", default="demo")
     src.add_argument("--preset", default=None, help="a named shape with seeded random weights (freetoken_jax.bench.presets)")
+    ap.add_argument("--layers", type=int, default=None, help="keep only a preset's first layers")
     ap.add_argument("--expert-gb", type=float, default=None, help="expert slot budget for offload / hybrid (GB)")
     ap.add_argument("--resize", type=int, nargs="*", default=[], help="expert slot counts to resize to, in turn, before the load test")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
@@ -85,6 +87,8 @@ def main(argv=None) -> int:
         from freetoken_jax.bench.presets import preset_config
 
         cfg = preset_config(args.preset)
+        if args.layers is not None:
+            cfg = dataclasses.replace(cfg, num_layers=args.layers, moe_layers=cfg.moe_layers[: args.layers])
         if args.expert_gb is not None:
             ecfg = ecfg.replace(expert_slots=max(args.max_batch * cfg.top_k, int(args.expert_gb * 1e9 // (cfg.expert_params * 2))))
         engine = FreeTokenEngine(cfg, ecfg)

@@ -2,7 +2,8 @@
 
 Numbers are finite and in range, flags are JSON booleans (not "false"), strings are valid
 Unicode, and lists are bounded (`Limits`). Fields the APIs define that the engine does not act
-on yet pass through unchecked (`extra="allow"`); what they mean is the agent-API issue's.
+on yet are refused (a 400 naming the field) unless they carry the value that asks for nothing;
+other unknown fields pass.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator, model_validator
 
 from freetoken_jax.server.service import ApiError
 
@@ -29,8 +30,28 @@ class Limits:
     body_timeout_s: float = 30.0  # to receive the body once the headers are in
 
 
+# Fields of the APIs the engine does not act on yet, with the values that ask nothing of it
+# (clients send those by default). Any other value is refused with a 400 naming the field:
+# nothing a client asks for is silently ignored.
+_NOT_YET = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}), "guided_json": (None,),
+    "guided_regex": (None,), "guided_grammar": (None,), "grammar": (None,), "logprobs": (None, False), "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
+    "suffix": (None, ""), "prediction": (None,), "thinking": (None,), "tool_use": (None,),
+}  # fmt: skip
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _nothing_ignored(self):
+        for name, value in (self.model_extra or {}).items():
+            if name in _NOT_YET and not any(value == ok and type(value) is type(ok) or value is ok for ok in _NOT_YET[name]):
+                raise ValueError(f"'{name}' is not supported by this server yet; leave it out")
+        return self
 
     model: str | None = None
     temperature: FiniteFloat | None = Field(None, ge=0, le=2)

@@ -82,6 +82,21 @@ def test_bad_bodies_are_400_not_500(server):
     assert status == 400 and out["type"] == "error" and out["error"]["type"] == "invalid_request_error"
 
 
+def test_unsupported_parameters_are_refused_by_name(server):
+    _, _, port = server
+    asks = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "logprobs": True,
+            "presence_penalty": 0.5, "response_format": {"type": "json_object"}, "logit_bias": {"5": 10}, "best_of": 3}  # fmt: skip
+    for name, value in asks.items():
+        status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, name: value})
+        assert status == 400 and f"'{name}' is not supported" in out["error"]["message"], (name, out)
+    # The values clients send by default ask for nothing: accepted.
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": None, "tool_choice": "none"}
+    status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **neutral})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
+    status, _, out = post(port, "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]})
+    assert status == 400 and out["type"] == "error" and "'tools' is not supported" in out["error"]["message"]
+
+
 def test_protocol_abuse(server):
     _, _, port = server
     # A body over the limit: 413 before it is read; a non-JSON POST: 415.
