@@ -23,7 +23,7 @@ demo: install
 	$(PY) -m freetoken_jax.bench decode --preset demo --strategy offload hybrid naive --vram-gb 0.001 --gen-len 32
 
 test: install-test
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 lint: install-test
 	$(VENV)/bin/ruff check freetoken_jax pallas_kernels tests benchmarks
