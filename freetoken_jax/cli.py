@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import pathlib
 import sys
 import time
 
@@ -62,9 +63,9 @@ def cmd_serve(args) -> int:
     sched = Scheduler(engine, max_queue=args.max_queue)
     if not args.no_warm_up:  # the ports open once the steps serving runs are compiled
         sched.warm_up(workers=args.warm_up_workers)
-    template = None
-    if args.chat_template:
-        template = open(args.chat_template).read() if os.path.isfile(args.chat_template) else args.chat_template
+    template = args.chat_template  # a template file, or the template itself
+    if template and os.path.isfile(template):
+        template = pathlib.Path(template).read_text()
     service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path, template)
     api_key = args.api_key or os.environ.get("FREETOKEN_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout)
