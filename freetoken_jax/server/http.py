@@ -38,6 +38,7 @@ from freetoken_jax.server.service import ApiError, Output, Service
 from freetoken_jax.server.text import message_text, render_chat
 
 log = logging.getLogger("freetoken_jax.http")
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
 
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
@@ -366,7 +367,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         max_tokens = next(
             (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
-        params = s.params(body.model_dump(include={"temperature", "top_p", "top_k", "seed"}), max_tokens)
+        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens)
         gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits))
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
@@ -437,7 +438,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
     async def messages(request: Request):
         body = await body_of(request, S.MessagesRequest)
         ids = _anthropic_ids(s, body)
-        params = s.params(body.model_dump(include={"temperature", "top_p", "top_k", "seed"}), body.max_tokens)
+        params = s.params(body.model_dump(include=SAMPLING_FIELDS), body.max_tokens)
         gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop_sequences", limits))
         mid = "msg_" + secrets.token_hex(12)
         reason = lambda f: {"length": "max_tokens", "stop_string": "stop_sequence"}.get(f, "end_turn")  # noqa: E731

@@ -59,6 +59,8 @@ class _Body(BaseModel):
     top_k: StrictInt | None = Field(None, ge=0)
     seed: StrictInt | None = Field(None, ge=0, lt=1 << 32)
     stream: StrictBool = False
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=64)] | None = None  # vLLM's: more tokens that end the text
+    ignore_eos: StrictBool = False  # vLLM's: generate past the end-of-sequence token
 
 
 Stop = str | list[str] | None

@@ -82,6 +82,8 @@ class Service:
             top_k=_num(body, "top_k", int, 0, 0, self.vocab_size),
             top_p=top_p,
             seed=seed if seed is not None else secrets.randbelow(1 << 31),
+            stop_token_ids=tuple(body.get("stop_token_ids") or ()),
+            ignore_eos=bool(body.get("ignore_eos")),
         )
 
     def submit(self, ids: list[int], params: GenerationParams):

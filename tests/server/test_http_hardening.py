@@ -97,6 +97,18 @@ def test_unsupported_parameters_are_refused_by_name(server):
     assert status == 400 and out["type"] == "error" and "'tools' is not supported" in out["error"]["message"]
 
 
+def test_stop_token_ids_end_the_text(server):
+    _, service, port = server
+    ids = service.tokenizer.encode("Tokens that stop")
+    toks, _ = service.submit(ids, service.params({"temperature": 0, "ignore_eos": True}, 12)).result(60)
+    stop = toks[4]
+    status, _, out = post(port, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0, "stop_token_ids": [stop]})
+    assert status == 200 and out["choices"][0]["finish_reason"] == "stop"
+    assert out["usage"]["completion_tokens"] == toks.index(stop) + 1
+    assert post(port, "/v1/completions", {"prompt": ids, "max_tokens": 2, "stop_token_ids": [10**9]})[0] == 400
+    assert post(port, "/v1/completions", {"prompt": ids, "max_tokens": 2, "ignore_eos": "yes"})[0] == 400
+
+
 def test_protocol_abuse(server):
     _, _, port = server
     # A body over the limit: 413 before it is read; a non-JSON POST: 415.
