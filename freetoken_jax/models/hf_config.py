@@ -21,7 +21,24 @@ def rope_parameters(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(theta), rp
 
 
+def check_no_window(d: dict[str, Any]) -> None:
+    """Refuses a config whose sliding-window attention would be active (the engine attends to the
+    whole context, so past the window it would compute something else): `layer_types` naming
+    sliding layers, or a `sliding_window` shorter than `max_position_embeddings` that no
+    `use_sliding_window: false` turns off."""
+    if "sliding_attention" in (d.get("layer_types") or ()):
+        raise ConfigError("sliding-window attention layers (layer_types) are not supported yet")
+    w = d.get("sliding_window")
+    on = d.get("use_sliding_window", isinstance(w, int) and not isinstance(w, bool))
+    if on and (not isinstance(w, int) or w < d.get("max_position_embeddings", 32768)):
+        raise ConfigError(
+            f"sliding-window attention (sliding_window={w!r}, shorter than max_position_embeddings="
+            f"{d.get('max_position_embeddings', 32768)}) is not supported yet"
+        )
+
+
 def common_fields(d: dict[str, Any]) -> dict[str, Any]:
+    check_no_window(d)
     act = d.get("hidden_act", "silu")
     if act not in _ACT:
         raise ConfigError(f"hidden_act {act!r} is not supported; supported: {sorted(_ACT)}")

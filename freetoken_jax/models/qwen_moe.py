@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from freetoken_jax.config import ConfigError, MoEModelConfig
+from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.models.hf_config import common_fields
 from freetoken_jax.models.registry import Family, register
 
@@ -16,13 +16,7 @@ def _moe_layers(d: dict[str, Any]) -> tuple[bool, ...]:
     return tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
 
 
-def _check_no_sliding(d: dict[str, Any]) -> None:
-    if d.get("use_sliding_window"):
-        raise ConfigError("sliding-window attention (use_sliding_window=true) is not supported yet")
-
-
 def qwen2_config(d: dict[str, Any]) -> MoEModelConfig:
-    _check_no_sliding(d)
     return MoEModelConfig(
         **common_fields(d),
         family="qwen2_moe",
@@ -39,7 +33,6 @@ def qwen2_config(d: dict[str, Any]) -> MoEModelConfig:
 
 
 def qwen3_config(d: dict[str, Any]) -> MoEModelConfig:
-    _check_no_sliding(d)
     bias = bool(d.get("attention_bias", False))
     return MoEModelConfig(
         **common_fields(d),

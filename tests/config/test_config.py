@@ -77,3 +77,16 @@ def test_sliding_window_is_refused():
     }
     with pytest.raises(ConfigError, match="sliding"):
         config_from_hf(d)
+    # Every family: a window shorter than the positions, or sliding layers, is refused; one that a
+    # flag turns off, or that covers every position, is not.
+    mixtral = {"architectures": ["MixtralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "intermediate_size": 8, "num_local_experts": 2, "num_experts_per_tok": 1,
+               "max_position_embeddings": 32768}  # fmt: skip
+    for bad in ({"sliding_window": 4096}, {"layer_types": ["sliding_attention"]}, {"use_sliding_window": True}):
+        with pytest.raises(ConfigError, match="sliding"):
+            config_from_hf({**mixtral, **bad})
+    for ok in ({"sliding_window": None}, {"sliding_window": 32768}, {"sliding_window": 4096, "use_sliding_window": False},
+               {"layer_types": ["full_attention"]}):  # fmt: skip
+        assert config_from_hf({**mixtral, **ok}).family == "mixtral"
+    qwen_off = {**d, "use_sliding_window": False, "sliding_window": 4096}
+    assert config_from_hf(qwen_off).family == "qwen3_moe"
