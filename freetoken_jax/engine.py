@@ -200,7 +200,9 @@ class FreeTokenEngine:
 
             path = demo_path()
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"no checkpoint directory at {path!r} (pass a directory with config.json, or 'demo')")
+            from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+
+            raise CheckpointError(f"no checkpoint directory at {path!r} (pass a directory with config.json, or 'demo')")
         ecfg = engine_config or EngineConfig()
         name = os.path.basename(os.path.normpath(path))
         if is_ftw(path):
@@ -222,14 +224,22 @@ class FreeTokenEngine:
         return export_orbax(self.model_config, self.weights.params, path)
 
     # Generation -----------------------------------------------------------------------------------
-    def check_request(self, prompt: Sequence[int], p: GenerationParams) -> list[int]:
-        """The prompt as ints if the request can be served (else `RequestError`, nothing touched)."""
-        return self.batcher.check(prompt, p)
+    def check_request(self, prompt: str | Sequence[int], p: GenerationParams) -> list[int]:
+        """The prompt (text, or token ids) as ints if the request can be served (else
+        `RequestError`, nothing touched)."""
+        return self.batcher.check(self._ids(prompt), p)
+
+    def _ids(self, prompt: str | Sequence[int]) -> Sequence[int]:
+        if not isinstance(prompt, str):
+            return prompt
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: give the prompt as token ids")
+        return self.tokenizer.encode(prompt)
 
     def _submit(self, prompts: Sequence[Sequence[int]], ps: Sequence[GenerationParams]) -> list[RequestHandle]:
         if self.batcher.driver is not None:
             raise RequestError(f"a {self.batcher.driver} serves this engine; submit requests through it")
-        checked = [self.batcher.check(pr, p) for pr, p in zip(prompts, ps)]  # all checked before any is queued
+        checked = [self.check_request(pr, p) for pr, p in zip(prompts, ps)]  # all checked before any is queued
         handles = [RequestHandle(ids, p) for ids, p in zip(checked, ps)]
         for h in handles:
             self.batcher.submit(h)
@@ -256,7 +266,7 @@ class FreeTokenEngine:
 
     def generate(
         self,
-        prompt_ids: Sequence[int],
+        prompt_ids: str | Sequence[int],
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -266,7 +276,8 @@ class FreeTokenEngine:
         ignore_eos: bool = False,
     ) -> Iterator[int]:
         """Yields the generated token ids one by one as they are produced (the stop token, if
-        one ends the generation, is yielded last). Cached prefixes of earlier requests are reused."""
+        one ends the generation, is yielded last); the prompt is text (encoded with the model's
+        tokenizer) or token ids. Cached prefixes of earlier requests are reused."""
         p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos)
         for _, ev in self._drive(self._submit([prompt_ids], [p])):
             if ev.kind == "token":
@@ -276,7 +287,7 @@ class FreeTokenEngine:
 
     def generate_batch(
         self,
-        prompts: Sequence[Sequence[int]],
+        prompts: Sequence[str | Sequence[int]],
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_k: int = 0,
@@ -300,7 +311,7 @@ class FreeTokenEngine:
         return out
 
     # Scoring --------------------------------------------------------------------------------------
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+    def logits(self, token_ids: str | Sequence[int]) -> np.ndarray:
         """Float32 logits at every position of `token_ids`: `[len(token_ids), vocab]`."""
         ids = self.check_request(token_ids, GenerationParams(max_new_tokens=1))
         if not self.batcher.idle() or self.batcher.driver is not None:

@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 from hf_models import make_checkpoint
 
@@ -20,8 +21,19 @@ def ckpt_copy(ckpt_root, tmp_path):
 
 
 def test_missing_directory():
-    with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
         FreeTokenEngine.from_pretrained("/nonexistent/model")
+
+
+def test_text_prompts(small_engine_config):
+    eng = FreeTokenEngine.from_pretrained("demo", small_engine_config)
+    ids = eng.tokenizer.encode("Hello there")
+    assert list(eng.generate("Hello there", max_new_tokens=5)) == list(eng.generate(ids, max_new_tokens=5))
+    assert eng.generate_batch(["Hello there"], max_new_tokens=3) == eng.generate_batch([ids], max_new_tokens=3)
+    np.testing.assert_array_equal(eng.logits("Hello there"), eng.logits(ids))
+    eng.tokenizer = None
+    with pytest.raises(RequestError, match="no tokenizer"):
+        list(eng.generate("Hello there", max_new_tokens=2))
 
 
 def test_missing_safetensors(ckpt_copy, small_engine_config):
