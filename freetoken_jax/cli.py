@@ -49,15 +49,20 @@ def cmd_serve(args) -> int:
     import threading
 
     from freetoken_jax import EngineConfig, FreeTokenEngine
+    from freetoken_jax.config import ConfigError
     from freetoken_jax.scheduler.scheduler import Scheduler
     from freetoken_jax.server.grpc_service import serve_grpc
-    from freetoken_jax.server.http import serve_http
+    from freetoken_jax.server.http import bind, serve_http
     from freetoken_jax.server.schemas import Limits
     from freetoken_jax.server.service import Service
 
     ecfg = EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=args.max_batch, moe_strategy=args.strategy,
                         total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, hybrid_q=args.hybrid_q,
                         max_running=args.max_running)  # fmt: skip
+    try:  # the HTTP port first: a taken one is said now, not after loading and compiling
+        sock = bind(args.host, args.port)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from e
     engine = FreeTokenEngine.from_pretrained(args.model, ecfg)
     print(f"model {engine.name}", file=sys.stderr)  # its memory plan is logged by the engine
     sched = Scheduler(engine, max_queue=args.max_queue)
@@ -69,7 +74,7 @@ def cmd_serve(args) -> int:
     service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path, template)
     api_key = args.api_key or os.environ.get("FREETOKEN_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout)
-    httpd = serve_http(service, args.host, args.port, limits=limits, api_key=api_key, admin_key=args.admin_key, log_prompts=args.log_prompts,
+    httpd = serve_http(service, args.host, args.port, sock=sock, limits=limits, api_key=api_key, admin_key=args.admin_key, log_prompts=args.log_prompts,
                        allowed_origins=[o for o in (args.allowed_origins or "").split(",") if o], max_connections=args.max_connections)  # fmt: skip
     grpc_server, gport = (
         serve_grpc(service, args.host, args.grpc_port, api_key=api_key, limits=limits) if args.grpc_port >= 0 else (None, None)

@@ -481,13 +481,25 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
     return guarded
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (`OSError` at once if the port is taken): `serve` binds before
+    it loads and compiles, so that a taken port is said in the first second, not after warm-up."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 class HttpServer:
     """uvicorn serving the app on a background thread; `server_address` is (host, bound port)."""
 
-    def __init__(self, app, host: str, port: int, *, max_connections: int = 512, max_header_bytes: int = 16384, keep_alive_s: float = 5.0):
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+    def __init__(self, app, host: str, port: int, *, max_connections: int = 512, max_header_bytes: int = 16384, keep_alive_s: float = 5.0,
+                 sock: socket.socket | None = None):  # fmt: skip
+        sock = sock or bind(host, port)
         self.server_address = sock.getsockname()[:2]
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", backlog=2048, limit_concurrency=max_connections,
                                 timeout_keep_alive=keep_alive_s, h11_max_incomplete_event_size=max_header_bytes)  # fmt: skip
@@ -508,5 +520,5 @@ class HttpServer:
 def serve_http(service: Service, host: str = "127.0.0.1", port: int = 8000, **options) -> HttpServer:
     """Starts the HTTP server on a background thread and returns it (`.shutdown()` stops it).
     `options`: `create_app`'s (limits, keys, origins, log_prompts) and `HttpServer`'s."""
-    server_opts = {k: options.pop(k) for k in ("max_connections", "max_header_bytes", "keep_alive_s") if k in options}
+    server_opts = {k: options.pop(k) for k in ("max_connections", "max_header_bytes", "keep_alive_s", "sock") if k in options}
     return HttpServer(create_app(service, **options), host, port, **server_opts)
