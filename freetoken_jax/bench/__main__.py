@@ -87,8 +87,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.cmd in ("decode", "prefill"):
         from freetoken_jax.bench.compare import run
+        from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+        from freetoken_jax.config import ConfigError
 
-        run(args)
+        if args.cmd == "decode" and args.plot:  # before the run, not after it
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+                return 2
+        try:
+            run(args)
+        except (ConfigError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     from freetoken_jax.bench.bw import run_bw
     from freetoken_jax.runtime.choice import profile_path

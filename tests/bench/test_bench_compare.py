@@ -169,3 +169,17 @@ def test_expert_impl_is_recorded_and_gives_the_same_tokens(tmp_path):
         assert d["expert_impl"] == impl
         firsts[impl] = d["rows"][0]["first_token"]
     assert firsts["ragged"] == firsts["dense"]
+
+
+def test_user_errors_are_one_line_and_come_first(tmp_path, capsys, monkeypatch):
+    """A bad setting is one line on stderr (no traceback); a --plot that cannot be drawn is said
+    before the run, not after it."""
+    from freetoken_jax.bench import compare
+
+    assert main(["decode", "--model", str(tmp_path / "nope"), "--gen-len", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint directory" in err and "Traceback" not in err
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if it were not installed
+    monkeypatch.setattr(compare, "run", lambda args: (_ for _ in ()).throw(AssertionError("ran before checking --plot")))
+    assert main(["decode", "--gen-len", "4", "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--plot needs matplotlib" in capsys.readouterr().err
