@@ -5,7 +5,6 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -470,18 +469,6 @@ VNNI_TARGET inline __m256i E2m1Codes(__m256i nibbles) {
   return _mm256_shuffle_epi8(lut, nibbles);
 }
 
-// The four formats as the kernel sees them, per block of 32 weights: its bytes, its unsigned
-// codes, and (for R rows at once) each row's scale per lane times the activation scale d.
-struct Q4_0Vnni {
-  static constexpr int64_t kBytes = 18;
-  VNNI_TARGET static __m256i Codes(const uint8_t* b) { return Nibbles(b + 2); }
-};
-struct Q8_0Vnni {
-  static constexpr int64_t kBytes = 34;
-  VNNI_TARGET static __m256i Codes(const uint8_t* b) {
-    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 2)), _mm256_set1_epi8(static_cast<char>(0x80)));
-  }
-};
 // f16 scales of R ≤ 4 rows' blocks: gathered into one register, converted once.
 template <int R>
 VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __m256* s) {
@@ -495,22 +482,53 @@ VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __
   _mm_store_ps(f, _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(h))), _mm_set1_ps(d)));
   for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(f[i]);
 }
+
+// The four formats as the kernel sees them, per block b of 32 weights of a row: kBytes, its bytes
+// (on average); Codes, its unsigned codes; Scales<R>, the scale per lane of the block in R rows
+// (stride bytes apart) times the activation scale d.
+struct Q4_0Vnni {
+  static constexpr int64_t kBytes = 18;
+  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return Nibbles(row + b * kBytes + 2); }
+  template <int R>
+  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+    HalfScales<R>(row + b * kBytes, stride, d, s);
+  }
+};
+struct Q8_0Vnni {
+  static constexpr int64_t kBytes = 34;
+  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBytes + 2)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+  template <int R>
+  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+    HalfScales<R>(row + b * kBytes, stride, d, s);
+  }
+};
 struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
   static constexpr int64_t kBytes = 17;
-  VNNI_TARGET static __m256i Codes(const uint8_t* b) { return E2m1Codes(Nibbles(b + 1)); }
+  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + b * kBytes + 1)); }
   template <int R>
-  VNNI_TARGET static void Scales(const uint8_t* b, int64_t stride, float d, __m256* s) {
-    for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(0.5f * E8m0(b[i * stride]) * d);
+  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+    for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(0.5f * E8m0(row[i * stride + b * kBytes]) * d);
   }
 };
 // nvfp4: 36-byte super-blocks of 64 weights, four e4m3 scales (one per 16) then four sub-blocks
 // of 8 bytes (low nibbles: weights 0..7, high: 8..15). A 32-weight block is two sub-blocks A, B:
 // its codes are [A 0..7, B 0..7, A 8..15, B 8..15] (Prepare stores activations in that order), so
-// lanes 0-1 and 4-5 take A's scale, 2-3 and 6-7 B's. `b` points at the block's first sub-block
-// and `sc` at its two scales.
-VNNI_TARGET inline __m256 Nvfp4Scale(const uint8_t* sc, float d) {
-  return _mm256_mul_ps(_mm256_blend_ps(_mm256_set1_ps(kE4m3.v[sc[0]]), _mm256_set1_ps(kE4m3.v[sc[1]]), 0xCC), _mm256_set1_ps(0.5f * d));
-}
+// lanes 0-1 and 4-5 take A's scale, 2-3 and 6-7 B's.
+struct Nvfp4Vnni {
+  static constexpr int64_t kBytes = 18;
+  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + (b / 2) * 36 + 4 + 16 * (b % 2))); }
+  template <int R>
+  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+    const __m256 half_d = _mm256_set1_ps(0.5f * d);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* sc = row + i * stride + (b / 2) * 36 + 2 * (b % 2);
+      s[i] = _mm256_mul_ps(_mm256_blend_ps(_mm256_set1_ps(kE4m3.v[sc[0]]), _mm256_set1_ps(kE4m3.v[sc[1]]), 0xCC), half_d);
+    }
+  }
+};
 
 // The kernels walk R rows at once, more streams than the hardware prefetchers follow well (from
 // DRAM, four rows in step read at half the rate of one). The R rows after them are contiguous, so
@@ -529,35 +547,11 @@ VNNI_TARGET inline void VnniRows(const uint8_t* r, int64_t stride, const VnniPre
   for (int64_t b = 0; b < nb; ++b) {
     const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
-    const uint8_t* blk = r + b * Fmt::kBytes;
     __m256 s[R];
-    if constexpr (std::is_same_v<Fmt, Mxfp4Vnni>) {
-      Fmt::template Scales<R>(blk, stride, p.d[b], s);
-    } else {
-      HalfScales<R>(blk, stride, p.d[b], s);
-    }
+    Fmt::template Scales<R>(r, stride, b, p.d[b], s);
     PrefetchAhead<R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);
     for (int i = 0; i < R; ++i) {
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(blk + i * stride), q)), s[i], acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
-}
-
-template <int R>
-VNNI_TARGET inline void Nvfp4Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
-    const uint8_t* sb = r + (b / 2) * 36;  // the super-block
-    const int h = static_cast<int>(b % 2);
-    PrefetchAhead<R * 18>(r + R * stride + b * R * 18);
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* row = sb + i * stride;
-      const __m256i w = E2m1Codes(Nibbles(row + 4 + 16 * h));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, w, q)), Nvfp4Scale(row + 2 * h, p.d[b]), acc[i]);
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
@@ -568,14 +562,8 @@ VNNI_TARGET void DotRowsVnni(const uint8_t* r, int64_t stride, int64_t rows, con
   const int64_t nb = n / 32;
   const VnniPrep p = VnniView(prep, nb);
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) {
-    if constexpr (std::is_same_v<Fmt, void>) Nvfp4Rows<4>(r + i * stride, stride, p, nb, out + i);
-    else VnniRows<Fmt, 4>(r + i * stride, stride, p, nb, out + i);
-  }
-  for (; i < rows; ++i) {
-    if constexpr (std::is_same_v<Fmt, void>) Nvfp4Rows<1>(r + i * stride, stride, p, nb, out + i);
-    else VnniRows<Fmt, 1>(r + i * stride, stride, p, nb, out + i);
-  }
+  for (; i + 4 <= rows; i += 4) VnniRows<Fmt, 4>(r + i * stride, stride, p, nb, out + i);
+  for (; i < rows; ++i) VnniRows<Fmt, 1>(r + i * stride, stride, p, nb, out + i);
 }
 template <class Fmt>
 VNNI_TARGET float DotVnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
@@ -660,7 +648,7 @@ DotFn DotFor(IsaTier tier, BankType type) {
       if (type == BankType::kQ4_0) return DotVnni<Q4_0Vnni>;
       if (type == BankType::kQ8_0) return DotVnni<Q8_0Vnni>;
       if (type == BankType::kMxfp4) return DotVnni<Mxfp4Vnni>;
-      if (type == BankType::kNvfp4) return DotVnni<void>;
+      if (type == BankType::kNvfp4) return DotVnni<Nvfp4Vnni>;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];
@@ -685,7 +673,7 @@ DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
       case BankType::kMxfp4:
         return DotRowsVnni<Mxfp4Vnni>;
       default:
-        return DotRowsVnni<void>;  // nvfp4
+        return DotRowsVnni<Nvfp4Vnni>;
     }
   }
 #endif
