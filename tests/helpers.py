@@ -30,3 +30,21 @@ def executor_reference(x, tokens, experts, weights, gate, up, down, F, act, roun
         G, U, D = g64[e].reshape(F, H), u64[e].reshape(F, H), d64[e].reshape(H, F)
         out[t] += w * D @ rnd(f(G @ x[t]) * (U @ x[t]))
     return out
+
+
+# Where each K-quant's f16 super-block scales sit in its block (the rest may be any byte).
+K_SCALE_BYTES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def random_blocks(fmt, O, I, rng, scale=0.01):
+    """uint8 [O, row_bytes] of `fmt` with every code and sub-block scale random and each f16
+    super-block scale a random finite value of about `scale` (what GGUF files of K-quants hold:
+    bytes from ggml's own quantizer, not ours)."""
+    from freetoken_jax.quant.formats import get_format
+
+    f = get_format(fmt)
+    b = rng.integers(0, 256, (O, f.blocks(I), f.block_bytes), dtype=np.uint8)
+    for at in K_SCALE_BYTES[fmt]:
+        d = (rng.random((O, f.blocks(I))) * scale).astype(np.float16)
+        b[..., at : at + 2] = d[..., None].view(np.uint8)
+    return b.reshape(O, -1)

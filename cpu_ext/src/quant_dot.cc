@@ -29,16 +29,23 @@ FormatLayout LayoutOf(BankType type) {
       return {64, 36, 4, false};
     case BankType::kFp8:
       return {128, 132, 0, true};
+    case BankType::kQ4_K:
+      return {256, 144, 0, false};
+    case BankType::kQ5_K:
+      return {256, 176, 0, false};
+    case BankType::kQ6_K:
+      return {256, 210, 0, false};
   }
   return {1, 4, 0, false};
 }
 
-static const char* const kNames[] = {"f32", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8"};
+static const char* const kNames[] = {"f32", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8", "q4_k", "q5_k", "q6_k"};
+constexpr int kNumTypes = sizeof(kNames) / sizeof(kNames[0]);
 
 BankType ParseBankType(const char* name) {
-  for (int i = 0; i < 7; ++i)
+  for (int i = 0; i < kNumTypes; ++i)
     if (std::string(name) == kNames[i]) return static_cast<BankType>(i);
-  throw std::invalid_argument(std::string("unknown bank format '") + name + "'; use f32, bf16, q8_0, q4_0, mxfp4, nvfp4 or fp8");
+  throw std::invalid_argument(std::string("unknown bank format '") + name + "'; use f32, bf16, q8_0, q4_0, mxfp4, nvfp4, fp8, q4_k, q5_k or q6_k");
 }
 
 const char* BankTypeName(BankType type) { return kNames[static_cast<int>(type)]; }
@@ -164,6 +171,53 @@ float DotFp8Scalar(const uint8_t* r, const float* x, const void*, int64_t n) {
     float s = 0.f;
     for (int64_t j = 0; j < m; ++j) s += kE4m3.v[r[4 + j]] * x[i0 + j];
     acc += LoadF32(r) * s;
+  }
+  return acc;
+}
+
+// K-quants: super-blocks of 256 weights, sub-blocks j = 0..7 of 32 (docs/FORMATS.md).
+// q4_k / q5_k: sub-block j's 6-bit scale and min from the 12 bytes at `s` (ggml's get_scale_min_k4).
+inline void KScaleMin(const uint8_t* s, int j, int* sc, int* m) {
+  if (j < 4) {
+    *sc = s[j] & 63, *m = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), *m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+// The unsigned code of weight l (0..31) of sub-block j (q6_k: still offset by 32).
+template <BankType T>
+inline int KCode(const uint8_t* r, int j, int l) {
+  if constexpr (T == BankType::kQ6_K) {
+    const int n = j / 4, k = j % 4;
+    return ((r[64 * n + 32 * (k % 2) + l] >> (4 * (k / 2))) & 15) | (((r[128 + 32 * n + l] >> (2 * k)) & 3) << 4);
+  } else {
+    const uint8_t* qs = r + (T == BankType::kQ4_K ? 16 : 48);
+    const int low = (qs[32 * (j / 2) + l] >> (4 * (j % 2))) & 15;
+    return T == BankType::kQ4_K ? low : low | (((r[16 + l] >> j) & 1) << 4);
+  }
+}
+
+template <BankType T>
+float DotKScalar(const uint8_t* r, const float* x, const void*, int64_t n) {
+  constexpr int64_t kBytes = T == BankType::kQ4_K ? 144 : T == BankType::kQ5_K ? 176 : 210;
+  float acc = 0.f;
+  for (int64_t b = 0; b < n / 256; ++b, r += kBytes) {
+    for (int j = 0; j < 8; ++j, x += 32) {
+      if constexpr (T == BankType::kQ6_K) {
+        const float d = F16ToF32(r + 208);
+        for (int h = 0; h < 2; ++h) {
+          float s = 0.f;
+          for (int l = 16 * h; l < 16 * h + 16; ++l) s += (KCode<T>(r, j, l) - 32) * x[l];
+          acc += d * static_cast<int8_t>(r[192 + 2 * j + h]) * s;
+        }
+      } else {
+        int sc, m;
+        KScaleMin(r + 4, j, &sc, &m);
+        float s = 0.f, sx = 0.f;
+        for (int l = 0; l < 32; ++l) s += KCode<T>(r, j, l) * x[l], sx += x[l];
+        acc += F16ToF32(r) * sc * s - F16ToF32(r + 2) * m * sx;
+      }
+    }
   }
   return acc;
 }
@@ -487,6 +541,7 @@ VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __
 // (on average); Codes, its unsigned codes; Scales<R>, the scale per lane of the block in R rows
 // (stride bytes apart) times the activation scale d.
 struct Q4_0Vnni {
+  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 18;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return Nibbles(row + b * kBytes + 2); }
   template <int R>
@@ -495,6 +550,7 @@ struct Q4_0Vnni {
   }
 };
 struct Q8_0Vnni {
+  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 34;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBytes + 2)),
@@ -506,6 +562,7 @@ struct Q8_0Vnni {
   }
 };
 struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
+  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 17;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + b * kBytes + 1)); }
   template <int R>
@@ -518,6 +575,7 @@ struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
 // its codes are [A 0..7, B 0..7, A 8..15, B 8..15] (Prepare stores activations in that order), so
 // lanes 0-1 and 4-5 take A's scale, 2-3 and 6-7 B's.
 struct Nvfp4Vnni {
+  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 18;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + (b / 2) * 36 + 4 + 16 * (b % 2))); }
   template <int R>
@@ -526,6 +584,60 @@ struct Nvfp4Vnni {
     for (int i = 0; i < R; ++i) {
       const uint8_t* sc = row + i * stride + (b / 2) * 36 + 2 * (b % 2);
       s[i] = _mm256_mul_ps(_mm256_blend_ps(_mm256_set1_ps(kE4m3.v[sc[0]]), _mm256_set1_ps(kE4m3.v[sc[1]]), 0xCC), half_d);
+    }
+  }
+};
+
+// K-quants: block b of 32 is sub-block j = b % 8 of super-block b / 8. q4_k and q5_k have mins
+// (kMins): w = d·sc·q − dmin·m, the kernel adds dmin·m·d times the lane sums that Prepare stores
+// as −Σ codes (offset 1), and dpbusd starts from zero. q6_k is q − 32 with an int8 scale per 16.
+VNNI_TARGET inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
+VNNI_TARGET inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+template <BankType T>
+struct KVnni {
+  static constexpr int64_t kSuper = T == BankType::kQ4_K ? 144 : T == BankType::kQ5_K ? 176 : 210;
+  static constexpr int64_t kBytes = kSuper / 8;  // on average (q6_k: 26.25)
+  static constexpr bool kMins = T != BankType::kQ6_K;
+  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) {
+    const uint8_t* r = row + (b / 8) * kSuper;
+    const int j = static_cast<int>(b % 8);
+    const __m256i low = _mm256_set1_epi8(15);
+    if constexpr (T == BankType::kQ6_K) {
+      const int n = j / 4, k = j % 4;
+      const __m256i lo = _mm256_and_si256(Shift4(Load32(r + 64 * n + 32 * (k % 2)), k / 2), low);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(Load32(r + 128 + 32 * n), _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    } else {
+      const __m256i lo = _mm256_and_si256(Shift4(Load32(r + (T == BankType::kQ4_K ? 16 : 48) + 32 * (j / 2)), j % 2), low);
+      if constexpr (T == BankType::kQ4_K) return lo;
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(Load32(r + 16), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+  }
+  template <int R>
+  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+    const int j = static_cast<int>(b % 8);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* r = row + i * stride + (b / 8) * kSuper;
+      if constexpr (T == BankType::kQ6_K) {
+        const float dd = HalfToF32(r + 208) * d;
+        const int at = 192 + 2 * j;  // scales 2j, 2j + 1: its two halves
+        s[i] = _mm256_blend_ps(_mm256_set1_ps(dd * static_cast<int8_t>(r[at])), _mm256_set1_ps(dd * static_cast<int8_t>(r[at + 1])), 0xF0);
+      } else {
+        int sc, m;
+        KScaleMin(r + 4, j, &sc, &m);
+        s[i] = _mm256_set1_ps(HalfToF32(r) * sc * d);
+      }
+    }
+  }
+  template <int R>
+  VNNI_TARGET static void Mins(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* m) {
+    const int j = static_cast<int>(b % 8);
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* r = row + i * stride + (b / 8) * kSuper;
+      int sc, mn;
+      KScaleMin(r + 4, j, &sc, &mn);
+      m[i] = _mm256_set1_ps(HalfToF32(r + 2) * mn * d);
     }
   }
 };
@@ -550,8 +662,18 @@ VNNI_TARGET inline void VnniRows(const uint8_t* r, int64_t stride, const VnniPre
     __m256 s[R];
     Fmt::template Scales<R>(r, stride, b, p.d[b], s);
     PrefetchAhead<R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);
-    for (int i = 0; i < R; ++i) {
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);
+    if constexpr (Fmt::kMins) {
+      __m256 m[R];
+      Fmt::template Mins<R>(r, stride, b, p.d[b], m);
+      const __m256 cf = _mm256_cvtepi32_ps(c);
+      for (int i = 0; i < R; ++i) {
+        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), Fmt::Codes(r + i * stride, b), q);
+        acc[i] = _mm256_fmadd_ps(cf, m[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s[i], acc[i]));
+      }
+    } else {
+      for (int i = 0; i < R; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);
+      }
     }
   }
   for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
@@ -596,18 +718,37 @@ void PrepareQ8(const float* x, int64_t n, uint8_t* out, int offset, bool nvfp4_o
 }
 
 inline bool UsesVnni(IsaTier tier, BankType type) {
-  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) &&
-         (type == BankType::kQ4_0 || type == BankType::kQ8_0 || type == BankType::kMxfp4 || type == BankType::kNvfp4);
+  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type != BankType::kF32 && type != BankType::kBF16 && type != BankType::kFp8;
+}
+// What Prepare's lane sums take back: the codes' offset from the signed value (mins formats: 1,
+// so that the lane sums are −Σ codes).
+inline int VnniOffset(BankType type) {
+  switch (type) {
+    case BankType::kQ4_0:
+      return 8;
+    case BankType::kQ8_0:
+      return 128;
+    case BankType::kQ6_K:
+      return 32;
+    case BankType::kQ4_K:
+    case BankType::kQ5_K:
+      return 1;
+    default:
+      return 12;  // e2m1 codes as twice their value + 12
+  }
 }
 inline bool UsesBf16Dot(IsaTier tier, BankType type) {
   return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type == BankType::kBF16;
 }
 
-constexpr DotFn kScalar[] = {DotF32Scalar, DotBf16Scalar, DotQ8_0Scalar, DotQ4_0Scalar, DotMxfp4Scalar, DotNvfp4Scalar, DotFp8Scalar};
+#define K_SCALAR DotKScalar<BankType::kQ4_K>, DotKScalar<BankType::kQ5_K>, DotKScalar<BankType::kQ6_K>
+constexpr DotFn kScalar[] = {DotF32Scalar, DotBf16Scalar, DotQ8_0Scalar, DotQ4_0Scalar, DotMxfp4Scalar, DotNvfp4Scalar, DotFp8Scalar, K_SCALAR};
 #ifdef FREETOKEN_X86
-constexpr DotFn kAvx2[] = {DotF32Avx2, DotBf16Avx2, DotQ8_0Avx2, DotQ4_0Avx2, DotMxfp4Avx2, DotNvfp4Avx2, DotFp8Avx2};
-constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0Avx512, DotMxfp4Avx512, DotNvfp4Avx512, DotFp8Avx512};
+// The K-quants' float32 tiers are the scalar kernels; from avx512_bf16 on they have VNNI ones.
+constexpr DotFn kAvx2[] = {DotF32Avx2, DotBf16Avx2, DotQ8_0Avx2, DotQ4_0Avx2, DotMxfp4Avx2, DotNvfp4Avx2, DotFp8Avx2, K_SCALAR};
+constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0Avx512, DotMxfp4Avx512, DotNvfp4Avx512, DotFp8Avx512, K_SCALAR};
 #endif
+static_assert(sizeof(kScalar) / sizeof(kScalar[0]) == kNumTypes);
 
 }  // namespace
 
@@ -622,10 +763,7 @@ int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
 
 void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out) {
 #ifdef FREETOKEN_X86
-  if (UsesVnni(tier, type)) {
-    const int offset = type == BankType::kQ4_0 ? 8 : type == BankType::kQ8_0 ? 128 : 12;
-    return PrepareQ8(x, n, out, offset, type == BankType::kNvfp4);
-  }
+  if (UsesVnni(tier, type)) return PrepareQ8(x, n, out, VnniOffset(type), type == BankType::kNvfp4);
   if (UsesBf16Dot(tier, type)) {
     for (int64_t i = 0; i < n; ++i) {  // round to nearest even
       uint32_t u;
@@ -649,6 +787,9 @@ DotFn DotFor(IsaTier tier, BankType type) {
       if (type == BankType::kQ8_0) return DotVnni<Q8_0Vnni>;
       if (type == BankType::kMxfp4) return DotVnni<Mxfp4Vnni>;
       if (type == BankType::kNvfp4) return DotVnni<Nvfp4Vnni>;
+      if (type == BankType::kQ4_K) return DotVnni<KVnni<BankType::kQ4_K>>;
+      if (type == BankType::kQ5_K) return DotVnni<KVnni<BankType::kQ5_K>>;
+      if (type == BankType::kQ6_K) return DotVnni<KVnni<BankType::kQ6_K>>;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];
@@ -672,6 +813,12 @@ DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
         return DotRowsVnni<Q8_0Vnni>;
       case BankType::kMxfp4:
         return DotRowsVnni<Mxfp4Vnni>;
+      case BankType::kQ4_K:
+        return DotRowsVnni<KVnni<BankType::kQ4_K>>;
+      case BankType::kQ5_K:
+        return DotRowsVnni<KVnni<BankType::kQ5_K>>;
+      case BankType::kQ6_K:
+        return DotRowsVnni<KVnni<BankType::kQ6_K>>;
       default:
         return DotRowsVnni<Nvfp4Vnni>;
     }

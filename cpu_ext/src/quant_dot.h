@@ -11,7 +11,7 @@
 
 namespace freetoken {
 
-enum class BankType { kF32, kBF16, kQ8_0, kQ4_0, kMxfp4, kNvfp4, kFp8 };
+enum class BankType { kF32, kBF16, kQ8_0, kQ4_0, kMxfp4, kNvfp4, kFp8, kQ4_K, kQ5_K, kQ6_K };
 
 struct FormatLayout {
   int64_t block;        // weights per block along the row
@@ -21,7 +21,8 @@ struct FormatLayout {
 };
 
 FormatLayout LayoutOf(BankType type);
-// Parses "f32", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8"; throws std::invalid_argument.
+// Parses "f32", "bf16", "q8_0", "q4_0", "mxfp4", "nvfp4", "fp8", "q4_k", "q5_k", "q6_k"; throws
+// std::invalid_argument.
 BankType ParseBankType(const char* name);
 const char* BankTypeName(BankType type);
 
@@ -47,8 +48,8 @@ using DotRowsFn = void (*)(const uint8_t* row, int64_t stride, int64_t rows, con
 DotRowsFn DotRowsFor(IsaTier tier, BankType type);
 
 // What some kernels read instead of (or beside) the float32 vector, made once per vector: the
-// bf16 dot tier reads x rounded to bf16; the VNNI kernels of q8_0 / q4_0 / mxfp4 / nvfp4 (tier
-// avx512_bf16 and up) read x quantized to int8 per block of 32 as llama.cpp does (d = max|x| / 127,
+// bf16 dot tier reads x rounded to bf16; the VNNI kernels of the 4- to 8-bit formats (tier
+// avx512_bf16 and up; all but fp8) read x quantized to int8 per block of 32 as llama.cpp does (d = max|x| / 127,
 // q = round(x / d)), so their sums are those of x dequantized from those blocks. 0 bytes: the
 // kernel reads x alone.
 int64_t PrepBytes(IsaTier tier, BankType type, int64_t n);

@@ -12,11 +12,16 @@ projection, one expert per row (`docs/FORMATS.md` gives every layout byte by byt
 | mxfp4 | 32 | 17 | e8m0 e, 16 bytes of e2m1 as q4_0; w = 2^(e−127)·v (GGUF MXFP4) | — |
 | nvfp4 | 64 | 36 | 4 × e4m3 s (one per 16), 4 × 8 bytes of e2m1, byte j of 16 = v[j] ∣ v[j+8] ≪ 4 (GGUF NVFP4) | f32 g; w = g·s·v |
 | fp8 | 128 | 132 | f32 s, 128 × e4m3 q; w = s·q (a short last block is zero-padded) | — |
+| q4_k | 256 | 144 | f16 d, f16 m, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles (GGUF Q4_K) | — |
+| q5_k | 256 | 176 | as q4_k, then 32 bytes of fifth bits before the nibbles (GGUF Q5_K) | — |
+| q6_k | 256 | 210 | 128 bytes low nibbles, 64 bytes high 2-bit pairs, 16 × int8 scales, f16 d (GGUF Q6_K) | — |
 
 The jnp functions run inside jitted steps (dequantize, on the device or the CPU backend) and at
 load (quantize, one layer at a time). `quantize_ref` / `dequantize_ref` are the numpy
 references: quantizers compute in float32 with ggml's arithmetic (so that q8_0, q4_0 and mxfp4
-bytes equal the `gguf` package's), dequantizers are exact in float64.
+bytes equal the `gguf` package's), dequantizers are exact in float64. The K-quants' quantizer
+is one function over either array library (`_kquant`): a plain min/max fit per sub-block (GGUF
+files bring ggml's own search; their bytes load as they are).
 """
 
 from __future__ import annotations
@@ -97,6 +102,9 @@ FORMATS = {
     "mxfp4": Format("mxfp4", 32, 17),
     "nvfp4": Format("nvfp4", 64, 36, trailer=4),
     "fp8": Format("fp8", 128, 132, pads=True),
+    "q4_k": Format("q4_k", 256, 144),
+    "q5_k": Format("q5_k", 256, 176),
+    "q6_k": Format("q6_k", 256, 210),
 }
 assert {n: 1 if f.pads else f.block for n, f in FORMATS.items()} == {n: m for n, m in EXPERT_FORMATS.items() if n != "bf16"}
 
@@ -256,8 +264,122 @@ def _fp8_dq(f, rows, trailer):
     return _from_bytes(rows[..., 4:, None], jnp.float8_e4m3fn).astype(jnp.float32) * s[..., None]
 
 
-_QUANTIZE = {"q8_0": _q8_0_q, "q4_0": _q4_0_q, "mxfp4": _mxfp4_q, "nvfp4": _nvfp4_q, "fp8": _fp8_q}
-_DEQUANTIZE = {"q8_0": _q8_0_dq, "q4_0": _q4_0_dq, "mxfp4": _mxfp4_dq, "nvfp4": _nvfp4_dq, "fp8": _fp8_dq}
+# K-quants (GGUF's super-blocks of 256 = 8 sub-blocks of 32) ---------------------------------------
+# q4_k / q5_k: w = d·sc[j]·q − dmin·m[j] with 6-bit sc, m per sub-block j packed in 12 bytes;
+# q6_k: w = d·sc[i]·(q − 32) with int8 sc per 16 weights. Written once over `xp` (numpy or
+# jax.numpy): the dequantizers' arithmetic is exact in float64 (numpy) or float32 (jnp).
+
+
+def _k_scale_min(xp, s12):
+    """12 bytes → (sc, m), 6 bits each, [..., 8] (ggml's get_scale_min_k4)."""
+    d, m, md = s12[..., 0:4], s12[..., 4:8], s12[..., 8:12]
+    sc = xp.concatenate([d & 63, (md & 15) | ((d >> 2) & 48)], axis=-1)
+    mn = xp.concatenate([m & 63, (md >> 4) | ((m >> 2) & 48)], axis=-1)
+    return sc, mn
+
+
+def _k_pack_scale_min(xp, sc, mn):
+    lo_s, hi_s, lo_m, hi_m = sc[..., :4], sc[..., 4:], mn[..., :4], mn[..., 4:]
+    return xp.concatenate([lo_s | ((hi_s >> 4) << 6), lo_m | ((hi_m >> 4) << 6), (hi_s & 15) | ((hi_m & 15) << 4)], axis=-1)
+
+
+def _k_codes(xp, rows, name):
+    """[..., nb, block_bytes] → unsigned codes [..., nb, 8, 32] (q6_k: still offset by 32)."""
+    lead = rows.shape[:-1]
+    if name == "q6_k":
+        ql = rows[..., 0:128].reshape(*lead, 2, 1, 2, 32)  # half, (shift), 32-run, 32
+        low = (ql >> xp.asarray([0, 4], dtype=rows.dtype).reshape(2, 1, 1)) & 15  # [.., 2, 2, 2, 32]: half, shift, run
+        qh = rows[..., 128:192].reshape(*lead, 2, 1, 32)
+        high = (qh >> xp.asarray([0, 2, 4, 6], dtype=rows.dtype).reshape(4, 1)) & 3  # [.., 2, 4, 32]
+        return low.reshape(*lead, 8, 32) | (high.reshape(*lead, 8, 32) << 4)
+    qs = rows[..., -128:].reshape(*lead, 4, 1, 32)
+    low = ((qs >> xp.asarray([0, 4], dtype=rows.dtype).reshape(2, 1)) & 15).reshape(*lead, 8, 32)
+    if name == "q4_k":
+        return low
+    qh = rows[..., 16:48].reshape(*lead, 1, 32)
+    return low | (((qh >> xp.arange(8, dtype=rows.dtype).reshape(8, 1)) & 1) << 4)
+
+
+def _kdequant(xp, rows, name, f16, f32, i8):
+    """[..., nb, block_bytes] → weights [..., nb, 256] in `f32` (float32 or float64)."""
+    lead = rows.shape[:-1]
+    q = _k_codes(xp, rows, name).astype(f32)
+    if name == "q6_k":
+        d = f16(rows[..., 208:210]).astype(f32)
+        sc = i8(rows[..., 192:208]).astype(f32) * d[..., None]  # [..., nb, 16]
+        return ((q - 32).reshape(*lead, 16, 16) * sc[..., None]).reshape(*lead, 256)
+    d, dmin = f16(rows[..., 0:2]).astype(f32), f16(rows[..., 2:4]).astype(f32)
+    sc, mn = _k_scale_min(xp, rows[..., 4:16])
+    w = q * (d[..., None] * sc.astype(f32))[..., None] - (dmin[..., None] * mn.astype(f32))[..., None]
+    return w.reshape(*lead, 256)
+
+
+def _kround(xp, x):
+    a = xp.abs(x)
+    f = xp.floor(a)
+    return xp.sign(x) * (f + xp.floor(2 * (a - f)))
+
+
+def _kdiv(xp, a, b):
+    return xp.where(b == 0, 0.0, a / xp.where(b == 0, 1.0, b))
+
+
+def _kquant(xp, b, name, to_f16, f16_bytes):
+    """Blocks [..., nb, 256] float32 → [..., nb, block_bytes] uint8: a min/max fit per sub-block,
+    the sub-block scales (and mins) quantized to 6 bits (q6_k: int8) of the super-block's f16."""
+    lead = b.shape[:-1]
+    u8 = lambda x: x.astype(xp.uint8)  # noqa: E731
+    if name == "q6_k":
+        s16 = b.reshape(*lead, 16, 16)
+        idx = xp.argmax(xp.abs(s16), axis=-1)[..., None]
+        scale = xp.take_along_axis(s16, idx, axis=-1)[..., 0] * np.float32(-1 / 32)  # the extreme weight maps to −32
+        d = to_f16(xp.max(xp.abs(scale), axis=-1) * np.float32(1 / 127))
+        sc = xp.clip(_kround(xp, _kdiv(xp, scale, d[..., None])), -128, 127)
+        eff = (d[..., None] * sc)[..., None]
+        q = u8(xp.clip(_kround(xp, _kdiv(xp, s16, eff)), -32, 31) + 32).reshape(*lead, 2, 4, 32)  # half, run, 32
+        ql = (q[..., 0:2, :] & 15) | ((q[..., 2:4, :] & 15) << 4)  # [.., 2, 2, 32]: byte l of run r holds runs r and r + 2
+        qh = (q[..., 0, :] >> 4) | ((q[..., 1, :] >> 4) << 2) | ((q[..., 2, :] >> 4) << 4) | ((q[..., 3, :] >> 4) << 6)
+        parts = [ql.reshape(*lead, 128), qh.reshape(*lead, 64), u8(sc.astype(xp.int8).view(xp.uint8) if xp is np else
+                 jax.lax.bitcast_convert_type(sc.astype(jnp.int8), jnp.uint8)), f16_bytes(d)]  # fmt: skip
+        return xp.concatenate(parts, axis=-1)
+    qmax = 15 if name == "q4_k" else 31
+    s32 = b.reshape(*lead, 8, 32)
+    lo = xp.minimum(xp.min(s32, axis=-1), 0.0)
+    scale, mn = (xp.max(s32, axis=-1) - lo) * np.float32(1 / qmax), -lo
+    d, dmin = to_f16(xp.max(scale, axis=-1) * np.float32(1 / 63)), to_f16(xp.max(mn, axis=-1) * np.float32(1 / 63))
+    sc = xp.clip(_kround(xp, _kdiv(xp, scale, d[..., None])), 0, 63)
+    m = xp.clip(_kround(xp, _kdiv(xp, mn, dmin[..., None])), 0, 63)
+    eff_s, eff_m = (d[..., None] * sc)[..., None], (dmin[..., None] * m)[..., None]
+    q = u8(xp.clip(_kround(xp, _kdiv(xp, s32 + eff_m, eff_s)), 0, qmax)).reshape(*lead, 4, 2, 32)
+    qs = ((q[..., 0, :] & 15) | ((q[..., 1, :] & 15) << 4)).reshape(*lead, 128)
+    parts = [f16_bytes(d), f16_bytes(dmin), _k_pack_scale_min(xp, u8(sc), u8(m))]
+    if name == "q5_k":
+        hi = (q.reshape(*lead, 8, 32) >> 4).astype(xp.uint8)
+        parts.append(sum(hi[..., j, :] << j for j in range(8)).astype(xp.uint8))
+    return xp.concatenate([*parts, qs], axis=-1)
+
+
+def _jnp_f16(x):
+    return x.astype(jnp.float16).astype(jnp.float32)
+
+
+def _jnp_f16_bytes(x):
+    return _as_bytes(x.astype(jnp.float16))
+
+
+def _kq(f, w):
+    return _kquant(jnp, _blocks(w, 256), f.name, _jnp_f16, _jnp_f16_bytes)
+
+
+def _kdq(f, rows, trailer):
+    f16 = lambda b: _from_bytes(b, jnp.float16)  # noqa: E731
+    i8 = lambda b: _from_bytes(b[..., None], jnp.int8)  # noqa: E731
+    return _kdequant(jnp, rows, f.name, f16, jnp.float32, i8)
+
+
+_QUANTIZE = {"q8_0": _q8_0_q, "q4_0": _q4_0_q, "mxfp4": _mxfp4_q, "nvfp4": _nvfp4_q, "fp8": _fp8_q, "q4_k": _kq, "q5_k": _kq, "q6_k": _kq}
+_DEQUANTIZE = {"q8_0": _q8_0_dq, "q4_0": _q4_0_dq, "mxfp4": _mxfp4_dq, "nvfp4": _nvfp4_dq, "fp8": _fp8_dq, "q4_k": _kdq, "q5_k": _kdq,
+               "q6_k": _kdq}  # fmt: skip
 
 
 # numpy references ---------------------------------------------------------------------------------
@@ -366,8 +488,28 @@ def _dref_fp8(f, rows, trailer):
     return rows[..., 4:].copy().view(ml_dtypes.float8_e4m3fn).astype(np.float64) * s[..., None]
 
 
-_QUANTIZE_REF = {"q8_0": _ref_q8_0, "q4_0": _ref_q4_0, "mxfp4": _ref_mxfp4, "nvfp4": _ref_nvfp4, "fp8": _ref_fp8}
-_DEQUANTIZE_REF = {"q8_0": _dref_q8_0, "q4_0": _dref_q4_0, "mxfp4": _dref_mxfp4, "nvfp4": _dref_nvfp4, "fp8": _dref_fp8}
+def _np_f16(x):
+    return np.asarray(x, np.float32).astype(np.float16).astype(np.float32)
+
+
+def _np_f16_bytes(x):
+    return np.asarray(x, np.float32).astype(np.float16)[..., None].view(np.uint8)
+
+
+def _ref_k(f, w):
+    return _kquant(np, _np_blocks(w, 256), f.name, _np_f16, _np_f16_bytes)
+
+
+def _dref_k(f, rows, trailer):
+    f16 = lambda b: b.copy().view(np.float16)[..., 0]  # noqa: E731
+    i8 = lambda b: b.view(np.int8)  # noqa: E731
+    return _kdequant(np, rows, f.name, f16, np.float64, i8)
+
+
+_QUANTIZE_REF = {"q8_0": _ref_q8_0, "q4_0": _ref_q4_0, "mxfp4": _ref_mxfp4, "nvfp4": _ref_nvfp4, "fp8": _ref_fp8, "q4_k": _ref_k,
+                 "q5_k": _ref_k, "q6_k": _ref_k}  # fmt: skip
+_DEQUANTIZE_REF = {"q8_0": _dref_q8_0, "q4_0": _dref_q4_0, "mxfp4": _dref_mxfp4, "nvfp4": _dref_nvfp4, "fp8": _dref_fp8,
+                   "q4_k": _dref_k, "q5_k": _dref_k, "q6_k": _dref_k}  # fmt: skip
 
 
 def bytes_per_weight(name: str, O: int = 4096, I: int = 4096) -> float:

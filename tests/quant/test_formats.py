@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import random_blocks
 
 from freetoken_jax.config import ConfigError, MoEModelConfig
 from freetoken_jax.quant.formats import E2M1, FORMATS, get_format
@@ -38,7 +39,8 @@ def test_reference_round_trip_error_is_within_the_format(name):
         assert np.all(back[0, : min(I, 40) // f.block * f.block] == 0)
         # Per-row error bound: half a quantization step of the block scale (relative to the row's max).
         rel = np.abs(back - w).max(axis=1) / np.maximum(np.abs(w).max(axis=1), 1e-30)
-        bound = {"q8_0": 0.5 / 127 + 1e-3, "q4_0": 1 / 8 + 1e-3, "mxfp4": 0.25, "nvfp4": 0.25, "fp8": 1 / 16}[name]
+        bound = {"q8_0": 0.5 / 127 + 1e-3, "q4_0": 1 / 8 + 1e-3, "mxfp4": 0.25, "nvfp4": 0.25, "fp8": 1 / 16, "q4_k": 0.1, "q5_k": 0.05,
+                 "q6_k": 0.035}[name]  # fmt: skip
         assert rel.max() <= bound, (O, I, rel.max())
 
 
@@ -66,6 +68,20 @@ def test_bytes_equal_gguf(name):
     theirs = gguf.quants.quantize(w, GGUF[name])
     np.testing.assert_array_equal(mine, theirs.reshape(-1))
     np.testing.assert_array_equal(f.dequantize_ref(mine, 64, 512), gguf.quants.dequantize(theirs, GGUF[name]).astype(np.float64))
+
+
+K_QUANTS = {"q4_k": gguf.GGMLQuantizationType.Q4_K, "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K}
+
+
+@pytest.mark.parametrize("name", sorted(K_QUANTS))
+def test_k_quants_dequantize_as_gguf(name):
+    """Every code, 6-bit scale / min and f16 scale random (as ggml's quantizer leaves them): the
+    float64 reference and the jnp dequantizer equal the `gguf` package's dequantization."""
+    f = get_format(name)
+    b = random_blocks(name, 5, 768, np.random.default_rng(7), scale=1.0)
+    theirs = gguf.quants.dequantize(b, K_QUANTS[name]).astype(np.float64)
+    np.testing.assert_array_equal(f.dequantize_ref(b, 5, 768), theirs)
+    np.testing.assert_array_equal(np.asarray(f.dequantize(jnp.asarray(b.reshape(-1)), 5, 768)), theirs.astype(np.float32))
 
 
 def test_nvfp4_rows_are_gguf_nvfp4_times_the_tensor_scale():
