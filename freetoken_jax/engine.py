@@ -14,6 +14,8 @@ import functools
 import logging
 import math
 import os
+import re
+import sys
 import time
 from collections.abc import Iterator, Sequence
 
@@ -184,8 +186,8 @@ class FreeTokenEngine:
     def from_pretrained(
         cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False
     ) -> FreeTokenEngine:
-        """Loads an FTW directory, a Hugging Face safetensors directory of a supported family, an
-        engine-native directory, or `"demo"` (the built-in demo model, created locally on first
+        """Loads an FTW directory, a Hugging Face safetensors directory of a supported family, a
+        GGUF file (or any part of a split set; `docs/GGUF.md`), an engine-native directory, or `"demo"` (the built-in demo model, created locally on first
         use). `verify` checks every FTW tensor's checksum while loading."""
         from freetoken_jax.checkpoint.convert import load_ftw
         from freetoken_jax.checkpoint.ftw import FTWReader, is_ftw
@@ -199,12 +201,14 @@ class FreeTokenEngine:
             from freetoken_jax.demo import demo_path
 
             path = demo_path()
+        ecfg = engine_config or EngineConfig()
+        name = os.path.basename(os.path.normpath(path))
+        if path.endswith(".gguf"):
+            return cls._from_gguf(path, ecfg)
         if not os.path.isdir(path):
             from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 
-            raise CheckpointError(f"no checkpoint directory at {path!r} (pass a directory with config.json, or 'demo')")
-        ecfg = engine_config or EngineConfig()
-        name = os.path.basename(os.path.normpath(path))
+            raise CheckpointError(f"no checkpoint directory at {path!r} (pass a directory with config.json, a .gguf file, or 'demo')")
         if is_ftw(path):
             with FTWReader(path) as r:
                 cfg = config_from_json(r.index.get("model_config") or {})
@@ -215,6 +219,25 @@ class FreeTokenEngine:
         cfg = family.parse(raw)
         load = functools.partial(load_params, path, cfg, family, ecfg.dtype)
         return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name, model_path=path)
+
+    @classmethod
+    def _from_gguf(cls, path: str, ecfg: EngineConfig) -> FreeTokenEngine:
+        """A GGUF file or split set: config and tokenizer from its metadata; routed experts as
+        stored where their type is a native format, re-quantized only to an `expert_format` that
+        the caller names."""
+        from freetoken_jax.checkpoint.gguf_file import GGUFCheckpoint, GGUFParams, load_gguf_params, read_config
+        from freetoken_jax.tokenizer import gguf_tokenizer
+
+        ck = GGUFCheckpoint(path)
+        _, cfg, requantize = read_config(ck, ecfg.expert_format)
+        tokenizer = gguf_tokenizer(ck)  # a bad vocabulary is refused before any weight is read
+        if requantize:
+            print(f"{path}: re-quantizing the routed experts to {ecfg.expert_format} while loading", file=sys.stderr)
+        params = GGUFParams(ck, cfg, requantize)
+        params.check(list(build_abstract(cfg, ecfg.dtype).flat_state()))  # every shape, before anything is allocated
+        load = lambda place: load_gguf_params(params, ecfg.dtype, place)  # noqa: E731
+        name = re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", os.path.basename(path))
+        return cls(cfg, ecfg, load=load, tokenizer=tokenizer, name=name, model_path=path)
 
     def export_orbax(self, path: str) -> str:
         """Writes the parameters as an Orbax checkpoint (for JAX users who fine-tune);

@@ -1,4 +1,5 @@
-"""Tokenizers: the demo model's byte-level tokenizer, and Hugging Face `tokenizer.json` files."""
+"""Tokenizers: the demo model's byte-level tokenizer, Hugging Face `tokenizer.json` files, and the
+vocabulary inside a GGUF file (its BPE tokens and merges, rebuilt as a `tokenizers` BPE)."""
 
 from __future__ import annotations
 
@@ -21,19 +22,40 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A `tokenizer.json` (Hugging Face tokenizers), with BOS from `tokenizer_config.json`."""
+    """A Hugging Face `tokenizers.Tokenizer`, with BOS handling and the model's chat template."""
 
-    def __init__(self, path: str):
+    def __init__(self, tok, bos_token_id: int | None = None, add_bos: bool = False, chat_template: str | None = None):
+        self._tok, self.bos_token_id, self.add_bos, self.chat_template = tok, bos_token_id, add_bos, chat_template
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def from_dir(cls, path: str) -> HFTokenizer:
+        """`tokenizer.json`, with BOS and the chat template from `tokenizer_config.json`."""
         from tokenizers import Tokenizer
 
-        self._tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         cfg_path = os.path.join(path, "tokenizer_config.json")
         cfg = json.load(open(cfg_path)) if os.path.isfile(cfg_path) else {}
         bos = cfg.get("bos_token")
         bos = bos.get("content") if isinstance(bos, dict) else bos
-        self.bos_token_id = self._tok.token_to_id(bos) if bos else None
-        self.add_bos = bool(cfg.get("add_bos_token", False))
-        self.vocab_size = self._tok.get_vocab_size()
+        template = cfg.get("chat_template")
+        return cls(
+            tok,
+            tok.token_to_id(bos) if bos else None,
+            bool(cfg.get("add_bos_token", False)),
+            template if isinstance(template, str) else None,
+        )
+
+    def save(self, path: str) -> None:
+        """Writes `tokenizer.json` and `tokenizer_config.json` (BOS, chat template) into `path`."""
+        self._tok.save(os.path.join(path, "tokenizer.json"))
+        cfg = dict(
+            add_bos_token=self.add_bos, bos_token=self._tok.id_to_token(self.bos_token_id) if self.bos_token_id is not None else None
+        )
+        if self.chat_template:
+            cfg["chat_template"] = self.chat_template
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(cfg, f, indent=1)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -53,5 +75,59 @@ def load_tokenizer(path: str):
             if json.load(f).get("freetoken_tokenizer") == "bytes":
                 return ByteTokenizer()
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return HFTokenizer(path)
+        return HFTokenizer.from_dir(path)
     return None
+
+
+# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` (those of the models' tokenizer.json files).
+_GGUF_PRE = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+}
+_GGUF_PRE["default"] = _GGUF_PRE["gpt-2"]
+CONTROL, USER_DEFINED = 3, 4  # GGUF token types of special and added tokens
+
+
+def gguf_tokenizer(ck) -> HFTokenizer | None:
+    """The tokenizer stored in a GGUF file (`checkpoint.gguf_file.GGUFCheckpoint`): byte-level BPE
+    (`tokenizer.ggml.model` "gpt2") from its tokens, merges and token types, the pre-tokenizer of
+    `tokenizer.ggml.pre`, BOS / add-BOS and the chat template from the metadata. None for a file
+    without a vocabulary ("no_vocab": prompts are token ids)."""
+    from tokenizers import Tokenizer
+
+    from freetoken_jax.config import ConfigError
+
+    model = ck.get("tokenizer.ggml.model")
+    if model in (None, "no_vocab", "none"):
+        return None
+    if model != "gpt2":
+        raise ConfigError(f"{ck.path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', is)")
+    pre = ck.get("tokenizer.ggml.pre") or "default"
+    if pre not in _GGUF_PRE:
+        raise ConfigError(f"{ck.path}: GGUF pre-tokenizer {pre!r} is not known; known: {', '.join(sorted(_GGUF_PRE))}")
+    tokens = list(ck.get("tokenizer.ggml.tokens") or [])
+    merges = [m.split(" ", 1) for m in ck.get("tokenizer.ggml.merges") or []]
+    types = list(ck.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    added = [
+        dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=ty == CONTROL)
+        for i, (t, ty) in enumerate(zip(tokens, types))
+        if ty in (CONTROL, USER_DEFINED)
+    ]
+    byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)
+    spec = dict(
+        version="1.0",
+        added_tokens=added,
+        normalizer=None,
+        pre_tokenizer=dict(type="Sequence", pretokenizers=[
+            dict(type="Split", pattern=dict(Regex=_GGUF_PRE[pre]), behavior="Isolated", invert=False), byte_level]),
+        post_processor=None,
+        decoder=byte_level,
+        model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None, end_of_word_suffix=None, fuse_unk=False,
+                   byte_fallback=False, ignore_merges=False, vocab={t: i for i, t in enumerate(tokens)}, merges=merges),
+    )  # fmt: skip
+    tok = Tokenizer.from_str(json.dumps(spec))
+    bos = ck.get("tokenizer.ggml.bos_token_id")
+    return HFTokenizer(
+        tok, None if bos is None else int(bos), bool(ck.get("tokenizer.ggml.add_bos_token", False)), ck.get("tokenizer.chat_template")
+    )

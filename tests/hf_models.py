@@ -27,6 +27,16 @@ VARIANTS = {
     "qwen3_moe_norm": lambda: Qwen3MoeConfig(
         **COMMON, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
     ),
+    # sizes that are whole K-quant super-blocks (256)
+    "qwen3_moe_k": lambda: Qwen3MoeConfig(
+        **{**COMMON, "hidden_size": 256, "intermediate_size": 256, "num_hidden_layers": 2},
+        num_key_value_heads=2,
+        head_dim=32,
+        moe_intermediate_size=256,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    ),
     "deepseek_v2": lambda: DeepseekV2Config(
         **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1
     ),

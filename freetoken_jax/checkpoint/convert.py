@@ -42,6 +42,11 @@ def _name(path: tuple) -> str:
 def fingerprint(src: str) -> str:
     """sha256 over every file's name and size and the first MiB of each weight file."""
     h = hashlib.sha256()
+    if os.path.isfile(src):
+        h.update(os.path.basename(src).encode() + str(os.path.getsize(src)).encode())
+        with open(src, "rb") as fh:
+            h.update(fh.read(1 << 20))
+        return h.hexdigest()
     for root, _, files in sorted(os.walk(src)):
         for f in sorted(files):
             p = os.path.join(root, f)
@@ -53,8 +58,18 @@ def fingerprint(src: str) -> str:
     return h.hexdigest()
 
 
-def _source(src: str):
-    """(config, tensor getter by parameter path, kind) of a conversion source."""
+def _source(src: str, expert_format: str | None = None):
+    """(config, tensor getter by parameter path, kind, tokenizer to write or None) of a conversion
+    source."""
+    if src.endswith(".gguf"):
+        from freetoken_jax.checkpoint.gguf_file import GGUFCheckpoint, GGUFParams, read_config
+        from freetoken_jax.tokenizer import gguf_tokenizer
+
+        ck = GGUFCheckpoint(src)
+        _, cfg, requantize = read_config(ck, expert_format)
+        params = GGUFParams(ck, cfg, requantize)
+        params.check(list(build_abstract(cfg, "float32").flat_state()))
+        return cfg, params.get, "gguf", gguf_tokenizer(ck)
     if os.path.isfile(os.path.join(src, ORBAX_MARKER)):
         import orbax.checkpoint as ocp
 
@@ -68,7 +83,7 @@ def _source(src: str):
                 node = node[str(p)]
             return np.asarray(node)
 
-        return cfg, get, "orbax"
+        return cfg, get, "orbax", None
     try:
         with open(os.path.join(src, "config.json")) as f:
             raw = json.load(f)
@@ -77,7 +92,7 @@ def _source(src: str):
     fam = family_for(raw)
     cfg = fam.parse(raw)
     st = SafetensorsDir(src)
-    return cfg, (lambda path: read_param(st, path, fam, cfg)), "safetensors"
+    return cfg, (lambda path: read_param(st, path, fam, cfg)), "safetensors", None
 
 
 def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float = 8.0, verify: bool = True, progress: bool = True,
@@ -85,11 +100,11 @@ def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float 
     """Writes the FTW directory `dst` from `src`; returns its path. `expert_format`: quantize the
     routed experts to this format (`docs/FORMATS.md`) as they are written, a layer at a time; the
     index's model config records it, so loading needs no flag."""
-    if not os.path.isdir(src):
-        raise FileNotFoundError(f"no checkpoint directory at {src!r}")
+    if not os.path.isdir(src) and not (src.endswith(".gguf") and os.path.isfile(src)):
+        raise FileNotFoundError(f"no checkpoint directory or .gguf file at {src!r}")
     if dtype is not None and dtype not in DTYPES:
         raise ConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    cfg, get, kind = _source(src)
+    cfg, get, kind, tokenizer = _source(src, expert_format)
     target = cfg.with_expert_format(expert_format)  # ConfigError before anything is written
     quantize = target.expert_format != cfg.expert_format
     want = DTYPES[dtype] if dtype else None
@@ -118,7 +133,9 @@ def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float 
                 w.add(_name(path), a, "experts_bank" if is_expert_path(path) else "weight")
                 if bar is not None:
                     bar.update(int(np.prod(sds.shape)) * sds.dtype.itemsize)
-            for f in sorted(os.listdir(src)):  # config, tokenizer, generation config, templates
+            if tokenizer is not None:
+                tokenizer.save(w.tmp)
+            for f in sorted(os.listdir(src)) if os.path.isdir(src) else ():  # config, tokenizer, generation config, templates
                 fp = os.path.join(src, f)
                 if os.path.isfile(fp) and not f.endswith((".safetensors", ".safetensors.index.json", ".bin", ".pt")) and f != ORBAX_MARKER:
                     shutil.copy2(fp, os.path.join(w.tmp, f))
@@ -196,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m freetoken_jax.convert", description="Convert a Hugging Face safetensors or Orbax checkpoint to FTW."
+        prog="python -m freetoken_jax.convert",
+        description="Convert a Hugging Face safetensors directory, a GGUF file or an Orbax checkpoint to FTW.",
     )
     ap.add_argument("src")
     ap.add_argument("dst")

@@ -41,7 +41,7 @@ class Service:
         self.scheduler, self.model_name = scheduler, model_name
         self.engine = scheduler.engine
         self.tokenizer = self.engine.tokenizer
-        self.template = template or chat_template(model_path)
+        self.template = template or getattr(self.tokenizer, "chat_template", None) or chat_template(model_path)
         self.created = int(time.time())
 
     @property

@@ -1,0 +1,172 @@
+"""GGUF files written from the tiny Hugging Face checkpoints, as llama.cpp's converter names and
+lays out their tensors, and the float reference model made from the `gguf` package's own
+dequantization of what was written."""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+import torch
+from hf_models import load_hf
+
+from freetoken_jax.quant.formats import get_format
+
+Q = gguf.GGMLQuantizationType
+ARCH = {"qwen3_moe": "qwen3moe", "qwen3_moe_norm": "qwen3moe", "qwen3_moe_k": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+OURS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}  # no quantizer in `gguf`: ours makes valid blocks
+
+
+def quantize(w: np.ndarray, qtype) -> np.ndarray:
+    """float32 [..., O, I] → the GGUF tensor's data in `qtype` (numpy order, bytes per row)."""
+    w = np.ascontiguousarray(w, np.float32)
+    if qtype == Q.F32:
+        return w
+    if qtype == Q.F16:
+        return w.astype(np.float16)
+    if qtype in OURS:
+        f = get_format(OURS[qtype])
+        rows = w.reshape(-1, w.shape[-1])
+        return f.quantize_ref(rows).reshape(*w.shape[:-1], -1)
+    return gguf.quants.quantize(w, qtype)
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf `permute` of q/k rows for `llama` (rope pairs interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# GGUF tensor of a layer ← transformers state-dict name (after "model.layers.N.")
+_LAYER = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
+    """[(gguf name, float32 array, type)] of a transformers model, in llama.cpp's naming and
+    layout (q/k rows permuted for llama, experts as [E, out, in] stacks, 1-d tensors float32)."""
+    sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    cfg = model.config
+    llama = ARCH[variant] == "llama"
+    out = [("token_embd.weight", sd["model.embed_tokens.weight"], dense_type)]
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for g, hf in _LAYER.items():
+            if p + hf not in sd:
+                continue
+            a = sd[p + hf]
+            if llama and g in ("attn_q.weight", "attn_k.weight"):
+                a = permute(a, cfg.num_attention_heads if g == "attn_q.weight" else cfg.num_key_value_heads)
+            if g == "ffn_gate_inp_shexp.weight":
+                a = a.reshape(-1)
+            out.append((b + g, a, Q.F32 if a.ndim == 1 or g == "ffn_gate_inp.weight" else dense_type))
+        if p + "mlp.experts.gate_up_proj" in sd:
+            gu, F = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"].shape[-1]
+            for g, a in (("ffn_gate_exps", gu[:, :F]), ("ffn_up_exps", gu[:, F:]), ("ffn_down_exps", sd[p + "mlp.experts.down_proj"])):
+                out.append((b + g + ".weight", a, expert_type[g] if isinstance(expert_type, dict) else expert_type))
+    out.append(("output_norm.weight", sd["model.norm.weight"], Q.F32))
+    if not cfg.tie_word_embeddings:
+        out.append(("output.weight", sd["lm_head.weight"], dense_type))
+    return out
+
+
+def write_metadata(w: gguf.GGUFWriter, cfg, variant: str, tokenizer=None) -> None:
+    arch = ARCH[variant]
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if arch == "llama":
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_count(cfg.num_local_experts)
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if getattr(cfg, "head_dim", None):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if tokenizer is None:
+        w.add_tokenizer_model("no_vocab")
+    else:
+        tokenizer(w)
+
+
+def write_gguf(hf_dir: str, out: str, variant: str, expert_type, dense_type=Q.F32, tokenizer=None, split_max_tensors: int = 0) -> str:
+    """Writes `out` (a split set when split_max_tensors > 0: returns its first file)."""
+    model = load_hf(hf_dir)
+    cfg = model.config
+    tensors = gguf_tensors(model, variant, expert_type, dense_type)
+    if split_max_tensors:
+        from gguf.gguf_writer import GGUFWriter
+
+        w = GGUFWriter(out, ARCH[variant], split_max_tensors=split_max_tensors)
+    else:
+        w = gguf.GGUFWriter(out, ARCH[variant])
+    write_metadata(w, cfg, variant, tokenizer)
+    for name, a, qt in tensors:
+        data = quantize(a, qt)
+        w.add_tensor(name, data, raw_dtype=qt if qt not in (Q.F32, Q.F16) else None)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    if split_max_tensors:
+        stem = out[: -len(".gguf")]
+        first = [f for f in sorted(os.listdir(os.path.dirname(out))) if f.startswith(os.path.basename(stem) + "-00001-of-")]
+        return os.path.join(os.path.dirname(out), first[0])
+    return out
+
+
+def reference_model(hf_dir: str, gguf_path: str, variant: str):
+    """The transformers model of `hf_dir` with every weight replaced by the `gguf` package's
+    dequantization of the GGUF file's tensor (q/k un-permuted for llama): the float reference."""
+    model = load_hf(hf_dir)
+    cfg = model.config
+    r = gguf.GGUFReader(gguf_path)
+    deq = {t.name: np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float32) for t in r.tensors}
+    sd = model.state_dict()
+    new = {"model.embed_tokens.weight": deq["token_embd.weight"], "model.norm.weight": deq["output_norm.weight"],
+           "lm_head.weight": deq.get("output.weight", deq["token_embd.weight"])}  # fmt: skip
+    for i in range(cfg.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for g, hf in _LAYER.items():
+            if b + g in deq:
+                a = deq[b + g]
+                if ARCH[variant] == "llama" and g in ("attn_q.weight", "attn_k.weight"):
+                    n = cfg.num_attention_heads if g == "attn_q.weight" else cfg.num_key_value_heads
+                    a = a.reshape(n, a.shape[0] // n // 2, 2, *a.shape[1:]).swapaxes(1, 2).reshape(a.shape)
+                new[p + hf] = a
+        if b + "ffn_gate_exps.weight" in deq:
+            new[p + "mlp.experts.gate_up_proj"] = np.concatenate([deq[b + "ffn_gate_exps.weight"], deq[b + "ffn_up_exps.weight"]], axis=1)
+            new[p + "mlp.experts.down_proj"] = deq[b + "ffn_down_exps.weight"]
+    missing = {k for k in sd if not k.endswith("e_score_correction_bias")} - set(new)
+    assert not missing, sorted(missing)[:5]
+    model.load_state_dict({k: torch.from_numpy(np.ascontiguousarray(v)).reshape(sd[k].shape) for k, v in new.items()}, strict=False)
+    return model
