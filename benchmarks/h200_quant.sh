@@ -4,8 +4,10 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
-# lcpp-build|lcpp|capacity]... (lcpp-build: llama.cpp's llama-bench and the Q4_0 GGUF of the comparison, ≈ 4 min;
-# lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b preset, as many layers as RAM holds).
+# lcpp-build|lcpp|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# and a Q4_K one of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b
+# preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
+# from the file itself, and by llama.cpp on the same file).
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
@@ -18,12 +20,23 @@ for what in "$@"; do
     bw) $B bw --json "$OUT/bw.json" 2>&1 | tail -40 ;;
     decode) $B decode $SHAPE --expert-format q4_0 --vram-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
     prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --vram-gb 2.2482 --prompt-len 2048 --chunk 2048 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | tail -8 ;;
-    lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1) &
+    check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
+    lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1;
+                 python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1) &
       mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
       (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
         timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?)
-      wait; tail -2 /tmp/gen.log; ls -la /tmp/q4.gguf ;;
+      wait; tail -1 /tmp/gen.log; tail -1 /tmp/genk.log; ls -la /tmp/q4.gguf /tmp/q4k.gguf ;;
+    gguf-*) f=/tmp/${what#gguf-}.gguf
+      sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null && state="dropped from the page cache first" || state="as the page cache holds it"
+      python3 -c "import sys, time; t = time.perf_counter(); f = open(sys.argv[1], 'rb'); n = 0
+while b := f.read(1 << 26): n += len(b)
+dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {dt:.1f} s ({n / dt / 1e9:.2f} GB/s), $state')" $f
+      $B decode --model $f --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode --vram-gb 2.2482 --strategy hybrid cpu offload \
+        --compile-workers 3 --json "$OUT/$(basename $f .gguf)_decode.json" > "$OUT/$(basename $f .gguf).log" 2>&1
+      echo "rc=$?"; grep -v "it/s\]" "$OUT/$(basename $f .gguf).log" | tail -12
+      /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 | grep "^|" ;;
