@@ -494,12 +494,14 @@ struct VnniPrep {
   const int8_t* q;   // [nb, 32] codes
   const int32_t* c;  // [nb, 8]  −offset × Σ codes of each group of 4
   const float* d;    // [nb] activation scales
+  const float* s;    // [nb] d × Σ codes (the K-quants' mins)
 };
-inline int64_t VnniPrepBytes(int64_t nb) { return nb * 68; }
+inline int64_t VnniPrepBytes(int64_t nb) { return nb * 72; }
 inline VnniPrep VnniView(const void* prep, int64_t nb) {
   const int8_t* q = static_cast<const int8_t*>(prep);
   const int32_t* c = reinterpret_cast<const int32_t*>(q + 32 * nb);
-  return {q, c, reinterpret_cast<const float*>(c + 8 * nb)};
+  const float* d = reinterpret_cast<const float*>(c + 8 * nb);
+  return {q, c, d, d + nb};
 }
 
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
@@ -541,7 +543,6 @@ VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __
 // (on average); Codes, its unsigned codes; Scales<R>, the scale per lane of the block in R rows
 // (stride bytes apart) times the activation scale d.
 struct Q4_0Vnni {
-  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 18;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return Nibbles(row + b * kBytes + 2); }
   template <int R>
@@ -550,7 +551,6 @@ struct Q4_0Vnni {
   }
 };
 struct Q8_0Vnni {
-  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 34;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBytes + 2)),
@@ -562,7 +562,6 @@ struct Q8_0Vnni {
   }
 };
 struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
-  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 17;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + b * kBytes + 1)); }
   template <int R>
@@ -575,7 +574,6 @@ struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
 // its codes are [A 0..7, B 0..7, A 8..15, B 8..15] (Prepare stores activations in that order), so
 // lanes 0-1 and 4-5 take A's scale, 2-3 and 6-7 B's.
 struct Nvfp4Vnni {
-  static constexpr bool kMins = false;
   static constexpr int64_t kBytes = 18;
   VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + (b / 2) * 36 + 4 + 16 * (b % 2))); }
   template <int R>
@@ -584,60 +582,6 @@ struct Nvfp4Vnni {
     for (int i = 0; i < R; ++i) {
       const uint8_t* sc = row + i * stride + (b / 2) * 36 + 2 * (b % 2);
       s[i] = _mm256_mul_ps(_mm256_blend_ps(_mm256_set1_ps(kE4m3.v[sc[0]]), _mm256_set1_ps(kE4m3.v[sc[1]]), 0xCC), half_d);
-    }
-  }
-};
-
-// K-quants: block b of 32 is sub-block j = b % 8 of super-block b / 8. q4_k and q5_k have mins
-// (kMins): w = d·sc·q − dmin·m, the kernel adds dmin·m·d times the lane sums that Prepare stores
-// as −Σ codes (offset 1), and dpbusd starts from zero. q6_k is q − 32 with an int8 scale per 16.
-VNNI_TARGET inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
-VNNI_TARGET inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-template <BankType T>
-struct KVnni {
-  static constexpr int64_t kSuper = T == BankType::kQ4_K ? 144 : T == BankType::kQ5_K ? 176 : 210;
-  static constexpr int64_t kBytes = kSuper / 8;  // on average (q6_k: 26.25)
-  static constexpr bool kMins = T != BankType::kQ6_K;
-  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) {
-    const uint8_t* r = row + (b / 8) * kSuper;
-    const int j = static_cast<int>(b % 8);
-    const __m256i low = _mm256_set1_epi8(15);
-    if constexpr (T == BankType::kQ6_K) {
-      const int n = j / 4, k = j % 4;
-      const __m256i lo = _mm256_and_si256(Shift4(Load32(r + 64 * n + 32 * (k % 2)), k / 2), low);
-      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(Load32(r + 128 + 32 * n), _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    } else {
-      const __m256i lo = _mm256_and_si256(Shift4(Load32(r + (T == BankType::kQ4_K ? 16 : 48) + 32 * (j / 2)), j % 2), low);
-      if constexpr (T == BankType::kQ4_K) return lo;
-      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(Load32(r + 16), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
-      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
-    }
-  }
-  template <int R>
-  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
-    const int j = static_cast<int>(b % 8);
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* r = row + i * stride + (b / 8) * kSuper;
-      if constexpr (T == BankType::kQ6_K) {
-        const float dd = HalfToF32(r + 208) * d;
-        const int at = 192 + 2 * j;  // scales 2j, 2j + 1: its two halves
-        s[i] = _mm256_blend_ps(_mm256_set1_ps(dd * static_cast<int8_t>(r[at])), _mm256_set1_ps(dd * static_cast<int8_t>(r[at + 1])), 0xF0);
-      } else {
-        int sc, m;
-        KScaleMin(r + 4, j, &sc, &m);
-        s[i] = _mm256_set1_ps(HalfToF32(r) * sc * d);
-      }
-    }
-  }
-  template <int R>
-  VNNI_TARGET static void Mins(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* m) {
-    const int j = static_cast<int>(b % 8);
-    for (int i = 0; i < R; ++i) {
-      const uint8_t* r = row + i * stride + (b / 8) * kSuper;
-      int sc, mn;
-      KScaleMin(r + 4, j, &sc, &mn);
-      m[i] = _mm256_set1_ps(HalfToF32(r + 2) * mn * d);
     }
   }
 };
@@ -662,18 +606,8 @@ VNNI_TARGET inline void VnniRows(const uint8_t* r, int64_t stride, const VnniPre
     __m256 s[R];
     Fmt::template Scales<R>(r, stride, b, p.d[b], s);
     PrefetchAhead<R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);
-    if constexpr (Fmt::kMins) {
-      __m256 m[R];
-      Fmt::template Mins<R>(r, stride, b, p.d[b], m);
-      const __m256 cf = _mm256_cvtepi32_ps(c);
-      for (int i = 0; i < R; ++i) {
-        const __m256i dot = _mm256_dpbusd_epi32(_mm256_setzero_si256(), Fmt::Codes(r + i * stride, b), q);
-        acc[i] = _mm256_fmadd_ps(cf, m[i], _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s[i], acc[i]));
-      }
-    } else {
-      for (int i = 0; i < R; ++i) {
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);
-      }
+    for (int i = 0; i < R; ++i) {
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);
     }
   }
   for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
@@ -693,6 +627,105 @@ VNNI_TARGET float DotVnni(const uint8_t* r, const float* x, const void* prep, in
   DotRowsVnni<Fmt>(r, 0, 1, x, prep, n, &out);
   return out;
 }
+
+// K-quants: block b of 32 is sub-block j = b % 8 of super-block b / 8. A row's scales are decoded
+// once per super-block into 8 lanes per sub-block (q6_k: two int8 scales per 32 weights split the
+// lanes 4 + 4). q4_k and q5_k have mins (kMins): w = d·sc·q − dmin·m; their codes enter dpbusd as
+// they are and the mins come off once per super-block as Σ_j dmin·m[j] · (activation block j's
+// d·Σ codes). q6_k is q − 32: Prepare's lane sums (−32 × Σ codes) start its dpbusd.
+VNNI_TARGET inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
+VNNI_TARGET inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+template <BankType T>
+struct KVnni {
+  static constexpr int64_t kSuper = T == BankType::kQ4_K ? 144 : T == BankType::kQ5_K ? 176 : 210;
+  static constexpr bool kMins = T != BankType::kQ6_K;
+  VNNI_TARGET static __m256i Codes(const uint8_t* r, int j) {  // r: the super-block
+    const __m256i low = _mm256_set1_epi8(15);
+    if constexpr (T == BankType::kQ6_K) {
+      const int n = j / 4, k = j % 4;
+      const __m256i lo = _mm256_and_si256(Shift4(Load32(r + 64 * n + 32 * (k % 2)), k / 2), low);
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(Load32(r + 128 + 32 * n), _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
+      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    } else {
+      const __m256i lo = _mm256_and_si256(Shift4(Load32(r + (T == BankType::kQ4_K ? 16 : 48) + 32 * (j / 2)), j % 2), low);
+      if constexpr (T == BankType::kQ4_K) return lo;
+      const __m256i hi = _mm256_and_si256(_mm256_srl_epi16(Load32(r + 16), _mm_cvtsi32_si128(j)), _mm256_set1_epi8(1));
+      return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
+    }
+  }
+  // A super-block's scales as floats: q4_k / q5_k: sc[j]·d in lanes j = 0..7 of a register, and
+  // m[j]·dmin beside them (the 12 packed bytes unpacked 4 at a time in 32-bit words); q6_k: its
+  // 16 int8 scales times d in the 16 lanes of a 512-bit register.
+  struct Scales {
+    __m512 sc;
+    __m256 mins;
+  };
+  VNNI_TARGET static Scales Decode(const uint8_t* r) {
+    if constexpr (T == BankType::kQ6_K) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 192))));
+      return {_mm512_mul_ps(v, _mm512_set1_ps(HalfToF32(r + 208))), _mm256_setzero_ps()};
+    } else {
+      uint32_t a, b, c;
+      std::memcpy(&a, r + 4, 4), std::memcpy(&b, r + 8, 4), std::memcpy(&c, r + 12, 4);
+      const uint32_t sc_lo = a & 0x3F3F3F3Fu, m_lo = b & 0x3F3F3F3Fu;
+      const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u), m_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(sc_lo | uint64_t{sc_hi} << 32))));
+      const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(m_lo | uint64_t{m_hi} << 32))));
+      return {_mm512_castps256_ps512(_mm256_mul_ps(sc, _mm256_set1_ps(HalfToF32(r)))), _mm256_mul_ps(m, _mm256_set1_ps(HalfToF32(r + 2)))};
+    }
+  }
+  // Sub-block j's scale in each dpbusd lane.
+  VNNI_TARGET static __m256 Lanes(const __m512& sc, int j) {
+    if constexpr (T == BankType::kQ6_K) {
+      const __m512i idx = _mm512_castsi256_si512(_mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1));
+      return _mm512_castps512_ps256(_mm512_permutexvar_ps(idx, sc));
+    } else {
+      return _mm256_permutevar8x32_ps(_mm512_castps512_ps256(sc), _mm256_set1_epi32(j));
+    }
+  }
+};
+
+template <BankType T, int R>
+VNNI_TARGET inline void KRows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+  using K = KVnni<T>;
+  __m256 acc[R], accm[R];
+  for (int i = 0; i < R; ++i) acc[i] = accm[i] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    typename K::Scales sc[R];
+    for (int i = 0; i < R; ++i) sc[i] = K::Decode(r + i * stride + sb * K::kSuper);
+    if constexpr (K::kMins) {
+      const __m256 bsum = _mm256_loadu_ps(p.s + 8 * sb);
+      for (int i = 0; i < R; ++i) accm[i] = _mm256_fmadd_ps(sc[i].mins, bsum, accm[i]);
+    }
+    for (int j = 0; j < 8; ++j) {
+      const int64_t b = 8 * sb + j;
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
+      const __m256i start = K::kMins ? _mm256_setzero_si256() : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
+      const __m256 da = _mm256_set1_ps(p.d[b]);
+      PrefetchAhead<R * K::kSuper / 8>(r + R * stride + b * R * K::kSuper / 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256i dot = _mm256_dpbusd_epi32(start, K::Codes(r + i * stride + sb * K::kSuper, j), q);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(K::Lanes(sc[i].sc, j), da), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) out[i] = Hsum(_mm256_sub_ps(acc[i], accm[i]));
+}
+
+template <BankType T>
+VNNI_TARGET void DotRowsK(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
+  const int64_t nb = n / 32;
+  const VnniPrep p = VnniView(prep, nb);
+  int64_t i = 0;
+  for (; i + 4 <= rows; i += 4) KRows<T, 4>(r + i * stride, stride, p, nb, out + i);
+  for (; i < rows; ++i) KRows<T, 1>(r + i * stride, stride, p, nb, out + i);
+}
+template <BankType T>
+VNNI_TARGET float DotK(const uint8_t* r, const float* x, const void* prep, int64_t n) {
+  float out;
+  DotRowsK<T>(r, 0, 1, x, prep, n, &out);
+  return out;
+}
 #endif
 
 // x → the VnniPrep of its blocks of 32: codes q = round(x / d), d = max|x| / 127 (halves away from
@@ -702,6 +735,7 @@ void PrepareQ8(const float* x, int64_t n, uint8_t* out, int offset, bool nvfp4_o
   int8_t* qs = reinterpret_cast<int8_t*>(out);
   int32_t* cs = reinterpret_cast<int32_t*>(out + 32 * nb);
   float* ds = reinterpret_cast<float*>(cs + 8 * nb);
+  float* ss = ds + nb;
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + 32 * b;
     float amax = 0.f;
@@ -712,8 +746,12 @@ void PrepareQ8(const float* x, int64_t n, uint8_t* out, int offset, bool nvfp4_o
       const int src = nvfp4_order ? (j & 7) + ((j >> 3) & 1) * 16 + (j >> 4) * 8 : j;
       q[j] = static_cast<int8_t>(std::lround(xb[src] * id));
     }
-    for (int l = 0; l < 8; ++l) cs[8 * b + l] = -offset * (q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3]);
-    ds[b] = d;
+    int sum = 0;
+    for (int l = 0; l < 8; ++l) {
+      const int g = q[4 * l] + q[4 * l + 1] + q[4 * l + 2] + q[4 * l + 3];
+      cs[8 * b + l] = -offset * g, sum += g;
+    }
+    ds[b] = d, ss[b] = d * static_cast<float>(sum);
   }
 }
 
@@ -787,9 +825,9 @@ DotFn DotFor(IsaTier tier, BankType type) {
       if (type == BankType::kQ8_0) return DotVnni<Q8_0Vnni>;
       if (type == BankType::kMxfp4) return DotVnni<Mxfp4Vnni>;
       if (type == BankType::kNvfp4) return DotVnni<Nvfp4Vnni>;
-      if (type == BankType::kQ4_K) return DotVnni<KVnni<BankType::kQ4_K>>;
-      if (type == BankType::kQ5_K) return DotVnni<KVnni<BankType::kQ5_K>>;
-      if (type == BankType::kQ6_K) return DotVnni<KVnni<BankType::kQ6_K>>;
+      if (type == BankType::kQ4_K) return DotK<BankType::kQ4_K>;
+      if (type == BankType::kQ5_K) return DotK<BankType::kQ5_K>;
+      if (type == BankType::kQ6_K) return DotK<BankType::kQ6_K>;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];
@@ -814,11 +852,11 @@ DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
       case BankType::kMxfp4:
         return DotRowsVnni<Mxfp4Vnni>;
       case BankType::kQ4_K:
-        return DotRowsVnni<KVnni<BankType::kQ4_K>>;
+        return DotRowsK<BankType::kQ4_K>;
       case BankType::kQ5_K:
-        return DotRowsVnni<KVnni<BankType::kQ5_K>>;
+        return DotRowsK<BankType::kQ5_K>;
       case BankType::kQ6_K:
-        return DotRowsVnni<KVnni<BankType::kQ6_K>>;
+        return DotRowsK<BankType::kQ6_K>;
       default:
         return DotRowsVnni<Nvfp4Vnni>;
     }
