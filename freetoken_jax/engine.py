@@ -191,9 +191,8 @@ class FreeTokenEngine:
         use). `verify` checks every FTW tensor's checksum while loading."""
         from freetoken_jax.checkpoint.convert import load_ftw
         from freetoken_jax.checkpoint.ftw import FTWReader, is_ftw
-        from freetoken_jax.checkpoint.hf import load_params
+        from freetoken_jax.checkpoint.hf import HFSource, load_params
         from freetoken_jax.models.generic import config_from_json
-        from freetoken_jax.models.registry import family_for, read_hf_config
         from freetoken_jax.tokenizer import load_tokenizer
 
         path = os.fspath(path)
@@ -214,11 +213,10 @@ class FreeTokenEngine:
                 cfg = config_from_json(r.index.get("model_config") or {})
             load = lambda place: load_ftw(path, ecfg.dtype, place, verify=verify)[1]  # noqa: E731
             return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name, model_path=path)
-        raw = read_hf_config(path)
-        family = family_for(raw)
-        cfg = family.parse(raw)
-        load = functools.partial(load_params, path, cfg, family, ecfg.dtype)
-        return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name, model_path=path)
+        src = HFSource(path, ecfg.expert_format)
+        src.check(list(build_abstract(src.cfg, ecfg.dtype).flat_state()))  # every shape, before anything is allocated
+        load = functools.partial(load_params, src, ecfg.dtype)
+        return cls(src.cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name, model_path=path)
 
     @classmethod
     def _from_gguf(cls, path: str, ecfg: EngineConfig) -> FreeTokenEngine:

@@ -18,12 +18,11 @@ import sys
 import numpy as np
 
 from freetoken_jax.checkpoint.ftw import FTWReader, FTWWriter, aligned_empty
-from freetoken_jax.checkpoint.hf import read_param
-from freetoken_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
+from freetoken_jax.checkpoint.hf import HFSource
+from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 from freetoken_jax.config import EXPERT_FORMATS, ConfigError, MoEModelConfig
 from freetoken_jax.models import build_abstract, is_expert_path
 from freetoken_jax.models.generic import config_from_json, config_to_json
-from freetoken_jax.models.registry import family_for
 
 ORBAX_MARKER = "freetoken_orbax.json"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
@@ -84,15 +83,11 @@ def _source(src: str, expert_format: str | None = None):
             return np.asarray(node)
 
         return cfg, get, "orbax", None
-    try:
-        with open(os.path.join(src, "config.json")) as f:
-            raw = json.load(f)
-    except FileNotFoundError as e:
-        raise ConfigError(f"{src}: no config.json (and no {ORBAX_MARKER}); not a convertible checkpoint") from e
-    fam = family_for(raw)
-    cfg = fam.parse(raw)
-    st = SafetensorsDir(src)
-    return cfg, (lambda path: read_param(st, path, fam, cfg)), "safetensors", None
+    if not os.path.isfile(os.path.join(src, "config.json")):
+        raise ConfigError(f"{src}: no config.json (and no {ORBAX_MARKER}); not a convertible checkpoint")
+    hf = HFSource(src, expert_format)
+    hf.check(list(build_abstract(hf.cfg, "float32").flat_state()))
+    return hf.cfg, hf.get, "safetensors", None
 
 
 def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float = 8.0, verify: bool = True, progress: bool = True,

@@ -3,18 +3,21 @@
 Each parameter path of the model (e.g. `layers/3/self_attn/q_proj/weight`) maps to one checkpoint
 tensor, in the same [out, in] layout, or, for expert banks, to the per-expert tensors of a layer
 stacked into `[E, ...]` (or the fused `gate_up_proj` / `down_proj` banks of newer exports).
+Quantized checkpoints (`checkpoint/hf_quant.py`: FP8, NVFP4, MXFP4) are read through their
+unquantized names: dense weights dequantized, routed experts kept as stored in the matching
+expert format unless the caller names another one to re-quantize to.
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+import dataclasses
+import os
 
+import numpy as np
+
+from freetoken_jax.checkpoint.hf_quant import QuantView, scheme
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError, SafetensorsDir
-from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.models import build_abstract
-from freetoken_jax.models.registry import Family
+from freetoken_jax.models.registry import Family, family_for, read_hf_config
 
 
 def _hf_prefix(path: tuple, fam: Family) -> str:
@@ -22,51 +25,121 @@ def _hf_prefix(path: tuple, fam: Family) -> str:
     return ".".join(str(renames.get(p, p)) if not isinstance(p, int) else str(p) for p in path)
 
 
-def read_param(ckpt: SafetensorsDir, path: tuple, fam: Family, cfg: MoEModelConfig) -> np.ndarray:
-    """The checkpoint tensor(s) of one parameter path, in the engine's layout (not yet cast)."""
-    if fam.name == "generic":
-        return ckpt.get("/".join(map(str, path)))
-    head, leaf = path[:-1], path[-1]
-    if path == ("embed", "embedding"):
-        return ckpt.get("model.embed_tokens.weight")
-    if path == ("lm_head", "weight"):
-        return ckpt.get("lm_head.weight")
-    name = ("model." if path[0] in ("layers", "norm") else "") + _hf_prefix(head, fam)
-    if head[-1] == "experts":
-        gate_n, up_n, down_n = fam.expert_names
-        fused = name + ".gate_up_proj"
-        if fused in ckpt:  # [E, 2F, D] / [E, D, F]
-            F = cfg.moe_intermediate_dim
-            if leaf == "down":
-                return ckpt.get(name + ".down_proj")
-            gu = ckpt.get(fused)
-            return gu[:, :F] if leaf == "gate" else gu[:, F:]
-        proj = {"gate": gate_n, "up": up_n, "down": down_n}[leaf]
-        return np.stack([ckpt.get(f"{name}.{e}.{proj}.weight") for e in range(cfg.num_experts)])
-    if head[-1] == "gate" and head[-2] == "mlp" and leaf == "bias":  # V3's routing correction
-        return ckpt.get(name + ".e_score_correction_bias")
-    return ckpt.get(f"{name}.{leaf}")
+class HFSource:
+    """A Hugging Face checkpoint directory as the engine reads it: its family, its model config
+    (with `expert_format` set when the experts keep their quantized bytes) and a tensor per
+    parameter path (`get`, `shape`). `expert_format`: the format the caller asked for (None: as
+    stored); a quantized checkpoint's experts are re-quantized only to a format named here."""
+
+    def __init__(self, path: str, expert_format: str | None = None):
+        self.path = path
+        raw = read_hf_config(path)
+        self.fam = family_for(raw)
+        self.cfg = self.fam.parse(raw)
+        self.scheme = scheme(raw, path)
+        st = SafetensorsDir(path)
+        self.ckpt = QuantView(st, self.scheme) if self.scheme else st
+        self.native = False  # experts as stored bytes
+        if self.scheme is not None and expert_format in (None, self.scheme.fmt):
+            why = self.scheme.why_not_native(self.cfg.hidden_dim, self.cfg.moe_intermediate_dim)
+            if why:
+                raise CheckpointError(f"{path}: the experts cannot load as stored: {why}. Pass expert_format (--expert-format), "
+                                      "e.g. 'q8_0', to re-quantize them on load")  # fmt: skip
+            self.native = True
+            self.cfg = dataclasses.replace(self.cfg, expert_format=self.scheme.fmt)
+
+    def _name(self, path: tuple) -> tuple[str, str | None]:
+        """(checkpoint tensor name, how to take it: None as it is, 'stack' per expert, 'gate' / 'up'
+        / 'down' of the fused bank)."""
+        fam, ckpt = self.fam, self.ckpt
+        if fam.name == "generic":
+            return "/".join(map(str, path)), None
+        head, leaf = path[:-1], path[-1]
+        if path == ("embed", "embedding"):
+            return "model.embed_tokens.weight", None
+        if path == ("lm_head", "weight"):
+            return "lm_head.weight", None
+        name = ("model." if path[0] in ("layers", "norm") else "") + _hf_prefix(head, fam)
+        if head[-1] == "experts":
+            if name + ".gate_up_proj" in ckpt:  # [E, 2F, D] / [E, D, F]
+                return (name + ".down_proj", None) if leaf == "down" else (name + ".gate_up_proj", leaf)
+            proj = dict(zip(("gate", "up", "down"), fam.expert_names))[leaf]
+            return f"{name}.{{e}}.{proj}.weight", "stack"
+        if head[-1] == "gate" and head[-2] == "mlp" and leaf == "bias":  # V3's routing correction
+            return name + ".e_score_correction_bias", None
+        return f"{name}.{leaf}", None
+
+    def _read(self, name: str, native: bool) -> np.ndarray:
+        return self.ckpt.native(name) if native else self.ckpt.get(name)
+
+    def get(self, path: tuple) -> np.ndarray:
+        """The tensor(s) of one parameter path, in the engine's layout (not yet cast); expert
+        banks as [E, nbytes] bytes when the experts keep their stored format."""
+        name, how = self._name(path)
+        native = self.native and path[-2] == "experts"
+        if how == "stack":
+            return np.stack([self._read(name.format(e=e), native) for e in range(self.cfg.num_experts)])
+        if how in ("gate", "up"):
+            a = self._read(name, native)
+            F = self.cfg.moe_intermediate_dim
+            if not native:
+                return a[:, :F] if how == "gate" else a[:, F:]
+            from freetoken_jax.quant.formats import get_format
+
+            f = get_format(self.cfg.expert_format)
+            rb = f.row_bytes(self.cfg.hidden_dim)
+            rows = a[:, : 2 * F * rb]
+            return np.concatenate([rows[:, : F * rb] if how == "gate" else rows[:, F * rb :], a[:, 2 * F * rb :]], axis=1)
+        return self._read(name, native)
+
+    def shape(self, path: tuple) -> tuple[int, ...]:
+        """The parameter's shape as stored, before anything is read (experts: [E, out, in])."""
+        name, how = self._name(path)
+        shape = self.ckpt.shape if isinstance(self.ckpt, QuantView) else (lambda n: tuple(self.ckpt.get(n).shape))
+        if how == "stack":
+            shapes = {shape(name.format(e=e)) for e in range(self.cfg.num_experts)}
+            if len(shapes) != 1:
+                raise CheckpointError(f"{self.path}: the experts of {name} have different shapes {sorted(shapes)}")
+            return (self.cfg.num_experts, *shapes.pop())
+        s = shape(name)
+        if how in ("gate", "up"):
+            return (s[0], s[1] // 2, *s[2:])
+        return s
+
+    def check(self, abstract) -> None:
+        """Every parameter present with the shape the config needs (nothing is read)."""
+        from freetoken_jax.quant.layout import ExpertLayout
+
+        layout = ExpertLayout.of(self.cfg)
+        for p, var in abstract:
+            want = tuple(var.get_value().shape)
+            if p[-2] == "experts" and self.native:
+                want = (want[0], *layout.shapes()[("gate", "up", "down").index(p[-1])])
+            got = self.shape(p)
+            if got != want:
+                raise CheckpointError(f"{self.path}: {'/'.join(map(str, p))} has shape {got}, the config needs {want}")
 
 
-def load_params(path: str, cfg: MoEModelConfig, fam: Family, dtype: str, place=None):
-    """The parameter state of `cfg` filled from the safetensors checkpoint at `path`.
+def load_params(src: HFSource, dtype: str, place=None):
+    """The parameter state of `src.cfg` filled from its checkpoint, a tensor (a layer's expert
+    stack) at a time. Every shape is checked from the headers first, so a bad checkpoint raises
+    `CheckpointError` with nothing allocated. `place(path, host_array)`, when given, makes the
+    array of a leaf (e.g. a host bank for experts) instead of the device."""
+    import jax.numpy as jnp
+    from flax import nnx
 
-    Every tensor is read and shape-checked before any device array is made, so a bad
-    checkpoint raises `CheckpointError` with nothing allocated. `place(path, host_array)`, when
-    given, makes the array of a leaf (e.g. a host bank for experts) instead of the device."""
-    ckpt = SafetensorsDir(path)
-    abstract = build_abstract(cfg, dtype)
-    host = {}
-    for p, var in abstract.flat_state():
-        want = var.get_value()
-        a = read_param(ckpt, p, fam, cfg)
-        if tuple(a.shape) != tuple(want.shape):
-            raise CheckpointError(f"{path}: {'/'.join(map(str, p))} has shape {tuple(a.shape)}, the config needs {tuple(want.shape)}")
-        host[p] = a
+    from freetoken_jax.models import build_abstract
+
+    abstract = list(build_abstract(src.cfg, dtype).flat_state())
+    src.check(abstract)
     flat = []
-    for p, var in abstract.flat_state():
+    for p, var in abstract:
         dt = var.get_value().dtype
-        a = host[p]
+        a = src.get(p)
         a = a if a.dtype == dt else np.asarray(np.asarray(a, np.float32), dtype=dt)
         flat.append((p, var.replace(place(p, a) if place else jnp.asarray(a))))
     return nnx.State.from_flat_path(flat)
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json"))

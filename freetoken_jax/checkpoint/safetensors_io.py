@@ -25,6 +25,7 @@ _DTYPES = {
     "I16": np.int16,
     "I8": np.int8,
     "U8": np.uint8,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
     "BOOL": np.bool_,
 }
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
