@@ -98,7 +98,7 @@ def main() -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_ti_data_to_file()
-    for name, shape, kind, zero in plan:
+    for _name, shape, kind, zero in plan:
         if isinstance(kind, str):
             arr = np.ones(shape, np.float32) if kind == "ones" else rng.standard_normal(shape, dtype=np.float32) * 0.02
         else:
