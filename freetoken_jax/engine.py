@@ -187,7 +187,7 @@ class FreeTokenEngine:
         cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False
     ) -> FreeTokenEngine:
         """Loads an FTW directory, a Hugging Face safetensors directory of a supported family, a
-        GGUF file (or any part of a split set; `docs/GGUF.md`), an engine-native directory, or `"demo"` (the built-in demo model, created locally on first
+        GGUF file (or any part of a split set; `docs/LOADING.md`), an engine-native directory, or `"demo"` (the built-in demo model, created locally on first
         use). `verify` checks every FTW tensor's checksum while loading."""
         from freetoken_jax.checkpoint.convert import load_ftw
         from freetoken_jax.checkpoint.ftw import FTWReader, is_ftw
