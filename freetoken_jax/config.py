@@ -118,6 +118,10 @@ class MoEModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     # How the routed experts are stored (EXPERT_FORMATS): "bf16" (the model dtype) or a block format.
     expert_format: str = "bf16"
+    # Per MoE layer, the (gate, up, down) formats where they differ from `expert_format` (a GGUF
+    # Q4_K_M file keeps some layers' down projections in Q6_K); empty: `expert_format` everywhere.
+    # All block formats, gate and up alike; `expert_format` is then the most common one.
+    expert_formats: tuple[tuple[str, str, str], ...] = ()
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
@@ -156,21 +160,38 @@ class MoEModelConfig:
                 )
             if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
                 raise ConfigError("topk_group groups hold fewer experts than top_k")
-        if self.expert_format not in EXPERT_FORMATS:
-            raise ConfigError(f"unknown expert format {self.expert_format!r}; choose from {tuple(EXPERT_FORMATS)}")
-        multiple = EXPERT_FORMATS[self.expert_format]
-        if self.hidden_dim % multiple or self.moe_intermediate_dim % multiple:
-            raise ConfigError(
-                f"expert format {self.expert_format} stores blocks of {multiple} weights along each input dimension; "
-                f"hidden_dim {self.hidden_dim} and moe_intermediate_dim {self.moe_intermediate_dim} must be multiples of it"
-            )
         if not self.moe_layers:
             set_("moe_layers", (True,) * self.num_layers)
         if len(self.moe_layers) != self.num_layers:
             raise ConfigError(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
         set_("moe_layers", tuple(bool(b) for b in self.moe_layers))
+        set_("expert_formats", tuple(tuple(str(f) for f in fs) for fs in self.expert_formats))
+        self._check_formats()
         set_("eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
         set_("rope_scaling", tuple(sorted((str(k), _hashable(v)) for k, v in dict(self.rope_scaling).items())))
+
+    def _check_formats(self) -> None:
+        per_layer = self.expert_formats
+        if per_layer and len(per_layer) != sum(self.moe_layers):
+            raise ConfigError(f"expert_formats has {len(per_layer)} entries for {sum(self.moe_layers)} MoE layers")
+        if any(len(fs) != 3 or fs[0] != fs[1] for fs in per_layer):
+            raise ConfigError("expert_formats entries are (gate, up, down) with gate and up alike")
+        used = {self.expert_format} | {f for fs in per_layer for f in fs}
+        for fmt in sorted(used):
+            if fmt not in EXPERT_FORMATS:
+                raise ConfigError(f"unknown expert format {fmt!r}; choose from {tuple(EXPERT_FORMATS)}")
+            multiple = EXPERT_FORMATS[fmt]
+            if self.hidden_dim % multiple or self.moe_intermediate_dim % multiple:
+                raise ConfigError(
+                    f"expert format {fmt} stores blocks of {multiple} weights along each input dimension; "
+                    f"hidden_dim {self.hidden_dim} and moe_intermediate_dim {self.moe_intermediate_dim} must be multiples of it"
+                )
+        if per_layer and "bf16" in used:
+            raise ConfigError("per-layer expert formats are block formats only")
+
+    def formats_of(self, m: int) -> tuple[str, str, str]:
+        """(gate, up, down) formats of MoE layer m."""
+        return self.expert_formats[m] if self.expert_formats else (self.expert_format,) * 3
 
     # Derived sizes -----------------------------------------------------------------------------
     @property
@@ -193,7 +214,7 @@ class MoEModelConfig:
     def with_expert_format(self, fmt: str | None) -> MoEModelConfig:
         """This model with its experts stored as `fmt` (None: as they are). Only unquantized
         experts are quantized; a quantized model keeps its format."""
-        if fmt is None or fmt == self.expert_format:
+        if fmt is None or (fmt == self.expert_format and not self.expert_formats):
             return self
         if self.expert_format != "bf16":
             raise ConfigError(f"the experts are stored as {self.expert_format}; quantizing them again to {fmt} is not supported")

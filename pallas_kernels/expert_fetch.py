@@ -28,10 +28,11 @@ NUM_WARPS = 4
 
 
 def fetch_rows_ref(bank_ER, slots_SR, src_N, dst_N, valid_N):
-    """Reference: the same copy with jnp (bank in the default memory kind)."""
+    """Reference: the same copy with jnp (bank in the default memory kind). A bank's rows may be
+    narrower than the slots' (a layer whose format is smaller): they fill each slot row's start."""
     S = slots_SR.shape[0]
     dst = jnp.where(valid_N, dst_N, S)  # out of range: dropped
-    return slots_SR.at[dst].set(bank_ER[src_N], mode="drop")
+    return slots_SR.at[dst, : bank_ER.shape[1]].set(bank_ER[src_N], mode="drop")
 
 
 def block_size(R: int, target: int) -> int:
@@ -77,13 +78,14 @@ def fetch_rows_many(banks, slots, src_N, dst_N, valid_N, *, interpret: bool = Fa
     if not banks or len(banks) != len(slots):
         raise ValueError(f"{len(banks)} banks for {len(slots)} slot arrays")
     for b, s in zip(banks, slots):
-        if b.ndim != 2 or b.shape[1:] != s.shape[1:] or b.dtype != s.dtype:
+        if b.ndim != 2 or s.ndim != 2 or b.shape[1] > s.shape[1] or b.dtype != s.dtype:
             raise ValueError(f"bank {b.shape} {b.dtype} and slots {s.shape} {s.dtype} disagree")
     if not src_N.shape == dst_N.shape == valid_N.shape or src_N.ndim != 1:
         raise ValueError("src, dst and valid must be vectors of one length")
     K, N = len(banks), src_N.shape[0]
-    block = block_size(math.gcd(*(s.shape[1] for s in slots)), block_elems)
-    chunks = tuple(s.shape[1] // block for s in slots)
+    # Blocks cover each bank row (a row narrower than its slot fills the slot row's start).
+    block = block_size(math.gcd(*(b.shape[1] for b in banks)), block_elems)
+    chunks = tuple(b.shape[1] // block for b in banks)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = {}
     if not interpret:

@@ -82,7 +82,8 @@ def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
         if p + "mlp.experts.gate_up_proj" in sd:
             gu, F = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.down_proj"].shape[-1]
             for g, a in (("ffn_gate_exps", gu[:, :F]), ("ffn_up_exps", gu[:, F:]), ("ffn_down_exps", sd[p + "mlp.experts.down_proj"])):
-                out.append((b + g + ".weight", a, expert_type[g] if isinstance(expert_type, dict) else expert_type))
+                qt = expert_type(i, g) if callable(expert_type) else expert_type[g] if isinstance(expert_type, dict) else expert_type
+                out.append((b + g + ".weight", a, qt))
     out.append(("output_norm.weight", sd["model.norm.weight"], Q.F32))
     if not cfg.tie_word_embeddings:
         out.append(("output.weight", sd["lm_head.weight"], dense_type))

@@ -39,29 +39,34 @@ BankType TypeOf(const Bank& a, const char* name) {
   throw std::invalid_argument(std::string(name) + " must be float32, bfloat16 viewed as uint16, or uint8 with a quantized format");
 }
 
-// Checks gate/up (an [ffn, H] matrix per expert) and down ([H, ffn]) of one type and describes
-// them: float32 / bfloat16 rows of ffn*H elements, or uint8 rows in `format` (quant_dot.h).
+// Checks gate/up (an [ffn, H] matrix per expert) and down ([H, ffn]) and describes them: float32 /
+// bfloat16 rows of ffn*H elements of one dtype, or uint8 rows in `format` (quant_dot.h), where
+// "a/b" stores gate and up as a and down as b.
 Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, int64_t ffn, const std::string& format) {
   auto dim = [](const Bank& a, int i) { return static_cast<int64_t>(a.shape(i)); };
   if (ffn <= 0 || H <= 0) throw std::invalid_argument("ffn and the hidden size must be positive");
-  BankType type;
+  BankType type, down_type;
   if (format.empty() || format == "bf16" || format == "f32") {
-    type = TypeOf(gate, "gate");
+    type = down_type = TypeOf(gate, "gate");
     if (TypeOf(up, "up") != type || TypeOf(down, "down") != type) throw std::invalid_argument("gate, up and down must share one dtype");
   } else {
-    type = ParseBankType(format.c_str());
+    const size_t slash = format.find('/');
+    type = ParseBankType(format.substr(0, slash).c_str());
+    down_type = slash == std::string::npos ? type : ParseBankType(format.substr(slash + 1).c_str());
     for (const Bank* b : {&gate, &up, &down})
       if (b->dtype() != nb::dtype<uint8_t>()) throw std::invalid_argument("banks of format " + format + " must be uint8");
-    if (!RowFits(type, H) || !RowFits(type, ffn))
-      throw std::invalid_argument(format + " stores whole blocks of " + std::to_string(LayoutOf(type).block) + " weights along a row");
+    for (BankType t : {type, down_type})
+      if (LayoutOf(t).block == 1 || !RowFits(t, H) || !RowFits(t, ffn))
+        throw std::invalid_argument(format + ": " + BankTypeName(t) + " does not store rows of " + std::to_string(H) + " and " + std::to_string(ffn) +
+                                    " weights (whole blocks of " + std::to_string(LayoutOf(t).block) + ")");
   }
   const int64_t E = dim(gate, 0);
   const int64_t elem = type == BankType::kF32 ? 4 : type == BankType::kBF16 ? 2 : 1;
-  const int64_t want_gu = MatrixBytes(type, ffn, H) / elem, want_d = MatrixBytes(type, H, ffn) / elem;
+  const int64_t want_gu = MatrixBytes(type, ffn, H) / elem, want_d = MatrixBytes(down_type, H, ffn) / elem;
   if (dim(gate, 1) != want_gu || dim(up, 0) != E || dim(up, 1) != want_gu || dim(down, 0) != E || dim(down, 1) != want_d)
     throw std::invalid_argument("banks must hold one expert per row: gate/up [E, " + std::to_string(want_gu) + "] and down [E, " +
-                                std::to_string(want_d) + "] for x of width H and " + BankTypeName(type) + " weights");
-  return Banks{gate.data(), up.data(), down.data(), type, E, H, ffn};
+                                std::to_string(want_d) + "] for x of width H and " + format + " weights");
+  return Banks{gate.data(), up.data(), down.data(), type, E, H, ffn, down_type};
 }
 
 }  // namespace

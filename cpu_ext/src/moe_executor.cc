@@ -156,10 +156,9 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   if (items == 0) return;
   std::lock_guard<std::mutex> lock(run_mu_);
   const int64_t H = b.hidden, F = b.ffn;
-  const BankType ty = b.type;
-  const DotFn dot = DotFor(tier_, ty);
+  const BankType ty = b.type, dty = b.down_type;
   // Vectors prepared once for kernels that read them (bf16 copies, int8 blocks: quant_dot.h).
-  const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, ty, F);
+  const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, dty, F);
   std::vector<uint8_t> xprep(static_cast<size_t>(tokens * px)), hprep(static_cast<size_t>(items * ph));
   if (px)
     for (int64_t t = 0; t < tokens; ++t) Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px);
@@ -169,12 +168,16 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   for (int64_t i = 0; i < items; ++i) {
     scale[3 * i] = MatrixScale(b.gate, ty, expert_of[i], F, H);
     scale[3 * i + 1] = MatrixScale(b.up, ty, expert_of[i], F, H);
-    scale[3 * i + 2] = MatrixScale(b.down, ty, expert_of[i], H, F);
+    scale[3 * i + 2] = MatrixScale(b.down, dty, expert_of[i], H, F);
   }
-  // Rows r0..r0+rows of one matrix against a prepared vector, several at a time where the kernel can.
-  const DotRowsFn dot_rows = DotRowsFor(tier_, ty);
-  auto dots = [&](const uint8_t* row, int64_t stride, int64_t rows, const float* v, const uint8_t* prep, int64_t n, float* out) {
+  // Rows r0..r0+rows of one matrix of type t against a prepared vector, several at a time where
+  // the kernel can.
+  const DotRowsFn rows_gu = DotRowsFor(tier_, ty), rows_d = DotRowsFor(tier_, dty);
+  const DotFn dot_gu = DotFor(tier_, ty), dot_d = DotFor(tier_, dty);
+  auto dots = [&](BankType t, const uint8_t* row, int64_t stride, int64_t rows, const float* v, const uint8_t* prep, int64_t n, float* out) {
+    const DotRowsFn dot_rows = t == ty ? rows_gu : rows_d;
     if (dot_rows) return dot_rows(row, stride, rows, v, prep, n, out);
+    const DotFn dot = t == ty ? dot_gu : dot_d;
     for (int64_t r = 0; r < rows; ++r) out[r] = dot(row + r * stride, v, prep, n);
   };
   // A task reads a run of rows of one matrix: at least 16, and about 32 KB of them, so that each
@@ -187,7 +190,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     return c;
   };
   // Phase 1: hidden[i, f] = act(gate_e[f] . x_t) * (up_e[f] . x_t), in chunks of rows.
-  const int64_t hrow = RowBytes(ty, H), frow = RowBytes(ty, F);
+  const int64_t hrow = RowBytes(ty, H), frow = RowBytes(dty, F);
   const int64_t fchunk = rows_per_task(hrow, F, items), nf = (F + fchunk - 1) / fchunk;
   pool_.Run(items * nf, [&](int64_t task) {
     const int64_t i = task / nf, f0 = (task % nf) * fchunk, f1 = std::min(F, f0 + fchunk);
@@ -195,12 +198,12 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     const float* xt = x + t * H;
     const uint8_t* xpt = px ? xprep.data() + t * px : nullptr;
     float g[kMaxChunk], u[kMaxChunk];
-    dots(BankRow(b.gate, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, g);
-    dots(BankRow(b.up, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, u);
+    dots(ty, BankRow(b.gate, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, g);
+    dots(ty, BankRow(b.up, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, u);
     for (int64_t f = f0; f < f1; ++f)
       hidden[i * F + f] = Activate(scale[3 * i] * g[f - f0], act) * scale[3 * i + 1] * u[f - f0];
   });
-  if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, ty, hidden.data() + i * F, F, hprep.data() + i * ph); });
+  if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph); });
   // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
   const int64_t hchunk = rows_per_task(frow, H, 1), nh = (H + hchunk - 1) / hchunk;
   pool_.Run(nh, [&](int64_t task) {
@@ -209,7 +212,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     for (int64_t i = 0; i < items; ++i) {
       const int64_t e = expert_of[i], t = token_of[i];
       const float w = weight_of[i] * scale[3 * i + 2];
-      dots(BankRow(b.down, ty, e, H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
+      dots(dty, BankRow(b.down, dty, e, H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
       for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0];
     }
   });

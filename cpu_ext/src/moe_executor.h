@@ -60,8 +60,9 @@ struct Banks {
   const void* gate;
   const void* up;
   const void* down;
-  BankType type;
+  BankType type;                 // gate and up
   int64_t experts, hidden, ffn;  // E, H, F
+  BankType down_type;            // down (a GGUF Q4_K_M layer keeps it in Q6_K)
 };
 
 // Row r of expert e's [rows, n] matrix in a bank, and the matrix's scale (nvfp4's trailer; 1 for

@@ -43,20 +43,21 @@ def h2d_bandwidth(host=None, gib: float = 1.0, reps: int = 5) -> float:
     return host.nbytes / median_time(lambda: jax.device_put(host, device).block_until_ready(), reps)
 
 
-def executor_pass(ex, layers, x, top_k: int, act: str = "silu", fmt: str = "bf16"):
+def executor_pass(ex, layers, x, top_k: int, act: str = "silu", fmt: str | list[str] = "bf16"):
     """One batch-1 pass of the CPU executor over every expert of `layers` ([(gate, up, down)],
-    host banks): one token's top-k experts per call, in turn. Returns (run, bytes one run reads)."""
+    host banks; `fmt` their executor format, or one per layer): one token's top-k experts per
+    call, in turn. Returns (run, bytes one run reads)."""
+    fmts = [fmt] * len(layers) if isinstance(fmt, str) else fmt
     E = layers[0][0].shape[0]
     k = min(top_k, E)
     calls = E // k
 
     def run():
-        for banks in layers:
+        for banks, f in zip(layers, fmts):
             for c in range(calls):
-                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, *banks, act, fmt)
+                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, *banks, act, f)
 
-    expert_bytes = sum(b.nbytes // b.shape[0] for b in layers[0])
-    return run, len(layers) * calls * k * expert_bytes
+    return run, calls * k * sum(b.nbytes // b.shape[0] for banks in layers for b in banks)
 
 
 def executor_bandwidth(engine, views, reps: int = 3, threads: int | None = None) -> float:
@@ -66,5 +67,8 @@ def executor_bandwidth(engine, views, reps: int = 3, threads: int | None = None)
 
     cfg = engine.model_config
     x = np.random.default_rng(0).standard_normal((1, cfg.hidden_dim), dtype=np.float32)
-    run, nbytes = executor_pass(shared_executor(threads), views, x, cfg.top_k, cfg.hidden_act, cfg.expert_format)
+    from freetoken_jax.quant.layout import ExpertLayout
+
+    fmts = [ExpertLayout.of(cfg, m).executor_format() for m in range(len(views))]
+    run, nbytes = executor_pass(shared_executor(threads), views, x, cfg.top_k, cfg.hidden_act, fmts)
     return nbytes / median_time(run, reps)

@@ -270,9 +270,10 @@ def expert_tensors(ck: GGUFCheckpoint) -> list[str]:
     return sorted(n for n in ck.tensors if re.fullmatch(r"blk\.\d+\.ffn_(gate|up|down)_exps\.weight", n))
 
 
-def stored_expert_format(ck: GGUFCheckpoint) -> tuple[str | None, str]:
-    """(the engine format of the file's routed experts, or None if they cannot load as stored;
-    why not)."""
+def stored_expert_format(ck: GGUFCheckpoint, moe_blocks: list[int]) -> tuple[str | None, tuple, str]:
+    """(the engine format of the file's routed experts — the most common one —, the (gate, up,
+    down) formats of each MoE layer where they are not all that one, else (); or None and why
+    they cannot load as stored). `moe_blocks`: the GGUF block of each MoE layer."""
     names = expert_tensors(ck)
     if not names:
         if any(re.fullmatch(r"blk\.\d+\.ffn_gate\.\d+\.weight", n) for n in ck.tensors):
@@ -284,16 +285,24 @@ def stored_expert_format(ck: GGUFCheckpoint) -> tuple[str | None, str]:
     types = {n: ck.tensor(n).tensor_type for n in names}
     bad = [n for n, t in types.items() if t not in native]
     if bad:
-        return None, f"tensor {bad[0]} has type {types[bad[0]].name}, which the engine has no expert kernels for"
+        return None, (), f"tensor {bad[0]} has type {types[bad[0]].name}, which the engine has no expert kernels for"
     fmts = {native[t] for t in types.values()}
-    if len(fmts) > 1:
-        by = {}
-        for n, t in types.items():
-            by.setdefault(native[t], n)
-        a, b = sorted(by)[:2]
-        return None, (f"the routed experts mix types ({by[a]} is {types[by[a]].name}, {by[b]} is {types[by[b]].name}); "
-                      "the engine keeps one format for all of them")  # fmt: skip
-    return fmts.pop(), ""
+    if len(fmts) == 1:
+        return fmts.pop(), (), ""
+    per_layer = []
+    for i in moe_blocks:
+        g, u, d = (native[types[f"blk.{i}.ffn_{p}_exps.weight"]] for p in ("gate", "up", "down"))
+        if g != u or "bf16" in (g, d):
+            a, b = (f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight") if g != u else \
+                (f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_down_exps.weight")  # fmt: skip
+            return None, (), (f"the routed experts mix types ({a} is {types[a].name}, {b} is {types[b].name}); the engine keeps gate "
+                              "and up in one block format per layer, down in one of its own")  # fmt: skip
+        per_layer.append((g, u, d))
+    counts = {}
+    for fs in per_layer:
+        for f in fs:
+            counts[f] = counts.get(f, 0) + 1
+    return max(counts, key=counts.get), tuple(per_layer), ""
 
 
 def read_config(ck: GGUFCheckpoint, requantize: str | None = None) -> tuple[dict, MoEModelConfig, bool]:
@@ -303,8 +312,9 @@ def read_config(ck: GGUFCheckpoint, requantize: str | None = None) -> tuple[dict
 
     raw = ARCHS[ck.arch][0](ck)
     cfg = family_for(raw).parse(raw)
-    fmt, why = stored_expert_format(ck)
-    if requantize is not None and requantize != fmt:
+    blocks = [i for i, moe in enumerate(cfg.moe_layers) if moe]
+    fmt, per_layer, why = stored_expert_format(ck, blocks)
+    if requantize is not None and (requantize != fmt or per_layer):
         return raw, cfg, True  # experts as floats; the engine quantizes them to `requantize`
     if fmt is None:
         raise CheckpointError(f"{ck.path}: {why}. Pass expert_format (--expert-format), e.g. 'q8_0', to re-quantize them on load")
@@ -312,7 +322,7 @@ def read_config(ck: GGUFCheckpoint, requantize: str | None = None) -> tuple[dict
         import dataclasses
 
         try:
-            cfg = dataclasses.replace(cfg, expert_format=fmt)
+            cfg = dataclasses.replace(cfg, expert_format=fmt, expert_formats=per_layer)
         except ConfigError as e:
             raise CheckpointError(f"{ck.path}: {e}") from e
     return raw, cfg, False
@@ -332,7 +342,7 @@ class GGUFParams:
         if path[-2] == "experts" and not self.dequantize_experts and self.cfg.expert_format != "bf16":
             from freetoken_jax.quant.layout import ExpertLayout
 
-            o, i = ExpertLayout.of(self.cfg).shapes()[("gate", "up", "down").index(path[-1])]
+            o, i = ExpertLayout.of(self.cfg).shapes()[("gate", "up", "down").index(path[-1])]  # the same in every layer
             return (want[0], o, i)
         return want
 

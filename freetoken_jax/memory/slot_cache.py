@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.quant.layout import ExpertLayout
+from freetoken_jax.quant.layout import ExpertLayout, slot_row_sizes
 
 _NEVER = jnp.iinfo(jnp.int32).max
 
@@ -51,8 +51,8 @@ class SlotCache:
 
 def init_slot_cache(cfg: MoEModelConfig, slots: int, max_batch: int, dtype) -> SlotCache:
     L, E = cfg.num_moe_layers, cfg.num_experts
-    layout = ExpertLayout.of(cfg)
-    gate, up, down = (jnp.zeros((slots, r), layout.bank_dtype(dtype)) for r in layout.row_sizes())
+    dt = ExpertLayout.of(cfg).bank_dtype(dtype)
+    gate, up, down = (jnp.zeros((slots, r), dt) for r in slot_row_sizes(cfg))  # as wide as the widest layer's rows
     return SlotCache(
         gate, up, down,
         jnp.full((L * E,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32), jnp.full((slots,), -1, jnp.int32),

@@ -35,7 +35,7 @@ def random_params(cfg: MoEModelConfig, dtype: str = "float32", seed: int = 0, pl
 
         from freetoken_jax.quant.banks import quantizing
 
-        return random_params(dataclasses.replace(cfg, expert_format="bf16"), dtype, seed, quantizing(place, cfg.expert_format))
+        return random_params(dataclasses.replace(cfg, expert_format="bf16", expert_formats=()), dtype, seed, quantizing(place, cfg))
     abstract = build_abstract(cfg, dtype)
     key = jax.random.PRNGKey(seed)
     out = []

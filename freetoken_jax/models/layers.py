@@ -278,9 +278,9 @@ class Experts(nnx.Module):
     gate/up [E, F, D], down [E, D, F]; with a quantized `expert_format`, one row of bytes per
     expert and projection ([E, nbytes], `quant/formats.py`)."""
 
-    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs, m: int = 0):
         E, D, F = cfg.num_experts, cfg.hidden_dim, cfg.moe_intermediate_dim
-        layout = ExpertLayout.of(cfg)
+        layout = ExpertLayout.of(cfg, m)  # m: the MoE layer (its formats)
         if layout.quantized:
             rows = layout.row_sizes()
             self.gate, self.up, self.down = (nnx.Param(jnp.zeros((E, r), jnp.uint8)) for r in rows)
@@ -326,7 +326,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
         g, u, d = layout.matrices(tuple(b[ids_TK] for b in banks), jnp.float32)
         xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
         h = (f(matvec(xk, g)) * matvec(xk, u)).astype(dt)
-        y = matvec(h, d)
+        y = jnp.where((w_TK != 0)[..., None], matvec(h, d), 0.0)  # an unrouted pair adds exactly 0
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
     if impl != "dense":
         raise ValueError(f"unknown expert implementation {impl!r}: auto, gather or dense")
@@ -340,7 +340,8 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
 
     def dense(x, w):
         h = f(jnp.einsum("td,efd->etf", x, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x, up_EFD, **mm)
-        return jnp.einsum("etf,edf->td", (h * w[:, :, None]).astype(dt), down_EDF, **mm).astype(dt)
+        h = jnp.where(w[:, :, None] != 0, h * w[:, :, None], 0.0)  # an unrouted pair adds exactly 0
+        return jnp.einsum("etf,edf->td", h.astype(dt), down_EDF, **mm).astype(dt)
 
     return jnp.concatenate([dense(x_TD[t : t + step], w_ET[:, t : t + step]) for t in range(0, T, step)])
 
@@ -353,12 +354,12 @@ class MoEBlock(nnx.Module):
     computed is pluggable: `expert_fn(x_TD, ids_TK, w_TK)`; by default from this layer's own
     resident weights (strategy "fused")."""
 
-    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs, m: int = 0):
         self.gate = Router(cfg, rngs)
-        self.experts = Experts(cfg, dtype, rngs)
+        self.experts = Experts(cfg, dtype, rngs, m)
         self.shared_experts = MLP(cfg, cfg.shared_expert_dim, dtype, rngs) if cfg.shared_expert_dim else None
         self.shared_expert_gate = linear(cfg.hidden_dim, 1, bias=False, dtype=dtype, rngs=rngs) if cfg.shared_expert_gate else None
-        self.layout = ExpertLayout.of(cfg)
+        self.layout = ExpertLayout.of(cfg, m)
 
     def expert_fn(self, compute=None) -> ExpertFn:
         """This layer's routed experts computed from its own resident banks by `compute(x_TD,

@@ -23,7 +23,8 @@ class DecoderLayer(nnx.Module):
         self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.moe_layers[index]
-        self.mlp = MoEBlock(cfg, dtype, rngs) if self.is_moe else MLP(cfg, cfg.intermediate_dim, dtype, rngs)
+        moe_index = sum(cfg.moe_layers[:index])  # m: this layer's place among the MoE layers
+        self.mlp = MoEBlock(cfg, dtype, rngs, moe_index) if self.is_moe else MLP(cfg, cfg.intermediate_dim, dtype, rngs)
 
     def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None):
         with jax.named_scope("attention"):

@@ -34,17 +34,23 @@ def quantize_stack(fmt: str, stack) -> np.ndarray | jax.Array:
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts)
 
 
-def quantizing(place, fmt: str):
-    """`place(path, array)` that quantizes expert stacks to `fmt` first (`place` None: to the
-    device)."""
+def quantizing(place, fmt):
+    """`place(path, array)` that quantizes expert stacks first (`place` None: to the device):
+    to `fmt`, a format name, or a model config's format of each layer and projection."""
     from freetoken_jax.models import is_expert_path
 
     def put(path, a):
         if is_expert_path(path):
-            a = quantize_stack(fmt, a)
+            a = quantize_stack(fmt if isinstance(fmt, str) else format_at(fmt, path), a)
         return place(path, a) if place is not None else jnp.asarray(a)
 
     return put
+
+
+def format_at(cfg, path: tuple) -> str:
+    """The format of the expert bank at `path` (`layers/i/mlp/experts/gate|up|down`) under `cfg`."""
+    m = sum(cfg.moe_layers[: path[1]])
+    return cfg.formats_of(m)[("gate", "up", "down").index(path[-1])]
 
 
 def quantize_params(params, fmt: str):

@@ -13,23 +13,37 @@ from freetoken_jax.quant.formats import get_format
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
-    """What an expert bank holds: the storage format (`config.EXPERT_FORMATS`), the FFN width F,
-    the hidden size D and the activation between the projections. A bank of n experts is gate/up
-    [n, F, D] and down [n, D, F] in the model dtype ("bf16"), the same flattened to one row per
-    expert (host banks and slots), or one row of `format.nbytes` bytes per expert and projection."""
+    """What an expert bank of one MoE layer holds: the storage format of gate, up and down
+    (`config.EXPERT_FORMATS`), the FFN width F, the hidden size D and the activation between the
+    projections. A bank of n experts is gate/up [n, F, D] and down [n, D, F] in the model dtype
+    ("bf16"), the same flattened to one row per expert (host banks and slots), or one row of
+    `format.nbytes` bytes per expert and projection. A row may be longer than its matrix (slots
+    are as wide as the widest layer's: `slot_row_sizes`); the matrix is its first bytes.
 
-    fmt: str
+    `mixed`: the model's layers differ in format, so a slot may hold another layer's bytes when
+    it is read under this layer's format (a step computes every slot it indexes, unrouted ones
+    with weight 0): dequantized values that are not finite are read as 0, so that such a slot
+    contributes exactly nothing."""
+
+    fmts: tuple[str, str, str]
     F: int
     D: int
     act: str
+    mixed: bool = False
 
     @classmethod
-    def of(cls, cfg: MoEModelConfig) -> ExpertLayout:
-        return cls(cfg.expert_format, cfg.moe_intermediate_dim, cfg.hidden_dim, cfg.hidden_act)
+    def of(cls, cfg: MoEModelConfig, m: int = 0) -> ExpertLayout:
+        """The layout of MoE layer m."""
+        return cls(cfg.formats_of(m), cfg.moe_intermediate_dim, cfg.hidden_dim, cfg.hidden_act, bool(cfg.expert_formats))
+
+    @property
+    def fmt(self) -> str:
+        """The format of gate and up (and down, unless this layer keeps it in another)."""
+        return self.fmts[0]
 
     @property
     def quantized(self) -> bool:
-        return self.fmt != "bf16"
+        return self.fmts[0] != "bf16"
 
     def shapes(self) -> tuple[tuple[int, int], ...]:
         """[out, in] of gate, up and down."""
@@ -39,16 +53,18 @@ class ExpertLayout:
         """Elements of one expert's row in each bank (bytes when quantized)."""
         if not self.quantized:
             return tuple(o * i for o, i in self.shapes())
-        f = get_format(self.fmt)
-        return tuple(f.nbytes(o, i) for o, i in self.shapes())
+        return tuple(get_format(f).nbytes(o, i) for f, (o, i) in zip(self.fmts, self.shapes()))
 
     def matrices(self, banks, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Gate, up, down of the experts in `banks` as [..., out, in] in `dtype` (dequantized)."""
         if not self.quantized:  # stacks [..., out, in] or rows [..., out·in]
             return tuple((b if b.shape[-2:] == (o, i) else b.reshape(*b.shape[:-1], o, i)).astype(dtype)
                          for b, (o, i) in zip(banks, self.shapes()))  # fmt: skip
-        f = get_format(self.fmt)
-        return tuple(f.dequantize(b, o, i, dtype) for b, (o, i) in zip(banks, self.shapes()))
+        out = []
+        for b, f, (o, i), n in zip(banks, self.fmts, self.shapes(), self.row_sizes()):
+            w = get_format(f).dequantize(b if b.shape[-1] == n else b[..., :n], o, i, dtype)
+            out.append(jnp.where(jnp.isfinite(w), w, 0) if self.mixed else w)
+        return tuple(out)
 
     def expert_bytes(self, itemsize: int) -> int:
         """Stored bytes of one expert (its three projections); `itemsize` of the model dtype."""
@@ -59,7 +75,18 @@ class ExpertLayout:
         """The element type of banks and slots: uint8 when quantized, else the model dtype."""
         return jnp.uint8 if self.quantized else dtype
 
+    def executor_format(self) -> str:
+        """The CPU executor's name for this layer's banks: "q4_k", or "q4_k/q6_k" (gate-up / down)."""
+        return self.fmts[0] if self.fmts[2] == self.fmts[0] else f"{self.fmts[0]}/{self.fmts[2]}"
+
+
+def slot_row_sizes(cfg: MoEModelConfig) -> tuple[int, int, int]:
+    """Row widths of the slot arrays (and prefill buffers): each projection's widest layer."""
+    sizes = [ExpertLayout.of(cfg, m).row_sizes() for m in range(max(1, len(cfg.expert_formats)))]
+    return tuple(max(s[k] for s in sizes) for k in range(3))
+
 
 def expert_bytes(cfg: MoEModelConfig, itemsize: int) -> int:
-    """Stored bytes of one routed expert of `cfg` (its format; `itemsize` of the model dtype)."""
-    return ExpertLayout.of(cfg).expert_bytes(itemsize)
+    """Bytes of one expert slot of `cfg` (its widest layer's rows; `itemsize` of the model dtype)."""
+    rows = sum(slot_row_sizes(cfg))
+    return rows if ExpertLayout.of(cfg).quantized else rows * itemsize

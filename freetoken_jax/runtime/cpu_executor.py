@@ -73,8 +73,8 @@ def _ffn(row: int, H: int, fmt: str) -> int:
         return row // H
     from freetoken_jax.quant.formats import get_format
 
-    per_row = get_format(fmt).row_bytes(H)
-    F, rest = divmod(row - get_format(fmt).trailer, per_row)
+    f = get_format(fmt.split("/")[0])  # "a/b": gate and up in a, down in b
+    F, rest = divmod(row - f.trailer, f.row_bytes(H))
     if rest or F <= 0:
         raise ValueError(f"gate rows of {row} bytes are not {fmt} matrices with {H} inputs")
     return F

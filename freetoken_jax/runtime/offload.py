@@ -71,7 +71,8 @@ class OffloadExecutor:
         self.cfg, self.cache, self.valid_T = cfg, cache, valid_T
         self.hybrid_q, self.host_banks, self.handoff, self.hybrid_overhead = hybrid_q, host_banks, handoff, hybrid_overhead
         self.prefill, self.prefill_load = prefill, prefill_load
-        self.compute, self.layout = compute or routed_experts, ExpertLayout.of(cfg)
+        self.compute = compute or routed_experts
+        self.layouts = [ExpertLayout.of(cfg, m) for m in range(cfg.num_moe_layers)]
         if prefill and cache is not None:
             self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
             self.layer_slots: dict = {}
@@ -101,7 +102,7 @@ class OffloadExecutor:
         small = self._copies_bank(m)
         arrays, banks = (c.gate_SR, c.up_SR, c.down_SR), banks or self.banks[m]
         if small:
-            out = [arr.at[buf].set(self._on_device(bank)) for bank, arr in zip(banks, arrays)]
+            out = [arr.at[buf, : bank.shape[1]].set(self._on_device(bank)) for bank, arr in zip(banks, arrays)]
         else:
             out = fetch_rows_many(banks, arrays, idx, buf, ~resident, interpret=self.interpret)
         self.cache = c.with_(gate_SR=out[0], up_SR=out[1], down_SR=out[2])
@@ -122,7 +123,7 @@ class OffloadExecutor:
                 nxt = self.banks[m + 1] if self._copies_bank(m + 1) else ()
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
                 self._load_layer(m + 1, nxt or None)
-            out = self.compute(x_TD, ids_TK, w_TK, tuple(layer), self.layout)
+            out = self.compute(x_TD, ids_TK, w_TK, tuple(layer), self.layouts[m])
             if m == n - 1:  # the last two layers' fetched experts stay resident
                 for last in range(max(0, n - 2), n):
                     self.cache = keep_buffer(self.cache, self.buffers[last % 2], last)
@@ -154,7 +155,7 @@ class OffloadExecutor:
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
                 w_gpu = jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK)
-                return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layout)
+                return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layouts[m])
 
             if cpu is None:
                 return gpu_side(self.cache)
@@ -169,7 +170,7 @@ class OffloadExecutor:
     def _prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK):
             banks = [self._on_device(b) for b in self.banks[m]]
-            return self.compute(x_TD, ids_TK, w_TK, tuple(banks), self.layout)
+            return self.compute(x_TD, ids_TK, w_TK, tuple(banks), self.layouts[m])
 
         return fn
 
@@ -243,5 +244,5 @@ class CpuExpertExecutor:
         from freetoken_jax.runtime.handoff import LayerHandoff
 
         cfg = self.cfg
-        return LayerHandoff(self.mode, *self.host_banks[m], cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act, cfg.expert_format,
-                            self.threads)  # fmt: skip
+        return LayerHandoff(self.mode, *self.host_banks[m], cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act,
+                            ExpertLayout.of(cfg, m).executor_format(), self.threads)  # fmt: skip

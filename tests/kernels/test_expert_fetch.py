@@ -74,3 +74,24 @@ def test_mismatched_shapes_raise():
         fetch_rows(
             jnp.zeros((4, 8)), jnp.zeros((2, 6)), jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, bool), interpret=True
         )
+
+
+@pytest.mark.parametrize("block_elems", [8, 8192])
+def test_narrower_banks_fill_the_start_of_wider_slot_rows(block_elems):
+    """A layer whose format is smaller than the widest layer's: its rows land at the start of
+    the slot rows and the rest of each slot row keeps what it held (a plain loop is the model)."""
+    E, S = 7, 5
+    rng = np.random.default_rng(block_elems)
+    banks = [rng.integers(0, 255, (E, w), dtype=np.uint8) for w in (144, 210)]
+    slots = [rng.integers(0, 255, (S, w), dtype=np.uint8) for w in (176, 210)]
+    src, dst, valid = np.array([3, 6, 0], np.int32), np.array([4, 0, 2], np.int32), np.array([1, 1, 0], bool)
+    got = fetch_rows_many([jnp.asarray(b) for b in banks], [jnp.asarray(s) for s in slots], jnp.asarray(src), jnp.asarray(dst),
+                          jnp.asarray(valid), interpret=True, block_elems=block_elems)  # fmt: skip
+    for b, s, g in zip(banks, slots, got):
+        want = s.copy()
+        for i in range(3):
+            if valid[i]:
+                want[dst[i], : b.shape[1]] = b[src[i]]
+        np.testing.assert_array_equal(np.asarray(g), want)
+        np.testing.assert_array_equal(np.asarray(fetch_rows_ref(jnp.asarray(b), jnp.asarray(s), jnp.asarray(src), jnp.asarray(dst),
+                                                                jnp.asarray(valid))), want)  # fmt: skip

@@ -28,7 +28,7 @@ def test_impls_match_reference(impl, T, K, E, D, F):
     down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
     ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
     w = rng.random((T, K)).astype(np.float32)
-    layout = ExpertLayout("bf16", F, D, "silu")
+    layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
     compute = named(impl) or routed_experts
     got = compute(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
     ref = reference(x, ids, w, gate, up, down)
@@ -45,7 +45,7 @@ def test_dense_in_token_slices_matches_one_piece(monkeypatch):
     down = jnp.asarray(rng.standard_normal((E, D, F)) * 0.3, jnp.float32)
     ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
     w = jnp.asarray(rng.random((T, K)), jnp.float32)
-    layout = ExpertLayout("bf16", F, D, "silu")
+    layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
     whole = routed_experts(x, ids, w, (gate, up, down), layout, impl="dense")
     monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * E * F * 3)  # 3 tokens per slice: 4 slices, the last short
     sliced = routed_experts(x, ids, w, (gate, up, down), layout, impl="dense")

@@ -101,3 +101,20 @@ def test_bad_quantized_banks_are_refused():
         ex.run(x, [0], [0], [1.0], gate.astype(np.float32), up, down, "silu", "q4_0")
     with pytest.raises(ValueError, match="unknown bank format"):
         _cpu_ext.format_nbytes("q3_k", 1, 32)
+
+
+@pytest.mark.parametrize("tier", supported_tiers())
+def test_down_in_another_format_than_gate_and_up(tier):
+    """A GGUF Q4_K_M layer: gate and up q4_k, down q6_k ("q4_k/q6_k"), against float64."""
+    ex = CpuExecutor(threads=2, max_tier=tier)
+    T, H, F, E, N = 3, 512, 256, 4, 7
+    rng = np.random.default_rng(11)
+    (gate, up, _), (g64, u64, _) = quantized_banks("q4_k", E, F, H, rng)
+    (_, _, down), (_, _, d64) = quantized_banks("q6_k", E, F, H, rng)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    tokens, experts, weights = rng.integers(0, T, N), rng.integers(0, E, N), rng.random(N).astype(np.float32)
+    got = ex.run(x, tokens, experts, weights, gate, up, down, "silu", "q4_k/q6_k")
+    ref = reference(x, tokens, experts, weights, g64, u64, d64, F, "silu")
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (2e-2 if int8_activations(tier, "q4_k") else 2e-5)
+    with pytest.raises(ValueError, match="one expert per row"):  # down read as q4_k: rows of the wrong length
+        ex.run(x, tokens, experts, weights, gate, up, down, "silu", "q4_k")
