@@ -2,6 +2,7 @@
 few layers, optionally quantized experts): the correctness check a GPU run starts with.
 
     python benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_0
+    python benchmarks/check_strategies.py --layers 3 --expert-format q4_k --down-format q6_k  # Q4_K_M's mix
 """
 
 from __future__ import annotations
@@ -23,9 +24,14 @@ def main() -> int:
     ap.add_argument("--expert-format", default=None)
     ap.add_argument("--strategies", nargs="+", default=["fused", "offload", "hybrid", "cpu"])
     ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--down-format", default=None, help="the down projections of every other MoE layer in this format (per-layer formats)")
     args = ap.parse_args()
     cfg = preset_config(args.preset)
     cfg = dataclasses.replace(cfg, num_layers=args.layers, moe_layers=cfg.moe_layers[: args.layers])
+    if args.down_format:
+        f, d = args.expert_format, args.down_format
+        cfg = dataclasses.replace(cfg, expert_format=f, expert_formats=tuple((f, f, d if m % 2 == 0 else f) for m in range(cfg.num_moe_layers)))
+        args.expert_format = None  # the model's own formats
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, 24)]
     runs = {}
     for s in args.strategies:

@@ -21,19 +21,24 @@ for what in "$@"; do
     decode) $B decode $SHAPE --expert-format q4_0 --vram-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
     prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --vram-gb 2.2482 --prompt-len 2048 --chunk 2048 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | tail -8 ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
+    check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
     lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1;
-                 python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1) &
+                 python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1;
+                 python3 ../benchmarks/gen_gguf.py --out /tmp/q4km.gguf --layers 24 --experts q4_k_m >> /tmp/genk.log 2>&1) &
       mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
       (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
         timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?)
-      wait; tail -1 /tmp/gen.log; tail -1 /tmp/genk.log; ls -la /tmp/q4.gguf /tmp/q4k.gguf ;;
+      wait; tail -1 /tmp/gen.log; tail -2 /tmp/genk.log; ls -la /tmp/q4*.gguf ;;
     gguf-*) f=/tmp/${what#gguf-}.gguf
+      # slots for 847 of 3072 experts (the share -ncmoe 17 keeps on the GPU): q4_0 and q4_k 2 654 208 bytes an expert,
+      # q4_k_m's slots 3 059 712 (down rows as wide as its Q6_K layers')
+      vram=$([ "${what#gguf-}" = q4km ] && echo 2.5916 || echo 2.2482)
       sync; (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null && state="dropped from the page cache first" || state="as the page cache holds it"
       python3 -c "import sys, time; t = time.perf_counter(); f = open(sys.argv[1], 'rb'); n = 0
 while b := f.read(1 << 26): n += len(b)
 dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {dt:.1f} s ({n / dt / 1e9:.2f} GB/s), $state')" $f
-      $B decode --model $f --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode --vram-gb 2.2482 --strategy hybrid cpu offload \
+      $B decode --model $f --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode --vram-gb $vram --strategy hybrid cpu offload \
         --compile-workers 3 --json "$OUT/$(basename $f .gguf)_decode.json" > "$OUT/$(basename $f .gguf).log" 2>&1
       echo "rc=$?"; grep -v "it/s\]" "$OUT/$(basename $f .gguf).log" | tail -12
       /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
