@@ -14,7 +14,10 @@ from hf_models import load_hf
 from freetoken_jax.quant.formats import get_format
 
 Q = gguf.GGMLQuantizationType
-ARCH = {"qwen3_moe": "qwen3moe", "qwen3_moe_norm": "qwen3moe", "qwen3_moe_k": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen3_moe_norm": "qwen3moe", "qwen3_moe_k": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
+        "deepseek_v2": "deepseek2", "deepseek_v2_qlora": "deepseek2", "deepseek_v3": "deepseek2"}  # fmt: skip
+# llama.cpp's newer converters split MLA's kv_b into attn_k_b / attn_v_b; older ones keep attn_kv_b
+SPLIT_KV_B = {"deepseek_v3", "deepseek_v2_qlora"}
 OURS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}  # no quantizer in `gguf`: ours makes valid blocks
 
 
@@ -52,9 +55,16 @@ _LAYER = {
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_experts.gate_proj.weight"),
+    "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", "mlp.shared_experts.down_proj.weight"),
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "attn_q_a.weight": "self_attn.q_a_proj.weight",
+    "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attn_q_b.weight": "self_attn.q_b_proj.weight",
+    "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attn_kv_b.weight": "self_attn.kv_b_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -70,10 +80,16 @@ def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
     out = [("token_embd.weight", sd["model.embed_tokens.weight"], dense_type)]
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        for g, hf in _LAYER.items():
-            if p + hf not in sd:
+        for g, hfs in _LAYER.items():
+            hf = next((h for h in ((hfs,) if isinstance(hfs, str) else hfs) if p + h in sd), None)
+            if hf is None:
                 continue
             a = sd[p + hf]
+            if g == "attn_kv_b.weight" and variant in SPLIT_KV_B:  # [H·(nope+v), rank] → k_b [H, rank, nope], v_b [H, v, rank]
+                kv = a.reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+                out.append((b + "attn_k_b.weight", np.ascontiguousarray(kv[:, : cfg.qk_nope_head_dim].transpose(0, 2, 1)), dense_type))
+                out.append((b + "attn_v_b.weight", np.ascontiguousarray(kv[:, cfg.qk_nope_head_dim :]), dense_type))
+                continue
             if llama and g in ("attn_q.weight", "attn_k.weight"):
                 a = permute(a, cfg.num_attention_heads if g == "attn_q.weight" else cfg.num_key_value_heads)
             if g == "ffn_gate_inp_shexp.weight":
@@ -92,6 +108,8 @@ def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
 
 def write_metadata(w: gguf.GGUFWriter, cfg, variant: str, tokenizer=None) -> None:
     arch = ARCH[variant]
+    if arch == "deepseek2":
+        return deepseek_metadata(w, cfg, variant, tokenizer)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -113,6 +131,47 @@ def write_metadata(w: gguf.GGUFWriter, cfg, variant: str, tokenizer=None) -> Non
         w.add_value_length(cfg.head_dim)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if tokenizer is None:
+        w.add_tokenizer_model("no_vocab")
+    else:
+        tokenizer(w)
+
+
+def deepseek_metadata(w, cfg, variant, tokenizer) -> None:
+    """deepseek2 keys as llama.cpp's converter writes them."""
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(rp.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_leading_dense_block_count(cfg.first_k_dense_replace)
+    if cfg.q_lora_rank:
+        w.add_q_lora_rank(cfg.q_lora_rank)
+    w.add_kv_lora_rank(cfg.kv_lora_rank)
+    w.add_key_length(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_value_length(cfg.v_head_dim)
+    w.add_rope_dimension_count(cfg.qk_rope_head_dim)
+    w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_expert_count(cfg.n_routed_experts)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    w.add_expert_shared_count(cfg.n_shared_experts)
+    w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
+    v3 = variant == "deepseek_v3"
+    w.add_expert_weights_norm(bool(cfg.norm_topk_prob) if v3 else False)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if v3 else gguf.ExpertGatingFuncType.SOFTMAX)
+    if getattr(cfg, "topk_method", "greedy") != "greedy" or v3:
+        w.add_expert_group_count(cfg.n_group)
+        w.add_expert_group_used_count(cfg.topk_group)
+    if rp.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
     if tokenizer is None:
         w.add_tokenizer_model("no_vocab")
     else:
@@ -157,8 +216,12 @@ def reference_model(hf_dir: str, gguf_path: str, variant: str):
            "lm_head.weight": deq.get("output.weight", deq["token_embd.weight"])}  # fmt: skip
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
-        for g, hf in _LAYER.items():
-            if b + g in deq:
+        if b + "attn_k_b.weight" in deq:
+            k_b, v_b = deq[b + "attn_k_b.weight"], deq[b + "attn_v_b.weight"]
+            deq[b + "attn_kv_b.weight"] = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
+        for g, hfs in _LAYER.items():
+            hf = next((h for h in ((hfs,) if isinstance(hfs, str) else hfs) if p + h in sd), None)
+            if b + g in deq and hf is not None:
                 a = deq[b + g]
                 if ARCH[variant] == "llama" and g in ("attn_q.weight", "attn_k.weight"):
                     n = cfg.num_attention_heads if g == "attn_q.weight" else cfg.num_key_value_heads

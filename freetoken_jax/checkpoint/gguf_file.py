@@ -217,9 +217,45 @@ def _llama(ck):
                 num_experts_per_tok=int(ck.need("expert_used_count")))  # fmt: skip
 
 
+def _deepseek2(ck):
+    """DeepSeek-V2 / V3 (llama.cpp's `deepseek2`: V3 when its gating is sigmoid)."""
+    d = _common(ck)
+    rope = int(ck.need("rope.dimension_count"))
+    key = ck.arch_get("attention.key_length_mla") or ck.need("attention.key_length")
+    value = ck.arch_get("attention.value_length_mla") or ck.need("attention.value_length")
+    v3 = int(ck.arch_get("expert_gating_func") or 1) == 2
+    groups = int(ck.arch_get("expert_group_count") or 1)
+    d.update(
+        architectures=["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+        intermediate_size=int(ck.need("feed_forward_length")),
+        moe_intermediate_size=int(ck.need("expert_feed_forward_length")),
+        n_routed_experts=int(ck.need("expert_count")),
+        num_experts_per_tok=int(ck.need("expert_used_count")),
+        n_shared_experts=int(ck.arch_get("expert_shared_count") or 0),
+        first_k_dense_replace=int(ck.arch_get("leading_dense_block_count") or 0),
+        routed_scaling_factor=float(ck.arch_get("expert_weights_scale") or 1.0),
+        norm_topk_prob=bool(ck.arch_get("expert_weights_norm", v3)),
+        q_lora_rank=int(ck.arch_get("attention.q_lora_rank") or 0) or None,
+        kv_lora_rank=int(ck.need("attention.kv_lora_rank")),
+        qk_rope_head_dim=rope,
+        qk_nope_head_dim=int(key) - rope,
+        v_head_dim=int(value),
+        n_group=groups,
+        topk_group=int(ck.arch_get("expert_group_used_count") or 1),
+        topk_method="noaux_tc" if v3 else "group_limited_greedy" if groups > 1 else "greedy",
+    )
+    d.pop("head_dim", None)
+    d["num_key_value_heads"] = d["num_attention_heads"]
+    if d.get("rope_scaling", {}).get("rope_type") == "yarn":  # llama.cpp keeps 0.1 · mscale_all_dim
+        m = float(ck.arch_get("rope.scaling.yarn_log_multiplier") or 0.0) / 0.1
+        d["rope_scaling"].update(mscale=m, mscale_all_dim=m, beta_fast=float(ck.arch_get("rope.scaling.yarn_beta_fast") or 32),
+                                 beta_slow=float(ck.arch_get("rope.scaling.yarn_beta_slow") or 1))  # fmt: skip
+    return d
+
+
 # GGUF architecture → (HF config builder, whether attn_q / attn_k rows are in GGML's interleaved
 # rope order: llama.cpp's converter permutes them for `llama`, the engine uses Hugging Face's).
-ARCHS = {"qwen3moe": (_qwen3moe, False), "qwen2moe": (_qwen2moe, False), "llama": (_llama, True)}
+ARCHS = {"qwen3moe": (_qwen3moe, False), "qwen2moe": (_qwen2moe, False), "llama": (_llama, True), "deepseek2": (_deepseek2, False)}
 
 _LAYER = {
     ("input_layernorm", "weight"): "attn_norm.weight",
@@ -245,6 +281,13 @@ _LAYER = {
     ("mlp", "gate_proj", "weight"): "ffn_gate.weight",
     ("mlp", "up_proj", "weight"): "ffn_up.weight",
     ("mlp", "down_proj", "weight"): "ffn_down.weight",
+    ("mlp", "gate", "bias"): "exp_probs_b.bias",
+    ("self_attn", "q_a_proj", "weight"): "attn_q_a.weight",
+    ("self_attn", "q_a_layernorm", "weight"): "attn_q_a_norm.weight",
+    ("self_attn", "q_b_proj", "weight"): "attn_q_b.weight",
+    ("self_attn", "kv_a_proj_with_mqa", "weight"): "attn_kv_a_mqa.weight",
+    ("self_attn", "kv_a_layernorm", "weight"): "attn_kv_a_norm.weight",
+    ("self_attn", "kv_b_proj", "weight"): "attn_kv_b.weight",
 }
 
 
@@ -346,11 +389,29 @@ class GGUFParams:
             return (want[0], o, i)
         return want
 
+    def _split_kv_b(self, name: str) -> tuple[str, str] | None:
+        """(attn_k_b, attn_v_b) where the file splits MLA's kv_b (newer llama.cpp converters:
+        k_b [heads, kv_lora_rank, nope] transposed, v_b [heads, v, kv_lora_rank])."""
+        if name.endswith("attn_kv_b.weight") and name not in self.ck.tensors:
+            k, v = name.replace("attn_kv_b", "attn_k_b"), name.replace("attn_kv_b", "attn_v_b")
+            if k in self.ck.tensors and v in self.ck.tensors:
+                return k, v
+        return None
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        split = self._split_kv_b(name)
+        if split is None:
+            return self.ck.shape(name)
+        (h, rank, nope), (h2, v, rank2) = self.ck.shape(split[0]), self.ck.shape(split[1])
+        if (h, rank) != (h2, rank2):
+            raise CheckpointError(f"{self.ck.path}: {split[0]} {self.ck.shape(split[0])} and {split[1]} {self.ck.shape(split[1])} disagree")
+        return (h * (nope + v), rank)
+
     def check(self, abstract) -> None:
         for p, var in abstract:
             name = gguf_name(self.ck, p)
             want = self._expected_gguf_shape(p, tuple(var.get_value().shape))
-            got = self.ck.shape(name)
+            got = self._shape(name)
             if got != want:
                 raise CheckpointError(f"{self.ck.path}: {name} has shape {got}, the config needs {want} for {'/'.join(map(str, p))}")
 
@@ -358,6 +419,10 @@ class GGUFParams:
         name = gguf_name(self.ck, path)
         if path[-2] == "experts" and not self.dequantize_experts and self.cfg.expert_format != "bf16":
             return self.ck.raw_rows(name)  # [E, nbytes]: the bank as stored
+        split = self._split_kv_b(name)
+        if split is not None:
+            k_b, v_b = (self.ck.dequantized(n) for n in split)  # [H, rank, nope], [H, v, rank]
+            return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])
         a = self.ck.dequantized(name)
         if path[-2:] == ("shared_expert_gate", "weight"):
             a = a.reshape(1, -1)

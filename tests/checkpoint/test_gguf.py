@@ -30,6 +30,9 @@ CASES = [
     ("qwen3_moe_k", Q.Q4_K, Q.F32),
     ("qwen3_moe_k", Q.Q5_K, Q.Q8_0),
     ("qwen3_moe_k", Q.Q6_K, Q.F32),
+    ("deepseek_v3", Q.Q8_0, Q.F32),  # MLA with kv_b split into attn_k_b / attn_v_b, sigmoid routing, YaRN
+    ("deepseek_v2_qlora", Q.Q4_0, Q.F16),  # group-limited softmax routing
+    ("deepseek_v2", Q.MXFP4, Q.F32),  # kv_b whole, as older converters write it
 ]
 
 
@@ -46,8 +49,9 @@ def test_gguf_logits_equal_transformers_on_its_dequantized_weights(variant, etyp
     assert eng.model_config.expert_format == NATIVE[etype] and eng.name == "m"
     if etype != Q.F16:  # the banks are the file's bytes
         r = gguf.GGUFReader(path)
-        stored = next(t for t in r.tensors if t.name == "blk.0.ffn_down_exps.weight").data
-        bank = np.asarray(eng.weights.params["layers"][0]["mlp"]["experts"]["down"].get_value())
+        t = next(t for t in r.tensors if t.name.endswith(".ffn_down_exps.weight"))  # the first MoE layer's
+        stored, i = t.data, int(t.name.split(".")[1])
+        bank = np.asarray(eng.weights.params["layers"][i]["mlp"]["experts"]["down"].get_value())
         np.testing.assert_array_equal(bank, stored.reshape(stored.shape[0], -1))
     got = np.asarray(eng.logits(PROMPT))
     want = ref_logits(hf, path, variant, PROMPT)
