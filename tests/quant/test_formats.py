@@ -47,7 +47,7 @@ def test_reference_round_trip_error_is_within_the_format(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_jnp_quantizer_and_dequantizer_equal_the_references(name):
     f = get_format(name)
-    for O, I in shapes(name):
+    for O, I in shapes(name)[: 2 if f.block == 256 else None]:  # the K-quants' 256-wide blocks: two shapes
         w = np.stack([weights(O, I, s) for s in range(2)])  # a leading expert axis
         got = np.asarray(f.quantize(jnp.asarray(w)))
         ref = np.stack([f.quantize_ref(x) for x in w])

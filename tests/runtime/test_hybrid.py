@@ -86,7 +86,9 @@ def test_misses_found_before_placing_agree_with_the_placed_maps():
         assert set(np.asarray(plan.dst_N)[np.asarray(plan.valid_N)]) <= set(after[on_gpu])
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+# Hybrid is family-independent past the router; two families here (shared experts and a dense
+# layer; MLA with sigmoid grouped routing), every family in tests/quant/test_quantized_strategies.py.
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_hybrid_matches_fused(family, ckpt_root):
     path = make_checkpoint(family, ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**{**BASE, "moe_strategy": "fused"}))
