@@ -86,7 +86,54 @@ _GGUF_PRE = {
     "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
 }
 _GGUF_PRE["default"] = _GGUF_PRE["gpt-2"]
-CONTROL, USER_DEFINED = 3, 4  # GGUF token types of special and added tokens
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types of the unknown, special and added tokens
+
+
+def _bos(ck, tok) -> HFTokenizer:
+    bos = ck.get("tokenizer.ggml.bos_token_id")
+    return HFTokenizer(
+        tok, None if bos is None else int(bos), bool(ck.get("tokenizer.ggml.add_bos_token", False)), ck.get("tokenizer.chat_template")
+    )
+
+
+def _added(tokens, types) -> list[dict]:
+    return [dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=ty == CONTROL)
+            for i, (t, ty) in enumerate(zip(tokens, types)) if ty in (CONTROL, USER_DEFINED)]  # fmt: skip
+
+
+def _gguf_sentencepiece(ck) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (`tokenizer.ggml.model` "llama": pieces, scores, types) as a
+    `tokenizers` BPE the way Hugging Face converts SentencePiece models: merges from the pieces
+    that two others concatenate, ranked by the merged piece's score; "▁" for spaces (and one in
+    front, unless `add_space_prefix` is false); byte fallback to the <0xNN> pieces."""
+    from tokenizers import Tokenizer
+
+    tokens = list(ck.get("tokenizer.ggml.tokens") or [])
+    scores = list(ck.get("tokenizer.ggml.scores") or [0.0] * len(tokens))
+    types = list(ck.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        local = [(piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        merges += sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]]))
+    merges.sort(key=lambda m: m[2], reverse=True)
+    unk = next((t for t, ty in zip(tokens, types) if ty == UNKNOWN), None)
+    prefix = bool(ck.get("tokenizer.ggml.add_space_prefix", True))
+    normalizers = ([dict(type="Prepend", prepend="▁")] if prefix else []) + [dict(type="Replace", pattern=dict(String=" "), content="▁")]
+    decoders = [dict(type="Replace", pattern=dict(String="▁"), content=" "), dict(type="ByteFallback"), dict(type="Fuse")]
+    if prefix:
+        decoders.append(dict(type="Strip", content=" ", start=1, stop=0))
+    spec = dict(
+        version="1.0",
+        added_tokens=_added(tokens, types),
+        normalizer=dict(type="Sequence", normalizers=normalizers),
+        pre_tokenizer=None,
+        post_processor=None,
+        decoder=dict(type="Sequence", decoders=decoders),
+        model=dict(type="BPE", dropout=None, unk_token=unk, continuing_subword_prefix=None, end_of_word_suffix=None, fuse_unk=True,
+                   byte_fallback=True, ignore_merges=False, vocab=vocab, merges=[[a, b] for a, b, _ in merges]),
+    )  # fmt: skip
+    return _bos(ck, Tokenizer.from_str(json.dumps(spec)))
 
 
 def gguf_tokenizer(ck) -> HFTokenizer | None:
@@ -101,19 +148,19 @@ def gguf_tokenizer(ck) -> HFTokenizer | None:
     model = ck.get("tokenizer.ggml.model")
     if model in (None, "no_vocab", "none"):
         return None
+    if model == "llama":
+        return _gguf_sentencepiece(ck)
     if model != "gpt2":
-        raise ConfigError(f"{ck.path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE, 'gpt2', is)")
+        raise ConfigError(
+            f"{ck.path}: GGUF tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' and SentencePiece 'llama' are)"
+        )
     pre = ck.get("tokenizer.ggml.pre") or "default"
     if pre not in _GGUF_PRE:
         raise ConfigError(f"{ck.path}: GGUF pre-tokenizer {pre!r} is not known; known: {', '.join(sorted(_GGUF_PRE))}")
     tokens = list(ck.get("tokenizer.ggml.tokens") or [])
     merges = [m.split(" ", 1) for m in ck.get("tokenizer.ggml.merges") or []]
     types = list(ck.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    added = [
-        dict(id=i, content=t, single_word=False, lstrip=False, rstrip=False, normalized=False, special=ty == CONTROL)
-        for i, (t, ty) in enumerate(zip(tokens, types))
-        if ty in (CONTROL, USER_DEFINED)
-    ]
+    added = _added(tokens, types)
     byte_level = dict(type="ByteLevel", add_prefix_space=False, trim_offsets=False, use_regex=False)
     spec = dict(
         version="1.0",
@@ -126,8 +173,4 @@ def gguf_tokenizer(ck) -> HFTokenizer | None:
         model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None, end_of_word_suffix=None, fuse_unk=False,
                    byte_fallback=False, ignore_merges=False, vocab={t: i for i, t in enumerate(tokens)}, merges=merges),
     )  # fmt: skip
-    tok = Tokenizer.from_str(json.dumps(spec))
-    bos = ck.get("tokenizer.ggml.bos_token_id")
-    return HFTokenizer(
-        tok, None if bos is None else int(bos), bool(ck.get("tokenizer.ggml.add_bos_token", False)), ck.get("tokenizer.chat_template")
-    )
+    return _bos(ck, Tokenizer.from_str(json.dumps(spec)))

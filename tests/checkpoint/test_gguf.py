@@ -245,3 +245,36 @@ def test_shape_and_architecture_mismatches_are_refused_before_loading(ckpt_root,
     other.close()
     with pytest.raises(ConfigError, match="architecture 'rwkv6' is not supported"):
         FreeTokenEngine.from_pretrained(str(tmp_path / "c.gguf"), EngineConfig(**BASE))
+
+
+def test_sentencepiece_vocabulary_encodes_and_decodes_as_sentencepiece(ckpt_root, tmp_path):
+    """A Mixtral-style GGUF vocabulary (`llama`: SentencePiece BPE with byte fallback), written
+    as llama.cpp's converter writes it, against sentencepiece itself."""
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(CORPUS))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), model_type="bpe", vocab_size=400,
+                                   byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, normalization_rule_name="identity",
+                                   remove_extra_whitespaces=False)  # fmt: skip (as Llama and Mistral models are trained)
+    sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
+
+    def vocab(w):
+        n = sp.get_piece_size()
+        kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1 for i in range(n)]
+        w.add_tokenizer_model("llama")
+        w.add_token_list([sp.id_to_piece(i) for i in range(n)])
+        w.add_token_scores([sp.get_score(i) for i in range(n)])
+        w.add_token_types(kinds)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_add_bos_token(True)
+
+    hf = make_checkpoint("mixtral", ckpt_root)
+    path = write_gguf(hf, str(tmp_path / "sp.gguf"), "mixtral", Q.Q4_0, tokenizer=vocab)
+    mine = gguf_tokenizer(GGUFCheckpoint(path))
+    for text in CORPUS[:5] + ["Unseen wörds: 987654, ALL CAPS!!", "  two leading spaces and   runs", "日本語 🙂 (bytes)", "x"]:
+        want = sp.encode(text)
+        assert mine.encode(text, add_bos=False) == want, (text, want)
+        assert mine.decode(want) == sp.decode(want), text
+    assert mine.encode("hi")[0] == 1  # add_bos_token
