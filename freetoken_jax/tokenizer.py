@@ -79,11 +79,17 @@ def load_tokenizer(path: str):
     return None
 
 
-# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` (those of the models' tokenizer.json files).
+# Pre-tokenizer regexes by GGUF `tokenizer.ggml.pre` (those of the models' tokenizer.json files),
+# applied in turn (each split isolates its matches).
 _GGUF_PRE = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    "gpt-2": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    "qwen2": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "llama-bpe": (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",),
+    "gpt-2": (r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",),
+    "deepseek-v3": (
+        r"\p{N}{1,3}",
+        r"[一-龥぀-ゟ゠-ヿ]+",
+        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
 }
 _GGUF_PRE["default"] = _GGUF_PRE["gpt-2"]
 UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types of the unknown, special and added tokens
@@ -167,7 +173,7 @@ def gguf_tokenizer(ck) -> HFTokenizer | None:
         added_tokens=added,
         normalizer=None,
         pre_tokenizer=dict(type="Sequence", pretokenizers=[
-            dict(type="Split", pattern=dict(Regex=_GGUF_PRE[pre]), behavior="Isolated", invert=False), byte_level]),
+            *(dict(type="Split", pattern=dict(Regex=r), behavior="Isolated", invert=False) for r in _GGUF_PRE[pre]), byte_level]),
         post_processor=None,
         decoder=byte_level,
         model=dict(type="BPE", dropout=None, unk_token=None, continuing_subword_prefix=None, end_of_word_suffix=None, fuse_unk=False,

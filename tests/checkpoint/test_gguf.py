@@ -93,28 +93,31 @@ def test_convert_gguf_to_ftw_keeps_the_bytes_and_the_tokenizer(ckpt_root, tmp_pa
 
 # Tokenizer ----------------------------------------------------------------------------------------
 QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# DeepSeek-V3's tokenizer.json: three splits before the byte-level step
+DEEPSEEK_V3_REGEXES = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+                       r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+PRE = {"qwen2": (QWEN2_REGEX,), "deepseek-v3": DEEPSEEK_V3_REGEXES}
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there! 12345 numbers 2026.", "naïve café déjà vu — ünïcode",
           "def f(x):\n    return x * 2\n\n", "It's what we'll do; they've seen I'd go."] * 20  # fmt: skip
 
 
-def train_bpe(vocab_size):
+def train_bpe(vocab_size, pre="qwen2"):
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"), pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
-    )
+    splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE[pre]]
+    tok.pre_tokenizer = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=SPECIALS)
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
 
-def tiny_vocab(vocab_size=330):
+def tiny_vocab(vocab_size=330, pre="qwen2"):
     """A GGUFWriter callback writing a trained byte-level BPE as llama.cpp's converter does."""
-    tok = train_bpe(vocab_size)
+    tok = train_bpe(vocab_size, pre)
     spec = json.loads(tok.to_str())
     vocab = spec["model"]["vocab"]
     tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
@@ -122,7 +125,7 @@ def tiny_vocab(vocab_size=330):
 
     def write(w):
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("qwen2")
+        w.add_tokenizer_pre(pre)
         w.add_token_list(tokens)
         w.add_token_merges(merges)
         w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
@@ -135,8 +138,9 @@ def tiny_vocab(vocab_size=330):
     return write
 
 
-def test_gguf_tokenizer_encodes_and_decodes_as_the_original(ckpt_root, tmp_path):
-    vocab = tiny_vocab()
+@pytest.mark.parametrize("pre", sorted(PRE))
+def test_gguf_tokenizer_encodes_and_decodes_as_the_original(pre, ckpt_root, tmp_path):
+    vocab = tiny_vocab(pre=pre)
     hf = make_checkpoint("qwen3_moe_norm", ckpt_root)
     path = write_gguf(hf, str(tmp_path / "t.gguf"), "qwen3_moe_norm", Q.Q8_0, tokenizer=vocab)
     mine = gguf_tokenizer(GGUFCheckpoint(path))
@@ -254,14 +258,26 @@ def test_sentencepiece_vocabulary_encodes_and_decodes_as_sentencepiece(ckpt_root
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(CORPUS))
-    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "sp"), model_type="bpe", vocab_size=400,
-                                   byte_fallback=True, character_coverage=1.0, bos_id=1, eos_id=2, unk_id=0, normalization_rule_name="identity",
-                                   remove_extra_whitespaces=False)  # fmt: skip (as Llama and Mistral models are trained)
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(tmp_path / "sp"),
+        model_type="bpe",
+        vocab_size=400,
+        byte_fallback=True,
+        character_coverage=1.0,
+        bos_id=1,
+        eos_id=2,
+        unk_id=0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+    )  # fmt: skip (as Llama and Mistral models are trained)
     sp = spm.SentencePieceProcessor(model_file=str(tmp_path / "sp.model"))
 
     def vocab(w):
         n = sp.get_piece_size()
-        kinds = [2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1 for i in range(n)]
+        kinds = [
+            2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 5 if sp.is_unused(i) else 1 for i in range(n)
+        ]
         w.add_tokenizer_model("llama")
         w.add_token_list([sp.id_to_piece(i) for i in range(n)])
         w.add_token_scores([sp.get_score(i) for i in range(n)])
