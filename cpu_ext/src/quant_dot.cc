@@ -633,13 +633,13 @@ VNNI_TARGET float DotVnni(const uint8_t* r, const float* x, const void* prep, in
 // lanes 4 + 4). q4_k and q5_k have mins (kMins): w = d·sc·q − dmin·m; their codes enter dpbusd as
 // they are and the mins come off once per super-block as Σ_j dmin·m[j] · (activation block j's
 // d·Σ codes). q6_k is q − 32: Prepare's lane sums (−32 × Σ codes) start its dpbusd.
-VNNI_TARGET inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
-VNNI_TARGET inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+AVX2_TARGET inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
+AVX2_TARGET inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 template <BankType T>
-struct KVnni {
+struct KQuant {
   static constexpr int64_t kSuper = T == BankType::kQ4_K ? 144 : T == BankType::kQ5_K ? 176 : 210;
   static constexpr bool kMins = T != BankType::kQ6_K;
-  VNNI_TARGET static __m256i Codes(const uint8_t* r, int j) {  // r: the super-block
+  AVX2_TARGET static __m256i Codes(const uint8_t* r, int j) {  // r: the super-block (AVX2 only: the float tiers share it)
     const __m256i low = _mm256_set1_epi8(15);
     if constexpr (T == BankType::kQ6_K) {
       const int n = j / 4, k = j % 4;
@@ -687,7 +687,7 @@ struct KVnni {
 
 template <BankType T, int R>
 VNNI_TARGET inline void KRows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
-  using K = KVnni<T>;
+  using K = KQuant<T>;
   __m256 acc[R], accm[R];
   for (int i = 0; i < R; ++i) acc[i] = accm[i] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
@@ -710,6 +710,38 @@ VNNI_TARGET inline void KRows(const uint8_t* r, int64_t stride, const VnniPrep& 
     }
   }
   for (int i = 0; i < R; ++i) out[i] = Hsum(_mm256_sub_ps(acc[i], accm[i]));
+}
+
+// The float tiers (AVX2, AVX-512F): a sub-block's 32 codes as in the VNNI kernel, widened to
+// float32 and multiplied by x; q4_k / q5_k subtract dmin·m[j]·Σx.
+template <BankType T>
+AVX2_TARGET float DotKAvx2(const uint8_t* r, const float* x, const void*, int64_t n) {
+  using K = KQuant<T>;
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t b = 0; b < n / 256; ++b, r += K::kSuper) {
+    for (int j = 0; j < 8; ++j, x += 32) {
+      const __m256i c = K::Codes(r, j);
+      const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+      __m256 q[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                     _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+      const __m256 x0 = _mm256_loadu_ps(x), x1 = _mm256_loadu_ps(x + 8), x2 = _mm256_loadu_ps(x + 16), x3 = _mm256_loadu_ps(x + 24);
+      if constexpr (T == BankType::kQ6_K) {
+        const __m256 off = _mm256_set1_ps(32.f), d = _mm256_set1_ps(HalfToF32(r + 208));
+        const __m256 a = _mm256_fmadd_ps(_mm256_sub_ps(q[1], off), x1, _mm256_mul_ps(_mm256_sub_ps(q[0], off), x0));
+        const __m256 b2 = _mm256_fmadd_ps(_mm256_sub_ps(q[3], off), x3, _mm256_mul_ps(_mm256_sub_ps(q[2], off), x2));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(static_cast<int8_t>(r[192 + 2 * j]))), a, acc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(static_cast<int8_t>(r[193 + 2 * j]))), b2, acc);
+      } else {
+        int sc, m;
+        KScaleMin(r + 4, j, &sc, &m);
+        const __m256 s = _mm256_fmadd_ps(q[3], x3, _mm256_fmadd_ps(q[2], x2, _mm256_fmadd_ps(q[1], x1, _mm256_mul_ps(q[0], x0))));
+        const __m256 sx = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(HalfToF32(r) * sc), s, acc);
+        acc = _mm256_fnmadd_ps(_mm256_set1_ps(HalfToF32(r + 2) * m), sx, acc);
+      }
+    }
+  }
+  return Hsum256(acc);
 }
 
 template <BankType T>
@@ -780,11 +812,13 @@ inline bool UsesBf16Dot(IsaTier tier, BankType type) {
 }
 
 #define K_SCALAR DotKScalar<BankType::kQ4_K>, DotKScalar<BankType::kQ5_K>, DotKScalar<BankType::kQ6_K>
+#define K_AVX2 DotKAvx2<BankType::kQ4_K>, DotKAvx2<BankType::kQ5_K>, DotKAvx2<BankType::kQ6_K>
 constexpr DotFn kScalar[] = {DotF32Scalar, DotBf16Scalar, DotQ8_0Scalar, DotQ4_0Scalar, DotMxfp4Scalar, DotNvfp4Scalar, DotFp8Scalar, K_SCALAR};
 #ifdef FREETOKEN_X86
-// The K-quants' float32 tiers are the scalar kernels; from avx512_bf16 on they have VNNI ones.
-constexpr DotFn kAvx2[] = {DotF32Avx2, DotBf16Avx2, DotQ8_0Avx2, DotQ4_0Avx2, DotMxfp4Avx2, DotNvfp4Avx2, DotFp8Avx2, K_SCALAR};
-constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0Avx512, DotMxfp4Avx512, DotNvfp4Avx512, DotFp8Avx512, K_SCALAR};
+// The K-quants' float32 tiers share the AVX2 kernel (AVX-512F machines have AVX2); from
+// avx512_bf16 on they have VNNI ones.
+constexpr DotFn kAvx2[] = {DotF32Avx2, DotBf16Avx2, DotQ8_0Avx2, DotQ4_0Avx2, DotMxfp4Avx2, DotNvfp4Avx2, DotFp8Avx2, K_AVX2};
+constexpr DotFn kAvx512[] = {DotF32Avx512, DotBf16Avx512, DotQ8_0Avx512, DotQ4_0Avx512, DotMxfp4Avx512, DotNvfp4Avx512, DotFp8Avx512, K_AVX2};
 #endif
 static_assert(sizeof(kScalar) / sizeof(kScalar[0]) == kNumTypes);
 
