@@ -161,3 +161,32 @@ def test_mismatched_scales_and_unknown_methods_are_refused(ckpt_root, tmp_path):
     json.dump(cfg, open(tmp_path / "a" / "config.json", "w"))
     with pytest.raises(Exception, match="quantization method 'awq' is not supported"):
         FreeTokenEngine.from_pretrained(str(tmp_path / "a"), EngineConfig(**BASE))
+
+
+def test_loading_streams_a_tensor_at_a_time(ckpt_root):
+    """Every tensor (a layer's expert stack) is read, placed and let go before the next is read:
+    reads and placements alternate, and no read array is still referenced once it is placed."""
+    import gc
+    import weakref
+
+    from freetoken_jax.checkpoint.hf import HFSource, load_params
+
+    src = HFSource(make_checkpoint("qwen2_moe", ckpt_root))
+    events, alive = [], []
+    get = src.get
+
+    def traced_get(path):
+        a = get(path)
+        events.append("read")
+        alive.append(weakref.ref(a) if a.base is None else None)
+        return a
+
+    def place(path, a):
+        events.append("place")
+        return np.array(a)
+
+    src.get = traced_get
+    load_params(src, "float32", place)
+    gc.collect()
+    assert events == ["read", "place"] * (len(events) // 2) and len(events) > 40
+    assert all(r is None or r() is None for r in alive)  # the stacks the loader made are gone
