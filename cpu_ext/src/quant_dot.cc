@@ -233,7 +233,7 @@ AVX2_TARGET inline float Hsum256(__m256 s) {
   return _mm_cvtss_f32(h);
 }
 
-AVX2_TARGET inline float HalfToF32(const uint8_t* p) {
+__attribute__((target("avx2,fma,f16c"), always_inline)) inline float HalfToF32(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
   return _cvtsh_ss(h);
@@ -613,33 +613,47 @@ VNNI_TARGET inline void VnniRows(const uint8_t* r, int64_t stride, const VnniPre
   for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
 }
 
+// A row kernel as a type: Kernel::Rows<R>(rows, stride, prep, blocks, out) for R = 4 and 1.
 template <class Fmt>
-VNNI_TARGET void DotRowsVnni(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
+struct VnniKernel {
+  template <int R>
+  VNNI_TARGET static void Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+    VnniRows<Fmt, R>(r, stride, p, nb, out);
+  }
+};
+
+// All `rows` rows, four at a time, then one at a time; and one row (DotFn).
+template <class Kernel>
+VNNI_TARGET void DotRowsOf(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
   const int64_t nb = n / 32;
   const VnniPrep p = VnniView(prep, nb);
   int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) VnniRows<Fmt, 4>(r + i * stride, stride, p, nb, out + i);
-  for (; i < rows; ++i) VnniRows<Fmt, 1>(r + i * stride, stride, p, nb, out + i);
+  for (; i + 4 <= rows; i += 4) Kernel::template Rows<4>(r + i * stride, stride, p, nb, out + i);
+  for (; i < rows; ++i) Kernel::template Rows<1>(r + i * stride, stride, p, nb, out + i);
 }
-template <class Fmt>
-VNNI_TARGET float DotVnni(const uint8_t* r, const float* x, const void* prep, int64_t n) {
+template <class Kernel>
+VNNI_TARGET float DotOf(const uint8_t* r, const float* x, const void* prep, int64_t n) {
   float out;
-  DotRowsVnni<Fmt>(r, 0, 1, x, prep, n, &out);
+  DotRowsOf<Kernel>(r, 0, 1, x, prep, n, &out);
   return out;
 }
+
 
 // K-quants: block b of 32 is sub-block j = b % 8 of super-block b / 8. A row's scales are decoded
 // once per super-block into 8 lanes per sub-block (q6_k: two int8 scales per 32 weights split the
 // lanes 4 + 4). q4_k and q5_k have mins (kMins): w = d·sc·q − dmin·m; their codes enter dpbusd as
 // they are and the mins come off once per super-block as Σ_j dmin·m[j] · (activation block j's
 // d·Σ codes). q6_k is q − 32: Prepare's lane sums (−32 × Σ codes) start its dpbusd.
-AVX2_TARGET inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
-AVX2_TARGET inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// AVX2 code shared by the float and VNNI kernels, inlined into both (a call per block would cost
+// the VNNI kernel half its rate).
+#define SHARED_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline))
+SHARED_AVX2 inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
+SHARED_AVX2 inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 template <BankType T>
 struct KQuant {
   static constexpr int64_t kSuper = T == BankType::kQ4_K ? 144 : T == BankType::kQ5_K ? 176 : 210;
   static constexpr bool kMins = T != BankType::kQ6_K;
-  AVX2_TARGET static __m256i Codes(const uint8_t* r, int j) {  // r: the super-block (AVX2 only: the float tiers share it)
+  SHARED_AVX2 static inline __m256i Codes(const uint8_t* r, int j) {  // r: the super-block
     const __m256i low = _mm256_set1_epi8(15);
     if constexpr (T == BankType::kQ6_K) {
       const int n = j / 4, k = j % 4;
@@ -745,19 +759,12 @@ AVX2_TARGET float DotKAvx2(const uint8_t* r, const float* x, const void*, int64_
 }
 
 template <BankType T>
-VNNI_TARGET void DotRowsK(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
-  const int64_t nb = n / 32;
-  const VnniPrep p = VnniView(prep, nb);
-  int64_t i = 0;
-  for (; i + 4 <= rows; i += 4) KRows<T, 4>(r + i * stride, stride, p, nb, out + i);
-  for (; i < rows; ++i) KRows<T, 1>(r + i * stride, stride, p, nb, out + i);
-}
-template <BankType T>
-VNNI_TARGET float DotK(const uint8_t* r, const float* x, const void* prep, int64_t n) {
-  float out;
-  DotRowsK<T>(r, 0, 1, x, prep, n, &out);
-  return out;
-}
+struct KKernel {
+  template <int R>
+  VNNI_TARGET static void Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+    KRows<T, R>(r, stride, p, nb, out);
+  }
+};
 #endif
 
 // x → the VnniPrep of its blocks of 32: codes q = round(x / d), d = max|x| / 127 (halves away from
@@ -855,13 +862,13 @@ DotFn DotFor(IsaTier tier, BankType type) {
   switch (tier) {
     case IsaTier::kAmxBf16:
     case IsaTier::kAvx512Bf16:
-      if (type == BankType::kQ4_0) return DotVnni<Q4_0Vnni>;
-      if (type == BankType::kQ8_0) return DotVnni<Q8_0Vnni>;
-      if (type == BankType::kMxfp4) return DotVnni<Mxfp4Vnni>;
-      if (type == BankType::kNvfp4) return DotVnni<Nvfp4Vnni>;
-      if (type == BankType::kQ4_K) return DotK<BankType::kQ4_K>;
-      if (type == BankType::kQ5_K) return DotK<BankType::kQ5_K>;
-      if (type == BankType::kQ6_K) return DotK<BankType::kQ6_K>;
+      if (type == BankType::kQ4_0) return DotOf<VnniKernel<Q4_0Vnni>>;
+      if (type == BankType::kQ8_0) return DotOf<VnniKernel<Q8_0Vnni>>;
+      if (type == BankType::kMxfp4) return DotOf<VnniKernel<Mxfp4Vnni>>;
+      if (type == BankType::kNvfp4) return DotOf<VnniKernel<Nvfp4Vnni>>;
+      if (type == BankType::kQ4_K) return DotOf<KKernel<BankType::kQ4_K>>;
+      if (type == BankType::kQ5_K) return DotOf<KKernel<BankType::kQ5_K>>;
+      if (type == BankType::kQ6_K) return DotOf<KKernel<BankType::kQ6_K>>;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];
@@ -880,19 +887,19 @@ DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
   if (UsesVnni(tier, type)) {
     switch (type) {
       case BankType::kQ4_0:
-        return DotRowsVnni<Q4_0Vnni>;
+        return DotRowsOf<VnniKernel<Q4_0Vnni>>;
       case BankType::kQ8_0:
-        return DotRowsVnni<Q8_0Vnni>;
+        return DotRowsOf<VnniKernel<Q8_0Vnni>>;
       case BankType::kMxfp4:
-        return DotRowsVnni<Mxfp4Vnni>;
+        return DotRowsOf<VnniKernel<Mxfp4Vnni>>;
       case BankType::kQ4_K:
-        return DotRowsK<BankType::kQ4_K>;
+        return DotRowsOf<KKernel<BankType::kQ4_K>>;
       case BankType::kQ5_K:
-        return DotRowsK<BankType::kQ5_K>;
+        return DotRowsOf<KKernel<BankType::kQ5_K>>;
       case BankType::kQ6_K:
-        return DotRowsK<BankType::kQ6_K>;
+        return DotRowsOf<KKernel<BankType::kQ6_K>>;
       default:
-        return DotRowsVnni<Nvfp4Vnni>;
+        return DotRowsOf<VnniKernel<Nvfp4Vnni>>;
     }
   }
 #endif
