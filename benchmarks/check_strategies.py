@@ -30,7 +30,9 @@ def main() -> int:
     cfg = dataclasses.replace(cfg, num_layers=args.layers, moe_layers=cfg.moe_layers[: args.layers])
     if args.down_format:
         f, d = args.expert_format, args.down_format
-        cfg = dataclasses.replace(cfg, expert_format=f, expert_formats=tuple((f, f, d if m % 2 == 0 else f) for m in range(cfg.num_moe_layers)))
+        cfg = dataclasses.replace(
+            cfg, expert_format=f, expert_formats=tuple((f, f, d if m % 2 == 0 else f) for m in range(cfg.num_moe_layers))
+        )
         args.expert_format = None  # the model's own formats
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, cfg.vocab_size, 24)]
     runs = {}
