@@ -223,7 +223,8 @@ class FreeTokenEngine:
         """A GGUF file or split set: config and tokenizer from its metadata; routed experts as
         stored where their type is a native format, re-quantized only to an `expert_format` that
         the caller names."""
-        from freetoken_jax.checkpoint.gguf_file import GGUFCheckpoint, GGUFParams, load_gguf_params, read_config
+        from freetoken_jax.checkpoint.gguf_file import GGUFCheckpoint, GGUFParams, read_config
+        from freetoken_jax.checkpoint.hf import load_params
         from freetoken_jax.tokenizer import gguf_tokenizer
 
         ck = GGUFCheckpoint(path)
@@ -233,7 +234,7 @@ class FreeTokenEngine:
             print(f"{path}: re-quantizing the routed experts to {ecfg.expert_format} while loading", file=sys.stderr)
         params = GGUFParams(ck, cfg, requantize)
         params.check(list(build_abstract(cfg, ecfg.dtype).flat_state()))  # every shape, before anything is allocated
-        load = lambda place: load_gguf_params(params, ecfg.dtype, place)  # noqa: E731
+        load = functools.partial(load_params, params, ecfg.dtype)
         name = re.sub(r"(-\d{5}-of-\d{5})?\.gguf$", "", os.path.basename(path))
         return cls(cfg, ecfg, load=load, tokenizer=tokenizer, name=name, model_path=path)
 

@@ -107,26 +107,27 @@ def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
 
 
 def write_metadata(w: gguf.GGUFWriter, cfg, variant: str, tokenizer=None) -> None:
+    """The keys llama.cpp's converter writes for `variant`'s architecture."""
     arch = ARCH[variant]
-    if arch == "deepseek2":
-        return deepseek_metadata(w, cfg, variant, tokenizer)
+    rp = dict(getattr(cfg, "rope_parameters", None) or {})
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
+    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or rp.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    if arch == "llama":
-        w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "deepseek2":
+        deepseek_metadata(w, cfg, variant, rp)
+    elif arch == "llama":
         w.add_expert_count(cfg.num_local_experts)
     else:
-        w.add_feed_forward_length(cfg.intermediate_size)
         w.add_expert_count(cfg.num_experts)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
-    if getattr(cfg, "head_dim", None):
+    if arch != "deepseek2" and getattr(cfg, "head_dim", None):
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     if arch == "qwen2moe":
@@ -137,18 +138,8 @@ def write_metadata(w: gguf.GGUFWriter, cfg, variant: str, tokenizer=None) -> Non
         tokenizer(w)
 
 
-def deepseek_metadata(w, cfg, variant, tokenizer) -> None:
-    """deepseek2 keys as llama.cpp's converter writes them."""
-    rp = dict(getattr(cfg, "rope_parameters", None) or {})
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(float(rp.get("rope_theta", 10000.0)))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
+def deepseek_metadata(w, cfg, variant, rp) -> None:
+    """deepseek2's own keys (MLA ranks, shared experts, gating, groups, YaRN)."""
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     if cfg.q_lora_rank:
         w.add_q_lora_rank(cfg.q_lora_rank)
@@ -158,7 +149,6 @@ def deepseek_metadata(w, cfg, variant, tokenizer) -> None:
     w.add_rope_dimension_count(cfg.qk_rope_head_dim)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     w.add_expert_count(cfg.n_routed_experts)
-    w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_shared_count(cfg.n_shared_experts)
     w.add_expert_weights_scale(float(cfg.routed_scaling_factor))
     v3 = variant == "deepseek_v3"
@@ -172,10 +162,6 @@ def deepseek_metadata(w, cfg, variant, tokenizer) -> None:
         w.add_rope_scaling_factor(rp["factor"])
         w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
         w.add_rope_scaling_yarn_log_mul(0.1 * rp["mscale_all_dim"])
-    if tokenizer is None:
-        w.add_tokenizer_model("no_vocab")
-    else:
-        tokenizer(w)
 
 
 def write_gguf(hf_dir: str, out: str, variant: str, expert_type, dense_type=Q.F32, tokenizer=None, split_max_tensors: int = 0) -> str:
@@ -183,12 +169,7 @@ def write_gguf(hf_dir: str, out: str, variant: str, expert_type, dense_type=Q.F3
     model = load_hf(hf_dir)
     cfg = model.config
     tensors = gguf_tensors(model, variant, expert_type, dense_type)
-    if split_max_tensors:
-        from gguf.gguf_writer import GGUFWriter
-
-        w = GGUFWriter(out, ARCH[variant], split_max_tensors=split_max_tensors)
-    else:
-        w = gguf.GGUFWriter(out, ARCH[variant])
+    w = gguf.GGUFWriter(out, ARCH[variant], split_max_tensors=split_max_tensors)
     write_metadata(w, cfg, variant, tokenizer)
     for name, a, qt in tensors:
         data = quantize(a, qt)

@@ -4,12 +4,13 @@ tensor, routed experts byte for byte where the engine has their type natively.
 `GGUFCheckpoint(path)` opens one `.gguf` file or a split set (`…-00001-of-0000N.gguf`: give any
 part) through the `gguf` package's memory-mapped reader, checks every tensor's bytes against
 the file, and maps GGUF architectures onto the engine's families (`ARCHS`). The routed experts
-of a file whose expert tensors all have one native type (`NATIVE`) become banks of that format
-as they are stored; float types become the model dtype; anything else — mixed types (a Q4_K_M
-file keeps some down projections in Q6_K) or types the engine has no kernel for — is refused
-naming the tensor, unless the caller asks for a format to re-quantize to (`requantize`). Dense
-tensors of any type are dequantized (the `gguf` package's dequantizers). Nothing is read until a
-parameter is asked for: loading streams a tensor at a time from the mapping.
+of a file whose expert tensors have native types (`native_types`) become banks of those formats
+as they are stored, each layer and projection in its own (a Q4_K_M file keeps some down
+projections in Q6_K: `MoEModelConfig.expert_formats`); float types become the model dtype;
+types the engine has no kernel for, or gate and up of different types, are refused naming the
+tensor, unless the caller asks for a format to re-quantize to (`requantize`). Dense tensors of
+any type are dequantized (the `gguf` package's dequantizers). Nothing is read until a parameter
+is asked for: `checkpoint.hf.load_params` streams a tensor at a time from the mapping.
 """
 
 from __future__ import annotations
@@ -22,23 +23,15 @@ import numpy as np
 
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 from freetoken_jax.config import ConfigError, MoEModelConfig
+from freetoken_jax.quant.layout import PROJECTIONS, ExpertLayout
 
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
 
 
-def is_gguf(path: str | os.PathLike) -> bool:
-    return os.path.isfile(path) and os.fspath(path).endswith(".gguf")
-
-
-def _types():
-    from gguf import GGMLQuantizationType as Q
-
-    return Q
-
-
 def native_types() -> dict[Any, str]:
     """GGUF tensor types that are engine expert formats, byte for byte ('bf16': float types, cast)."""
-    Q = _types()
+    from gguf import GGMLQuantizationType as Q
+
     return {Q.Q8_0: "q8_0", Q.Q4_0: "q4_0", Q.MXFP4: "mxfp4", Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k", Q.F32: "bf16",
             Q.F16: "bf16", Q.BF16: "bf16"}  # fmt: skip
 
@@ -119,10 +112,7 @@ class GGUFCheckpoint:
     # Metadata --------------------------------------------------------------------------------------
     def get(self, key: str, default=None):
         f = self.fields.get(key)
-        if f is None:
-            return default
-        v = f.contents()
-        return v
+        return default if f is None else f.contents()
 
     def arch_get(self, key: str, default=None):
         return self.get(f"{self.arch}.{key}", default)
@@ -142,9 +132,6 @@ class GGUFCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape in numpy order ([out, in] for a matrix)."""
         return tuple(int(d) for d in reversed(self.tensor(name).shape.tolist()))
-
-    def type_name(self, name: str) -> str:
-        return self.tensor(name).tensor_type.name
 
     def dequantized(self, name: str) -> np.ndarray:
         """The tensor as float32 in numpy order (any type the `gguf` package can dequantize)."""
@@ -334,7 +321,7 @@ def stored_expert_format(ck: GGUFCheckpoint, moe_blocks: list[int]) -> tuple[str
         return fmts.pop(), (), ""
     per_layer = []
     for i in moe_blocks:
-        g, u, d = (native[types[f"blk.{i}.ffn_{p}_exps.weight"]] for p in ("gate", "up", "down"))
+        g, u, d = (native[types[f"blk.{i}.ffn_{p}_exps.weight"]] for p in PROJECTIONS)
         if g != u or "bf16" in (g, d):
             a, b = (f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_up_exps.weight") if g != u else \
                 (f"blk.{i}.ffn_gate_exps.weight", f"blk.{i}.ffn_down_exps.weight")  # fmt: skip
@@ -372,8 +359,9 @@ def read_config(ck: GGUFCheckpoint, requantize: str | None = None) -> tuple[dict
 
 
 class GGUFParams:
-    """Engine parameters from a GGUF checkpoint: `shape_check(abstract)` before anything is read,
-    then `get(path)` per parameter (expert banks as stored bytes, or floats when `dequantize_experts`)."""
+    """Engine parameters from a GGUF checkpoint, a source for `checkpoint.hf.load_params`:
+    `check(abstract)` before anything is read, then `get(path)` per parameter (expert banks as
+    stored bytes, or floats when `dequantize_experts`)."""
 
     def __init__(self, ck: GGUFCheckpoint, cfg: MoEModelConfig, dequantize_experts: bool):
         self.ck, self.cfg, self.dequantize_experts = ck, cfg, dequantize_experts
@@ -383,10 +371,7 @@ class GGUFParams:
         if path[-2:] == ("shared_expert_gate", "weight"):
             return (want[-1],)
         if path[-2] == "experts" and not self.dequantize_experts and self.cfg.expert_format != "bf16":
-            from freetoken_jax.quant.layout import ExpertLayout
-
-            o, i = ExpertLayout.of(self.cfg).shapes()[("gate", "up", "down").index(path[-1])]  # the same in every layer
-            return (want[0], o, i)
+            return (want[0], *ExpertLayout.of(self.cfg).shape_of(path[-1]))  # the same in every layer
         return want
 
     def _split_kv_b(self, name: str) -> tuple[str, str] | None:
@@ -430,22 +415,3 @@ class GGUFParams:
             heads = self.cfg.num_heads if path[-2] == "q_proj" else self.cfg.num_kv_heads
             a = _unpermute(a, heads)
         return a
-
-
-def load_gguf_params(params: GGUFParams, dtype: str, place=None):
-    """The parameter state filled from the GGUF checkpoint, a tensor at a time (every shape
-    checked first, nothing allocated before)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from freetoken_jax.models import build_abstract
-
-    abstract = list(build_abstract(params.cfg, dtype).flat_state())
-    params.check(abstract)
-    flat = []
-    for p, var in abstract:
-        dt = var.get_value().dtype
-        a = params.get(p)
-        a = a if a.dtype == dt else np.asarray(a, dtype=dt)
-        flat.append((p, var.replace(place(p, a) if place else jnp.asarray(a))))
-    return nnx.State.from_flat_path(flat)

@@ -11,7 +11,6 @@ expert format unless the caller names another one to re-quantize to.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
@@ -114,17 +113,18 @@ class HFSource:
         for p, var in abstract:
             want = tuple(var.get_value().shape)
             if p[-2] == "experts" and self.native:
-                want = (want[0], *layout.shapes()[("gate", "up", "down").index(p[-1])])
+                want = (want[0], *layout.shape_of(p[-1]))
             got = self.shape(p)
             if got != want:
                 raise CheckpointError(f"{self.path}: {'/'.join(map(str, p))} has shape {got}, the config needs {want}")
 
 
-def load_params(src: HFSource, dtype: str, place=None):
+def load_params(src, dtype: str, place=None):
     """The parameter state of `src.cfg` filled from its checkpoint, a tensor (a layer's expert
-    stack) at a time. Every shape is checked from the headers first, so a bad checkpoint raises
-    `CheckpointError` with nothing allocated. `place(path, host_array)`, when given, makes the
-    array of a leaf (e.g. a host bank for experts) instead of the device."""
+    stack) at a time. `src`: any source with `cfg`, `check(abstract)` and `get(path)` (`HFSource`,
+    `gguf_file.GGUFParams`). Every shape is checked from the headers first, so a bad checkpoint
+    raises `CheckpointError` with nothing allocated. `place(path, host_array)`, when given, makes
+    the array of a leaf (e.g. a host bank for experts) instead of the device."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -139,7 +139,3 @@ def load_params(src: HFSource, dtype: str, place=None):
         a = a if a.dtype == dt else np.asarray(np.asarray(a, np.float32), dtype=dt)
         flat.append((p, var.replace(place(p, a) if place else jnp.asarray(a))))
     return nnx.State.from_flat_path(flat)
-
-
-def is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "config.json"))

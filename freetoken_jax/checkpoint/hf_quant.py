@@ -20,7 +20,7 @@ import numpy as np
 
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 from freetoken_jax.config import ConfigError
-from freetoken_jax.quant.formats import E2M1
+from freetoken_jax.quant.formats import E2M1, pack_halves_ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,11 +83,6 @@ def _codes(packed: np.ndarray) -> np.ndarray:
     """Packed e2m1 pairs (low nibble first) → codes [..., 2n]."""
     p = np.asarray(packed, np.uint8)
     return np.stack([p & 15, p >> 4], axis=-1).reshape(*p.shape[:-1], -1)
-
-
-def _halves(c: np.ndarray, n: int) -> np.ndarray:
-    """Codes [..., 2n] → n bytes: c[j] | c[j + n] << 4 (the engine's nibble order)."""
-    return c[..., :n] | (c[..., n:] << np.uint8(4))
 
 
 class QuantView:
@@ -186,11 +181,11 @@ class QuantView:
             return b.reshape(*lead, -1)
         if self.s.kind == "mxfp4":
             codes = _codes(q)  # [..., O, nb, 32]
-            b = np.concatenate([np.asarray(s, np.uint8)[..., None], _halves(codes, 16)], axis=-1)
+            b = np.concatenate([np.asarray(s, np.uint8)[..., None], pack_halves_ref(codes)], axis=-1)
             return b.reshape(*lead, -1)
         O, I = q.shape[-2], 2 * q.shape[-1]
         codes = _codes(q).reshape(*lead, O, I // 64, 4, 16)
         sc = _e4m3(s).view(np.uint8).reshape(*lead, O, I // 64, 4)
-        rows = np.concatenate([sc, _halves(codes, 8).reshape(*lead, O, I // 64, 32)], axis=-1).reshape(*lead, -1)
+        rows = np.concatenate([sc, pack_halves_ref(codes).reshape(*lead, O, I // 64, 32)], axis=-1).reshape(*lead, -1)
         g = np.broadcast_to(np.float32(got["g"]), (*lead, 1)).copy().view(np.uint8)
         return np.concatenate([rows, g], axis=-1)

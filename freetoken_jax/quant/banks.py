@@ -49,8 +49,10 @@ def quantizing(place, fmt):
 
 def format_at(cfg, path: tuple) -> str:
     """The format of the expert bank at `path` (`layers/i/mlp/experts/gate|up|down`) under `cfg`."""
+    from freetoken_jax.quant.layout import PROJECTIONS
+
     m = sum(cfg.moe_layers[: path[1]])
-    return cfg.formats_of(m)[("gate", "up", "down").index(path[-1])]
+    return cfg.formats_of(m)[PROJECTIONS.index(path[-1])]
 
 
 def quantize_params(params, fmt: str):

@@ -404,7 +404,8 @@ def _np_e2m1_codes(x, scale):
     return np.argmin(err, axis=-1).astype(np.uint8)
 
 
-def _np_halves(q):
+def pack_halves_ref(q):
+    """Codes [..., 2n] (uint8 < 16) → [..., n] bytes: q[j] | q[j+n] << 4 (numpy)."""
     n = q.shape[-1] // 2
     return q[..., :n] | (q[..., n:] << np.uint8(4))
 
@@ -425,7 +426,7 @@ def _ref_q4_0(f, w):
     mx = np.take_along_axis(b, np.abs(b).argmax(-1)[..., None], -1)
     d = (mx / np.float32(-8)).astype(np.float32)
     q = np.trunc(b * _np_inv(d) + np.float32(8.5)).clip(0, 15).astype(np.uint8)
-    return np.concatenate([d.astype(np.float16).view(np.uint8), _np_halves(q)], axis=-1)
+    return np.concatenate([d.astype(np.float16).view(np.uint8), pack_halves_ref(q)], axis=-1)
 
 
 def _ref_mxfp4(f, w):
@@ -434,7 +435,7 @@ def _ref_mxfp4(f, w):
     exp = ((amax.view(np.uint32) >> 23) & 255).astype(np.int32) - 127
     e = np.where(amax > 0, np.clip(exp - 2 + 127, 0, 254), 0).astype(np.uint8)
     scale = np.exp2(e.astype(np.float64) - 127).astype(np.float32)
-    return np.concatenate([e[..., None], _np_halves(_np_e2m1_codes(b, scale[..., None]))], axis=-1)
+    return np.concatenate([e[..., None], pack_halves_ref(_np_e2m1_codes(b, scale[..., None]))], axis=-1)
 
 
 def _ref_nvfp4(f, w):
@@ -445,7 +446,7 @@ def _ref_nvfp4(f, w):
     q = _np_e2m1_codes(b, (s.astype(np.float32) * g)[..., None])
     O = w.shape[0]
     s4 = s.view(np.uint8).reshape(O, -1, 4)
-    q4 = _np_halves(q).reshape(O, -1, 32)
+    q4 = pack_halves_ref(q).reshape(O, -1, 32)
     return np.concatenate([np.concatenate([s4, q4], -1).reshape(-1), np.float32(g).reshape(1).view(np.uint8)])
 
 

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.quant.formats import get_format
 
+PROJECTIONS = ("gate", "up", "down")  # the banks of a layer, in this order everywhere
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertLayout:
@@ -48,6 +50,10 @@ class ExpertLayout:
     def shapes(self) -> tuple[tuple[int, int], ...]:
         """[out, in] of gate, up and down."""
         return ((self.F, self.D), (self.F, self.D), (self.D, self.F))
+
+    def shape_of(self, proj: str) -> tuple[int, int]:
+        """[out, in] of the projection `proj` (a name in PROJECTIONS)."""
+        return self.shapes()[PROJECTIONS.index(proj)]
 
     def row_sizes(self) -> tuple[int, int, int]:
         """Elements of one expert's row in each bank (bytes when quantized)."""
