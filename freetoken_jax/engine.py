@@ -38,6 +38,12 @@ from freetoken_jax.scheduler.batcher import Batcher, Busy, Event, RequestHandle
 log = logging.getLogger("freetoken_jax")
 
 
+def _pairs(logit_bias) -> tuple:
+    """A logit bias given as {token: bias} or (token, bias) pairs, as `GenerationParams` keeps it."""
+    items = logit_bias.items() if isinstance(logit_bias, dict) else logit_bias or ()
+    return tuple((int(t), float(b)) for t, b in items)
+
+
 class FreeTokenEngine:
     """Generates tokens from an MoE model.
 
@@ -63,6 +69,7 @@ class FreeTokenEngine:
         cfg = model_config.with_expert_format(ecfg.expert_format)
         quantize = cfg.expert_format != model_config.expert_format  # on load, a layer at a time
         self.model_config, self.tokenizer, self.name = cfg, tokenizer, name
+        self._grammars = None
         self.model_path = model_path
         itemsize = jnp.dtype(jnp_dtype(ecfg.dtype)).itemsize
         dense = sum(
@@ -258,14 +265,42 @@ class FreeTokenEngine:
             raise RequestError("this model has no tokenizer: give the prompt as token ids")
         return self.tokenizer.encode(prompt)
 
-    def _submit(self, prompts: Sequence[Sequence[int]], ps: Sequence[GenerationParams]) -> list[RequestHandle]:
+    def _submit(self, prompts: Sequence[Sequence[int]], ps: Sequence[GenerationParams], grammars=None) -> list[RequestHandle]:
         if self.batcher.driver is not None:
             raise RequestError(f"a {self.batcher.driver} serves this engine; submit requests through it")
         checked = [self.check_request(pr, p) for pr, p in zip(prompts, ps)]  # all checked before any is queued
-        handles = [RequestHandle(ids, p) for ids, p in zip(checked, ps)]
+        handles = [RequestHandle(ids, p, g) for ids, p, g in zip(checked, ps, grammars or [None] * len(ps))]
         for h in handles:
             self.batcher.submit(h)
         return handles
+
+    @property
+    def grammars(self):
+        """The grammar compiler of this model's tokenizer (`scheduler.grammar.Grammars`), made on first use."""
+        if self._grammars is None:
+            from freetoken_jax.scheduler.grammar import Grammars
+
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: grammars need one")
+            cfg = self.model_config
+            self._grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        return self._grammars
+
+    def _grammar(self, json_schema=None, regex=None, lark=None):
+        """A fresh `Constraint` for at most one of a JSON schema, a regex or a Lark grammar."""
+        given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark)) if v is not None]
+        if len(given) > 1:
+            raise RequestError("give at most one of json_schema, regex and lark")
+        if not given:
+            return None
+        from freetoken_jax.scheduler.grammar import GrammarError
+
+        kind, spec = given[0]
+        g = self.grammars
+        try:
+            return g.constraint(getattr(g, kind)(spec))
+        except GrammarError as e:
+            raise RequestError(str(e)) from e
 
     def _drive(self, handles: list[RequestHandle]) -> Iterator[tuple[int, Event]]:
         """Steps the batcher in this thread, yielding (index, event) of `handles` as they come; a
@@ -286,46 +321,37 @@ class FreeTokenEngine:
                 while not self.batcher.idle():
                     self.batcher.step()
 
-    def generate(
-        self,
-        prompt_ids: str | Sequence[int],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-    ) -> Iterator[int]:
+    def generate(self, prompt_ids: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, *, json_schema=None, regex: str | None = None,
+                 lark: str | None = None, logit_bias=None, **controls) -> Iterator[int]:  # fmt: skip
         """Yields the generated token ids one by one as they are produced (the stop token, if
         one ends the generation, is yielded last); the prompt is text (encoded with the model's
-        tokenizer) or token ids. Cached prefixes of earlier requests are reused."""
-        p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos)
-        for _, ev in self._drive(self._submit([prompt_ids], [p])):
+        tokenizer) or token ids. Cached prefixes of earlier requests are reused. `controls`:
+        the other fields of `GenerationParams` (min_p, penalties, min_tokens); `json_schema`,
+        `regex` or `lark`: a grammar the output follows."""
+        p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos,
+                             logit_bias=_pairs(logit_bias), **controls)  # fmt: skip
+        grammar = self._grammar(json_schema, regex, lark)
+        for _, ev in self._drive(self._submit([prompt_ids], [p], [grammar])):
             if ev.kind == "token":
                 yield ev.token
             elif ev.kind == "error":
                 raise RequestError(ev.message)
 
-    def generate_batch(
-        self,
-        prompts: Sequence[str | Sequence[int]],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
-    ) -> list[list[int]]:
+    def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, *, json_schema=None,
+                       regex: str | None = None, lark: str | None = None, logit_bias=None,
+                       **controls) -> list[list[int]]:  # fmt: skip
         """Generates for several prompts together (continuous batching, at most `max_batch` rows
-        at once); row i is seeded with `seed + i`."""
+        at once); row i is seeded with `seed + i`. The other arguments are `generate`'s."""
         ps = [
-            GenerationParams(max_new_tokens, temperature, top_k, top_p, seed + i, tuple(stop_token_ids), ignore_eos)
+            GenerationParams(max_new_tokens, temperature, top_k, top_p, seed + i, tuple(stop_token_ids), ignore_eos,
+                             logit_bias=_pairs(logit_bias), **controls)
             for i in range(len(prompts))
-        ]
+        ]  # fmt: skip
+        grammars = [self._grammar(json_schema, regex, lark) for _ in prompts]
         out: list[list[int]] = [[] for _ in prompts]
-        for i, ev in self._drive(self._submit(prompts, ps)):
+        for i, ev in self._drive(self._submit(prompts, ps, grammars)):
             if ev.kind == "token":
                 out[i].append(ev.token)
             elif ev.kind == "error":

@@ -39,17 +39,20 @@ from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.models import jnp_dtype
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.experts import ExpertBackend, Hybrid
+from freetoken_jax.runtime.sampling import Logprobs, prompt_counts
 from freetoken_jax.runtime.steps import (
     DecodeBatch,
     DecodeState,
     PrefillBatch,
     Sampling,
     Weights,
+    decode_forward,
     decode_step,
     on_device,
     prefill_step,
     prefill_step_buffered,
     prefill_step_slots,
+    sample_step,
     score_step,
     shapes,
 )
@@ -62,19 +65,19 @@ class RebuildFailed(RuntimeError):
     the runner is in a failed state)."""
 
 
-def _traced(step, dtype: str, traces: dict[str, int]):
+def _traced(step, dtype: str, traces: dict[str, int], **fixed):
     """A fresh function object per step set (jit caches executables per function object), traced
     with full-precision float32 matmuls when the model runs in float32 (GPUs otherwise use
     reduced-precision passes for float32 dots). `traces` counts how often each step is traced,
-    which is how often it is compiled."""
+    which is how often it is compiled. `fixed`: keyword arguments every call passes."""
 
     @functools.wraps(step)
     def run(*args):
         traces[step.__name__] = traces.get(step.__name__, 0) + 1
         if dtype == "float32":
             with jax.default_matmul_precision("highest"):
-                return step(*args)
-        return step(*args)
+                return step(*args, **fixed)
+        return step(*args, **fixed)
 
     return run
 
@@ -82,23 +85,27 @@ def _traced(step, dtype: str, traces: dict[str, int]):
 class StepSet:
     """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`,
     `prefill(weights, cache, batch, experts)`, `prefill_buffered` / `prefill_slots(weights, cache,
-    batch, slots, experts)` and `score(weights, cache, batch, experts)`."""
+    batch, slots, experts)` and `score(weights, cache, batch, experts)`; and the decode step in
+    two halves for grammar-constrained batches, `decode_logits` (`steps.decode_forward`) and
+    `sample` (`steps.sample_step`), so that the host computes the masks while the model runs."""
 
     def __init__(self, dtype: str):
         self.traces: dict[str, int] = {}
-        jit = lambda f, donate: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate)  # noqa: E731
-        self.decode = jit(decode_step, (1,))
+        jit = lambda f, donate, **fixed: jax.jit(_traced(f, dtype, self.traces, **fixed), donate_argnums=donate)  # noqa: E731
+        self.decode = jit(decode_step, (1,), logprobs=True)
         self.prefill = jit(prefill_step, (1,))
         self.prefill_buffered = jit(prefill_step_buffered, (1, 3))
         self.prefill_slots = jit(prefill_step_slots, (1, 3))
         self.score = jit(score_step, (1,))
+        self.decode_logits = jit(decode_forward, (1,))
+        self.sample = jit(sample_step, (2, 3))
 
     def compilations(self) -> dict[str, int]:
         """Executables compiled so far per step kind (one per bucket)."""
         t = self.traces
         return dict(
             prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0) + t.get("prefill_step_slots", 0),
-            decode=t.get("decode_step", 0),
+            decode=t.get("decode_step", 0) + t.get("decode_forward", 0),
             score=t.get("score_step", 0),
         )
 
@@ -131,6 +138,7 @@ class ModelRunner:
         self.steps = steps or StepSet(engine_config.dtype)
         self.pages = PageAllocator(engine_config.total_kv_pages, engine_config.page_size)
         self.state = self._fresh_state(engine_config, plan)
+        self.logprobs: Logprobs | None = None  # the last decode step's (device arrays)
         self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
         self._prefill_note: str | None = None
         self._set_rows = jax.jit(
@@ -139,12 +147,13 @@ class ModelRunner:
             ),
             donate_argnums=(0,),
         )
+        self._set_counts = jax.jit(lambda counts, rows, new: counts.at[rows].set(new, mode="drop"), donate_argnums=(0,))
 
     def _fresh_state(self, ecfg: EngineConfig, plan: MemoryPlan) -> DecodeState:
         cfg, dtype, B = self.model_config, jnp_dtype(ecfg.dtype), ecfg.max_batch
         slots = init_slot_cache(cfg, plan.slots, B, dtype) if self.experts.uses_slots else None
         # Committed to the device like every later version of it: one executable per step (`on_device`).
-        return DecodeState.start(on_device(init_cache(cfg, ecfg, dtype)), np.zeros(B), np.zeros(B), slots)
+        return DecodeState.start(on_device(init_cache(cfg, ecfg, dtype)), np.zeros(B), np.zeros(B), slots, cfg.vocab_size)
 
     def reset_slots(self) -> None:
         """Empties the slot cache (a cold start for a measurement)."""
@@ -210,9 +219,31 @@ class ModelRunner:
         return tok
 
     def decode(self, batch: DecodeBatch) -> jax.Array:
-        """One decode step over all rows (inactive rows masked); returns the tokens [rows]."""
-        tok, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
+        """One decode step over all rows (inactive rows masked); returns the tokens [rows]
+        (their `Logprobs`: `logprobs`)."""
+        tok, self.logprobs, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
         return tok
+
+    def decode_logits(self, batch: DecodeBatch) -> jax.Array:
+        """The model half of a decode step (`StepSet`): the logits [rows, V], on the device. The
+        next call must be `sample`."""
+        logits, self.state = self.steps.decode_logits(self.weights, self.state, batch, self.experts)
+        return logits
+
+    def sample(self, logits, batch: DecodeBatch, mask_BW) -> jax.Array:
+        """The sampling half of the decode step whose `logits` these are, under the grammar
+        bitmask `mask_BW` [rows, ceil(V / 32)]; returns the tokens [rows]."""
+        st = self.state
+        tok, tokens, positions, counts, self.logprobs = self.steps.sample(logits, st.tokens_B, st.positions_B, st.counts_BV, batch, mask_BW)
+        self.state = dataclasses.replace(st, tokens_B=tokens, positions_B=positions, counts_BV=counts)
+        return tok
+
+    def set_counts(self, rows: list[int], prompts: list[list[int]]) -> None:
+        """Resets the token counts of decode rows `rows` for requests about to sample their first
+        token after `prompts` (the repetition penalty covers the prompt)."""
+        V = self.model_config.vocab_size
+        new = np.stack([prompt_counts(p, V) for p in prompts])
+        self.state = dataclasses.replace(self.state, counts_BV=self._set_counts(self.state.counts_BV, jnp.asarray(rows, jnp.int32), new))
 
     def set_rows(self, rows: np.ndarray, tokens_R, positions_R) -> None:
         """Sets the next input token and position of decode rows `rows` (entries ≥ `rows` are
@@ -363,11 +394,13 @@ class ModelRunner:
         compiled) and checks its memory against the device."""
         cfg, dtype, B = self.model_config, jnp_dtype(new.dtype), new.max_batch
         state = jax.eval_shape(
-            lambda: DecodeState(
-                init_cache(cfg, new, dtype),
-                jnp.zeros((B,), jnp.int32),
-                jnp.zeros((B,), jnp.int32),
-                init_slot_cache(cfg, plan.slots, B, dtype) if new.uses_slots else None,
+            lambda: dataclasses.replace(
+                self.state,
+                cache=init_cache(cfg, new, dtype),
+                tokens_B=jnp.zeros((B,), jnp.int32),
+                positions_B=jnp.zeros((B,), jnp.int32),
+                slots=init_slot_cache(cfg, plan.slots, B, dtype) if new.uses_slots else None,
+                counts_BV=jnp.zeros((B, cfg.vocab_size), jnp.int32),
             )
         )
         step, args = self.decode_job(shapes(state, committed=True))
@@ -402,6 +435,7 @@ class ModelRunner:
             for a in jax.tree.leaves(old.slots):
                 a.delete()
         slots = init_slot_cache(cfg, plan.slots, new.max_batch, dtype) if new.uses_slots else None
-        self.state = DecodeState.start(kv, np.zeros(new.max_batch), np.zeros(new.max_batch), slots)
+        old.counts_BV.delete()
+        self.state = DecodeState.start(kv, np.zeros(new.max_batch), np.zeros(new.max_batch), slots, cfg.vocab_size)
         self.pages, self.engine_config, self.plan = pages, new, plan
         return keep

@@ -18,7 +18,7 @@ from flax import nnx
 from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.memory.slot_cache import SlotCache
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
-from freetoken_jax.runtime.sampling import Sampling, sample
+from freetoken_jax.runtime.sampling import Sampling, count_tokens, sample, sample_full
 
 
 @jax.tree_util.register_dataclass
@@ -39,17 +39,25 @@ class Weights:
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
     """What one decode step reads and replaces: the paged KV cache, each row's last token and
-    its position, and (offload, hybrid) the expert slot cache."""
+    its position, and (offload, hybrid) the expert slot cache. With `counts_BV` (the engine's
+    state; `sampling.process_logits` says what it holds) steps sample with every control a
+    request may ask for (`sampling.sample_full`); without it (None), with temperature, top-k and
+    top-p only."""
 
     cache: KVCache
     tokens_B: jax.Array  # int32
     positions_B: jax.Array  # int32
     slots: SlotCache | None = None
+    counts_BV: jax.Array | None = None  # int32
 
     @classmethod
-    def start(cls, cache: KVCache, tokens_B, positions_B, slots: SlotCache | None = None) -> DecodeState:
-        """A first state, every array committed to the device (see `on_device`)."""
-        return cls(*on_device((cache, jnp.asarray(tokens_B, jnp.int32), jnp.asarray(positions_B, jnp.int32), slots)))
+    def start(cls, cache: KVCache, tokens_B, positions_B, slots: SlotCache | None = None, vocab_size: int | None = None) -> DecodeState:
+        """A first state, every array committed to the device (see `on_device`); with
+        `vocab_size`, with the token counts of the full sampler."""
+        B = len(tokens_B)
+        counts = None if vocab_size is None else jnp.zeros((B, vocab_size), jnp.int32)
+        tokens, positions = jnp.asarray(tokens_B, jnp.int32), jnp.asarray(positions_B, jnp.int32)
+        return cls(*on_device((cache, tokens, positions, slots, counts)))
 
 
 def on_device(tree):
@@ -132,18 +140,41 @@ def forward(
     return h, cache, slots_after()
 
 
-def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, DecodeState]:
-    """One token for every active row: returns the sampled tokens [B] and the next state."""
-    active = batch.active_B
+def decode_forward(
+    weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED
+) -> tuple[jax.Array, DecodeState]:
+    """The model half of a decode step: each row's logits [B, V] and the state with the step's
+    KV (and slots) written; its tokens and positions are those of the step's input still
+    (`sample_step` advances them)."""
     h, cache, slots = forward(
-        weights, experts, state.cache, state.tokens_B[:, None], state.positions_B[:, None], active[:, None], batch.page_table_BP,
+        weights, experts, state.cache, state.tokens_B[:, None], state.positions_B[:, None], batch.active_B[:, None], batch.page_table_BP,
         state.slots,
     )  # fmt: skip
-    logits = weights.model().logits(h[:, 0])
-    s = batch.sampling
-    nxt = sample(logits, s.seeds_B, state.positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
-    nxt = jnp.where(active, nxt, state.tokens_B)
-    return nxt, DecodeState(cache, nxt, state.positions_B + active.astype(jnp.int32), slots)
+    return weights.model().logits(h[:, 0]), dataclasses.replace(state, cache=cache, slots=slots)
+
+
+def sample_step(logits_BV, tokens_B, positions_B, counts_BV, batch: DecodeBatch, mask_BW=None):
+    """The sampling half of a decode step: (next tokens, the same for the next state, which the
+    next step donates, next positions, counts, `Logprobs` or None without counts). Inactive rows
+    keep their token and position. `mask_BW`: a grammar
+    bitmask per row (`sampling.unpack_mask`), only with counts."""
+    s, active, lp = batch.sampling, batch.active_B, None
+    if counts_BV is None:
+        nxt = sample(logits_BV, s.seeds_B, positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
+    else:
+        nxt, lp = sample_full(logits_BV, s, counts_BV, positions_B, mask_BW)
+        counts_BV = count_tokens(counts_BV, nxt, active)
+    nxt = jnp.where(active, nxt, tokens_B)
+    return nxt, nxt, positions_B + active.astype(jnp.int32), counts_BV, lp
+
+
+def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED, logprobs: bool = False):
+    """One token for every active row: returns the sampled tokens [B] and the next state (with
+    `logprobs`, the tokens, the step's `Logprobs` and the next state)."""
+    logits, st = decode_forward(weights, state, batch, experts)
+    nxt, tokens, positions, counts, lp = sample_step(logits, st.tokens_B, st.positions_B, st.counts_BV, batch)
+    st = dataclasses.replace(st, tokens_B=tokens, positions_B=positions, counts_BV=counts)
+    return (nxt, lp, st) if logprobs else (nxt, st)
 
 
 def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:

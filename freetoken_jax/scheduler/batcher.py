@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,6 +51,7 @@ class Busy(RuntimeError):
 class Event:
     kind: str  # "token", "done", "error"
     token: int | None = None
+    logprobs: tuple | None = None  # token: (its log-probability, [(token, log-probability)] most likely first) if asked
     reason: str | None = None  # done: "stop", "length", "cancelled"
     usage: dict | None = None
     message: str | None = None
@@ -60,9 +62,10 @@ class RequestHandle:
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, prompt: list[int], params: GenerationParams):
+    def __init__(self, prompt: list[int], params: GenerationParams, grammar=None):
         self.id = next(self._ids)
         self.prompt, self.params = prompt, params
+        self.grammar = grammar  # a `grammar.Constraint` its tokens must follow, or None
         self.queue: queue.Queue[Event] = queue.Queue()
         self.cancelled = threading.Event()
         self.generated: list[int] = []
@@ -109,6 +112,12 @@ class _Row:
     start: int  # tokens already in the cache (cached prefix + prefilled chunks)
     stops: frozenset
     decoding: bool = False
+    full: bool = False  # sampled by the full sampler: its first token too (its last prompt token is fed to a decode step)
+
+    @property
+    def prefill_end(self) -> int:
+        """Where prefilling stops: the prompt's end, or its last token for `full` rows."""
+        return len(self.handle.prompt) - self.full
 
 
 def _fresh_metrics() -> dict:
@@ -248,8 +257,9 @@ class Batcher:
                     return
                 h = self.waiting[0]
             try:  # what the request brings into the shared step: its failure is its own
-                h.sampling = sampling_row(h.params)
-                stops = h.params.stop_set(self.runner.model_config.eos_token_ids)
+                eos = self.runner.model_config.eos_token_ids
+                h.sampling = sampling_row(h.params, len(h.prompt), eos)
+                stops = h.params.stop_set(eos)
             except Exception as e:  # noqa: BLE001
                 with self.lock:
                     self.waiting.popleft()
@@ -275,7 +285,9 @@ class Batcher:
             self.metrics["requests"] += 1
             self.metrics["prefix_hit_tokens"] += hit
             self.metrics["prompt_tokens"] += len(h.prompt)
-            self.rows[row] = _Row(h, cached + own, nodes, hit, stops, decoding=self.prompt_by_decode)
+            full = h.params.processed or h.grammar is not None
+            self.rows[row] = r = _Row(h, cached + own, nodes, hit, stops, full=full)
+            r.decoding = self.prompt_by_decode or hit >= r.prefill_end
             self.table[row] = 0
             self.table[row, : len(cached) + len(own)] = cached + own
 
@@ -288,8 +300,8 @@ class Batcher:
         idx = [i for _, i in todo]
         rows = [self.rows[i] for i in idx]
         Bp = buckets.batch_bucket(len(rows), self.prefill_rows)
-        T = buckets.chunk_bucket(max(len(r.handle.prompt) - r.start for r in rows), self.runner.engine_config.prefill_chunk)
-        segs = [r.handle.prompt[r.start : r.start + T] for r in rows]
+        T = buckets.chunk_bucket(max(r.prefill_end - r.start for r in rows), self.runner.engine_config.prefill_chunk)
+        segs = [r.handle.prompt[r.start : min(r.start + T, r.prefill_end)] for r in rows]
         table = np.zeros((Bp, self.table.shape[1]), np.int32)
         table[: len(idx)] = self.table[idx]
         sampling = sampling_rows([r.handle.sampling for r in rows] + [None] * (Bp - len(rows)))
@@ -299,7 +311,9 @@ class Batcher:
         for b, (i, r, seg) in enumerate(zip(idx, rows, segs)):
             r.start += len(seg)
             self.metrics["prefilled_tokens"] += len(seg)
-            if r.start >= len(r.handle.prompt):
+            if r.full and r.start >= r.prefill_end:
+                r.decoding = True  # its last prompt token goes through the decode step, which samples what follows
+            elif r.start >= len(r.handle.prompt):
                 ends[b], lengths[b] = i, len(r.handle.prompt)
         if (ends < self.B).any():
             self.runner.set_rows(ends, first, lengths)
@@ -316,43 +330,80 @@ class Batcher:
         running request can stop on a token it samples, `LENGTH_ONLY_AHEAD` steps while every
         one ends by its length alone (nothing then waits on the tokens). A row whose request ends
         on an earlier step's token has run a step too many; its token is dropped (its KV write
-        lands past the cached prefix in pages the stream order protects)."""
+        lands past the cached prefix in pages the stream order protects).
+
+        While a running request follows a grammar, the step goes in two halves: the model half is
+        dispatched, the previous step's tokens are emitted (advancing the grammars) and the
+        masks computed while it runs, then the sampling half is dispatched with them."""
         t0 = time.perf_counter()
-        pending = collections.Counter(id(h) for _, entries in self._inflight for _, h in entries)
+        pending = collections.Counter(id(h) for _, _, entries in self._inflight for _, h in entries)
         feeding = np.array([r is not None and r.decoding and r.start < len(r.handle.prompt) for r in self.rows])
         active = feeding | np.array([
             r is not None and r.decoding and len(r.handle.generated) + pending[id(r.handle)] < r.handle.params.max_new_tokens
             for r in self.rows
         ])  # fmt: skip
         if feeding.any():  # this step's input is the row's next prompt token, not its last sample
-            rows = [self.rows[i] for i in np.flatnonzero(feeding)]
-            self.runner.set_rows(np.flatnonzero(feeding), jnp.asarray([r.handle.prompt[r.start] for r in rows], jnp.int32),
-                                 [r.start for r in rows])  # fmt: skip
+            idx = np.flatnonzero(feeding)
+            rows = [self.rows[i] for i in idx]
+            self.runner.set_rows(idx, jnp.asarray([r.handle.prompt[r.start] for r in rows], jnp.int32), [r.start for r in rows])
+            first = [(i, r) for i, r in zip(idx, rows) if r.full and r.start == len(r.handle.prompt) - 1]
+            if first:  # this step samples their first token: counts start from the prompt
+                self.runner.set_counts([int(i) for i, _ in first], [r.handle.prompt for _, r in first])
             for r in rows:
                 r.start += 1
-        if active.any():
-            nxt = self.runner.decode(self._decode_batch(active))
-            self.metrics["decode_steps"] += 1
-            # a step that fed a prompt token other than the last samples nothing of the request's
-            emits = active & ~np.array([r is not None and r.start < len(r.handle.prompt) for r in self.rows])
-            self._inflight.append((nxt, [(int(i), self.rows[i].handle) for i in np.flatnonzero(emits)]))
-        stoppable = any(r is not None and r.stops for r in self.rows)
-        keep = (1 if stoppable else LENGTH_ONLY_AHEAD) if active.any() else 0
         busy = bool(active.any())
-        while len(self._inflight) > keep:
-            toks, entries = self._inflight.popleft()
-            busy = True
-            if entries:
-                toks = np.asarray(toks)
-            for i, h in entries:
-                r = self.rows[i]
-                if r is not None and r.handle is h:  # not finished, cancelled or failed meanwhile
-                    self._emit(i, int(toks[i]))
-            if not active.any():
-                break  # one step's tokens per call once nothing is dispatched
+        if busy and any(self.rows[i].handle.grammar is not None for i in np.flatnonzero(active)):
+            batch = self._decode_batch(active)
+            logits = self.runner.decode_logits(batch)
+            self._read(0, active)  # every earlier step's tokens, while the model half runs
+            nxt = self.runner.sample(logits, batch, self._masks(active))
+            self._dispatched(nxt, active)
+        else:
+            if busy:
+                self._dispatched(self.runner.decode(self._decode_batch(active)), active)
+            stoppable = any(r is not None and r.stops for r in self.rows)
+            keep = (1 if stoppable else LENGTH_ONLY_AHEAD) if busy else 0
+            busy = self._read(keep, active) or busy
         if busy:
             self.metrics["decode_seconds"] += time.perf_counter() - t0
         return busy
+
+    def _dispatched(self, tokens, active: np.ndarray) -> None:
+        """Records a dispatched step: its tokens (and log-probabilities) and the rows that emit them."""
+        self.metrics["decode_steps"] += 1
+        # a step that fed a prompt token other than the last samples nothing of the request's
+        emits = active & np.array([r is not None and r.start >= len(r.handle.prompt) for r in self.rows])
+        self._inflight.append((tokens, self.runner.logprobs, [(int(i), self.rows[i].handle) for i in np.flatnonzero(emits)]))
+
+    def _read(self, keep: int, active: np.ndarray) -> bool:
+        """Emits the tokens of dispatched steps until `keep` remain in flight (one step's per call
+        once nothing is dispatched); returns whether any was read."""
+        read = False
+        while len(self._inflight) > keep:
+            toks, lp, entries = self._inflight.popleft()
+            read = True
+            if entries:
+                toks = np.asarray(toks)
+                if any(h.params.logprobs is not None for _, h in entries):
+                    lp = jax.tree.map(np.asarray, lp)
+            for i, h in entries:
+                r = self.rows[i]
+                if r is not None and r.handle is h:  # not finished, cancelled or failed meanwhile
+                    self._emit(i, int(toks[i]), lp if h.params.logprobs is not None else None)
+            if not active.any():
+                break
+        return read
+
+    def _masks(self, active: np.ndarray) -> jax.Array:
+        """The grammar bitmask of every row for the step being sampled (all ones where a row has
+        no grammar, or samples nothing of its request)."""
+        V = self.runner.model_config.vocab_size
+        mask = np.full((self.B, (V + 31) // 32), -1, np.int32)
+        for i in np.flatnonzero(active):
+            r = self.rows[i]
+            if r is not None and r.handle.grammar is not None and r.start >= len(r.handle.prompt):
+                r.handle.grammar.fill(mask, int(i))
+        return jnp.asarray(mask)
 
     def _decode_batch(self, active: np.ndarray) -> DecodeBatch:
         """The decode step's page table, active rows and sampling arrays on the device, made again
@@ -366,13 +417,22 @@ class Batcher:
             )
         return self._batch
 
-    def _emit(self, i: int, token: int) -> None:
+    def _emit(self, i: int, token: int, lp=None) -> None:
         r = self.rows[i]
         h = r.handle
         h.generated.append(token)
         self.metrics["generated_tokens"] += 1
-        h.put(Event("token", token=token))
+        if lp is not None:
+            n = h.params.logprobs
+            lp = (float(lp.chosen_B[i]), [(int(t), float(v)) for t, v in zip(lp.top_ids_BN[i, :n], lp.top_BN[i, :n])])
+        h.put(Event("token", token=token, logprobs=lp))
         reason = "stop" if token in r.stops else "length" if len(h.generated) >= h.params.max_new_tokens else None
+        if h.grammar is not None and reason != "stop" and not h.grammar.accept(token):
+            self._finish(h, Event("error", message=f"the output left its grammar at token {token}: {h.grammar.error()}"))
+            self._release(i, cache_prefix=True)
+            return
+        if h.grammar is not None and reason is None and h.grammar.finished():
+            reason = "stop"  # nothing may follow (a grammar that ends without an end-of-sequence token)
         if reason:
             self._done(h, reason)
             self._release(i, cache_prefix=True)
