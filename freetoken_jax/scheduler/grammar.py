@@ -70,6 +70,15 @@ class Grammars:
     def lark(self, text: str) -> str:
         return self._ll.LLMatcher.grammar_from_lark(text)
 
+    def gbnf(self, text: str) -> str:
+        """A llama.cpp GBNF grammar."""
+        try:
+            from llguidance.gbnf_to_lark import gbnf_to_lark
+
+            return self.lark(gbnf_to_lark(text))
+        except Exception as e:  # noqa: BLE001 - the converter's errors are the grammar's
+            raise GrammarError(f"the GBNF grammar cannot be read: {e}") from e
+
     # Matchers --------------------------------------------------------------------------------------
     def constraint(self, grammar: str) -> Constraint:
         """A fresh matcher of `grammar` (one of the texts above), or `GrammarError`."""

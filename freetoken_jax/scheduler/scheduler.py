@@ -77,11 +77,12 @@ class Scheduler:
         return self.batcher.running_limit()
 
     # Client side ----------------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: GenerationParams) -> RequestHandle:
-        """Validates and queues a request (raises `RequestError` or `Overloaded`)."""
+    def submit(self, prompt: Sequence[int], params: GenerationParams, grammar=None) -> RequestHandle:
+        """Validates and queues a request (raises `RequestError` or `Overloaded`); `grammar`: a
+        `grammar.Constraint` its output follows."""
         if self.failed:
             raise Overloaded(f"the engine is in a failed state: {self.failed}")
-        h = RequestHandle(self.batcher.check(prompt, params), params)
+        h = RequestHandle(self.batcher.check(prompt, params), params, grammar)
         with self.lock:
             if self.stopping or not self.batcher.admitting:
                 raise Overloaded("the server is shutting down" if self.stopping else "the engine is being resized; retry shortly")

@@ -33,12 +33,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from freetoken_jax.server import schemas as S
+from freetoken_jax.server.logprobs import chat_logprobs, completion_logprobs
 from freetoken_jax.server.metrics import ServerMetrics
 from freetoken_jax.server.service import ApiError, Output, Service
 from freetoken_jax.server.text import message_text, render_chat
 
 log = logging.getLogger("freetoken_jax.http")
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos"}
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias", "min_tokens"}  # fmt: skip
 
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
@@ -187,12 +189,13 @@ async def events(handle):
 class Generation:
     """One submitted request: its `Output`, its arrival time and the deltas it yields."""
 
-    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str]):
+    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str], grammar=None):
         self.s: Service = app_state.service
         self.metrics: ServerMetrics = app_state.metrics
         self.request, self.arrived = request, time.perf_counter()
         self.prompt_tokens = len(ids)
-        self.handle = self.s.submit(ids, params)  # ApiError (400/429/503) before anything is sent
+        self.handle = self.s.submit(ids, params, grammar)  # ApiError (400/429/503) before anything is sent
+        self.sent_records = 0  # log-probability records already sent in a stream
         self.out: Output = self.s.output(self.handle, stops)
 
     async def deltas(self):
@@ -238,6 +241,12 @@ class Generation:
             raise ApiError(504, f"the request did not finish within {timeout:.0f} s", "timeout_error") from e
         finally:
             watcher.cancel()
+
+    def new_records(self) -> list[tuple]:
+        """The log-probability records not sent yet (streaming)."""
+        recs = self.out.records[self.sent_records :]
+        self.sent_records = len(self.out.records)
+        return recs
 
 
 def sse(obj, event: str | None = None) -> str:
@@ -367,14 +376,28 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         max_tokens = next(
             (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
-        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens)
-        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits))
+        n_logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
+        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens, n_logprobs)
+        grammar = await asyncio.to_thread(s.grammar, body)
+        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits), grammar)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
         finish_of = lambda f: "length" if f == "length" else "stop"  # noqa: E731
+        text_sent = 0
+
+        def logprobs(records):
+            nonlocal text_sent
+            if n_logprobs is None:
+                return None
+            if chat:
+                return chat_logprobs(s.tokenizer, records)
+            out = completion_logprobs(s.tokenizer, records, text_sent)
+            text_sent += sum(len(t) for t in out["tokens"])
+            return out
+
         if not body.stream:
             text = await gen.text(limits.request_timeout_s)
-            choice = {"index": 0, "finish_reason": finish_of(gen.out.finish), "logprobs": None}
+            choice = {"index": 0, "finish_reason": finish_of(gen.out.finish), "logprobs": logprobs(gen.out.records)}
             choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
             return {
                 "id": rid,
@@ -385,11 +408,12 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                 "usage": _usage(gen.out.usage),
             }
 
-        def chunk(delta=None, finish=None, usage=None):
+        def chunk(delta=None, finish=None, usage=None, records=()):
+            lp = logprobs(list(records)) if records else None
             if chat:
-                choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish, "logprobs": lp}
             c = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": s.model_name,
                  "choices": [] if usage else [choice]}  # fmt: skip
             if usage:
@@ -403,12 +427,12 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                 yield chunk({"role": "assistant", "content": ""})
             try:
                 async for d in gen.deltas():
-                    yield chunk({"content": d})
+                    yield chunk({"content": d}, records=gen.new_records())
             except ApiError as e:
                 yield sse(error_body(request.url.path, e))
                 yield sse("[DONE]")
                 return
-            yield chunk({}, finish_of(gen.out.finish))
+            yield chunk({}, finish_of(gen.out.finish), records=gen.new_records())
             if include_usage:
                 yield chunk(usage=_usage(gen.out.usage))
             yield sse("[DONE]")

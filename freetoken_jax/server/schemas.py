@@ -35,11 +35,9 @@ class Limits:
 # nothing a client asks for is silently ignored.
 _NOT_YET = {
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"}), "guided_json": (None,),
-    "guided_regex": (None,), "guided_grammar": (None,), "grammar": (None,), "logprobs": (None, False), "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}), "echo": (None, False), "best_of": (None, 1), "min_p": (None, 0, 0.0), "min_tokens": (None, 0),
-    "suffix": (None, ""), "prediction": (None,), "thinking": (None,), "tool_use": (None,),
+    "parallel_tool_calls": (None, True, False), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "prediction": (None,), "thinking": (None,), "tool_use": (None,), "guided_choice": (None,),
+    "structured_outputs": (None,), "guided_decoding_backend": (None,),
 }  # fmt: skip
 
 
@@ -70,15 +68,48 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type 'json_schema' needs a 'json_schema' object ({'name': ..., 'schema': {...}})")
+        return self
+
+
 class _OpenAI(_Body):
     n: StrictInt | None = Field(None, ge=1, le=1)  # more choices per request: the agent-API issue
     stop: Stop = None
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
+    presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    frequency_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
+    repetition_penalty: FiniteFloat | None = Field(None, gt=0, le=10)  # vLLM's
+    min_p: FiniteFloat | None = Field(None, ge=0, le=1)  # vLLM's
+    min_tokens: StrictInt | None = Field(None, ge=0)  # vLLM's
+    logit_bias: dict[str, FiniteFloat] | None = None
+    # Structured output: OpenAI's response_format, vLLM's guided_* and llama.cpp's GBNF `grammar`
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark
+    grammar: str | None = None  # GBNF
 
 
 class CompletionRequest(_OpenAI):
     prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[StrictInt], Field(min_length=1)]
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
 
 
 class ChatMessage(BaseModel):
@@ -91,6 +122,14 @@ class ChatMessage(BaseModel):
 class ChatRequest(_OpenAI):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return self
 
 
 class AnthropicMessage(BaseModel):

@@ -3,11 +3,13 @@ chat template, and `Output`, which turns a request's token events into text delt
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
 
 from freetoken_jax.engine import GenerationParams, RequestError
+from freetoken_jax.scheduler.grammar import Constraint, GrammarError
 from freetoken_jax.scheduler.scheduler import Overloaded, Scheduler
 from freetoken_jax.server.text import TextStream, chat_template
 
@@ -69,10 +71,19 @@ class Service:
             raise ApiError(400, f"token ids out of range [0, {self.vocab_size}): {bad[:8]}", param="tokens")
         return self.tokenizer.decode(ids)
 
-    def params(self, body: dict, max_tokens: int) -> GenerationParams:
+    def params(self, body: dict, max_tokens: int, logprobs: int | None = None) -> GenerationParams:
         """Sampling fields of a request body (numbers finite and in range; top_k at most the
-        vocabulary; no seed: a random one)."""
+        vocabulary; no seed: a random one); `logprobs`: how many of the most likely tokens to
+        list per position (None: no log-probabilities)."""
         seed = _num(body, "seed", int, None, 0, (1 << 32) - 1)
+        bias = []
+        for k, v in (body.get("logit_bias") or {}).items():
+            if not (k.isdigit() and int(k) < self.vocab_size):
+                raise ApiError(400, f"logit_bias keys must be token ids in [0, {self.vocab_size}), got {k!r}", param="logit_bias")
+            if not -100 <= v <= 100:
+                raise ApiError(400, f"logit_bias values must be in [-100, 100], got {v}", param="logit_bias")
+            bias.append((int(k), float(v)))
+        min_tokens = _num(body, "min_tokens", int, 0, 0, max_tokens)
         top_p = _num(body, "top_p", float, 1.0, 0.0, 1.0)
         if top_p <= 0:
             raise ApiError(400, "'top_p' must be greater than 0 (temperature 0 decodes greedily)", param="top_p")
@@ -84,11 +95,50 @@ class Service:
             seed=seed if seed is not None else secrets.randbelow(1 << 31),
             stop_token_ids=tuple(body.get("stop_token_ids") or ()),
             ignore_eos=bool(body.get("ignore_eos")),
+            min_p=_num(body, "min_p", float, 0.0, 0.0, 1.0),
+            presence_penalty=_num(body, "presence_penalty", float, 0.0, -2.0, 2.0),
+            frequency_penalty=_num(body, "frequency_penalty", float, 0.0, -2.0, 2.0),
+            repetition_penalty=_num(body, "repetition_penalty", float, 1.0, 1e-6, 10.0),
+            logit_bias=tuple(bias),
+            min_tokens=min_tokens,
+            logprobs=logprobs,
         )
 
-    def submit(self, ids: list[int], params: GenerationParams):
+    def grammar(self, body) -> Constraint | None:
+        """The grammar a request's output must follow (response_format, guided_json,
+        guided_regex, guided_grammar (Lark) or grammar (GBNF): at most one), compiled; None
+        without one."""
+        given = []
+        rf = getattr(body, "response_format", None)
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", "json_object", None))
+        elif rf is not None and rf.type == "json_schema":
+            schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
+            given.append(("response_format", "json_schema", schema))
+        for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "lark"), ("grammar", "gbnf")):
+            v = getattr(body, field, None)
+            if v is not None:
+                if kind == "json_schema" and isinstance(v, str):
+                    try:
+                        v = json.loads(v)
+                    except ValueError as e:
+                        raise ApiError(400, f"guided_json is not valid JSON: {e}", param=field) from e
+                given.append((field, kind, v))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ApiError(400, f"give at most one of {', '.join(f for f, _, _ in given)}", param=given[1][0])
+        field, kind, spec = given[0]
         try:
-            return self.scheduler.submit(ids, params)
+            g = self.engine.grammars
+            text = g.json_object() if kind == "json_object" else g.gbnf(spec) if kind == "gbnf" else getattr(g, kind)(spec)
+            return g.constraint(text)
+        except (GrammarError, RequestError) as e:
+            raise ApiError(400, f"{field}: {e}", param=field) from e
+
+    def submit(self, ids: list[int], params: GenerationParams, grammar: Constraint | None = None):
+        try:
+            return self.scheduler.submit(ids, params, grammar)
         except RequestError as e:
             raise ApiError(400, str(e)) from e
         except Overloaded as e:
@@ -118,6 +168,7 @@ class Output:
         self.text = TextStream(tokenizer, stops) if tokenizer is not None else None
         self.finish, self.usage, self.done = "length", None, False
         self.first_token_at: float | None = None
+        self.records: list[tuple] = []  # (token, its log-probability, [(token, log-probability)]) when asked for
 
     @property
     def stop_string(self) -> str | None:
@@ -129,6 +180,8 @@ class Output:
                 self.first_token_at = time.perf_counter()
             if self.text is None or self.finish == "stop_string":
                 return ""
+            if ev.logprobs is not None:
+                self.records.append((ev.token, *ev.logprobs))
             delta, stopped = self.text.push(ev.token)
             if stopped:
                 self.handle.cancel()

@@ -1,0 +1,148 @@
+"""What agents and apps send, through the official openai client against the demo model:
+log-probabilities against engine.logits, structured output against its schema (streamed and
+not, many seeds), penalties and biases as the engine applies them, and 400s for what is not
+supported."""
+
+import json
+
+import jax
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.scheduler.scheduler import Scheduler
+from freetoken_jax.server.http import Service, serve_http
+from freetoken_jax.server.text import render_chat
+
+EC = EngineConfig(dtype="float32", max_context=160, max_batch=4, page_size=8, prefill_chunk=32)
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1}},
+          "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = FreeTokenEngine.from_pretrained("demo", EC)
+    sched = Scheduler(engine)
+    service = Service(sched, "demo", engine.model_path)
+    httpd = serve_http(service, "127.0.0.1", 0)
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0, timeout=120)
+    yield client, service
+    httpd.shutdown()
+    sched.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return FreeTokenEngine.from_pretrained("demo", EC)
+
+
+def log_softmax(x):
+    return np.asarray(jax.nn.log_softmax(np.asarray(x, np.float32), axis=-1))
+
+
+def test_chat_logprobs_are_the_models(server, reference):
+    client, service = server
+    msgs = [{"role": "user", "content": "Name a color"}]
+    r = client.chat.completions.create(model="demo", messages=msgs, max_tokens=8, temperature=0.8, seed=5, logprobs=True, top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    prompt = service.encode(render_chat(service.template, msgs))
+    toks = list(reference.generate(prompt, max_new_tokens=8, temperature=0.8, seed=5))  # the same seed samples the same tokens
+    assert len(content) == r.usage.completion_tokens == len(toks)
+    lp = log_softmax(reference.logits(prompt + toks)[len(prompt) - 1 : -1])
+    for k, e in enumerate(content):
+        assert e.token == service.tokenizer.decode([toks[k]])
+        assert abs(e.logprob - lp[k, toks[k]]) < 1e-3
+        np.testing.assert_allclose([t.logprob for t in e.top_logprobs], np.sort(lp[k])[::-1][:4], atol=1e-3)
+        assert [t.token for t in e.top_logprobs] == [service.tokenizer.decode([t]) for t in np.argsort(-lp[k])[:4]]
+
+
+def test_completion_logprobs_are_the_models(server, reference):
+    client, service = server
+    prompt = service.encode("Once upon")
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=6, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    got = list(reference.generate(prompt, max_new_tokens=6))
+    want = log_softmax(reference.logits(prompt + got)[len(prompt) - 1 : -1])
+    n = len(lp.token_logprobs)
+    assert n == r.usage.completion_tokens == len(got)
+    np.testing.assert_allclose(lp.token_logprobs, want[np.arange(n), got[:n]], atol=1e-3)
+    for k in range(n):  # keyed by text: tokens that read the same share an entry
+        expect = {}
+        for t in np.argsort(-want[k])[:3]:
+            expect.setdefault(service.tokenizer.decode([t]), float(want[k, t]))
+        assert lp.top_logprobs[k] == pytest.approx(expect, abs=1e-3)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:k]) for k in range(n)]
+
+
+def test_streamed_logprobs_equal_non_streamed(server):
+    client, _ = server
+    kw = dict(
+        model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=10, temperature=0.7, seed=9, logprobs=True, top_logprobs=2
+    )
+    whole = client.chat.completions.create(**kw).choices[0].logprobs.content
+    parts = []
+    for c in client.chat.completions.create(stream=True, **kw):
+        if c.choices and c.choices[0].logprobs:
+            parts += c.choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in parts] == [(e.token, round(e.logprob, 4)) for e in whole]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_schema_output_validates(server, stream):
+    client, _ = server
+    fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
+    for seed in range(10):
+        kw = dict(
+            model="demo", messages=[{"role": "user", "content": "plan"}], max_tokens=64, temperature=1.0, seed=seed, response_format=fmt
+        )
+        if stream:
+            text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw) if c.choices)
+        else:
+            r = client.chat.completions.create(**kw)
+            text = r.choices[0].message.content
+            assert r.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_json_object_regex_and_gbnf(server):
+    client, _ = server
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=48, temperature=1.0, seed=1,
+                                       response_format={"type": "json_object"})  # fmt: skip
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model="demo", prompt="Date:", max_tokens=16, temperature=1.0, seed=2,
+                                  extra_body={"guided_regex": r"20[0-9]{2}-(0[1-9]|1[0-2])"})  # fmt: skip
+    assert len(r.choices[0].text) == 7 and r.choices[0].text.startswith("20")
+    r = client.completions.create(model="demo", prompt="Answer:", max_tokens=8, temperature=1.0, seed=3,
+                                  extra_body={"grammar": 'root ::= ("yes" | "no") "."'})  # fmt: skip
+    assert r.choices[0].text in ("yes.", "no.")
+
+
+def test_penalties_and_bias_are_applied(server, reference):
+    client, service = server
+    prompt = service.encode("abcabcabc")
+    for kw in (dict(presence_penalty=1.5, frequency_penalty=0.5), dict(extra_body={"repetition_penalty": 1.4}),
+               dict(logit_bias={"120": 8.0}), dict(extra_body={"min_tokens": 6}, stop=None)):  # fmt: skip
+        r = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0, **kw)
+        eng = {**{k: v for k, v in kw.items() if k not in ("extra_body", "stop")}, **kw.get("extra_body", {})}
+        want = list(reference.generate(prompt, max_new_tokens=10, **eng))
+        eos = reference.model_config.eos_token_ids
+        assert r.choices[0].text == service.tokenizer.decode([t for t in want if t not in eos])
+        assert r.usage.completion_tokens == len(want)
+    plain = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0).choices[0].text
+    biased = client.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0, logit_bias={"120": 100.0}).choices[0].text
+    assert biased == "x" * 10 != plain
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 500}}, {"min_p": 2}, {"response_format": {"type": "json_schema"}},
+     {"guided_regex": "([a-z"}, {"guided_json": {"type": "object"}, "guided_regex": "a"}, {"top_logprobs": 3}, {"echo": True},
+     {"presence_penalty": 9}],
+)  # fmt: skip
+def test_bad_or_unsupported_fields_are_400(server, extra):
+    client, _ = server
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra)
+    assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=2).choices
