@@ -11,6 +11,7 @@ import sys
 import time
 
 from freetoken_jax.config import SUPPORTED_STRATEGIES
+from freetoken_jax.server.tools import FORMATS
 
 
 def _engine_config(args):
@@ -71,7 +72,8 @@ def cmd_serve(args) -> int:
     template = args.chat_template  # a template file, or the template itself
     if template and os.path.isfile(template):
         template = pathlib.Path(template).read_text()
-    service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path, template)
+    service = Service(sched, args.served_name or ("demo" if args.model == "demo" else engine.name), engine.model_path, template,
+                      tool_parser=args.tool_parser, reasoning_parser=args.reasoning_parser)  # fmt: skip
     api_key = args.api_key or os.environ.get("FREETOKEN_API_KEY") or None
     limits = Limits(max_body_bytes=args.max_body_bytes, request_timeout_s=args.request_timeout)
     httpd = serve_http(service, args.host, args.port, sock=sock, limits=limits, api_key=api_key, admin_key=args.admin_key, log_prompts=args.log_prompts,
@@ -166,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--admin-key", default=None, help="key of /v1/cache/* (default: --api-key; neither: loopback clients only)")
     v.add_argument("--allowed-origins", default=None, help="comma-separated browser origins allowed (CORS); others are refused")
     v.add_argument("--chat-template", default=None, help="a Jinja chat template (a file, or the template itself) over the model's")
+    v.add_argument("--tool-parser", default=None, choices=sorted(FORMATS),
+                   help="the format tool calls are read in (default: the one the chat template writes; hermes if it shows none)")  # fmt: skip
+    v.add_argument("--reasoning-parser", action="store_true",
+                   help="put <think>...</think> reasoning in reasoning_content / thinking blocks instead of the content (default: off, as vLLM)")  # fmt: skip
     v.add_argument("--max-body-bytes", type=int, default=8 << 20, help="largest request body")
     v.add_argument("--max-connections", type=int, default=512, help="open connections before new ones get 503")
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a non-streaming request may take")

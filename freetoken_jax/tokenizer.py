@@ -17,8 +17,11 @@ class ByteTokenizer:
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return ([self.bos_token_id] if add_bos else []) + list(text.encode("utf-8"))
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def token_id(self, text: str) -> int | None:
+        return None
 
 
 class HFTokenizer:
@@ -63,8 +66,12 @@ class HFTokenizer:
             ids = [self.bos_token_id] + ids
         return ids
 
-    def decode(self, ids) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, text: str) -> int | None:
+        """The id of the token that is exactly `text`, or None."""
+        return self._tok.token_to_id(text)
 
 
 def load_tokenizer(path: str):

@@ -33,10 +33,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from freetoken_jax.server import schemas as S
+from freetoken_jax.server.chat import Reply, Tools, anthropic_messages, openai_messages, render_messages
 from freetoken_jax.server.logprobs import chat_logprobs, completion_logprobs
 from freetoken_jax.server.metrics import ServerMetrics
 from freetoken_jax.server.service import ApiError, Output, Service
-from freetoken_jax.server.text import message_text, render_chat
+from freetoken_jax.server.text import message_text
 
 log = logging.getLogger("freetoken_jax.http")
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty",
@@ -189,14 +190,14 @@ async def events(handle):
 class Generation:
     """One submitted request: its `Output`, its arrival time and the deltas it yields."""
 
-    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str], grammar=None):
+    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str], grammar=None, keep_special: bool = False):
         self.s: Service = app_state.service
         self.metrics: ServerMetrics = app_state.metrics
         self.request, self.arrived = request, time.perf_counter()
         self.prompt_tokens = len(ids)
         self.handle = self.s.submit(ids, params, grammar)  # ApiError (400/429/503) before anything is sent
         self.sent_records = 0  # log-probability records already sent in a stream
-        self.out: Output = self.s.output(self.handle, stops)
+        self.out: Output = self.s.output(self.handle, stops, keep_special)
 
     async def deltas(self):
         """Text deltas; the request is cancelled if this stops early (a client gone, an error)."""
@@ -259,28 +260,40 @@ def _usage(u: dict | None) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _chat_ids(s: Service, messages, system=None) -> list[int]:
-    msgs = [] if system is None else [{"role": "system", "content": system}]
-    for m in messages:
-        try:
-            msgs.append({"role": m.role, "content": message_text(m.content if m.content is not None else "")})
-        except ValueError as e:
-            raise ApiError(400, str(e), param="messages") from e
-    try:
-        text = render_chat(s.template, msgs)
-    except Exception as e:  # noqa: BLE001 - template errors are the request's fault
-        raise ApiError(400, f"the chat template rejected the messages: {e}") from e
-    return s.encode(text)
+def _dump(x):
+    return None if x is None else x.model_dump(exclude_none=True, by_alias=True) if isinstance(x, BaseModel) else x
 
 
-def _anthropic_ids(s: Service, body) -> list[int]:
+def _chat_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
+    """An OpenAI chat body's prompt ids, its `Tools` and whether the prompt opened a reasoning
+    section (the template ended it with <think>)."""
+    tools = Tools.of([_dump(t) for t in body.tools or []], _dump(body.tool_choice), body.parallel_tool_calls, s.tool_format)
+    text = render_messages(s.template, openai_messages(body.messages), tools)
+    return s.encode(text), tools, text.rstrip().endswith("<think>")
+
+
+def _anthropic_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
     system = body.system
     if system is not None:
         try:
             system = message_text(system)
         except ValueError as e:
             raise ApiError(400, f"system: {e}", param="system") from e
-    return _chat_ids(s, body.messages, system)
+    tools = (
+        Tools.from_anthropic([_dump(t) for t in body.tools or []], body.tool_choice, s.tool_format)
+        if body.tools or body.tool_choice
+        else None
+    )
+    text = render_messages(s.template, anthropic_messages(body.messages, system), tools)
+    return s.encode(text), tools, text.rstrip().endswith("<think>")
+
+
+def _grammar(s: Service, body, tools) -> object:
+    """The request's grammar: its structured-output fields' or the forced tool call's (not both)."""
+    g, forced = s.grammar(body), s.tool_grammar(tools)
+    if g is not None and forced is not None:
+        raise ApiError(400, "a forced tool call (tool_choice) and a structured output format cannot be combined", param="tool_choice")
+    return g or forced
 
 
 # The app -------------------------------------------------------------------------------------------
@@ -359,7 +372,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
     async def tokenize(request: Request):
         body = await body_of(request, S.TokenizeRequest)
         if body.messages is not None:
-            ids = _chat_ids(s, body.messages)
+            ids = s.encode(render_messages(s.template, openai_messages(body.messages), None))
         elif body.prompt is not None:
             ids = s.encode(body.prompt)
         else:
@@ -372,18 +385,22 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         return {"prompt": s.decode(body.tokens)}
 
     # OpenAI --------------------------------------------------------------------------------------
-    async def openai(request: Request, body, ids: list[int], chat: bool):
+    async def openai(request: Request, body, ids: list[int], chat: bool, tools: Tools | None = None, opened: bool = False):
         max_tokens = next(
             (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
         n_logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
         params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens, n_logprobs)
-        grammar = await asyncio.to_thread(s.grammar, body)
-        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits), grammar)
+        grammar = await asyncio.to_thread(_grammar, s, body, tools)
+        parse_tools = tools is not None and tools.parse
+        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits), grammar, keep_special=parse_tools)
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
-        finish_of = lambda f: "length" if f == "length" else "stop"  # noqa: E731
+        reply = Reply(tools, s.reasoning_parser, opened) if chat else None
         text_sent = 0
+
+        def finish_of(f):
+            return "length" if f == "length" else "tool_calls" if reply is not None and reply.calls else "stop"
 
         def logprobs(records):
             nonlocal text_sent
@@ -397,8 +414,21 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
 
         if not body.stream:
             text = await gen.text(limits.request_timeout_s)
-            choice = {"index": 0, "finish_reason": finish_of(gen.out.finish), "logprobs": logprobs(gen.out.records)}
-            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            choice = {"index": 0, "logprobs": logprobs(gen.out.records)}
+            if chat:
+                reply.push(text)
+                reply.finish()
+                msg = {"role": "assistant", "content": reply.content if reply.content or not reply.calls else None}
+                if s.reasoning_parser:
+                    msg["reasoning_content"] = reply.reasoning or None
+                if reply.calls:
+                    msg["tool_calls"] = [
+                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in reply.calls
+                    ]
+                choice["message"] = msg
+            else:
+                choice["text"] = text
+            choice["finish_reason"] = finish_of(gen.out.finish)
             return {
                 "id": rid,
                 "object": obj,
@@ -420,19 +450,37 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                 c["usage"] = usage
             return sse(c)
 
+        def delta_of(ev) -> dict:
+            if ev[0] == "content":
+                return {"content": ev[1]}
+            if ev[0] == "reasoning":
+                return {"reasoning_content": ev[1]}
+            if ev[0] == "call":
+                c = ev[2]
+                return {"tool_calls": [{"index": ev[1], "id": c.id, "type": "function", "function": {"name": c.name, "arguments": ""}}]}
+            return {"tool_calls": [{"index": ev[1], "function": {"arguments": ev[2]}}]}
+
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def stream():
             if chat:
                 yield chunk({"role": "assistant", "content": ""})
+            records = []
             try:
                 async for d in gen.deltas():
-                    yield chunk({"content": d}, records=gen.new_records())
+                    records += gen.new_records()
+                    for ev in reply.push(d) if chat else [("content", d)]:
+                        yield chunk(delta_of(ev), records=records)
+                        records = []
             except ApiError as e:
                 yield sse(error_body(request.url.path, e))
                 yield sse("[DONE]")
                 return
-            yield chunk({}, finish_of(gen.out.finish), records=gen.new_records())
+            records += gen.new_records()
+            for ev in reply.finish() if chat else []:
+                yield chunk(delta_of(ev), records=records)
+                records = []
+            yield chunk({}, finish_of(gen.out.finish), records=records)
             if include_usage:
                 yield chunk(usage=_usage(gen.out.usage))
             yield sse("[DONE]")
@@ -450,25 +498,45 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         body = await body_of(request, S.ChatRequest)
         if len(body.messages) > limits.max_messages:
             raise ApiError(400, f"at most {limits.max_messages} messages", param="messages")
-        return await openai(request, body, _chat_ids(s, body.messages), chat=True)
+        ids, tools, opened = _chat_prompt(s, body)
+        return await openai(request, body, ids, chat=True, tools=tools, opened=opened)
 
     # Anthropic -----------------------------------------------------------------------------------
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         body = await body_of(request, S.CountTokensRequest)
-        return {"input_tokens": len(_anthropic_ids(s, body))}
+        return {"input_tokens": len(_anthropic_prompt(s, body)[0])}
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         body = await body_of(request, S.MessagesRequest)
-        ids = _anthropic_ids(s, body)
+        ids, tools, opened = _anthropic_prompt(s, body)
         params = s.params(body.model_dump(include=SAMPLING_FIELDS), body.max_tokens)
-        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop_sequences", limits))
+        grammar = await asyncio.to_thread(_grammar, s, body, tools)
+        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop_sequences", limits), grammar,
+                         keep_special=tools is not None and tools.parse)  # fmt: skip
+        reply = Reply(tools, s.reasoning_parser, opened)
         mid = "msg_" + secrets.token_hex(12)
-        reason = lambda f: {"length": "max_tokens", "stop_string": "stop_sequence"}.get(f, "end_turn")  # noqa: E731
+
+        def reason(f):
+            return "max_tokens" if f == "length" else "tool_use" if reply.calls else {"stop_string": "stop_sequence"}.get(f, "end_turn")
+
+        def tool_use(c):
+            try:
+                args = json.loads(c.arguments) if c.arguments else {}
+            except ValueError:
+                args = {"_raw": c.arguments}
+            return {"type": "tool_use", "id": "toolu_" + c.id[5:], "name": c.name, "input": args}
+
         if not body.stream:
             text = await gen.text(limits.request_timeout_s)
-            return {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": [{"type": "text", "text": text}],
+            reply.push(text)
+            reply.finish()
+            content = [{"type": "thinking", "thinking": reply.reasoning, "signature": ""}] if reply.reasoning else []
+            if reply.content or not reply.calls:
+                content.append({"type": "text", "text": reply.content})
+            content += [tool_use(c) for c in reply.calls]
+            return {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": content,
                     "stop_reason": reason(gen.out.finish), "stop_sequence": gen.out.stop_string,
                     "usage": {"input_tokens": len(ids), "output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}}  # fmt: skip
 
@@ -476,17 +544,40 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             msg = {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": {"input_tokens": len(ids), "output_tokens": 0}}  # fmt: skip
             yield sse({"type": "message_start", "message": msg}, "message_start")
-            yield sse({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}, "content_block_start")
             yield sse({"type": "ping"}, "ping")
+            block = {"index": -1, "kind": None, "call": None}  # the open content block
+
+            def events_of(ev):
+                kind = {"reasoning": "thinking", "content": "text"}.get(ev[0], "tool_use")
+                call = ev[1] if kind == "tool_use" else None
+                out = []
+                if block["kind"] != kind or block["call"] != call:
+                    if block["kind"] is not None:
+                        out.append(sse({"type": "content_block_stop", "index": block["index"]}, "content_block_stop"))
+                    block.update(index=block["index"] + 1, kind=kind, call=call)
+                    start = {"thinking": {"type": "thinking", "thinking": ""}, "text": {"type": "text", "text": ""}}.get(kind)
+                    if start is None:
+                        start = {**tool_use(ev[2]), "input": {}}
+                    out.append(sse({"type": "content_block_start", "index": block["index"], "content_block": start}, "content_block_start"))
+                if ev[0] in ("content", "reasoning") or ev[0] == "arguments":
+                    delta = {"content": {"type": "text_delta", "text": ev[-1]}, "reasoning": {"type": "thinking_delta", "thinking": ev[-1]},
+                             "arguments": {"type": "input_json_delta", "partial_json": ev[-1]}}[ev[0]]  # fmt: skip
+                    out.append(sse({"type": "content_block_delta", "index": block["index"], "delta": delta}, "content_block_delta"))
+                return out
+
             try:
                 async for d in gen.deltas():
-                    yield sse(
-                        {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d}}, "content_block_delta"
-                    )
+                    for ev in reply.push(d):
+                        for e in events_of(ev):
+                            yield e
             except ApiError as e:
                 yield sse(error_body(request.url.path, e), "error")
                 return
-            yield sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
+            last = reply.finish()
+            for ev in last if block["kind"] or last else [("content", "")]:
+                for e in events_of(ev):
+                    yield e
+            yield sse({"type": "content_block_stop", "index": block["index"]}, "content_block_stop")
             yield sse({"type": "message_delta", "delta": {"stop_reason": reason(gen.out.finish), "stop_sequence": gen.out.stop_string},
                        "usage": {"output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}}, "message_delta")  # fmt: skip
             yield sse({"type": "message_stop"}, "message_stop")

@@ -34,8 +34,7 @@ class Limits:
 # (clients send those by default). Any other value is refused with a 400 naming the field:
 # nothing a client asks for is silently ignored.
 _NOT_YET = {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "echo": (None, False), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "prediction": (None,), "thinking": (None,), "tool_use": (None,), "guided_choice": (None,),
     "structured_outputs": (None,), "guided_decoding_backend": (None,),
 }  # fmt: skip
@@ -112,6 +111,38 @@ class CompletionRequest(_OpenAI):
     logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
 
 
+ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
+
+
+class FunctionSpec(BaseModel):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ToolSpec(BaseModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class AnthropicTool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: ToolName
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -124,6 +155,9 @@ class ChatRequest(_OpenAI):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    tools: Annotated[list[ToolSpec], Field(max_length=256)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -144,6 +178,8 @@ class MessagesRequest(_Body):
     max_tokens: StrictInt = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=256)] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 class CountTokensRequest(BaseModel):
@@ -152,6 +188,8 @@ class CountTokensRequest(BaseModel):
     model: str | None = None
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     system: str | list[dict[str, Any]] | None = None
+    tools: Annotated[list[AnthropicTool], Field(max_length=256)] | None = None
+    tool_choice: dict[str, Any] | None = None
 
 
 class TokenizeRequest(BaseModel):

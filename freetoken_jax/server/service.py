@@ -39,11 +39,21 @@ def _num(body: dict, key: str, typ, default, lo=None, hi=None):
 class Service:
     """What the HTTP handlers and the gRPC service share: the scheduler, tokenizer, template."""
 
-    def __init__(self, scheduler: Scheduler, model_name: str, model_path: str | None = None, template: str | None = None):
+    def __init__(self, scheduler: Scheduler, model_name: str, model_path: str | None = None, template: str | None = None,
+                 tool_parser: str | None = None, reasoning_parser: bool = False):  # fmt: skip
+        """`tool_parser`: the format tool calls are read in (`tools.FORMATS`; None: the one the
+        chat template shows); `reasoning_parser`: reasoning text (<think>…</think>) goes to its own
+        field (`reasoning_content`, Anthropic `thinking` blocks) instead of the content."""
+        from freetoken_jax.server.tools import FORMATS, detect
+
         self.scheduler, self.model_name = scheduler, model_name
         self.engine = scheduler.engine
         self.tokenizer = self.engine.tokenizer
         self.template = template or getattr(self.tokenizer, "chat_template", None) or chat_template(model_path)
+        if tool_parser is not None and tool_parser not in FORMATS:
+            raise ValueError(f"unknown tool parser {tool_parser!r}; known: {', '.join(sorted(FORMATS))}")
+        self.tool_format = FORMATS[tool_parser] if tool_parser else detect(self.template)
+        self.reasoning_parser = reasoning_parser
         self.created = int(time.time())
 
     @property
@@ -104,6 +114,16 @@ class Service:
             logprobs=logprobs,
         )
 
+    def tool_grammar(self, tools) -> Constraint | None:
+        """The grammar that forces a call to one of `tools.forced` (None when nothing is forced)."""
+        if tools is None or tools.forced is None:
+            return None
+        g = self.engine.grammars
+        try:
+            return g.constraint(g.lark(tools.fmt.grammar(tools.forced, tools.many, self.tokenizer.token_id)))
+        except GrammarError as e:
+            raise ApiError(400, f"the tools' parameters cannot be used as a grammar: {e}", param="tools") from e
+
     def grammar(self, body) -> Constraint | None:
         """The grammar a request's output must follow (response_format, guided_json,
         guided_regex, guided_grammar (Lark) or grammar (GBNF): at most one), compiled; None
@@ -145,8 +165,9 @@ class Service:
             resizing = not self.scheduler.batcher.admitting
             raise ApiError(503 if resizing else 429, str(e), "overloaded_error", retry_after=5 if resizing else 1) from e
 
-    def output(self, handle, stops: list[str]) -> Output:
-        return Output(handle, self.tokenizer, stops)
+    def output(self, handle, stops: list[str], keep_special: bool = False) -> Output:
+        drop = handle.params.stop_set(self.engine.model_config.eos_token_ids) if keep_special else frozenset()
+        return Output(handle, self.tokenizer, stops, keep_special, drop)
 
     def run(self, handle, stops: list[str]):
         """Yields text deltas (blocking on the request's events); returns the `Output` through
@@ -163,9 +184,9 @@ class Output:
     cancels the request when one appears. After its last event: `finish` ("stop", "length",
     "stop_string"), `stop_string`, `usage`. An error event raises `ApiError`."""
 
-    def __init__(self, handle, tokenizer, stops: list[str]):
+    def __init__(self, handle, tokenizer, stops: list[str], keep_special: bool = False, drop: frozenset = frozenset()):
         self.handle = handle
-        self.text = TextStream(tokenizer, stops) if tokenizer is not None else None
+        self.text = TextStream(tokenizer, stops, keep_special, drop) if tokenizer is not None else None
         self.finish, self.usage, self.done = "length", None, False
         self.first_token_at: float | None = None
         self.records: list[tuple] = []  # (token, its log-probability, [(token, log-probability)]) when asked for

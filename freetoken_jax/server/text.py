@@ -25,14 +25,24 @@ def chat_template(model_path: str | None) -> str:
 
 
 def render_chat(template: str, messages: list[dict], **extra) -> str:
+    """The template rendered as Hugging Face renders chat templates: its sandbox, loop controls,
+    `raise_exception`, `strftime_now`, and a `tojson` that keeps key order and non-ASCII text."""
+    import datetime
+
+    from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
     def raise_exception(msg):
         raise ValueError(msg)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(template).render(messages=messages, add_generation_prompt=True, **extra)
 
 
@@ -52,17 +62,25 @@ def message_text(content) -> str:
 
 class TextStream:
     """Turns generated token ids into text deltas, holding back what might still become a stop
-    string or an incomplete UTF-8 character. `push` returns (delta, stopped)."""
+    string or an incomplete UTF-8 character. `push` returns (delta, stopped). `keep_special`:
+    special tokens are text too (tool-call markers that are special tokens), but for those in
+    `drop` (the request's stop tokens)."""
 
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], keep_special: bool = False, drop: frozenset = frozenset()):
         self.tok, self.stops = tokenizer, [s for s in stops if s]
+        self.skip_special, self.drop = not keep_special, drop
         self.ids: list[int] = []
         self.sent = 0
         self.stop_string: str | None = None
 
+    def _text(self) -> str:
+        return self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
+
     def push(self, token: int) -> tuple[str, bool]:
+        if token in self.drop:
+            return "", False
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
+        text = self._text()
         for s in self.stops:
             k = text.find(s, max(0, self.sent - len(s)))
             if k >= 0:
@@ -85,7 +103,7 @@ class TextStream:
     def flush(self) -> str:
         if self.stop_string is not None:
             return ""
-        text = self.tok.decode(self.ids)
+        text = self._text()
         delta = text[self.sent :]
         self.sent = len(text)
         return delta

@@ -84,8 +84,7 @@ def test_bad_bodies_are_400_not_500(server):
 
 def test_unsupported_parameters_are_refused_by_name(server):
     _, _, port = server
-    asks = {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "best_of": 3, "echo": True,
-            "prediction": {"type": "content", "content": "x"}}  # fmt: skip
+    asks = {"functions": [{"name": "f"}], "best_of": 3, "echo": True, "prediction": {"type": "content", "content": "x"}}
     for name, value in asks.items():
         status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, name: value})
         assert status == 400 and f"'{name}' is not supported" in out["error"]["message"], (name, out)
@@ -93,8 +92,10 @@ def test_unsupported_parameters_are_refused_by_name(server):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": None, "tool_choice": "none"}
     status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **neutral})
     assert status == 200 and out["usage"]["completion_tokens"] == 2
-    status, _, out = post(port, "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "tools": [{"name": "f"}]})
-    assert status == 400 and out["type"] == "error" and "'tools' is not supported" in out["error"]["message"]
+    status, _, out = post(
+        port, "/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}}
+    )
+    assert status == 400 and out["type"] == "error" and "'thinking' is not supported" in out["error"]["message"]
 
 
 def test_stop_token_ids_end_the_text(server):

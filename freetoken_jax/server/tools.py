@@ -1,0 +1,331 @@
+"""Tool calls: the formats model families write them in, read back from generated text (whole or
+as it streams), the grammars that force them (`tool_choice` "required" or a named tool), and the
+reasoning text some models write before their answer.
+
+A `ToolFormat` knows its markers, how to parse a finished section of calls, how far a section
+still being written can be read (`partial`: a call's name as soon as it is complete, its
+arguments as far as they are certain), and a Lark grammar that admits only well-formed calls to
+the given tools. `FORMATS` is the registry (`serve --tool-parser`); `detect` picks one from the
+chat template. `ToolStream` turns a response's text deltas into content, call starts and
+argument deltas; `ThinkStream` splits `<think>…</think>` reasoning from the answer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+
+
+@dataclasses.dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    id: str = dataclasses.field(default_factory=lambda: "call_" + secrets.token_hex(12))
+
+
+@dataclasses.dataclass
+class PartialCall:
+    name: str | None  # None until the name is complete
+    arguments: str  # the part of the arguments' JSON text that can no longer change
+    done: bool
+
+
+def _json_value(text: str, start: int) -> tuple[object, int] | None:
+    """The JSON value at `text[start:]` (after whitespace) and where it ends, or None."""
+    m = re.compile(r"\s*").match(text, start)
+    try:
+        return json.JSONDecoder().raw_decode(text, m.end())
+    except ValueError:
+        return None
+
+
+# JSON inside tool-call grammars is written as json.dumps writes it (what models saw in training),
+# without the free whitespace a grammar would otherwise allow.
+_JSON_STYLE = {"x-guidance": {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}}
+
+
+def _schema(s: dict | None) -> dict:
+    return {**(s or {"type": "object"}), **_JSON_STYLE}
+
+
+def _call_schema(tools: list[dict]) -> dict:
+    """A JSON schema of one call object {"name": ..., "arguments": {...}} to any of `tools`."""
+    return {**_JSON_STYLE, "anyOf": [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                        "arguments": t["function"].get("parameters") or {"type": "object"}},
+                       "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}  # fmt: skip
+
+
+def _lit(text: str, token_id) -> str:
+    """A marker in a Lark grammar: its token (`<[id]>`) where it is one, else its text."""
+    t = token_id(text)
+    return f"<[{t}]>" if t is not None else json.dumps(text)
+
+
+class ToolFormat:
+    """One family's way of writing tool calls (subclasses)."""
+
+    name = ""
+    start = ""  # the text that opens the section of calls
+
+    def parse(self, section: str) -> list[ToolCall]:
+        """The calls of a finished section (text from `start` on); `ValueError` if malformed."""
+        raise NotImplementedError
+
+    def partial(self, section: str) -> list[PartialCall]:
+        """What can be read of a section still being written: by default each call only once
+        the whole section parses."""
+        try:
+            return [PartialCall(c.name, c.arguments, True) for c in self.parse(section)]
+        except ValueError:
+            return []
+
+    def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
+        """A Lark grammar of one call (or, with `many`, one or more) to `tools`; `token_id`:
+        the id of a marker that is one (special) token of the vocabulary, else None."""
+        raise NotImplementedError
+
+    def system_prompt(self, tools: list[dict]) -> str:
+        """How tools are described to a model whose chat template does not take them."""
+        lines = "\n".join(json.dumps(t) for t in tools)
+        return (
+            "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{lines}\n</tools>\n\n"
+            "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+            '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+        )
+
+
+class Hermes(ToolFormat):
+    """Qwen2.5/Qwen3, Hermes and many others: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`."""
+
+    name = "hermes"
+    start = "<tool_call>"
+    end = "</tool_call>"
+
+    def parse(self, section: str) -> list[ToolCall]:
+        calls = [c for c in self.partial(section)]
+        if not calls or not all(c.done for c in calls) or section.rstrip()[-len(self.end) :] != self.end:
+            raise ValueError("unfinished or malformed tool call")
+        return [ToolCall(c.name, c.arguments) for c in calls]
+
+    def partial(self, section: str) -> list[PartialCall]:
+        out = []
+        for body in section.split(self.start)[1:]:
+            done = self.end in body
+            body = body.split(self.end)[0]
+            name = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
+            args = re.search(r'"arguments"\s*:', body)
+            if done:
+                v = _json_value(body, 0)
+                if v is None or not isinstance(v[0], dict) or not isinstance(v[0].get("name"), str):
+                    return out  # malformed: stop here
+                a = v[0].get("arguments", {})
+                end = _json_value(body, args.end())[1] if args and _json_value(body, args.end()) else None
+                text = body[re.compile(r"\s*").match(body, args.end()).end() : end] if end is not None else json.dumps(a)
+                out.append(PartialCall(v[0]["name"], text, True))
+                continue
+            if name is None:
+                out.append(PartialCall(None, "", False))
+                break
+            text = ""
+            if args and name.start() < args.start():  # arguments after the name: stream them, less what may close the object
+                text = body[re.compile(r"\s*").match(body, args.end()).end() :]
+                text = re.sub(r"[\s}]*$", "", text[: len(text) - _held(text, self.end)])
+            out.append(PartialCall(json.loads(f'"{name.group(1)}"'), text, False))
+            break
+        return out
+
+    def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
+        more = ' ("\\n" call)*' if many else ""
+        return f'start: call{more}\ncall: {_lit(self.start, token_id)} "\\n" body "\\n" {_lit(self.end, token_id)}\nbody: %json {json.dumps(_call_schema(tools))}\n'
+
+
+class Mistral(ToolFormat):
+    """Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`, or (newer) `[TOOL_CALLS]name[ARGS]{...}` per call."""
+
+    name = "mistral"
+    start = "[TOOL_CALLS]"
+
+    def parse(self, section: str) -> list[ToolCall]:
+        calls = []
+        for part in section.split(self.start)[1:]:
+            part = part.strip()
+            if part.startswith("["):
+                v = _json_value(part, 0)
+                if v is None or not isinstance(v[0], list):
+                    raise ValueError("malformed [TOOL_CALLS] list")
+                calls += [ToolCall(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in v[0]]
+            else:
+                name, sep, args = part.partition("[ARGS]")
+                v = _json_value(args, 0) if sep else None
+                if v is None:
+                    raise ValueError("malformed [TOOL_CALLS] call")
+                calls.append(ToolCall(name.strip(), args.strip()[: v[1]]))
+        if not calls:
+            raise ValueError("no tool call")
+        return calls
+
+    def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
+        item = json.dumps(_call_schema(tools))
+        return f"start: {_lit(self.start, token_id)} body\nbody: %json {json.dumps({'type': 'array', 'items': json.loads(item), 'minItems': 1, **({} if many else {'maxItems': 1})})}\n"
+
+
+class DeepSeekV3(ToolFormat):
+    """DeepSeek-V3/R1: `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}\\n```<｜tool▁call▁end｜>…<｜tool▁calls▁end｜>`
+    (V3.1: `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`)."""
+
+    name = "deepseek_v3"
+    start = "<｜tool▁calls▁begin｜>"
+    _call = re.compile(
+        r"<｜tool▁call▁begin｜>(?:function)?(?:<｜tool▁sep｜>)?\s*([^\n<]*?)\s*(?:<｜tool▁sep｜>|\n```json\n)(.*?)(?:\n```)?<｜tool▁call▁end｜>",
+        re.S,
+    )
+
+    def parse(self, section: str) -> list[ToolCall]:
+        calls = [ToolCall(m.group(1).strip(), m.group(2).strip()) for m in self._call.finditer(section)]
+        if not calls:
+            raise ValueError("no tool call")
+        for c in calls:
+            json.loads(c.arguments)
+        return calls
+
+    def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
+        lit = lambda t: _lit(t, token_id)  # noqa: E731
+        fns = [
+            f'{json.dumps(t["function"]["name"])} "\\n```json\\n" %json {json.dumps(_schema(t["function"].get("parameters")))}'
+            for t in tools
+        ]
+        call = f'call: {lit("<｜tool▁call▁begin｜>")} "function" {lit("<｜tool▁sep｜>")} fn "\\n```" {lit("<｜tool▁call▁end｜>")}'
+        more = " call*" if many else ""
+        return f"start: {lit(self.start)} call{more} {lit('<｜tool▁calls▁end｜>')}\n{call}\nfn: {' | '.join(fns)}\n"
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), DeepSeekV3())}
+FORMATS["qwen"] = FORMATS["hermes"]
+
+
+def detect(template: str | None) -> ToolFormat:
+    """The format a chat template writes tool calls in (Hermes when it shows none)."""
+    for f in (FORMATS["deepseek_v3"], FORMATS["mistral"], FORMATS["hermes"]):
+        if template and f.start in template:
+            return f
+    return FORMATS["hermes"]
+
+
+def template_takes_tools(template: str | None) -> bool:
+    return bool(template) and "tools" in template
+
+
+class ToolStream:
+    """A response's text deltas in, events out: ("content", text), ("call", index, ToolCall with
+    its name and id; arguments ""), ("arguments", index, text). Content that might be the start
+    of the calls section is held back until it is known not to be."""
+
+    def __init__(self, fmt: ToolFormat):
+        self.fmt, self.content_end, self.text = fmt, 0, ""
+        self.section: int | None = None  # where the calls section starts in `text`
+        self.calls: list[ToolCall] = []
+        self.sent_args: list[str] = []
+
+    def push(self, delta: str) -> list[tuple]:
+        self.text += delta
+        ev = []
+        if self.section is None:
+            k = self.text.find(self.fmt.start, self.content_end)
+            if k >= 0:
+                self.section = k
+                if k > self.content_end:
+                    ev.append(("content", self.text[self.content_end : k]))
+                self.content_end = k
+            else:
+                hold = _held(self.text, self.fmt.start)
+                if len(self.text) - hold > self.content_end:
+                    ev.append(("content", self.text[self.content_end : len(self.text) - hold]))
+                    self.content_end = len(self.text) - hold
+                return ev
+        for i, p in enumerate(self.fmt.partial(self.text[self.section :])):
+            if p.name is None:
+                break
+            if i == len(self.calls):
+                self.calls.append(ToolCall(p.name, ""))
+                self.sent_args.append("")
+                ev.append(("call", i, self.calls[i]))
+            if p.arguments.startswith(self.sent_args[i]) and len(p.arguments) > len(self.sent_args[i]):
+                ev.append(("arguments", i, p.arguments[len(self.sent_args[i]) :]))
+                self.sent_args[i] = p.arguments
+        return ev
+
+    def finish(self) -> tuple[list[tuple], str, list[ToolCall]]:
+        """The last events, the whole content and the calls. A section that does not parse is
+        content after all (as if no call was made), sent now if none of its calls was."""
+        ev = []
+        if self.section is None:
+            if len(self.text) > self.content_end:
+                ev.append(("content", self.text[self.content_end :]))
+            return ev, self.text, []
+        try:
+            calls = self.fmt.parse(self.text[self.section :])
+        except (ValueError, KeyError, TypeError):
+            calls = None
+        if calls is None or len(calls) < len(self.calls):
+            if not self.calls:
+                ev.append(("content", self.text[self.content_end :]))
+                return ev, self.text, []
+            calls = self.calls  # what was streamed stands
+        for i, c in enumerate(calls):
+            if i == len(self.calls):
+                self.calls.append(ToolCall(c.name, "", c.id))
+                self.sent_args.append("")
+                ev.append(("call", i, self.calls[i]))
+            if c.arguments.startswith(self.sent_args[i]) and len(c.arguments) > len(self.sent_args[i]):
+                ev.append(("arguments", i, c.arguments[len(self.sent_args[i]) :]))
+            self.calls[i].arguments = c.arguments if c.arguments.startswith(self.sent_args[i]) else self.sent_args[i]
+        return ev, self.text[: self.section], self.calls
+
+
+def _held(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could be the start of `marker`."""
+    return next((n for n in range(min(len(marker) - 1, len(text)), 0, -1) if text.endswith(marker[:n])), 0)
+
+
+class ThinkStream:
+    """Splits `<think>…</think>` reasoning from the answer as text streams in: `push` returns
+    (reasoning delta, answer delta). Reasoning is a section at the start of the output, or from
+    the start when the prompt opened it (`inside`)."""
+
+    OPEN, CLOSE = "<think>", "</think>"
+
+    def __init__(self, inside: bool = False):
+        self.state, self.buf = "reasoning" if inside else "start", ""
+
+    def push(self, delta: str) -> tuple[str, str]:
+        self.buf += delta
+        reasoning = answer = ""
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(self.OPEN):
+                self.state, self.buf = "reasoning", head[len(self.OPEN) :]
+            elif self.OPEN.startswith(head):
+                return "", ""  # whitespace or a part of <think> so far
+            else:
+                self.state = "answer"
+        if self.state == "reasoning":
+            k = self.buf.find(self.CLOSE)
+            if k < 0:
+                n = len(self.buf) - _held(self.buf, self.CLOSE)
+                reasoning, self.buf = self.buf[:n], self.buf[n:]
+                return reasoning, ""
+            reasoning, self.buf, self.state = self.buf[:k], self.buf[k + len(self.CLOSE) :], "after"
+        if self.state == "after":  # the newlines between the reasoning and the answer are neither
+            self.buf = self.buf.lstrip("\n")
+            if self.buf:
+                self.state = "answer"
+        if self.state == "answer":
+            answer, self.buf = self.buf, ""
+        return reasoning, answer
+
+    def flush(self) -> tuple[str, str]:
+        out, self.buf = self.buf, ""
+        return (out, "") if self.state == "reasoning" else ("", out.lstrip() if self.state == "start" else out)

@@ -1,0 +1,243 @@
+"""Tool calling and reasoning: each family's call format read back whole and as it streams,
+the grammars that force calls, the templates that render tool history, and the APIs end to end
+(the openai and anthropic clients) on the demo model and on a tiny Qwen3-MoE checkpoint with
+Qwen3's chat template and a tokenizer with its added tokens."""
+
+import json
+import os
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.scheduler.scheduler import Scheduler
+from freetoken_jax.server.chat import Tools, openai_messages, render_messages
+from freetoken_jax.server.http import Service, serve_http
+from freetoken_jax.server.schemas import ChatRequest
+from freetoken_jax.server.tools import FORMATS, ThinkStream, ToolStream, detect
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+TEMPLATE = open(os.path.join(os.path.dirname(__file__), "..", "templates", "qwen3.jinja")).read()
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "[TOOL_CALLS]", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
+           "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"]  # fmt: skip
+ADDED = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<tool_response>", "</tool_response>"]
+
+
+# Formats ------------------------------------------------------------------------------------------
+SAMPLES = {
+    "hermes": 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": {"n": 2}}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+    "mistral": 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo", "days": {"n": 2}}}, {"name": "get_time", "arguments": {}}]',
+    "deepseek_v3": "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                   '{"city": "Oslo", "days": {"n": 2}}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```'
+                   "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_tool_stream_reads_calls_as_they_come(fmt, step):
+    text = SAMPLES[fmt]
+    ts = ToolStream(FORMATS[fmt])
+    events = []
+    for k in range(0, len(text), step):
+        events += ts.push(text[k : k + step])
+    last, content, calls = ts.finish()
+    events += last
+    assert content == "Let me check.\n" if fmt == "hermes" else content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo", "days": {"n": 2}}), ("get_time", {})]
+    assert "".join(e[1] for e in events if e[0] == "content") == content
+    for i, c in enumerate(calls):  # the argument deltas add up to the arguments, after the call's start
+        assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c.arguments
+        starts = [k for k, e in enumerate(events) if e[0] == "call" and e[1] == i]
+        assert len(starts) == 1 and all(k > starts[0] for k, e in enumerate(events) if e[0] == "arguments" and e[1] == i)
+
+
+def test_a_section_that_does_not_parse_is_content():
+    ts = ToolStream(FORMATS["hermes"])
+    ev = ts.push("a <tool_call> not json") + ts.finish()[0]
+    assert "".join(e[1] for e in ev if e[0] == "content") == "a <tool_call> not json"
+    assert ts.finish()[2] == []
+    assert detect(TEMPLATE).name == "hermes" and detect("{{ '[TOOL_CALLS]' }}").name == "mistral" and detect(None).name == "hermes"
+
+
+@pytest.mark.parametrize(
+    "text, inside, want",
+    [("<think>\nplan it</think>\n\nThe answer", False, ("\nplan it", "The answer")), ("No reasoning here", False, ("", "No reasoning here")),
+     ("plan</think>answer", True, ("plan", "answer")), ("  <thi", False, ("", "<thi")), ("still thinking", True, ("still thinking", ""))],
+)  # fmt: skip
+def test_think_stream(text, inside, want):
+    for step in (1, 2, 100):
+        t = ThinkStream(inside)
+        parts = [t.push(text[k : k + step]) for k in range(0, len(text), step)] + [t.flush()]
+        assert ("".join(p[0] for p in parts), "".join(p[1] for p in parts)) == want
+
+
+def test_tool_history_renders_through_the_template():
+    body = ChatRequest.model_validate({"messages": [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], "tools": TOOLS})  # fmt: skip
+    tools = Tools.of(TOOLS, None, None, FORMATS["hermes"])
+    text = render_messages(TEMPLATE, openai_messages(body.messages), tools)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}\n</tool_call><|im_end|>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n" in text
+    assert json.dumps(TOOLS[0]) in text  # the template's own tool list
+    plain = render_messages(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}", openai_messages(body.messages), tools
+    )
+    assert plain.startswith("system: # Tools") and '"get_time"' in plain  # a template without tools is given them in a system message
+
+
+# The APIs on the demo model -------------------------------------------------------------------------
+EC = EngineConfig(dtype="float32", max_context=1536, max_batch=4, page_size=16, prefill_chunk=256)
+
+
+@pytest.fixture(scope="module")
+def demo():
+    engine = FreeTokenEngine.from_pretrained("demo", EC)
+    sched = Scheduler(engine)
+    httpd = serve_http(Service(sched, "demo", engine.model_path), "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield url
+    httpd.shutdown()
+    sched.shutdown()
+
+
+def check_calls(calls, names):
+    assert calls and all(c.function.name in names for c in calls)
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_tool_choice_hold_on_random_weights(demo, stream):
+    client = openai.OpenAI(base_url=demo + "/v1", api_key="x", max_retries=0, timeout=120)
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}] * 2):
+        kw = dict(
+            model="demo",
+            messages=[{"role": "user", "content": "help"}],
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+            parallel_tool_calls=False,
+        )  # one call: random weights would go on calling till the length runs out
+        names = ["get_time"] if isinstance(choice, dict) else list(SCHEMAS)
+        if not stream:
+            r = client.chat.completions.create(**kw)
+            assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+            check_calls(r.choices[0].message.tool_calls, names)
+            continue
+        calls, finish = {}, None
+        for c in client.chat.completions.create(stream=True, **kw):
+            if not c.choices:
+                continue
+            for d in c.choices[0].delta.tool_calls or []:
+                if d.id:
+                    calls[d.index] = openai.types.chat.ChatCompletionMessageToolCall(
+                        id=d.id, type="function", function={"name": d.function.name, "arguments": ""}
+                    )
+                calls[d.index].function.arguments += d.function.arguments or ""
+            finish = c.choices[0].finish_reason or finish
+        assert finish == "tool_calls"
+        check_calls(list(calls.values()), names)
+
+
+def test_anthropic_tool_use(demo):
+    client = anthropic.Anthropic(base_url=demo, api_key="x", max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "description": "d", "input_schema": t["function"]["parameters"]} for t in TOOLS]
+    kw = dict(model="demo", max_tokens=120, extra_body={"temperature": 1.0}, tools=tools, tool_choice={"type": "any", "disable_parallel_tool_use": True},
+              messages=[{"role": "user", "content": "help"}])  # fmt: skip
+    r = client.messages.create(**kw)
+    uses = [b for b in r.content if b.type == "tool_use"]
+    assert r.stop_reason == "tool_use" and uses
+    for b in uses:
+        jsonschema.validate(b.input, SCHEMAS[b.name])
+    with client.messages.stream(**{**kw, "tool_choice": {"type": "tool", "name": "get_weather"}}) as s:
+        final = s.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and [b.name for b in uses] == ["get_weather"]
+    jsonschema.validate(uses[0].input, WEATHER)
+    # the result goes back as a tool_result block and renders
+    follow = client.messages.create(model="demo", max_tokens=4, tools=tools, messages=[
+        {"role": "user", "content": "help"}, {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": "get_weather", "input": uses[0].input}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id, "content": "sunny"}]}])  # fmt: skip
+    assert follow.usage.output_tokens >= 1
+
+
+def test_tool_requests_that_cannot_be_served_are_400(demo):
+    client = openai.OpenAI(base_url=demo + "/v1", api_key="x", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "x"}]
+    for kw in (dict(tool_choice="required"), dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}}),
+               dict(tools=TOOLS + TOOLS[:1]), dict(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"}),
+               dict(messages=[{"role": "tool", "content": "x"}]), dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"function": {"name": "f", "arguments": "{bad"}}]}])):  # fmt: skip
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="demo", max_tokens=2, **{"messages": msgs, **kw})
+
+
+# A Qwen3-MoE checkpoint with Qwen3's template ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = str(tmp_path_factory.mktemp("qwen3_tools"))
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(SPECIAL)
+    tok.add_tokens(ADDED)
+    tok.save(os.path.join(path, "tokenizer.json"))
+    im_end = tok.token_to_id("<|im_end|>")
+    json.dump({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}, open(os.path.join(path, "tokenizer_config.json"), "w"))
+    cfg = Qwen3MoeConfig(vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=im_end, initializer_range=0.05)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    engine = FreeTokenEngine.from_pretrained(path, EC)
+    sched = Scheduler(engine)
+    service = Service(sched, "qwen", path)
+    httpd = serve_http(service, "127.0.0.1", 0)
+    yield openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0, timeout=120), service
+    httpd.shutdown()
+    sched.shutdown()
+
+
+def test_qwen_template_forced_calls_and_reasoning(qwen):
+    client, service = qwen
+    assert service.tool_format.name == "hermes"
+    for seed in range(3):
+        r = client.chat.completions.create(model="qwen", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, tool_choice="required",
+                                           max_tokens=160, temperature=1.0, seed=seed, parallel_tool_calls=False)  # fmt: skip
+        check_calls(r.choices[0].message.tool_calls, list(SCHEMAS))
+    # reasoning in its own field when the parser is on; in the content when off (vLLM's default)
+    kw = dict(
+        model="qwen",
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=40,
+        temperature=1.0,
+        seed=1,
+        extra_body={"guided_grammar": 'start: <think> "\\nab" "b"* </think> "\\n\\nyes"'},
+    )  # <think>: the added token
+    off = client.chat.completions.create(**kw).choices[0].message
+    assert off.content.startswith("<think>\nab") and off.content.endswith("</think>\n\nyes")
+    service.reasoning_parser = True
+    try:
+        on = client.chat.completions.create(**kw).choices[0].message
+        streamed = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+    finally:
+        service.reasoning_parser = False
+    assert on.content == "yes" and on.model_extra["reasoning_content"].startswith("\nab")
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in streamed) == on.model_extra["reasoning_content"]
+    assert "".join(d.content or "" for d in streamed) == "yes"
