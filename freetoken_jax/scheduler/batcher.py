@@ -62,10 +62,14 @@ class RequestHandle:
 
     _ids = iter(range(1, 1 << 62))
 
-    def __init__(self, prompt: list[int], params: GenerationParams, grammar=None):
+    def __init__(self, prompt: list[int], params: GenerationParams, grammar=None, after: RequestHandle | None = None):
         self.id = next(self._ids)
         self.prompt, self.params = prompt, params
         self.grammar = grammar  # a `grammar.Constraint` its tokens must follow, or None
+        # another choice of the same prompt: this one is admitted once that one's prompt is in the
+        # prefix cache (or it has finished), and reuses its KV pages
+        self.after = after
+        self.published = False  # its prompt's full pages are in the prefix cache
         self.queue: queue.Queue[Event] = queue.Queue()
         self.cancelled = threading.Event()
         self.generated: list[int] = []
@@ -253,16 +257,17 @@ class Batcher:
         pages, limit = self.runner.pages, self.running_limit()
         while self.running() < limit:
             with self.lock:
-                if not self.waiting:
+                # oldest first, but a later choice of a prompt waits for the first one's prefill
+                h = next((w for w in self.waiting if w.after is None or w.after.published or w.after.finished or self.radix is None), None)
+                if h is None:
                     return
-                h = self.waiting[0]
             try:  # what the request brings into the shared step: its failure is its own
                 eos = self.runner.model_config.eos_token_ids
                 h.sampling = sampling_row(h.params, len(h.prompt), eos)
                 stops = h.params.stop_set(eos)
             except Exception as e:  # noqa: BLE001
                 with self.lock:
-                    self.waiting.popleft()
+                    self.waiting.remove(h)
                 self._finish(h, Event("error", message=f"bad request parameters: {type(e).__name__}: {e}"))
                 continue
             nodes = self.radix.match(h.prompt, max_pages=(len(h.prompt) - 1) // self.page_size) if self.radix else []
@@ -278,7 +283,7 @@ class Batcher:
                     self.radix.unlock(nodes)
                 return  # wait for running requests to finish
             with self.lock:
-                self.waiting.popleft()
+                self.waiting.remove(h)
             row = self.rows.index(None)
             hit = len(cached) * self.page_size
             h.prefix_hit_tokens = hit
@@ -311,6 +316,8 @@ class Batcher:
         for b, (i, r, seg) in enumerate(zip(idx, rows, segs)):
             r.start += len(seg)
             self.metrics["prefilled_tokens"] += len(seg)
+            if r.start >= r.prefill_end:
+                self._publish(r)
             if r.full and r.start >= r.prefill_end:
                 r.decoding = True  # its last prompt token goes through the decode step, which samples what follows
             elif r.start >= len(r.handle.prompt):
@@ -323,6 +330,21 @@ class Batcher:
                 self._emit(int(ends[b]), int(toks[b]))
         self.metrics["prefill_seconds"] += time.perf_counter() - t0
         return True
+
+    def _publish(self, r: _Row) -> None:
+        """Puts a prefilled prompt's full pages in the prefix cache while its request runs (the
+        row keeps them locked), so that other choices of the same prompt reuse them."""
+        h = r.handle
+        if self.radix is None or h.published:
+            return
+        k = r.start // self.page_size  # pages wholly written
+        path = self.radix.match(h.prompt, max_pages=k)
+        self.radix.unlock(path)
+        if k > len(r.nodes) and [n.page for n in path] == r.pages[: len(path)]:  # not cached meanwhile by another request
+            self.radix.insert(h.prompt[: k * self.page_size], r.pages[:k])
+            self.radix.unlock(r.nodes)
+            r.nodes = self.radix.match(h.prompt, max_pages=k)
+        h.published = True
 
     def _decode(self) -> bool:
         """Dispatches the next decode step, then emits the tokens of the steps before it, keeping

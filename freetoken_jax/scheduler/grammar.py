@@ -97,6 +97,10 @@ class Constraint:
     def __init__(self, matcher):
         self.m = matcher
 
+    def fork(self) -> Constraint:
+        """An independent copy at the same place (another choice of the same request)."""
+        return Constraint(self.m.deep_copy())
+
     def fill(self, mask: np.ndarray, row: int) -> None:
         """Writes the tokens allowed next into `mask[row]` (int32 words, bit j of word w: token 32 w + j)."""
         v = mask[row]

@@ -77,12 +77,13 @@ class Scheduler:
         return self.batcher.running_limit()
 
     # Client side ----------------------------------------------------------------------------------
-    def submit(self, prompt: Sequence[int], params: GenerationParams, grammar=None) -> RequestHandle:
+    def submit(self, prompt: Sequence[int], params: GenerationParams, grammar=None, after: RequestHandle | None = None) -> RequestHandle:
         """Validates and queues a request (raises `RequestError` or `Overloaded`); `grammar`: a
-        `grammar.Constraint` its output follows."""
+        `grammar.Constraint` its output follows; `after`: another choice of the same prompt whose
+        KV pages it reuses (`RequestHandle.after`)."""
         if self.failed:
             raise Overloaded(f"the engine is in a failed state: {self.failed}")
-        h = RequestHandle(self.batcher.check(prompt, params), params, grammar)
+        h = RequestHandle(self.batcher.check(prompt, params), params, grammar, after)
         with self.lock:
             if self.stopping or not self.batcher.admitting:
                 raise Overloaded("the server is shutting down" if self.stopping else "the engine is being resized; retry shortly")

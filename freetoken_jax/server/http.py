@@ -18,6 +18,7 @@ writes one log line per request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import queue
@@ -190,12 +191,14 @@ async def events(handle):
 class Generation:
     """One submitted request: its `Output`, its arrival time and the deltas it yields."""
 
-    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str], grammar=None, keep_special: bool = False):
+    def __init__(self, app_state, request: Request, ids: list[int], params, stops: list[str], grammar=None, keep_special: bool = False,
+                 after: Generation | None = None):  # fmt: skip
+        """`after`: the first choice of the same prompt (its KV pages are shared)."""
         self.s: Service = app_state.service
         self.metrics: ServerMetrics = app_state.metrics
         self.request, self.arrived = request, time.perf_counter()
         self.prompt_tokens = len(ids)
-        self.handle = self.s.submit(ids, params, grammar)  # ApiError (400/429/503) before anything is sent
+        self.handle = self.s.submit(ids, params, grammar, after.handle if after else None)  # ApiError (400/429/503) before anything is sent
         self.sent_records = 0  # log-probability records already sent in a stream
         self.out: Output = self.s.output(self.handle, stops, keep_special)
 
@@ -221,33 +224,69 @@ class Generation:
 
     async def text(self, timeout: float) -> str:
         """The whole text (non-streaming); a client that disconnects meanwhile cancels it."""
-
-        async def watch():
-            while (await self.request.receive())["type"] != "http.disconnect":
-                pass
-            self.handle.cancel()
-
-        watcher = asyncio.create_task(watch())
-        try:
-            parts = []
-
-            async def collect():
-                async for d in self.deltas():
-                    parts.append(d)
-
-            await asyncio.wait_for(collect(), timeout)
-            return "".join(parts)
-        except TimeoutError as e:
-            self.handle.cancel()
-            raise ApiError(504, f"the request did not finish within {timeout:.0f} s", "timeout_error") from e
-        finally:
-            watcher.cancel()
+        return (await texts([self], timeout))[0]
 
     def new_records(self) -> list[tuple]:
         """The log-probability records not sent yet (streaming)."""
         recs = self.out.records[self.sent_records :]
         self.sent_records = len(self.out.records)
         return recs
+
+
+async def texts(gens: list[Generation], timeout: float) -> list[str]:
+    """The whole texts of several generations of one request (non-streaming); a client that
+    disconnects meanwhile, a timeout or a failure cancels them all."""
+    request = gens[0].request
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        for g in gens:
+            g.handle.cancel()
+
+    async def collect(g):
+        return "".join([d async for d in g.deltas()])
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await asyncio.wait_for(asyncio.gather(*(collect(g) for g in gens)), timeout)
+    except TimeoutError as e:
+        raise ApiError(504, f"the request did not finish within {timeout:.0f} s", "timeout_error") from e
+    finally:
+        watcher.cancel()
+        for g in gens:
+            if not g.out.done:
+                g.handle.cancel()
+
+
+async def merged(gens: list[Generation]):
+    """(choice index, text delta) of several streaming generations as they come, and (index,
+    None) when a choice ends; raises the first failure (the rest are cancelled)."""
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, g):
+        try:
+            async for d in g.deltas():
+                await q.put((i, d, None))
+            await q.put((i, None, None))
+        except ApiError as e:
+            await q.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        left = len(gens)
+        while left:
+            i, d, err = await q.get()
+            if err is not None:
+                raise err
+            left -= d is None
+            yield i, d
+    finally:
+        for t in tasks:
+            t.cancel()
+        for g in gens:
+            if not g.out.done:
+                g.handle.cancel()
 
 
 def sse(obj, event: str | None = None) -> str:
@@ -390,60 +429,84 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
         n_logprobs = ((body.top_logprobs or 0) if body.logprobs else None) if chat else body.logprobs
-        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens, n_logprobs)
+        n = body.n or 1
+        best_of = getattr(body, "best_of", None) or n
+        if best_of < n or (best_of > n and body.stream):
+            raise ApiError(400, "best_of must be at least n, and cannot be streamed when larger", param="best_of")
+        echo = bool(getattr(body, "echo", False))
+        if echo and n_logprobs is not None:
+            raise ApiError(400, "echo with logprobs (the prompt's log-probabilities) is not supported; leave one out", param="echo")
+        # best_of ranks candidates by their log-probability: they are computed (and returned only if asked)
+        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens, n_logprobs if best_of == n else (n_logprobs or 0))
         grammar = await asyncio.to_thread(_grammar, s, body, tools)
         parse_tools = tools is not None and tools.parse
-        gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop", limits), grammar, keep_special=parse_tools)
+        stops = S.stops_of(body, "stop", limits)
+        gens: list[Generation] = []
+        try:
+            for i in range(best_of):  # choice i is seeded seed + i; choices after the first reuse its prompt's KV pages
+                p = dataclasses.replace(params, seed=(params.seed + i) % (1 << 32))
+                g = grammar if i == 0 or grammar is None else grammar.fork()
+                gens.append(Generation(app.state, request, ids, p, stops, g, keep_special=parse_tools, after=gens[0] if gens else None))
+        except ApiError:
+            for g in gens:
+                g.handle.cancel()
+            raise
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
-        reply = Reply(tools, s.reasoning_parser, opened) if chat else None
-        text_sent = 0
+        replies = [Reply(tools, s.reasoning_parser, opened) if chat else None for _ in gens]
+        prefix = s.decode(ids) if echo else ""
+        text_sent = [0] * len(gens)
 
-        def finish_of(f):
-            return "length" if f == "length" else "tool_calls" if reply is not None and reply.calls else "stop"
+        def usage():
+            return _usage(
+                {"prompt_tokens": len(ids), "completion_tokens": sum((g.out.usage or {}).get("completion_tokens", 0) for g in gens)}
+            )
 
-        def logprobs(records):
-            nonlocal text_sent
+        def finish_of(i):
+            f = gens[i].out.finish
+            return "length" if f == "length" else "tool_calls" if replies[i] is not None and replies[i].calls else "stop"
+
+        def logprobs(i, records):
             if n_logprobs is None:
                 return None
             if chat:
                 return chat_logprobs(s.tokenizer, records)
-            out = completion_logprobs(s.tokenizer, records, text_sent)
-            text_sent += sum(len(t) for t in out["tokens"])
+            out = completion_logprobs(s.tokenizer, records, text_sent[i])
+            text_sent[i] += sum(len(t) for t in out["tokens"])
             return out
 
         if not body.stream:
-            text = await gen.text(limits.request_timeout_s)
-            choice = {"index": 0, "logprobs": logprobs(gen.out.records)}
-            if chat:
-                reply.push(text)
-                reply.finish()
-                msg = {"role": "assistant", "content": reply.content if reply.content or not reply.calls else None}
-                if s.reasoning_parser:
-                    msg["reasoning_content"] = reply.reasoning or None
-                if reply.calls:
-                    msg["tool_calls"] = [
-                        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in reply.calls
-                    ]
-                choice["message"] = msg
-            else:
-                choice["text"] = text
-            choice["finish_reason"] = finish_of(gen.out.finish)
-            return {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": s.model_name,
-                "choices": [choice],
-                "usage": _usage(gen.out.usage),
-            }
+            outs = await texts(gens, limits.request_timeout_s)
+            order = list(range(len(gens)))
+            if best_of > n:  # the n candidates of highest log-probability
+                order = sorted(order, key=lambda i: -sum(r[1] for r in gens[i].out.records))[:n]
+            choices = []
+            for k, i in enumerate(order):
+                choice = {"index": k, "logprobs": logprobs(i, gens[i].out.records) if n_logprobs is not None else None}
+                if chat:
+                    reply = replies[i]
+                    reply.push(outs[i])
+                    reply.finish()
+                    msg = {"role": "assistant", "content": reply.content if reply.content or not reply.calls else None}
+                    if s.reasoning_parser:
+                        msg["reasoning_content"] = reply.reasoning or None
+                    if reply.calls:
+                        msg["tool_calls"] = [
+                            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in reply.calls
+                        ]
+                    choice["message"] = msg
+                else:
+                    choice["text"] = prefix + outs[i]
+                choice["finish_reason"] = finish_of(i)
+                choices.append(choice)
+            return {"id": rid, "object": obj, "created": created, "model": s.model_name, "choices": choices, "usage": usage()}
 
-        def chunk(delta=None, finish=None, usage=None, records=()):
-            lp = logprobs(list(records)) if records else None
+        def chunk(i, delta=None, finish=None, usage=None, records=()):
+            lp = logprobs(i, list(records)) if records else None
             if chat:
-                choice = {"index": 0, "delta": delta if delta is not None else {}, "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "delta": delta if delta is not None else {}, "finish_reason": finish, "logprobs": lp}
             else:
-                choice = {"index": 0, "text": (delta or {}).get("content", ""), "finish_reason": finish, "logprobs": lp}
+                choice = {"index": i, "text": (delta or {}).get("content", ""), "finish_reason": finish, "logprobs": lp}
             c = {"id": rid, "object": obj + (".chunk" if chat else ""), "created": created, "model": s.model_name,
                  "choices": [] if usage else [choice]}  # fmt: skip
             if usage:
@@ -463,26 +526,30 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def stream():
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            records = []
+            for i in range(len(gens)):
+                if chat:
+                    yield chunk(i, {"role": "assistant", "content": ""})
+                elif prefix:
+                    yield chunk(i, {"content": prefix})
+            records = [[] for _ in gens]
             try:
-                async for d in gen.deltas():
-                    records += gen.new_records()
-                    for ev in reply.push(d) if chat else [("content", d)]:
-                        yield chunk(delta_of(ev), records=records)
-                        records = []
+                async for i, d in merged(gens):
+                    records[i] += gens[i].new_records()
+                    if d is None:  # choice i has ended
+                        for ev in replies[i].finish() if chat else []:
+                            yield chunk(i, delta_of(ev), records=records[i])
+                            records[i] = []
+                        yield chunk(i, {}, finish_of(i), records=records[i])
+                        continue
+                    for ev in replies[i].push(d) if chat else [("content", d)]:
+                        yield chunk(i, delta_of(ev), records=records[i])
+                        records[i] = []
             except ApiError as e:
                 yield sse(error_body(request.url.path, e))
                 yield sse("[DONE]")
                 return
-            records += gen.new_records()
-            for ev in reply.finish() if chat else []:
-                yield chunk(delta_of(ev), records=records)
-                records = []
-            yield chunk({}, finish_of(gen.out.finish), records=records)
             if include_usage:
-                yield chunk(usage=_usage(gen.out.usage))
+                yield chunk(0, usage=usage())
             yield sse("[DONE]")
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

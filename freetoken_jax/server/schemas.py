@@ -34,7 +34,7 @@ class Limits:
 # (clients send those by default). Any other value is refused with a 400 naming the field:
 # nothing a client asks for is silently ignored.
 _NOT_YET = {
-    "functions": (None, []), "function_call": (None, "none", "auto"), "echo": (None, False), "best_of": (None, 1),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
     "suffix": (None, ""), "prediction": (None,), "thinking": (None,), "tool_use": (None,), "guided_choice": (None,),
     "structured_outputs": (None,), "guided_decoding_backend": (None,),
 }  # fmt: skip
@@ -88,7 +88,7 @@ class ResponseFormat(BaseModel):
 
 
 class _OpenAI(_Body):
-    n: StrictInt | None = Field(None, ge=1, le=1)  # more choices per request: the agent-API issue
+    n: StrictInt | None = Field(None, ge=1, le=16)  # choices, sharing the prompt's KV pages
     stop: Stop = None
     stream_options: StreamOptions | None = None
     max_tokens: StrictInt | None = Field(None, ge=1)
@@ -109,6 +109,8 @@ class _OpenAI(_Body):
 class CompletionRequest(_OpenAI):
     prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[StrictInt], Field(min_length=1)]
     logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
+    echo: StrictBool = False
+    best_of: StrictInt | None = Field(None, ge=1, le=16)
 
 
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]

@@ -156,9 +156,9 @@ class Service:
         except (GrammarError, RequestError) as e:
             raise ApiError(400, f"{field}: {e}", param=field) from e
 
-    def submit(self, ids: list[int], params: GenerationParams, grammar: Constraint | None = None):
+    def submit(self, ids: list[int], params: GenerationParams, grammar: Constraint | None = None, after=None):
         try:
-            return self.scheduler.submit(ids, params, grammar)
+            return self.scheduler.submit(ids, params, grammar, after)
         except RequestError as e:
             raise ApiError(400, str(e)) from e
         except Overloaded as e:

@@ -138,11 +138,57 @@ def test_penalties_and_bias_are_applied(server, reference):
 @pytest.mark.parametrize(
     "extra",
     [{"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 500}}, {"min_p": 2}, {"response_format": {"type": "json_schema"}},
-     {"guided_regex": "([a-z"}, {"guided_json": {"type": "object"}, "guided_regex": "a"}, {"top_logprobs": 3}, {"echo": True},
-     {"presence_penalty": 9}],
+     {"guided_regex": "([a-z"}, {"guided_json": {"type": "object"}, "guided_regex": "a"}, {"top_logprobs": 3}, {"n": 17},
+     {"presence_penalty": 9}, {"functions": [{"name": "f"}]}],
 )  # fmt: skip
 def test_bad_or_unsupported_fields_are_400(server, extra):
     client, _ = server
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=4, extra_body=extra)
     assert client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=2).choices
+
+
+def test_n_choices_share_the_prompt_prefill(server, reference):
+    client, service = server
+    prompt = service.encode("four choices of one prompt, prefilled once")
+    P = EC.page_size
+    assert len(prompt) % P  # the last partial page is each choice's own
+    before = service.scheduler.get_metrics()
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=8, temperature=1.0, seed=40, n=4)
+    after = service.scheduler.get_metrics()
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    eos = reference.model_config.eos_token_ids
+    for i, c in enumerate(r.choices):
+        want = list(reference.generate(prompt, max_new_tokens=8, temperature=1.0, seed=40 + i))
+        assert c.text == service.tokenizer.decode([t for t in want if t not in eos])
+    shared = (len(prompt) // P) * P
+    assert after["prefix_hit_tokens"] - before["prefix_hit_tokens"] == 3 * shared
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(prompt) + 3 * (len(prompt) - shared)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == sum(
+        len(list(reference.generate(prompt, max_new_tokens=8, temperature=1.0, seed=40 + i))) for i in range(4)
+    )
+
+
+def test_n_choices_stream_as_they_do_alone(server):
+    client, _ = server
+    kw = dict(model="demo", messages=[{"role": "user", "content": "two"}], max_tokens=10, temperature=0.9, seed=7, n=2)
+    whole = client.chat.completions.create(**kw)
+    parts, finishes = ["", ""], [None, None]
+    for c in client.chat.completions.create(stream=True, **kw):
+        for ch in c.choices:
+            parts[ch.index] += ch.delta.content or ""
+            finishes[ch.index] = ch.finish_reason or finishes[ch.index]
+    assert parts == [c.message.content for c in whole.choices] and finishes == [c.finish_reason for c in whole.choices]
+
+
+def test_best_of_keeps_the_most_likely_and_echo_prepends_the_prompt(server, reference):
+    client, service = server
+    prompt = service.encode("best of three")
+    r = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=6, temperature=1.0, seed=3, best_of=3, extra_body={"ignore_eos": True}
+    )
+    cands = [list(reference.generate(prompt, max_new_tokens=6, temperature=1.0, seed=3 + i, ignore_eos=True)) for i in range(3)]
+    score = [sum(log_softmax(reference.logits(prompt + c)[len(prompt) - 1 : -1])[np.arange(6), c]) for c in cands]
+    assert len(r.choices) == 1 and r.choices[0].text == service.tokenizer.decode(cands[int(np.argmax(score))])
+    e = client.completions.create(model="demo", prompt="Echo me", max_tokens=3, temperature=0, echo=True)
+    assert e.choices[0].text.startswith("Echo me") and len(e.choices[0].text) > len("Echo me")

@@ -71,7 +71,8 @@ def test_bad_bodies_are_400_not_500(server):
         "top_k over the vocabulary": b'{"prompt": "x", "max_tokens": 2, "top_k": 2147483648}',
         "seed out of range": b'{"prompt": "x", "max_tokens": 2, "seed": -1}',
         "too many stops": b'{"prompt": "x", "max_tokens": 2, "stop": ["a", "b", "c", "d", "e"]}',
-        "n > 1": b'{"prompt": "x", "max_tokens": 2, "n": 2}',
+        "n > 16": b'{"prompt": "x", "max_tokens": 2, "n": 17}',
+        "best_of < n": b'{"prompt": "x", "max_tokens": 2, "n": 3, "best_of": 2}',
         "not an object": b"[1, 2]",
     }
     for name, raw in cases.items():
@@ -84,12 +85,13 @@ def test_bad_bodies_are_400_not_500(server):
 
 def test_unsupported_parameters_are_refused_by_name(server):
     _, _, port = server
-    asks = {"functions": [{"name": "f"}], "best_of": 3, "echo": True, "prediction": {"type": "content", "content": "x"}}
+    asks = {"functions": [{"name": "f"}], "function_call": {"name": "f"}, "prediction": {"type": "content", "content": "x"}}
     for name, value in asks.items():
         status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, name: value})
         assert status == 400 and f"'{name}' is not supported" in out["error"]["message"], (name, out)
     # The values clients send by default ask for nothing: accepted.
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": None, "tool_choice": "none"}
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": None, "tool_choice": "none",
+               "functions": [], "function_call": "none"}  # fmt: skip
     status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **neutral})
     assert status == 200 and out["usage"]["completion_tokens"] == 2
     status, _, out = post(
