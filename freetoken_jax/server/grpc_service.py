@@ -1,7 +1,8 @@
 """The gRPC service (`proto/freetoken.proto`) over the same `Service` as the HTTP shim.
 
-`Generate` streams one `Chunk` per token (its id and the text it completes) and ends with
-`Done` (finish reason and usage); a client that cancels the call cancels the request, which
+`Generate` streams one `Chunk` per token (its id, the text it completes and, if asked, its
+log-probabilities) and ends with `Done` (finish reason and usage); with `n` choices, each chunk
+and end carries its choice's index. A client that cancels the call cancels the request, which
 frees its KV pages at the next step. Bad requests end with INVALID_ARGUMENT, an unknown model
 with NOT_FOUND, a full queue with RESOURCE_EXHAUSTED.
 """
@@ -9,7 +10,9 @@ with NOT_FOUND, a full queue with RESOURCE_EXHAUSTED.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import queue
 import secrets
 from concurrent import futures
 
@@ -31,52 +34,100 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
     def _abort(self, context, e: ApiError):
         context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
 
-    def Generate(self, request, context):  # noqa: N802
+    def _request(self, request) -> tuple[list[int], list, list]:
+        """(prompt ids, parameters per choice, grammar per choice) of a Generate request."""
         s, limits = self.s, self.limits
+        s.check_model(request.model or None)
+        which = request.WhichOneof("input")
+        if which == "text":
+            ids = s.encode(request.text)
+        elif which == "tokens":
+            ids = list(request.tokens.ids)
+        else:
+            raise ApiError(400, "give 'text' or 'tokens'")
+        if request.max_new_tokens <= 0:
+            raise ApiError(400, "max_new_tokens must be at least 1")
+        if request.n > 16:
+            raise ApiError(400, f"n must be at most 16, got {request.n}")
+        if request.HasField("logprobs") and request.logprobs > 20:
+            raise ApiError(400, f"logprobs must be at most 20, got {request.logprobs}")
+        sp = request.sampling
+        body = {"temperature": float(sp.temperature), "top_k": int(sp.top_k), "top_p": float(sp.top_p) or 1.0, "min_p": float(sp.min_p),
+                "presence_penalty": float(sp.presence_penalty), "frequency_penalty": float(sp.frequency_penalty),
+                "logit_bias": {str(k): float(v) for k, v in sp.logit_bias.items()}, "min_tokens": int(sp.min_tokens)}  # fmt: skip
+        if sp.HasField("seed"):
+            body["seed"] = int(sp.seed)
+        if sp.HasField("repetition_penalty"):
+            body["repetition_penalty"] = float(sp.repetition_penalty)
+        params = s.params(body, int(request.max_new_tokens), int(request.logprobs) if request.HasField("logprobs") else None)
+        params = dataclasses.replace(params, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
+        if len(request.stop) > limits.max_stops or any(len(x) > limits.max_stop_chars for x in request.stop):
+            raise ApiError(400, f"at most {limits.max_stops} stop strings of at most {limits.max_stop_chars} characters each")
+        n = max(1, request.n)
+        kind = request.constraint.WhichOneof("kind") if request.HasField("constraint") else None
+        grammar = None
+        if kind == "json_schema":
+            try:
+                schema = json.loads(request.constraint.json_schema)
+            except ValueError as e:
+                raise ApiError(400, f"constraint.json_schema is not valid JSON: {e}") from e
+            grammar = s.compile("constraint.json_schema", "json_schema", schema)
+        elif kind is not None:
+            grammar = s.compile(f"constraint.{kind}", kind, getattr(request.constraint, kind))
+        ps = [dataclasses.replace(params, seed=(params.seed + i) % (1 << 32)) for i in range(n)]
+        return ids, ps, [grammar if i == 0 or grammar is None else grammar.fork() for i in range(n)]
+
+    def Generate(self, request, context):  # noqa: N802
+        s = self.s
+        handles = []
         try:
-            s.check_model(request.model or None)
-            which = request.WhichOneof("input")
-            if which == "text":
-                ids = s.encode(request.text)
-            elif which == "tokens":
-                ids = list(request.tokens.ids)
-            else:
-                raise ApiError(400, "give 'text' or 'tokens'")
-            if request.max_new_tokens <= 0:
-                raise ApiError(400, "max_new_tokens must be at least 1")
-            sp = request.sampling
-            body = {"temperature": float(sp.temperature), "top_k": int(sp.top_k), "top_p": float(sp.top_p) or 1.0}
-            if sp.HasField("seed"):
-                body["seed"] = int(sp.seed)
-            params = s.params(body, int(request.max_new_tokens))
-            params = dataclasses.replace(params, stop_token_ids=tuple(request.stop_token_ids), ignore_eos=request.ignore_eos)
-            if len(request.stop) > limits.max_stops or any(len(x) > limits.max_stop_chars for x in request.stop):
-                raise ApiError(400, f"at most {limits.max_stops} stop strings of at most {limits.max_stop_chars} characters each")
-            handle = s.submit(ids, params)
+            ids, ps, grammars = self._request(request)
+            for p, g in zip(ps, grammars):  # choices after the first reuse its prompt's KV pages
+                handles.append(s.submit(ids, p, g, handles[0] if handles else None))
         except ApiError as e:
+            for h in handles:
+                h.cancel()
             self._abort(context, e)
             return
-        context.add_callback(handle.cancel)
-        gen = s.run(handle, list(request.stop))
-        sent = 0
+        for h in handles:
+            context.add_callback(h.cancel)
+        outs = [s.output(h, list(request.stop)) for h in handles]
+        ready: queue.Queue = queue.Queue()  # indices of choices with events queued
+        for i, h in enumerate(handles):
+            h.notify = functools.partial(ready.put, i)
+            ready.put(i)
+        left = len(handles)
         try:
-            while True:
-                try:
-                    text = next(gen)
-                except StopIteration as stop:
-                    finish, usage = stop.value.finish, stop.value.usage
-                    break
-                new = handle.generated[sent:]
-                sent = len(handle.generated)
-                yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=new, text=text))
+            while left:
+                i = ready.get(timeout=self.limits.request_timeout_s)
+                h, out = handles[i], outs[i]
+                while not out.done:
+                    try:
+                        ev = h.queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    stopped = out.finish == "stop_string"
+                    text = out.feed(ev)  # an error event raises ApiError
+                    if ev.kind == "token" and not stopped:
+                        lp = [] if ev.logprobs is None else [pb.TokenLogprob(token_id=ev.token, logprob=ev.logprobs[0],
+                                                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in ev.logprobs[1]])]  # fmt: skip
+                        yield pb.GenerateResponse(chunk=pb.Chunk(index=i, token_ids=[ev.token], text=text, logprobs=lp))
+                    elif ev.kind == "done":
+                        if text:
+                            yield pb.GenerateResponse(chunk=pb.Chunk(index=i, text=text))
+                        u = out.usage or {}
+                        usage = pb.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
+                                         prefix_hit_tokens=u.get("prefix_hit_tokens", 0))  # fmt: skip
+                        yield pb.GenerateResponse(done=pb.Done(index=i, finish_reason=out.finish, usage=usage))
+                        left -= 1
         except ApiError as e:
             self._abort(context, e)
-            return
-        if sent < len(handle.generated):
-            yield pb.GenerateResponse(chunk=pb.Chunk(token_ids=handle.generated[sent:], text=""))
-        u = usage or {}
-        yield pb.GenerateResponse(done=pb.Done(finish_reason=finish, usage=pb.Usage(prompt_tokens=u.get("prompt_tokens", 0),
-                                  completion_tokens=u.get("completion_tokens", 0), prefix_hit_tokens=u.get("prefix_hit_tokens", 0))))  # fmt: skip
+        except queue.Empty:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not finish within {self.limits.request_timeout_s:.0f} s")
+        finally:
+            for h in handles:
+                if not h.finished:
+                    h.cancel()
 
     def Tokenize(self, request, context):  # noqa: N802
         try:

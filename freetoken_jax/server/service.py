@@ -148,10 +148,14 @@ class Service:
             return None
         if len(given) > 1:
             raise ApiError(400, f"give at most one of {', '.join(f for f, _, _ in given)}", param=given[1][0])
-        field, kind, spec = given[0]
+        return self.compile(*given[0])
+
+    def compile(self, field: str, kind: str, spec) -> Constraint:
+        """A fresh `Constraint` of `kind` ("json_object", "json_schema", "regex", "lark", "gbnf");
+        errors are 400s naming `field`."""
         try:
             g = self.engine.grammars
-            text = g.json_object() if kind == "json_object" else g.gbnf(spec) if kind == "gbnf" else getattr(g, kind)(spec)
+            text = g.json_object() if kind == "json_object" else getattr(g, kind)(spec)
             return g.constraint(text)
         except (GrammarError, RequestError) as e:
             raise ApiError(400, f"{field}: {e}", param=field) from e
@@ -168,15 +172,6 @@ class Service:
     def output(self, handle, stops: list[str], keep_special: bool = False) -> Output:
         drop = handle.params.stop_set(self.engine.model_config.eos_token_ids) if keep_special else frozenset()
         return Output(handle, self.tokenizer, stops, keep_special, drop)
-
-    def run(self, handle, stops: list[str]):
-        """Yields text deltas (blocking on the request's events); returns the `Output` through
-        StopIteration."""
-        out = self.output(handle, stops)
-        for ev in handle.events(timeout=600):
-            if delta := out.feed(ev):
-                yield delta
-        return out
 
 
 class Output:

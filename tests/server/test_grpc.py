@@ -8,6 +8,7 @@ import sys
 import threading
 
 import grpc
+import numpy as np
 import pytest
 from helpers import wait_idle
 
@@ -118,3 +119,34 @@ def test_stubs_are_current(tmp_path):
         assert filecmp.cmp(out / "freetoken_jax/server/pb" / f, os.path.join(ROOT, "freetoken_jax/server/pb", f), shallow=False), (
             f"{f} is stale: run `make protos`"
         )
+
+
+def test_generate_controls_choices_and_constraints(stub):
+    """The sampling controls, log-probabilities, n choices and grammars of the HTTP API, on gRPC."""
+    s, service = stub
+    ref = FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=128))
+    prompt = service.tokenizer.encode("abcabc")
+    sp = pb.SamplingParams(temperature=0.0, presence_penalty=1.5, repetition_penalty=1.3, logit_bias={120: 3.0}, min_tokens=4)
+    chunks, done = generate(s, tokens=pb.TokenIds(ids=prompt), max_new_tokens=8, sampling=sp, logprobs=3)
+    ids = [t for c in chunks for t in c.token_ids]
+    want = list(ref.generate(prompt, max_new_tokens=8, presence_penalty=1.5, repetition_penalty=1.3, logit_bias={120: 3.0}, min_tokens=4))
+    assert ids == want and done.usage.completion_tokens == len(want)
+    lps = [lp for c in chunks for lp in c.logprobs]
+    assert [lp.token_id for lp in lps] == ids and all(len(lp.top) == 3 for lp in lps)
+    logits = ref.logits(prompt + ids)[len(prompt) - 1 : -1]
+    lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    np.testing.assert_allclose([lp.logprob for lp in lps], logits[np.arange(len(ids)), ids] - lse, atol=1e-3)
+    # n choices, seeded seed + i, each ending with its own Done
+    rs = list(s.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=prompt), max_new_tokens=5, n=3, ignore_eos=True,
+                                            sampling=pb.SamplingParams(temperature=1.0, seed=11))))  # fmt: skip
+    got = {i: [t for r in rs if r.WhichOneof("event") == "chunk" and r.chunk.index == i for t in r.chunk.token_ids] for i in range(3)}
+    assert sorted(r.done.index for r in rs if r.WhichOneof("event") == "done") == [0, 1, 2]
+    for i in range(3):
+        assert got[i] == list(ref.generate(prompt, max_new_tokens=5, temperature=1.0, seed=11 + i, ignore_eos=True))
+    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"], "additionalProperties": False}
+    chunks, done = generate(s, text="x", max_new_tokens=30, sampling=pb.SamplingParams(temperature=1.0, seed=2),
+                            constraint=pb.Constraint(json_schema=json.dumps(schema)))  # fmt: skip
+    assert set(json.loads("".join(c.text for c in chunks))) == {"k"} and done.finish_reason == "stop"
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s, text="x", max_new_tokens=3, constraint=pb.Constraint(regex="([a"))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
