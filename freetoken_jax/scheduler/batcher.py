@@ -34,6 +34,7 @@ from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.runner import ModelRunner, RebuildFailed
 from freetoken_jax.runtime.sampling import GenerationParams, RequestError, sampling_row, sampling_rows
 from freetoken_jax.runtime.steps import DecodeBatch, PrefillBatch
+from freetoken_jax.scheduler.grammar import fill_masks
 from freetoken_jax.scheduler.radix import RadixCache
 
 # Decode steps the device may run ahead of the host while no running request can stop on a
@@ -421,10 +422,10 @@ class Batcher:
         no grammar, or samples nothing of its request)."""
         V = self.runner.model_config.vocab_size
         mask = np.full((self.B, (V + 31) // 32), -1, np.int32)
-        for i in np.flatnonzero(active):
-            r = self.rows[i]
-            if r is not None and r.handle.grammar is not None and r.start >= len(r.handle.prompt):
-                r.handle.grammar.fill(mask, int(i))
+        rows = [(r.handle.grammar, int(i)) for i, r in ((i, self.rows[i]) for i in np.flatnonzero(active))
+                if r is not None and r.handle.grammar is not None and r.start >= len(r.handle.prompt)]  # fmt: skip
+        if rows:
+            fill_masks(mask, rows)
         return jnp.asarray(mask)
 
     def _decode_batch(self, active: np.ndarray) -> DecodeBatch:

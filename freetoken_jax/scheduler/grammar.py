@@ -10,7 +10,6 @@ of the step runs, and advances it with each token the row emits (`accept`).
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 
@@ -49,8 +48,6 @@ class Grammars:
             self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size)), n_vocab=vocab_size,
                                                     eos_token=eos)  # fmt: skip
         self.vocab_size = vocab_size
-        self.executor = llguidance.LLExecutor()
-        self._lock = threading.Lock()
 
     # Grammar texts ---------------------------------------------------------------------------------
     def json_schema(self, schema: dict | bool) -> str:
@@ -89,6 +86,23 @@ class Grammars:
         if m.is_error():
             raise GrammarError(f"the grammar cannot be compiled: {m.get_error()}")
         return Constraint(m)
+
+
+_executor = None
+
+
+def fill_masks(mask: np.ndarray, rows: list[tuple[Constraint, int]]) -> None:
+    """Fills `mask[row]` from each (constraint, row), the rows in parallel on llguidance's
+    thread pool."""
+    global _executor
+    if len(rows) == 1:
+        rows[0][0].fill(mask, rows[0][1])
+        return
+    if _executor is None:
+        import llguidance
+
+        _executor = llguidance.LLExecutor()
+    _executor.unsafe_compute_mask_ptr([(c.m, row) for c, row in rows], mask.ctypes.data, mask.shape[1] * 4, mask.shape[0])
 
 
 class Constraint:

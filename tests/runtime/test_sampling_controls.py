@@ -177,17 +177,19 @@ def test_json_schema_and_regex_hold_on_random_weights(engine):
 
 def test_grammar_rows_beside_free_rows(engine):
     """A constrained row in the batch (the two-half step) leaves the others' tokens as they are alone."""
-    prompts = [PROMPT, [256] + list(b"other prompt"), [256] + list(b"third")]
-    alone = [list(engine.generate(q, max_new_tokens=10, ignore_eos=True)) for q in prompts[1:]]
-    gs = [engine._grammar(json_schema=SCHEMA), None, None]
+    prompts = [PROMPT, [256] + list(b"other prompt"), [256] + list(b"third"), [256] + list(b"fourth")]
+    alone = [list(engine.generate(q, max_new_tokens=10, ignore_eos=True)) for q in prompts[1:3]]
+    gs = [engine._grammar(json_schema=SCHEMA), None, None, engine._grammar(regex="[a-c]{5}x")]  # two rows' masks in parallel
     ps = [GenerationParams(max_new_tokens=48, temperature=1.0, seed=1), GenerationParams(max_new_tokens=10, ignore_eos=True),
-          GenerationParams(max_new_tokens=10, ignore_eos=True, logprobs=2)]  # fmt: skip
-    out = [[], [], []]
+          GenerationParams(max_new_tokens=10, ignore_eos=True, logprobs=2), GenerationParams(max_new_tokens=10, temperature=1.0, seed=2)]  # fmt: skip
+    out = [[], [], [], []]
     for i, ev in engine._drive(engine._submit(prompts, ps, gs)):
         if ev.kind == "token":
             out[i].append(ev.token)
     jsonschema.validate(json.loads(engine.tokenizer.decode(out[0])), SCHEMA)
-    assert out[1:] == alone
+    assert out[1:3] == alone
+    text = engine.tokenizer.decode(out[3])
+    assert len(text) == 6 and set(text[:5]) <= set("abc") and text[5] == "x"
 
 
 def test_bad_grammar_is_a_request_error(engine):
