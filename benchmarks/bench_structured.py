@@ -57,7 +57,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--vocab", type=int, default=None, help="another vocabulary size (the demo's 320 tokens make masks trivially cheap)")
     ap.add_argument("--strategy", default="fused")
-    ap.add_argument("--vram-gb", type=float, default=None, help="expert slots (offload / hybrid)")
+    ap.add_argument("--expert-slots", type=int, default=None, help="offload / hybrid")
+    ap.add_argument("--expert-format", default=None, help="store the experts in this format (random weights quantized as built)")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--gen-len", type=int, default=64)
     ap.add_argument("--json", default=None)
@@ -77,10 +78,8 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(cfg, eos_token_ids=(cfg.vocab_size - 1,))
     B = max(args.batch)
     ecfg = EngineConfig(dtype="bfloat16" if jax.default_backend() == "gpu" else "float32", max_context=64 + args.gen_len, max_batch=B,
-                        page_size=16, prefill_chunk=64, moe_strategy=args.strategy, expert_slots=None, total_vram_gb=None)  # fmt: skip
-    if args.vram_gb is not None:
-        expert = 3 * cfg.hidden_dim * cfg.moe_intermediate_dim * 2
-        ecfg = ecfg.replace(expert_slots=int(args.vram_gb * 1e9 // expert))
+                        page_size=16, prefill_chunk=64, moe_strategy=args.strategy, expert_slots=args.expert_slots,
+                        expert_format=args.expert_format)  # fmt: skip
     t0 = time.perf_counter()
     engine = FreeTokenEngine(cfg, ecfg, tokenizer=tokenizer, name=args.preset)
     print(f"device {jax.devices()[0].device_kind}; {args.preset} ({cfg.num_layers} layers) {args.strategy} built in {time.perf_counter() - t0:.0f} s",
