@@ -65,19 +65,19 @@ class RebuildFailed(RuntimeError):
     the runner is in a failed state)."""
 
 
-def _traced(step, dtype: str, traces: dict[str, int], **fixed):
+def _traced(step, dtype: str, traces: dict[str, int]):
     """A fresh function object per step set (jit caches executables per function object), traced
     with full-precision float32 matmuls when the model runs in float32 (GPUs otherwise use
     reduced-precision passes for float32 dots). `traces` counts how often each step is traced,
-    which is how often it is compiled. `fixed`: keyword arguments every call passes."""
+    which is how often it is compiled."""
 
     @functools.wraps(step)
-    def run(*args):
+    def run(*args, **kw):
         traces[step.__name__] = traces.get(step.__name__, 0) + 1
         if dtype == "float32":
             with jax.default_matmul_precision("highest"):
-                return step(*args, **fixed)
-        return step(*args, **fixed)
+                return step(*args, **kw)
+        return step(*args, **kw)
 
     return run
 
@@ -86,19 +86,20 @@ class StepSet:
     """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`,
     `prefill(weights, cache, batch, experts)`, `prefill_buffered` / `prefill_slots(weights, cache,
     batch, slots, experts)` and `score(weights, cache, batch, experts)`; and the decode step in
-    two halves for grammar-constrained batches, `decode_logits` (`steps.decode_forward`) and
-    `sample` (`steps.sample_step`), so that the host computes the masks while the model runs."""
+    two halves for batches with rows that ask for more than temperature, top-k and top-p,
+    `decode_logits` (`steps.decode_forward`) and `sample` (`steps.sample_step`: penalties, bias,
+    log-probabilities, grammar masks, which the host computes while the model half runs)."""
 
     def __init__(self, dtype: str):
         self.traces: dict[str, int] = {}
-        jit = lambda f, donate, **fixed: jax.jit(_traced(f, dtype, self.traces, **fixed), donate_argnums=donate)  # noqa: E731
-        self.decode = jit(decode_step, (1,), logprobs=True)
+        jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
+        self.decode = jit(decode_step, (1,))
         self.prefill = jit(prefill_step, (1,))
         self.prefill_buffered = jit(prefill_step_buffered, (1, 3))
         self.prefill_slots = jit(prefill_step_slots, (1, 3))
         self.score = jit(score_step, (1,))
         self.decode_logits = jit(decode_forward, (1,))
-        self.sample = jit(sample_step, (2, 3))
+        self.sample = jit(sample_step, (2, 3), static_argnames=("logprobs",))  # with and without log-probabilities
 
     def compilations(self) -> dict[str, int]:
         """Executables compiled so far per step kind (one per bucket)."""
@@ -111,10 +112,11 @@ class StepSet:
 
     @staticmethod
     def precompile(jobs: list[tuple], workers: int = 1) -> None:
-        """Compiles each (jitted step, argument shapes) on `workers` threads. The shapes must be
-        placed as the calls' arguments will be (`steps.shapes`), so the calls find them compiled."""
+        """Compiles each (jitted step, argument shapes[, static keyword arguments]) on `workers`
+        threads. The shapes must be placed as the calls' arguments will be (`steps.shapes`), so
+        the calls find them compiled."""
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(lambda job: job[0].lower(*job[1]).compile(), jobs))
+            list(pool.map(lambda job: job[0].lower(*job[1], **(job[2] if len(job) > 2 else {})).compile(), jobs))
 
 
 def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, pages_per_row: int) -> tuple:
@@ -138,7 +140,7 @@ class ModelRunner:
         self.steps = steps or StepSet(engine_config.dtype)
         self.pages = PageAllocator(engine_config.total_kv_pages, engine_config.page_size)
         self.state = self._fresh_state(engine_config, plan)
-        self.logprobs: Logprobs | None = None  # the last decode step's (device arrays)
+        self.logprobs: Logprobs | None = None  # the last `sample`'s (device arrays; None after `decode`)
         self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
         self._prefill_note: str | None = None
         self._set_rows = jax.jit(
@@ -219,22 +221,25 @@ class ModelRunner:
         return tok
 
     def decode(self, batch: DecodeBatch) -> jax.Array:
-        """One decode step over all rows (inactive rows masked); returns the tokens [rows]
-        (their `Logprobs`: `logprobs`)."""
-        tok, self.logprobs, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
+        """One decode step over all rows (inactive rows masked) with temperature, top-k and
+        top-p; returns the tokens [rows]."""
+        tok, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
+        self.logprobs = None
         return tok
 
     def decode_logits(self, batch: DecodeBatch) -> jax.Array:
         """The model half of a decode step (`StepSet`): the logits [rows, V], on the device. The
-        next call must be `sample`."""
+        next call must be `sample`, which leaves the step's `logprobs`."""
         logits, self.state = self.steps.decode_logits(self.weights, self.state, batch, self.experts)
         return logits
 
-    def sample(self, logits, batch: DecodeBatch, mask_BW) -> jax.Array:
+    def sample(self, logits, batch: DecodeBatch, mask_BW, logprobs: bool = False) -> jax.Array:
         """The sampling half of the decode step whose `logits` these are, under the grammar
-        bitmask `mask_BW` [rows, ceil(V / 32)]; returns the tokens [rows]."""
+        bitmask `mask_BW` [rows, ceil(V / 32)]; returns the tokens [rows] (and with `logprobs`
+        leaves their `Logprobs` in `logprobs`)."""
         st = self.state
-        tok, tokens, positions, counts, self.logprobs = self.steps.sample(logits, st.tokens_B, st.positions_B, st.counts_BV, batch, mask_BW)
+        tok, tokens, positions, counts, self.logprobs = self.steps.sample(logits, st.tokens_B, st.positions_B, st.counts_BV, batch, mask_BW,
+                                                                          logprobs=logprobs)  # fmt: skip
         self.state = dataclasses.replace(st, tokens_B=tokens, positions_B=positions, counts_BV=counts)
         return tok
 
@@ -279,6 +284,18 @@ class ModelRunner:
         st = state or shapes(self.state, committed=True)
         return decode_job(self.steps, self.weights, self.experts, st, self.engine_config.pages_per_sequence)
 
+    def sample_jobs(self) -> list[tuple]:
+        """(step, argument shapes[, static arguments]) of the decode step's two halves (rows
+        asking for penalties, log-probabilities or a grammar), the sampling half with and without
+        log-probabilities."""
+        st, B, P = shapes(self.state, committed=True), self.rows, self.engine_config.pages_per_sequence
+        batch = DecodeBatch.shapes(B, P)
+        logits = jax.ShapeDtypeStruct((B, self.model_config.vocab_size), jnp.float32, sharding=st.tokens_B.sharding)
+        mask = jax.ShapeDtypeStruct((B, (self.model_config.vocab_size + 31) // 32), jnp.int32)
+        args = (logits, st.tokens_B, st.positions_B, st.counts_BV, batch, mask)
+        return [(self.steps.decode_logits, (self.weights, st, batch, self.experts)), (self.steps.sample, args, {"logprobs": False}),
+                (self.steps.sample, args, {"logprobs": True})]  # fmt: skip
+
     def prefill_jobs(self, chunks: list[int], rows: int = 1) -> list[tuple]:
         """(prefill step, argument shapes) of a chunk of `rows` × T tokens for each T in `chunks`."""
         st, P, jobs = shapes(self.state, committed=True), self.engine_config.pages_per_sequence, []
@@ -296,7 +313,7 @@ class ModelRunner:
         """Compiles the decode step and the prefill step of every chunk bucket before any request
         arrives (on `workers` threads); returns {"steps": n, "seconds": s}."""
         t0 = time.perf_counter()
-        jobs = [self.decode_job(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
+        jobs = [self.decode_job(), *self.sample_jobs(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)

@@ -222,11 +222,13 @@ def process_logits(logits_BV, s: Sampling, counts_BV, positions_B, mask_BW=None)
     return x
 
 
-def sample_full(logits_BV, s: Sampling, counts_BV, positions_B, mask_BW=None) -> tuple[jax.Array, Logprobs]:
+def sample_full(logits_BV, s: Sampling, counts_BV, positions_B, mask_BW=None, logprobs: bool = True) -> tuple[jax.Array, Logprobs | None]:
     """The next token of each row from its processed logits (`process_logits`, then `sample`
-    with min-p), and its `Logprobs` under the unprocessed ones."""
+    with min-p), and (with `logprobs`) its `Logprobs` under the unprocessed ones."""
     x = process_logits(logits_BV, s, counts_BV, positions_B, mask_BW)
     tok = sample(x, s.seeds_B, positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B, s.min_p_B)
+    if not logprobs:
+        return tok, None
     lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
     top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
     return tok, Logprobs(jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top)

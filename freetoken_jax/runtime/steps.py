@@ -39,10 +39,9 @@ class Weights:
 @dataclasses.dataclass(frozen=True)
 class DecodeState:
     """What one decode step reads and replaces: the paged KV cache, each row's last token and
-    its position, and (offload, hybrid) the expert slot cache. With `counts_BV` (the engine's
-    state; `sampling.process_logits` says what it holds) steps sample with every control a
-    request may ask for (`sampling.sample_full`); without it (None), with temperature, top-k and
-    top-p only."""
+    its position, (offload, hybrid) the expert slot cache, and the token counts the full sampler's
+    penalties read (`sample_step`; `sampling.process_logits` says what they hold; None where no
+    step will sample with penalties)."""
 
     cache: KVCache
     tokens_B: jax.Array  # int32
@@ -153,28 +152,27 @@ def decode_forward(
     return weights.model().logits(h[:, 0]), dataclasses.replace(state, cache=cache, slots=slots)
 
 
-def sample_step(logits_BV, tokens_B, positions_B, counts_BV, batch: DecodeBatch, mask_BW=None):
-    """The sampling half of a decode step: (next tokens, the same for the next state, which the
-    next step donates, next positions, counts, `Logprobs` or None without counts). Inactive rows
-    keep their token and position. `mask_BW`: a grammar
-    bitmask per row (`sampling.unpack_mask`), only with counts."""
-    s, active, lp = batch.sampling, batch.active_B, None
-    if counts_BV is None:
-        nxt = sample(logits_BV, s.seeds_B, positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
-    else:
-        nxt, lp = sample_full(logits_BV, s, counts_BV, positions_B, mask_BW)
-        counts_BV = count_tokens(counts_BV, nxt, active)
+def sample_step(logits_BV, tokens_B, positions_B, counts_BV, batch: DecodeBatch, mask_BW=None, logprobs: bool = False):
+    """The sampling half of a decode step with every control (`sampling.sample_full`): (next
+    tokens, the same for the next state, which the next step donates, next positions, counts,
+    `Logprobs` with `logprobs`, else None). Inactive rows keep their token and position.
+    `mask_BW`: a grammar bitmask per row (`sampling.unpack_mask`)."""
+    active = batch.active_B
+    nxt, lp = sample_full(logits_BV, batch.sampling, counts_BV, positions_B, mask_BW, logprobs)
+    counts_BV = count_tokens(counts_BV, nxt, active)
     nxt = jnp.where(active, nxt, tokens_B)
     return nxt, nxt, positions_B + active.astype(jnp.int32), counts_BV, lp
 
 
-def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED, logprobs: bool = False):
-    """One token for every active row: returns the sampled tokens [B] and the next state (with
-    `logprobs`, the tokens, the step's `Logprobs` and the next state)."""
+def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, DecodeState]:
+    """One token for every active row with temperature, top-k and top-p (`sampling.sample`):
+    returns the sampled tokens [B] and the next state (its token counts untouched). Rows that
+    ask for more go through `decode_forward` and `sample_step`."""
     logits, st = decode_forward(weights, state, batch, experts)
-    nxt, tokens, positions, counts, lp = sample_step(logits, st.tokens_B, st.positions_B, st.counts_BV, batch)
-    st = dataclasses.replace(st, tokens_B=tokens, positions_B=positions, counts_BV=counts)
-    return (nxt, lp, st) if logprobs else (nxt, st)
+    s, active = batch.sampling, batch.active_B
+    nxt = sample(logits, s.seeds_B, st.positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
+    nxt = jnp.where(active, nxt, st.tokens_B)
+    return nxt, dataclasses.replace(st, tokens_B=nxt, positions_B=st.positions_B + active.astype(jnp.int32))
 
 
 def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:

@@ -156,6 +156,7 @@ class Batcher:
         self.table = np.zeros((self.B, ecfg.pages_per_sequence), np.int32)
         self.radix = RadixCache(ecfg.page_size) if self.prefix_cache else None
         self._batch_key, self._batch = None, None  # the last decode batch put on the device
+        self._ones = None  # `_all_tokens`
 
     def reset_metrics(self) -> None:
         self.metrics = _fresh_metrics()
@@ -355,9 +356,10 @@ class Batcher:
         on an earlier step's token has run a step too many; its token is dropped (its KV write
         lands past the cached prefix in pages the stream order protects).
 
-        While a running request follows a grammar, the step goes in two halves: the model half is
-        dispatched, the previous step's tokens are emitted (advancing the grammars) and the
-        masks computed while it runs, then the sampling half is dispatched with them."""
+        A step with rows that ask for more than temperature, top-k and top-p goes in two halves
+        (`ModelRunner.decode_logits`, `sample`). While a running request follows a grammar, the
+        model half is dispatched, the previous step's tokens are emitted (advancing the grammars)
+        and the masks computed while it runs, then the sampling half is dispatched with them."""
         t0 = time.perf_counter()
         pending = collections.Counter(id(h) for _, _, entries in self._inflight for _, h in entries)
         feeding = np.array([r is not None and r.decoding and r.start < len(r.handle.prompt) for r in self.rows])
@@ -375,21 +377,38 @@ class Batcher:
             for r in rows:
                 r.start += 1
         busy = bool(active.any())
-        if busy and any(self.rows[i].handle.grammar is not None for i in np.flatnonzero(active)):
+        rows = [self.rows[i] for i in np.flatnonzero(active)]
+        masked = any(r.handle.grammar is not None for r in rows)
+        if masked:  # the masks need every earlier token: read them while the model half runs
             batch = self._decode_batch(active)
             logits = self.runner.decode_logits(batch)
-            self._read(0, active)  # every earlier step's tokens, while the model half runs
-            nxt = self.runner.sample(logits, batch, self._masks(active))
-            self._dispatched(nxt, active)
+            self._read(0, active)
+            self._dispatched(self.runner.sample(logits, batch, self._masks(active), self._logprobs(rows)), active)
         else:
             if busy:
-                self._dispatched(self.runner.decode(self._decode_batch(active)), active)
+                batch = self._decode_batch(active)
+                if any(r.full for r in rows):  # penalties, bias, log-probabilities: the full sampler
+                    nxt = self.runner.sample(self.runner.decode_logits(batch), batch, self._all_tokens(), self._logprobs(rows))
+                else:
+                    nxt = self.runner.decode(batch)
+                self._dispatched(nxt, active)
             stoppable = any(r is not None and r.stops for r in self.rows)
             keep = (1 if stoppable else LENGTH_ONLY_AHEAD) if busy else 0
             busy = self._read(keep, active) or busy
         if busy:
             self.metrics["decode_seconds"] += time.perf_counter() - t0
         return busy
+
+    @staticmethod
+    def _logprobs(rows) -> bool:
+        return any(r.handle.params.logprobs is not None for r in rows)
+
+    def _all_tokens(self) -> jax.Array:
+        """A bitmask that allows every token in every row (on the device, made once)."""
+        if self._ones is None:
+            V = self.runner.model_config.vocab_size
+            self._ones = jnp.full((self.B, (V + 31) // 32), -1, jnp.int32)
+        return self._ones
 
     def _dispatched(self, tokens, active: np.ndarray) -> None:
         """Records a dispatched step: its tokens (and log-probabilities) and the rows that emit them."""

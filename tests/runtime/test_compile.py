@@ -43,7 +43,14 @@ def backend_compiles():
         monitoring.unregister_event_duration_listener(listen)
 
 
-STEPS = ("jit(decode_step)", "jit(prefill_step)", "jit(prefill_step_slots)", "jit(prefill_step_buffered)")
+STEPS = (
+    "jit(decode_step)",
+    "jit(prefill_step)",
+    "jit(prefill_step_slots)",
+    "jit(prefill_step_buffered)",
+    "jit(decode_forward)",
+    "jit(sample_step)",
+)
 
 
 def test_first_steps_share_the_later_steps_executables(demo_scheduler):
@@ -81,15 +88,20 @@ def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
     sched = demo_scheduler(ec)
     with backend_compiles() as warm:
         out = sched.warm_up(workers=2)
-    assert out["steps"] == 1 + 3  # decode, prefill chunks of 16 (through the slots), 32 and 64 (buffered)
+    assert out["steps"] == 4 + 3  # decode, its two halves (sampling with and without log-probabilities), prefill chunks of 16, 32, 64
     assert warm["jit(decode_step)"] == 1 and warm["jit(prefill_step_slots)"] == 1 and warm["jit(prefill_step_buffered)"] == 2
+    assert warm["jit(decode_forward)"] == 1 and warm["jit(sample_step)"] == 2
     p = GenerationParams(max_new_tokens=4, ignore_eos=True)
+    full = GenerationParams(max_new_tokens=4, ignore_eos=True, presence_penalty=0.5)  # the two halves
+    lp = GenerationParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
     with backend_compiles() as serving:
         for n in (5, 20, 40, 100):
             sched.submit(list(range(1, n + 1)), p).result(120)
+            sched.submit(list(range(1, n + 1)), full).result(120)
+            sched.submit(list(range(1, n + 1)), lp).result(120)
     assert not any(serving[s] for s in STEPS), serving
     # A resize of a warmed-up server compiles the new geometry's steps with it.
-    assert sched.rebuild_cache(expert_slots=48)["warm_up"]["steps"] == 4
+    assert sched.rebuild_cache(expert_slots=48)["warm_up"]["steps"] == 7
     with backend_compiles() as resized:
         for n in (5, 20, 40, 100):
             sched.submit(list(range(1, n + 1)), p).result(120)
