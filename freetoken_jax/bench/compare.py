@@ -44,16 +44,15 @@ import numpy as np
 
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
-from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.quant.layout import expert_bytes
 from freetoken_jax.runtime.cpu_executor import hybrid_threads
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.offload import host_bank_views
 from freetoken_jax.runtime.routing import SyntheticRouting
-from freetoken_jax.runtime.runner import ModelRunner, StepSet, decode_job
+from freetoken_jax.runtime.runner import ModelRunner, StepSet, decode_job, state_shapes
 from freetoken_jax.runtime.sampling import GenerationParams
-from freetoken_jax.runtime.steps import DecodeState, shapes
+from freetoken_jax.runtime.steps import shapes
 from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
@@ -172,15 +171,9 @@ class Bench:
     def _decode_job(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, experts=None, **_) -> tuple:
         """The (decode step, argument shapes) of a `decode` row, from shapes alone (nothing is
         allocated, so several compile at once: `precompile`)."""
-        from freetoken_jax.memory.kv_cache import init_cache
-
         weights, experts = self.variant(variant, q, skew) if experts is None else (self.engine.weights, experts)
         slots, ecfg, dtype = self._decode_slots(variant, B, vram_gb), self.ecfg.replace(max_batch=B), jnp.dtype(self.ecfg.dtype)
-        state = jax.eval_shape(lambda: DecodeState(
-            init_cache(self.cfg, ecfg, dtype), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
-            None if slots is None else init_slot_cache(self.cfg, slots, B, dtype),
-        ))  # fmt: skip
-        return decode_job(self.steps, weights, experts, shapes(state, committed=True), ecfg.pages_per_sequence)
+        return decode_job(self.steps, weights, experts, state_shapes(self.cfg, ecfg, slots, dtype), ecfg.pages_per_sequence)
 
     def precompile(self, rows: list[dict], workers: int) -> None:
         """Compiles the decode steps of `rows` (each a dict of `decode`'s arguments) on `workers`

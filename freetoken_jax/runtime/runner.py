@@ -119,6 +119,17 @@ class StepSet:
             list(pool.map(lambda job: job[0].lower(*job[1], **(job[2] if len(job) > 2 else {})).compile(), jobs))
 
 
+def state_shapes(cfg: MoEModelConfig, ecfg: EngineConfig, slots: int | None, dtype) -> DecodeState:
+    """The shapes of a runner's decode state for `ecfg` (`slots` expert slots, or None), placed
+    as the runner places its state (`steps.shapes`); nothing is allocated."""
+    B = ecfg.max_batch
+    state = jax.eval_shape(lambda: DecodeState(
+        init_cache(cfg, ecfg, dtype), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.int32),
+        None if slots is None else init_slot_cache(cfg, slots, B, dtype), jnp.zeros((B, cfg.vocab_size), jnp.int32),
+    ))  # fmt: skip
+    return shapes(state, committed=True)
+
+
 def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, pages_per_row: int) -> tuple:
     """(decode step, its argument shapes) for a state of these shapes (`steps.shapes`)."""
     return steps.decode, (weights, state, DecodeBatch.shapes(state.tokens_B.shape[0], pages_per_row), experts)
@@ -409,18 +420,9 @@ class ModelRunner:
         """Compiles the new geometry's decode step (through the same jitted step, with the
         arguments placed as later calls place them, so the first step after the resize finds it
         compiled) and checks its memory against the device."""
-        cfg, dtype, B = self.model_config, jnp_dtype(new.dtype), new.max_batch
-        state = jax.eval_shape(
-            lambda: dataclasses.replace(
-                self.state,
-                cache=init_cache(cfg, new, dtype),
-                tokens_B=jnp.zeros((B,), jnp.int32),
-                positions_B=jnp.zeros((B,), jnp.int32),
-                slots=init_slot_cache(cfg, plan.slots, B, dtype) if new.uses_slots else None,
-                counts_BV=jnp.zeros((B, cfg.vocab_size), jnp.int32),
-            )
-        )
-        step, args = self.decode_job(shapes(state, committed=True))
+        cfg, dtype = self.model_config, jnp_dtype(new.dtype)
+        state = state_shapes(cfg, new, plan.slots if new.uses_slots else None, dtype)
+        step, args = self.decode_job(state)
         compiled = step.lower(*args).compile()
         limit = device_memory_bytes()
         ma = compiled.memory_analysis() if limit else None

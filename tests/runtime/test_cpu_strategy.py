@@ -14,7 +14,8 @@ BASE = dict(dtype="float32", max_context=48, max_batch=2, page_size=4, prefill_c
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3"])
+# every family runs "cpu" in tests/quant/test_quantized_strategies.py; here both handoffs on two
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
 def test_cpu_matches_fused(family, ckpt_root):
     path = make_checkpoint(family, ckpt_root)
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))

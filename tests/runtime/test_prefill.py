@@ -50,7 +50,7 @@ def check_maps(c):
 
 
 @pytest.mark.parametrize(
-    "family, load", [(f, "auto") for f in ("qwen2_moe", "qwen3_moe", "deepseek_v3")] + [("mixtral", "fetch"), ("deepseek_v2", "fetch")]
+    "family, load", [(f, "auto") for f in ("qwen3_moe", "deepseek_v3")] + [("mixtral", "fetch"), ("deepseek_v2", "fetch")]
 )
 def test_buffered_prefill_matches_fused(family, load, ckpt_root):
     """ "auto" copies these tiny banks whole; "fetch" takes the per-expert path."""
