@@ -93,7 +93,7 @@ def test_streamed_logprobs_equal_non_streamed(server):
 def test_json_schema_output_validates(server, stream):
     client, _ = server
     fmt = {"type": "json_schema", "json_schema": {"name": "trip", "schema": SCHEMA, "strict": True}}
-    for seed in range(10):
+    for seed in range(20):
         kw = dict(
             model="demo", messages=[{"role": "user", "content": "plan"}], max_tokens=64, temperature=1.0, seed=seed, response_format=fmt
         )
