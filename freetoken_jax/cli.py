@@ -1,5 +1,6 @@
-"""The `freetoken-jax` command line: `generate` (one prompt), `serve` (HTTP and gRPC) and `ctl` (a running
-server's cache). Benchmarks are `python -m freetoken_jax.bench`; conversion `python -m freetoken_jax.convert`."""
+"""The `freetoken-jax` command line: `generate` (one prompt), `chat` (a conversation in the
+terminal), `serve` (HTTP and gRPC), `bench` (`python -m freetoken_jax.bench`), `convert`
+(`python -m freetoken_jax.convert`) and `ctl` (a running server's cache)."""
 
 from __future__ import annotations
 
@@ -20,29 +21,92 @@ def _engine_config(args):
     return EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=1, moe_strategy=args.strategy, total_vram_gb=args.vram_gb)
 
 
+def printable(text: str) -> str:
+    """Text for a terminal: control characters other than newline and tab shown as U+FFFD (a
+    random model's bytes would otherwise move the cursor or change colours)."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def _stream(engine, ids, args, out=sys.stdout) -> tuple[list[int], float]:
+    """Generates after `ids`, printing the text as it completes (whole characters, not bytes);
+    returns the tokens and the seconds to the first one."""
+    from freetoken_jax.server.text import TextStream
+
+    text = TextStream(engine.tokenizer, [])
+    toks, t0, first = [], time.perf_counter(), None
+    for t in engine.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                             seed=args.seed):  # fmt: skip
+        first = first or time.perf_counter() - t0
+        toks.append(t)
+        print(printable(text.push(t)[0]), end="", file=out, flush=True)
+    print(printable(text.flush()), file=out, flush=True)
+    return toks, first or 0.0
+
+
 def cmd_generate(args) -> int:
     from freetoken_jax import FreeTokenEngine
 
     engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args))
-    tok = engine.tokenizer
-    if tok is None:
+    if engine.tokenizer is None:
         print(f"error: {args.model} has no tokenizer (tokenizer.json); cannot encode a text prompt", file=sys.stderr)
         return 2
-    ids = tok.encode(args.prompt)
-    t0, out = time.perf_counter(), []
-    for t in engine.generate(
-        ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
-    ):
-        if not out:  # after the prefill, whose log lines would otherwise cut into the text
-            print(args.prompt, end="", flush=True)
-        out.append(t)
-        print(tok.decode([t]), end="", flush=True)
-    dt = time.perf_counter() - t0
+    ids = engine.tokenizer.encode(args.prompt)
+    print(printable(args.prompt), end="", flush=True)
+    toks, first = _stream(engine, ids, args)
     m = engine.get_metrics()
-    print(
-        f"\n[{len(out)} tokens in {dt:.2f} s; decode {m['decode_tokens_per_second']:.1f} tok/s; prompt {len(ids)} tokens]", file=sys.stderr
-    )
+    print(f"[{len(toks)} tokens; first after {first:.2f} s (prefill, and compiling on a first run); decode "
+          f"{m['decode_tokens_per_second']:.1f} tok/s; prompt {len(ids)} tokens]", file=sys.stderr)  # fmt: skip
     return 0
+
+
+def cmd_chat(args) -> int:
+    """A conversation in the terminal through the model's chat template; `/reset` starts over,
+    `/exit` (or end of input) leaves. Each turn reuses the cached KV of the conversation so far."""
+    from freetoken_jax import FreeTokenEngine
+    from freetoken_jax.server.text import chat_template, render_chat
+
+    engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args))
+    if engine.tokenizer is None:
+        print(f"error: {args.model} has no tokenizer (tokenizer.json)", file=sys.stderr)
+        return 2
+    template = getattr(engine.tokenizer, "chat_template", None) or chat_template(engine.model_path)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
+    print("chat: /reset starts over, /exit leaves", file=sys.stderr)
+    while True:
+        try:
+            line = input("> " if sys.stdin.isatty() else "")
+        except EOFError:
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = list(system)
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        ids = engine.tokenizer.encode(render_chat(template, messages))
+        if len(ids) + args.max_new_tokens > engine.engine_config.max_context:
+            print(f"(the conversation is {len(ids)} tokens: past --max-context with the reply; /reset)", file=sys.stderr)
+            messages.pop()
+            continue
+        toks, _ = _stream(engine, ids, args)
+        eos = set(engine.model_config.eos_token_ids)
+        messages.append({"role": "assistant", "content": engine.tokenizer.decode([t for t in toks if t not in eos])})
+
+
+def cmd_bench(args) -> int:
+    from freetoken_jax.bench.__main__ import main as bench_main
+
+    return bench_main(args.rest)
+
+
+def cmd_convert(args) -> int:
+    from freetoken_jax.checkpoint.convert import main as convert_main
+
+    return convert_main(args.rest)
 
 
 def cmd_serve(args) -> int:
@@ -143,21 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="keep compiled steps here for the next run (default: <cache dir>/freetoken_jax/xla)")  # fmt: skip
     cc.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh and keep nothing")
-    g = sub.add_parser("generate", help="generate text from a prompt", parents=[compiled])
-    g.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-new-tokens", type=int, default=48)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--max-context", type=int, default=4096)
-    g.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES)
-    g.add_argument(
-        "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
-    )
-    g.set_defaults(fn=cmd_generate)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    for name, fn, helptext in (("generate", cmd_generate, "generate text from a prompt"), ("chat", cmd_chat, "chat in the terminal")):
+        g = sub.add_parser(name, help=helptext, parents=[compiled], formatter_class=fmt)
+        g.add_argument("--model", required=True, help="checkpoint directory, GGUF file, or 'demo'")
+        if name == "generate":
+            g.add_argument("--prompt", required=True, help="the text to continue")
+        else:
+            g.add_argument("--system", default=None, help="a system message")
+        g.add_argument("--max-new-tokens", type=int, default=48 if name == "generate" else 256, help="tokens to generate (per turn)")
+        g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+        g.add_argument("--top-k", type=int, default=0, help="0: off")
+        g.add_argument("--top-p", type=float, default=1.0, help="1: off")
+        g.add_argument("--seed", type=int, default=0, help="sampling seed")
+        g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activations and dense weights")
+        g.add_argument("--max-context", type=int, default=4096, help="prompt + generated tokens")
+        g.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES, help="where the experts run")
+        g.add_argument(
+            "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
+        )
+        g.set_defaults(fn=fn)
+    for name, fn, helptext in (("bench", cmd_bench, "benchmarks (python -m freetoken_jax.bench; its --help lists them)"),
+                               ("convert", cmd_convert, "convert a checkpoint to FTW (python -m freetoken_jax.convert)")):  # fmt: skip
+        b = sub.add_parser(name, help=helptext, add_help=False)
+        b.add_argument("rest", nargs=argparse.REMAINDER)
+        b.set_defaults(fn=fn)
     v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC", parents=[compiled])
     v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
     v.add_argument("--served-model-name", "--served-name", dest="served_name", default=None,
