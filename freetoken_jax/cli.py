@@ -27,7 +27,7 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
 
 
-def _stream(engine, ids, args, out=sys.stdout) -> tuple[list[int], float]:
+def _stream(engine, ids, args) -> tuple[list[int], float]:
     """Generates after `ids`, printing the text as it completes (whole characters, not bytes);
     returns the tokens and the seconds to the first one."""
     from freetoken_jax.server.text import TextStream
@@ -38,8 +38,8 @@ def _stream(engine, ids, args, out=sys.stdout) -> tuple[list[int], float]:
                              seed=args.seed):  # fmt: skip
         first = first or time.perf_counter() - t0
         toks.append(t)
-        print(printable(text.push(t)[0]), end="", file=out, flush=True)
-    print(printable(text.flush()), file=out, flush=True)
+        print(printable(text.push(t)[0]), end="", flush=True)
+    print(printable(text.flush()), flush=True)
     return toks, first or 0.0
 
 
@@ -95,18 +95,6 @@ def cmd_chat(args) -> int:
         toks, _ = _stream(engine, ids, args)
         eos = set(engine.model_config.eos_token_ids)
         messages.append({"role": "assistant", "content": engine.tokenizer.decode([t for t in toks if t not in eos])})
-
-
-def cmd_bench(args) -> int:
-    from freetoken_jax.bench.__main__ import main as bench_main
-
-    return bench_main(args.rest)
-
-
-def cmd_convert(args) -> int:
-    from freetoken_jax.checkpoint.convert import main as convert_main
-
-    return convert_main(args.rest)
 
 
 def cmd_serve(args) -> int:
@@ -227,11 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
         )
         g.set_defaults(fn=fn)
-    for name, fn, helptext in (("bench", cmd_bench, "benchmarks (python -m freetoken_jax.bench; its --help lists them)"),
-                               ("convert", cmd_convert, "convert a checkpoint to FTW (python -m freetoken_jax.convert)")):  # fmt: skip
-        b = sub.add_parser(name, help=helptext, add_help=False)
-        b.add_argument("rest", nargs=argparse.REMAINDER)
-        b.set_defaults(fn=fn)
+    for name, helptext in (("bench", "benchmarks (python -m freetoken_jax.bench; `freetoken-jax bench --help` lists them)"),
+                           ("convert", "convert a checkpoint to FTW (python -m freetoken_jax.convert)")):  # fmt: skip
+        sub.add_parser(name, help=helptext, add_help=False)  # listed here; `main` hands their arguments over
     v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC", parents=[compiled])
     v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
     v.add_argument("--served-model-name", "--served-name", dest="served_name", default=None,
@@ -280,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("bench", "convert"):  # their own command lines, --help included
+        from freetoken_jax.bench.__main__ import main as bench_main
+        from freetoken_jax.checkpoint.convert import main as convert_main
+
+        return (bench_main if argv[0] == "bench" else convert_main)(argv[1:])
     args = build_parser().parse_args(argv)
 
     log = logging.getLogger("freetoken_jax")  # the engine's choices (strategy, memory plan, limits) on stderr

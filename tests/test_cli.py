@@ -63,7 +63,8 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch):
     out = capsys.readouterr().out
     engine = FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=256, max_batch=1))
     tok = engine.tokenizer
-    prompt = render_chat(tok.chat_template or chat_template(engine.model_path), [{"role": "user", "content": "hello there"}])
+    template = getattr(tok, "chat_template", None) or chat_template(engine.model_path)
+    prompt = render_chat(template, [{"role": "user", "content": "hello there"}])
     first = printable(tok.decode(list(engine.generate(tok.encode(prompt), max_new_tokens=6)))) + "\n"
     # the first turn's reply, then the second's (after both turns), then the first's again after /reset
     assert out.startswith(first) and out.endswith(first) and len(out) > 2 * len(first)
