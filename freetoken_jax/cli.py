@@ -27,20 +27,17 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
 
 
-def _stream(engine, ids, args) -> tuple[list[int], float]:
-    """Generates after `ids`, printing the text as it completes (whole characters, not bytes);
-    returns the tokens and the seconds to the first one."""
-    from freetoken_jax.server.text import TextStream
-
-    text = TextStream(engine.tokenizer, [])
-    toks, t0, first = [], time.perf_counter(), None
-    for t in engine.generate(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                             seed=args.seed):  # fmt: skip
+def _stream(engine, ids, args) -> tuple[str, float]:
+    """Generates after `ids`, printing the text as it completes (`engine.stream_text`); returns
+    the text and the seconds to its first piece."""
+    parts, t0, first = [], time.perf_counter(), None
+    for delta in engine.stream_text(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                    top_p=args.top_p, seed=args.seed):  # fmt: skip
         first = first or time.perf_counter() - t0
-        toks.append(t)
-        print(printable(text.push(t)[0]), end="", flush=True)
-    print(printable(text.flush()), flush=True)
-    return toks, first or 0.0
+        parts.append(delta)
+        print(printable(delta), end="", flush=True)
+    print(flush=True)
+    return "".join(parts), first or 0.0
 
 
 def cmd_generate(args) -> int:
@@ -52,9 +49,9 @@ def cmd_generate(args) -> int:
         return 2
     ids = engine.tokenizer.encode(args.prompt)
     print(printable(args.prompt), end="", flush=True)
-    toks, first = _stream(engine, ids, args)
+    _, first = _stream(engine, ids, args)
     m = engine.get_metrics()
-    print(f"[{len(toks)} tokens; first after {first:.2f} s (prefill, and compiling on a first run); decode "
+    print(f"[{m['generated_tokens']} tokens; first text after {first:.2f} s (prefill, and compiling on a first run); decode "
           f"{m['decode_tokens_per_second']:.1f} tok/s; prompt {len(ids)} tokens]", file=sys.stderr)  # fmt: skip
     return 0
 
@@ -92,9 +89,8 @@ def cmd_chat(args) -> int:
             print(f"(the conversation is {len(ids)} tokens: past --max-context with the reply; /reset)", file=sys.stderr)
             messages.pop()
             continue
-        toks, _ = _stream(engine, ids, args)
-        eos = set(engine.model_config.eos_token_ids)
-        messages.append({"role": "assistant", "content": engine.tokenizer.decode([t for t in toks if t not in eos])})
+        reply, _ = _stream(engine, ids, args)
+        messages.append({"role": "assistant", "content": reply})
 
 
 def cmd_serve(args) -> int:

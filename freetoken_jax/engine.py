@@ -338,6 +338,21 @@ class FreeTokenEngine:
             elif ev.kind == "error":
                 raise RequestError(ev.message)
 
+    def stream_text(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw) -> Iterator[str]:
+        """Yields the generated text as it completes: whole characters only (a character split
+        across tokens comes once all its bytes are out), the end-of-sequence token left out. The
+        other arguments are `generate`'s."""
+        from freetoken_jax.server.text import TextStream
+
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: use generate() with token ids")
+        text = TextStream(self.tokenizer, [])
+        for t in self.generate(prompt, max_new_tokens, **kw):
+            if delta := text.push(t)[0]:
+                yield delta
+        if delta := text.flush():
+            yield delta
+
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, *, json_schema=None,
                        regex: str | None = None, lark: str | None = None, logit_bias=None,

@@ -197,3 +197,11 @@ def test_bad_grammar_is_a_request_error(engine):
         list(engine.generate(PROMPT, regex="([a-z"))
     with pytest.raises(RequestError):
         list(engine.generate(PROMPT, json_schema=SCHEMA, regex="a"))
+
+
+def test_stream_text_yields_whole_characters(engine):
+    """Multi-byte characters split over byte tokens (the demo's tokenizer) come out whole; a
+    token-by-token decode would print U+FFFD for each partial byte."""
+    want = "héllo こんにちは 🙂"
+    deltas = list(engine.stream_text(PROMPT, max_new_tokens=40, regex=want))
+    assert "".join(deltas) == want and not any("\ufffd" in d for d in deltas) and len(deltas) > 1
