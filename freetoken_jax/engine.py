@@ -246,11 +246,22 @@ class FreeTokenEngine:
         return cls(cfg, ecfg, load=load, tokenizer=tokenizer, name=name, model_path=path)
 
     def export_orbax(self, path: str) -> str:
-        """Writes the parameters as an Orbax checkpoint (for JAX users who fine-tune);
-        `python -m freetoken_jax.convert` turns it back into FTW."""
-        from freetoken_jax.checkpoint.convert import export_orbax
+        """Writes the parameters as an Orbax checkpoint (for JAX users who fine-tune), with the
+        tokenizer's files beside them; `python -m freetoken_jax.convert` turns it back into FTW
+        (tokenizer included)."""
+        import shutil
 
-        return export_orbax(self.model_config, self.weights.params, path)
+        from freetoken_jax.checkpoint.convert import export_orbax
+        from freetoken_jax.tokenizer import HFTokenizer
+
+        export_orbax(self.model_config, self.weights.params, path)
+        if self.model_path and os.path.isdir(self.model_path):  # its tokenizer and template files as they are
+            for f in os.listdir(self.model_path):
+                if f.startswith(("tokenizer", "special_tokens_map", "chat_template")) and os.path.isfile(os.path.join(self.model_path, f)):
+                    shutil.copy2(os.path.join(self.model_path, f), os.path.join(path, f))
+        elif isinstance(self.tokenizer, HFTokenizer):  # a GGUF file's vocabulary
+            self.tokenizer.save(path)
+        return path
 
     # Generation -----------------------------------------------------------------------------------
     def check_request(self, prompt: str | Sequence[int], p: GenerationParams) -> list[int]:

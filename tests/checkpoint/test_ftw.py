@@ -228,3 +228,12 @@ def test_cli(hf_and_ftw, tmp_path, capsys):
     assert capsys.readouterr().out.strip().endswith("cli")
     assert main([src, str(tmp_path / "cli")]) == 2  # exists: refused, nothing overwritten
     assert "exists" in capsys.readouterr().err
+
+
+def test_orbax_round_trip_keeps_the_tokenizer(tmp_path):
+    engine = FreeTokenEngine.from_pretrained("demo", EC)
+    engine.export_orbax(str(tmp_path / "orbax"))
+    dst = convert(str(tmp_path / "orbax"), str(tmp_path / "ftw"), dtype="f32", progress=False)
+    back = FreeTokenEngine.from_pretrained(dst, EC)
+    assert back.tokenizer is not None and back.tokenizer.encode("héllo") == engine.tokenizer.encode("héllo")
+    assert list(back.generate("Hi", max_new_tokens=4)) == list(engine.generate("Hi", max_new_tokens=4))
