@@ -15,6 +15,11 @@ from freetoken_jax.config import SUPPORTED_STRATEGIES
 from freetoken_jax.server.tools import FORMATS
 
 
+def _dtype(name: str) -> str:
+    """A dtype flag: convert's short names (bf16, f32) or the long ones."""
+    return {"bf16": "bfloat16", "f32": "float32"}.get(name, name)
+
+
 def _engine_config(args):
     from freetoken_jax import EngineConfig
 
@@ -204,7 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--top-k", type=int, default=0, help="0: off")
         g.add_argument("--top-p", type=float, default=1.0, help="1: off")
         g.add_argument("--seed", type=int, default=0, help="sampling seed")
-        g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activations and dense weights")
+        g.add_argument(
+            "--dtype",
+            default="bfloat16",
+            type=_dtype,
+            choices=["bfloat16", "float32"],
+            help="activations and dense weights (bf16, f32 also)",
+        )
         g.add_argument("--max-context", type=int, default=4096, help="prompt + generated tokens")
         g.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES, help="where the experts run")
         g.add_argument(
@@ -248,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--warm-up-workers", type=int, default=4, help="threads compiling the steps before serving")
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
     v.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=4096)
-    v.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    v.add_argument("--dtype", default="bfloat16", type=_dtype, choices=["bfloat16", "float32"], help="bf16, f32 also")
     v.set_defaults(fn=cmd_serve)
     c = sub.add_parser("ctl", help="control a running server")
     c.add_argument("what", choices=["cache", "status"], help="cache: resize expert slots / KV pages; status: show them")

@@ -2,12 +2,12 @@ from freetoken_jax.cli import main
 
 
 def test_generate_demo(capsys):
-    argv = ["generate", "--model", "demo", "--prompt", "Hi", "--max-new-tokens", "5", "--dtype", "float32", "--max-context", "64",
+    argv = ["generate", "--model", "demo", "--prompt", "Hi", "--max-new-tokens", "5", "--dtype", "f32", "--max-context", "64",
             "--no-compile-cache"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr()
     assert out.out.startswith("Hi")
-    assert "5 tokens" in out.err or "tokens in" in out.err
+    assert "[5 tokens; first text after" in out.err  # convert's dtype names are taken too
 
 
 def test_generate_reports_errors(capsys):
