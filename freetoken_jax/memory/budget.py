@@ -101,6 +101,8 @@ def plan_memory(
             f"room for {slots} expert slots, but one decode step at max_batch={ecfg.max_batch} routes up to {need} experts per layer "
             f"({need * expert / GB:.2f} GiB of slots); raise the budget, or lower max_batch"
         )
+    if slots > most:  # more would never be used: say so rather than quietly give fewer
+        source += f", capped at {most} (every routed expert, and two layers' worth of prefill buffers)"
     return MemoryPlan(ecfg.moe_strategy.value, dense_bytes, kv_bytes, expert, all_experts, min(slots, most), budget, source)
 
 

@@ -179,3 +179,11 @@ def test_host_memory_is_checked(monkeypatch):
         FreeTokenEngine(cfg, ecfg)
     monkeypatch.setattr(engine_mod, "pinned_host_limit", lambda: 1 << 40)
     FreeTokenEngine(cfg, ecfg)  # both checks pass: the engine is built
+
+
+def test_slots_beyond_every_expert_are_capped_and_said(ckpt_root):
+    path = make_checkpoint("mixtral", ckpt_root)
+    _, off = engines(path, expert_slots=10_000)
+    cfg = off.model_config
+    most = (cfg.num_moe_layers + 2) * cfg.num_experts
+    assert off.plan.slots == most and f"capped at {most}" in off.plan.describe()
