@@ -1,5 +1,6 @@
 """Helpers shared by the tests."""
 
+import contextlib
 import time
 
 import numpy as np
@@ -48,3 +49,21 @@ def random_blocks(fmt, O, I, rng, scale=0.01):
         d = (rng.random((O, f.blocks(I))) * scale).astype(np.float16)
         b[..., at : at + 2] = d[..., None].view(np.uint8)
     return b.reshape(O, -1)
+
+
+@contextlib.contextmanager
+def demo_server(ecfg):
+    """The demo model served over HTTP on a free loopback port: yields (base URL, `Service`)."""
+    from freetoken_jax import FreeTokenEngine
+    from freetoken_jax.scheduler.scheduler import Scheduler
+    from freetoken_jax.server.http import Service, serve_http
+
+    engine = FreeTokenEngine.from_pretrained("demo", ecfg)
+    sched = Scheduler(engine)
+    service = Service(sched, "demo", engine.model_path)
+    httpd = serve_http(service, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", service
+    finally:
+        httpd.shutdown()
+        sched.shutdown()

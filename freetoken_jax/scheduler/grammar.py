@@ -47,7 +47,6 @@ class Grammars:
         else:
             self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size)), n_vocab=vocab_size,
                                                     eos_token=eos)  # fmt: skip
-        self.vocab_size = vocab_size
 
     # Grammar texts ---------------------------------------------------------------------------------
     def json_schema(self, schema: dict | bool) -> str:
@@ -130,7 +129,3 @@ class Constraint:
 
     def error(self) -> str:
         return self.m.get_error() or "token not allowed"
-
-    def allows(self, text_tokens: list[int]) -> bool:
-        """Whether these tokens, from here, stay within the grammar (the matcher unchanged)."""
-        return self.m.validate_tokens(text_tokens) == len(text_tokens)

@@ -10,10 +10,9 @@ import jsonschema
 import numpy as np
 import openai
 import pytest
+from helpers import demo_server
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.scheduler.scheduler import Scheduler
-from freetoken_jax.server.http import Service, serve_http
 from freetoken_jax.server.text import render_chat
 
 EC = EngineConfig(dtype="float32", max_context=160, max_batch=4, page_size=8, prefill_chunk=32)
@@ -23,14 +22,8 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def server():
-    engine = FreeTokenEngine.from_pretrained("demo", EC)
-    sched = Scheduler(engine)
-    service = Service(sched, "demo", engine.model_path)
-    httpd = serve_http(service, "127.0.0.1", 0)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0, timeout=120)
-    yield client, service
-    httpd.shutdown()
-    sched.shutdown()
+    with demo_server(EC) as (url, service):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120), service
 
 
 @pytest.fixture(scope="module")

@@ -8,25 +8,17 @@ import urllib.request
 import anthropic
 import openai
 import pytest
-from helpers import wait_idle
+from helpers import demo_server, wait_idle
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.scheduler.scheduler import Scheduler
-from freetoken_jax.server.http import Service, serve_http
 
 EC = EngineConfig(dtype="float32", max_context=128, max_batch=4, page_size=8, prefill_chunk=32)
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = FreeTokenEngine.from_pretrained("demo", EC)
-    sched = Scheduler(engine)
-    service = Service(sched, "demo", engine.model_path)
-    httpd = serve_http(service, "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    yield url, service
-    httpd.shutdown()
-    sched.shutdown()
+    with demo_server(EC) as (url, service):
+        yield url, service
 
 
 @pytest.fixture(scope="module")

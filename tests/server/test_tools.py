@@ -11,6 +11,7 @@ import jsonschema
 import openai
 import pytest
 import torch
+from helpers import demo_server
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
@@ -105,13 +106,8 @@ EC = EngineConfig(dtype="float32", max_context=1536, max_batch=4, page_size=16, 
 
 @pytest.fixture(scope="module")
 def demo():
-    engine = FreeTokenEngine.from_pretrained("demo", EC)
-    sched = Scheduler(engine)
-    httpd = serve_http(Service(sched, "demo", engine.model_path), "127.0.0.1", 0)
-    url = f"http://127.0.0.1:{httpd.server_address[1]}"
-    yield url
-    httpd.shutdown()
-    sched.shutdown()
+    with demo_server(EC) as (url, _):
+        yield url
 
 
 def check_calls(calls, names):
