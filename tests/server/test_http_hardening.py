@@ -313,6 +313,9 @@ def test_metrics_tokenize_and_models(server, caplog):
     c = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     c.request("GET", "/v1/metrics")
     assert json.loads(c.getresponse().read())["requests"] == before + 1
+    deadline = time.time() + 10  # the request's log line is written once the response is out: the client may be first
+    while not any("POST /v1/completions 200" in r.getMessage() for r in caplog.records) and time.time() < deadline:
+        time.sleep(0.01)
     line = next(r.getMessage() for r in caplog.records if "POST /v1/completions 200" in r.getMessage())
     assert "prompt_tokens=" in line and "completion_tokens=2" in line and "count me" not in line  # no prompt text by default
     c.request("GET", "/metrics")
