@@ -6,12 +6,14 @@ PIP := $(PY) -m pip
 .PHONY: demo test install install-test lint protos
 
 $(VENV)/.installed: pyproject.toml cpu_ext/CMakeLists.txt $(wildcard cpu_ext/src/*)
+	@echo "== installing freetoken_jax into $(VENV): jax, flax, numpy, grpcio, FastAPI, tokenizers, llguidance, ... and the C++ executor (about a minute)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
+	@echo "== installing the test extras: pytest, the CPU build of torch and transformers (the oracle), openai, anthropic (about a minute)"
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
@@ -19,10 +21,13 @@ install: $(VENV)/.installed
 install-test: $(VENV)/.installed-test
 
 demo: install
-	$(VENV)/bin/freetoken-jax generate --model demo --prompt "Once upon a time" --max-new-tokens 48
-	$(PY) -m freetoken_jax.bench decode --preset demo --strategy offload hybrid naive --vram-gb 0.001 --gen-len 32
+	@echo "== generating from the demo model (a 1.6 M-parameter MoE trained on Python's help text)"
+	$(VENV)/bin/freetoken-jax generate --model demo --prompt "The for statement" --max-new-tokens 96
+	@echo "== benchmarking offload, hybrid and the naive baseline on it (a functional demo on a CPU: GPU figures are in benchmarks/RESULTS.md)"
+	$(VENV)/bin/freetoken-jax bench decode --preset demo --strategy offload hybrid naive --slots-gb 0.001 --gen-len 32
 
 test: install-test
+	@echo "== running the test suite on two processes"
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 lint: install-test

@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         experts = own.get(base)
         if nograph and experts is not None:
             experts = dataclasses.replace(experts, handoff="ffi_nograph")
-        return dict(variant=strategy, B=B, vram_gb=args.expert_gb, prompt_len=args.prompt_len, steps=steps, q=q,
+        return dict(variant=strategy, B=B, slots_gb=args.expert_gb, prompt_len=args.prompt_len, steps=steps, q=q,
                     skew=args.routing_skew, experts=None if experts is None else skewed(experts), label=v)  # fmt: skip
 
     if args.compile_workers > 1:

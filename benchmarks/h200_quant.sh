@@ -18,8 +18,8 @@ for what in "$@"; do
   case $what in
     check) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_0 2>&1 | tail -8 ;;
     bw) $B bw --json "$OUT/bw.json" 2>&1 | tail -40 ;;
-    decode) $B decode $SHAPE --expert-format q4_0 --vram-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
-    prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --vram-gb 2.2482 --prompt-len 2048 --chunk 2048 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | tail -8 ;;
+    decode) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
+    prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 --chunk 2048 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | tail -8 ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
     lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1;
@@ -38,7 +38,7 @@ for what in "$@"; do
       python3 -c "import sys, time; t = time.perf_counter(); f = open(sys.argv[1], 'rb'); n = 0
 while b := f.read(1 << 26): n += len(b)
 dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {dt:.1f} s ({n / dt / 1e9:.2f} GB/s), $state')" $f
-      $B decode --model $f --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode --vram-gb $vram --strategy hybrid cpu offload \
+      $B decode --model $f --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode --slots-gb $vram --strategy hybrid cpu offload \
         --compile-workers 3 --json "$OUT/$(basename $f .gguf)_decode.json" > "$OUT/$(basename $f .gguf).log" 2>&1
       echo "rc=$?"; grep -v "it/s\]" "$OUT/$(basename $f .gguf).log" | tail -12
       /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
@@ -49,11 +49,11 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
       n=$(python3 -c "print(min(94, int(($cap - 4) / (128 * 3 * 4096 * 1536 * 18 / 32 / 2**30))))")
       echo "pinned cap $cap GiB of $(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo) GiB RAM: $n of 94 layers"
       $B decode --preset qwen3-235b-a22b --layers $n --routing-skew 0 --prompt-len 16 --gen-len 32 --prompt-by-decode \
-        --expert-format q4_0 --vram-gb 64 --strategy hybrid offload --compile-workers 2 --json "$OUT/capacity.json" > "$OUT/capacity.log" 2>&1
+        --expert-format q4_0 --slots-gb 64 --strategy hybrid offload --compile-workers 2 --json "$OUT/capacity.json" > "$OUT/capacity.log" 2>&1
       echo "rc=$?"; grep -v "it/s\]" "$OUT/capacity.log" | tail -12 ;;
     formats) for f in q8_0 fp8 mxfp4 nvfp4; do
         s=$(python3 -c "print(round(847 * 3 * 768 * 2048 * {'q8_0': 34/32, 'fp8': 132/128, 'mxfp4': 17/32, 'nvfp4': 36/64}['$f'] / 1e9 + 5e-5, 4))")
-        $B decode $SHAPE --expert-format $f --vram-gb $s --strategy hybrid offload --compile-workers 2 --json "$OUT/${f}_decode.json" 2>&1 | grep -v "it/s\]" | tail -4
+        $B decode $SHAPE --expert-format $f --slots-gb $s --strategy hybrid offload --compile-workers 2 --json "$OUT/${f}_decode.json" 2>&1 | grep -v "it/s\]" | tail -4
       done ;;
   esac
 done

@@ -5,16 +5,16 @@ wall time per step, kernels launched per step, summed kernel time and the heavie
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --batch 1 8 --variants gather slices ragged
 
 With `--strategies`, the same for host-bank strategies (experts in host RAM, as `bench decode`
-builds them): offload, hybrid, naive, cpu at `--vram-gb` of slots and `--routing-skew`; the
+builds them): offload, hybrid, naive, cpu at `--slots-gb` of slots and `--routing-skew`; the
 steps run after `--warm` steps so the slot cache is in its steady state. Where wall time per
 step exceeds summed kernel time, the stream sat idle (launch gaps, host functions, copies).
 
-    python benchmarks/profile_step.py --preset qwen3-30b-a3b --strategies offload hybrid --vram-gb 16 --routing-skew 0
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --strategies offload hybrid --slots-gb 16 --routing-skew 0
 
 With `--prefill-tokens N`, one offload prefill chunk of N tokens through two borrowed layer
 buffers, loading layers by `--prefill-load`, for each expert implementation in `--variants`:
 
-    python benchmarks/profile_step.py --preset qwen3-30b-a3b --prefill-tokens 512 --vram-gb 16 --variants auto dense
+    python benchmarks/profile_step.py --preset qwen3-30b-a3b --prefill-tokens 512 --slots-gb 16 --variants auto dense
 
 `--no-profile` runs everything but the CUPTI profile (for a machine without CUDA).
 """
@@ -73,7 +73,7 @@ def host_bank_strategies(args) -> list:
     summary = []
     for B, s, sampling in [(B, s, m) for B in args.batch for s in args.strategies for m in args.sampling]:
         use_sampling(bench, sampling)
-        runner = bench._runner(*bench.variant(s, q, args.routing_skew), B, bench._decode_slots(s, B, args.vram_gb))
+        runner = bench._runner(*bench.variant(s, q, args.routing_skew), B, bench._decode_slots(s, B, args.slots_gb))
         t = time.perf_counter()
         step, shapes = runner.decode_job()
         compiled = step.lower(*shapes).compile()
@@ -103,7 +103,7 @@ def host_bank_strategies(args) -> list:
         with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
         runner.close()
-        name = f"{s} {args.vram_gb:g}GB" if s in ("offload", "hybrid") else s
+        name = f"{s} {args.slots_gb:g}GB" if s in ("offload", "hybrid") else s
         report(summary, B, name if sampling == "where" else f"{name} {sampling}", wall, profile, compile_s)
     use_sampling(bench, "where")
     return summary
@@ -130,7 +130,7 @@ def use_sampling(bench, how: str) -> None:
 
 
 def prefill_chunk(args) -> list:
-    """Profiles one prefill chunk of `--prefill-tokens` tokens under offload with `--vram-gb` of
+    """Profiles one prefill chunk of `--prefill-tokens` tokens under offload with `--slots-gb` of
     slots through two borrowed layer buffers, each layer's missing experts fetched by the Pallas
     kernel or copied whole (`--prefill-load`), for each expert implementation of `--variants`
     (`auto`: the engine's choice, `dense` at this size; `ragged`: grouped matmuls); writes
@@ -145,9 +145,9 @@ def prefill_chunk(args) -> list:
     bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T)
     cfg, ecfg, summary = bench.cfg, bench.ecfg, []
     weights, experts = bench.engine.weights, Offload(args.prefill_load)
-    n = bench.slots_for(args.vram_gb, 1)
+    n = bench.slots_for(args.slots_gb, 1)
     if experts.prefill_path(cfg, T, n) != "buffered":
-        raise SystemExit(f"{n} slots at {args.vram_gb} GB: a {T}-token chunk would not take the buffered prefill")
+        raise SystemExit(f"{n} slots at {args.slots_gb} GB: a {T}-token chunk would not take the buffered prefill")
     dtype = jnp.dtype(args.dtype)
     box = [on_device(init_cache(cfg, ecfg, dtype)), on_device(init_slot_cache(cfg, n, 1, dtype))]  # this profile's own state
     table = np.arange(1, ecfg.pages_per_sequence + 1, dtype=np.int32)[None]
@@ -183,7 +183,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1])
     ap.add_argument("--variants", nargs="+", default=["auto"])
     ap.add_argument("--strategies", nargs="+", default=None, choices=["offload", "hybrid", "naive", "cpu"])
-    ap.add_argument("--vram-gb", type=float, default=16.0)
+    ap.add_argument("--slots-gb", type=float, default=16.0)
     ap.add_argument("--routing-skew", type=float, default=0.0)
     ap.add_argument("--warm", type=int, default=16, help="steps before timing (host-bank strategies)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])

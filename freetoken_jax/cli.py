@@ -23,13 +23,45 @@ def _dtype(name: str) -> str:
 def _engine_config(args):
     from freetoken_jax import EngineConfig
 
-    return EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=1, moe_strategy=args.strategy, total_vram_gb=args.vram_gb)
+    return EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=1, moe_strategy=args.strategy, total_vram_gb=args.vram_gb,
+                        expert_slots_gb=args.slots_gb)  # fmt: skip
+
+
+def one_line_errors(fn, debug: bool = False) -> int:
+    """Runs `fn()` for a subcommand: a user's error (config, checkpoint, request, missing file)
+    is one line on stderr and exit status 2; its traceback only with `debug`."""
+    from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+    from freetoken_jax.config import ConfigError
+    from freetoken_jax.engine import RequestError
+
+    try:
+        return fn()
+    except (ConfigError, CheckpointError, RequestError, FileNotFoundError) as e:
+        if debug:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 def printable(text: str) -> str:
     """Text for a terminal: control characters other than newline and tab shown as U+FFFD (a
     random model's bytes would otherwise move the cursor or change colours)."""
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def _compile(engine, jobs: list, what: str) -> None:
+    """Compiles `jobs` (the steps about to run) with a line saying so, so that a first run's
+    wait is explained and its decode rate excludes compiling."""
+    import jax
+
+    cached = jax.config.jax_compilation_cache_dir
+    print(f"compiling {what} (once per shape{'; kept in ' + cached if cached else ''}) ...", end="", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    engine.runner.steps.precompile(jobs, workers=2)
+    print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
 def _stream(engine, ids, args) -> tuple[str, float]:
@@ -48,15 +80,13 @@ def _stream(engine, ids, args) -> tuple[str, float]:
 def cmd_generate(args) -> int:
     from freetoken_jax import FreeTokenEngine
 
-    engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args))
-    if engine.tokenizer is None:
-        print(f"error: {args.model} has no tokenizer (tokenizer.json); cannot encode a text prompt", file=sys.stderr)
-        return 2
+    engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args), require_tokenizer=True)
     ids = engine.tokenizer.encode(args.prompt)
+    _compile(engine, engine.runner.prompt_jobs(len(ids)), "the prefill and decode steps")
     print(printable(args.prompt), end="", flush=True)
     _, first = _stream(engine, ids, args)
     m = engine.get_metrics()
-    print(f"[{m['generated_tokens']} tokens; first text after {first:.2f} s (prefill, and compiling on a first run); decode "
+    print(f"[{m['generated_tokens']} tokens; first text after {first:.2f} s; decode "
           f"{m['decode_tokens_per_second']:.1f} tok/s; prompt {len(ids)} tokens]", file=sys.stderr)  # fmt: skip
     return 0
 
@@ -67,13 +97,13 @@ def cmd_chat(args) -> int:
     from freetoken_jax import FreeTokenEngine
     from freetoken_jax.server.text import chat_template, render_chat
 
-    engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args))
-    if engine.tokenizer is None:
-        print(f"error: {args.model} has no tokenizer (tokenizer.json)", file=sys.stderr)
-        return 2
+    engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args), require_tokenizer=True)
     template = getattr(engine.tokenizer, "chat_template", None) or chat_template(engine.model_path)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
+    _compile(
+        engine, [engine.runner.decode_job(), *engine.runner.prefill_jobs(engine.runner.chunk_buckets())], "the prefill and decode steps"
+    )
     print("chat: /reset starts over, /exit leaves", file=sys.stderr)
     while True:
         try:
@@ -111,7 +141,7 @@ def cmd_serve(args) -> int:
     from freetoken_jax.server.service import Service
 
     ecfg = EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=args.max_batch, moe_strategy=args.strategy,
-                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, hybrid_q=args.hybrid_q,
+                        total_vram_gb=args.vram_gb, expert_slots=args.expert_slots, expert_slots_gb=args.slots_gb, hybrid_q=args.hybrid_q,
                         max_running=args.max_running)  # fmt: skip
     try:  # the HTTP port first: a taken one is said now, not after loading and compiling
         sock = bind(args.host, args.port)
@@ -196,9 +226,16 @@ def build_parser() -> argparse.ArgumentParser:
     cc.add_argument("--compile-cache", metavar="DIR", default=None,
                     help="keep compiled steps here for the next run (default: <cache dir>/freetoken_jax/xla)")  # fmt: skip
     cc.add_argument("--no-compile-cache", action="store_true", help="compile everything afresh and keep nothing")
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
+    memory = argparse.ArgumentParser(add_help=False)
+    memory.add_argument("--vram-gb", type=float, default=None,
+                        help="device memory the engine may use, GiB (default: the device's); offload/hybrid plan expert slots from it")  # fmt: skip
+    memory.add_argument("--slots-gb", type=float, default=None,
+                        help="device memory for expert slots, GB = 1e9 bytes (offload/hybrid; as `bench --slots-gb`; default: what --vram-gb leaves)")  # fmt: skip
     fmt = argparse.ArgumentDefaultsHelpFormatter
     for name, fn, helptext in (("generate", cmd_generate, "generate text from a prompt"), ("chat", cmd_chat, "chat in the terminal")):
-        g = sub.add_parser(name, help=helptext, parents=[compiled], formatter_class=fmt)
+        g = sub.add_parser(name, help=helptext, parents=[compiled, memory, debug], formatter_class=fmt)
         g.add_argument("--model", required=True, help="checkpoint directory, GGUF file, or 'demo'")
         if name == "generate":
             g.add_argument("--prompt", required=True, help="the text to continue")
@@ -218,19 +255,16 @@ def build_parser() -> argparse.ArgumentParser:
         )
         g.add_argument("--max-context", type=int, default=4096, help="prompt + generated tokens")
         g.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES, help="where the experts run")
-        g.add_argument(
-            "--vram-gb", type=float, default=None, help="device memory the engine may use (offload/hybrid plan expert slots from it)"
-        )
         g.set_defaults(fn=fn)
     for name, helptext in (("bench", "benchmarks (python -m freetoken_jax.bench; `freetoken-jax bench --help` lists them)"),
                            ("convert", "convert a checkpoint to FTW (python -m freetoken_jax.convert)")):  # fmt: skip
         sub.add_parser(name, help=helptext, add_help=False)  # listed here; `main` hands their arguments over
-    v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC", parents=[compiled])
+    v = sub.add_parser("serve", help="serve the OpenAI/Anthropic HTTP API and gRPC", parents=[compiled, memory, debug], formatter_class=fmt)
     v.add_argument("--model", required=True, help="checkpoint directory, or 'demo'")
     v.add_argument("--served-model-name", "--served-name", dest="served_name", default=None,
                    help="the model id clients send (default: the directory name)")  # fmt: skip
-    v.add_argument("--host", default="127.0.0.1")
-    v.add_argument("--port", type=int, default=8000)
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    v.add_argument("--port", type=int, default=8000, help="HTTP port")
     v.add_argument("--api-key", default=None, help="key every route but /health asks for (default: $FREETOKEN_API_KEY; none: open)")
     v.add_argument("--admin-key", default=None, help="key of /v1/cache/* (default: --api-key; neither: loopback clients only)")
     v.add_argument("--allowed-origins", default=None, help="comma-separated browser origins allowed (CORS); others are refused")
@@ -244,10 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--request-timeout", type=float, default=600.0, help="seconds a non-streaming request may take")
     v.add_argument("--log-prompts", action="store_true", help="log request bodies (prompts) beside the per-request line")
     v.add_argument("--grpc-port", type=int, default=50051, help="-1: no gRPC")
-    v.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES)
+    v.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES, help="where the experts run")
     v.add_argument("--hybrid-q", type=float, default=0.35, help="hybrid: share of missed experts fetched over PCIe (q* = Bp / (Bp + Bh))")
-    v.add_argument("--vram-gb", type=float, default=None, help="device memory the engine may use (offload plans expert slots from it)")
-    v.add_argument("--expert-slots", type=int, default=None)
+    v.add_argument("--expert-slots", type=int, default=None, help="expert slots by count (instead of --slots-gb)")
     v.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", type=int, default=4, help="requests decoded together")
     v.add_argument(
         "--max-running",
@@ -258,16 +291,16 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--no-warm-up", action="store_true", help="compile steps when first needed instead of before serving")
     v.add_argument("--warm-up-workers", type=int, default=4, help="threads compiling the steps before serving")
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
-    v.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=4096)
+    v.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=4096, help="prompt + generated tokens")
     v.add_argument("--dtype", default="bfloat16", type=_dtype, choices=["bfloat16", "float32"], help="bf16, f32 also")
     v.set_defaults(fn=cmd_serve)
-    c = sub.add_parser("ctl", help="control a running server")
+    c = sub.add_parser("ctl", help="control a running server", parents=[debug], formatter_class=fmt)
     c.add_argument("what", choices=["cache", "status"], help="cache: resize expert slots / KV pages; status: show them")
-    c.add_argument("--url", default="http://127.0.0.1:8000")
-    c.add_argument("--slots", type=int, default=None)
-    c.add_argument("--kv-pages", type=int, default=None)
+    c.add_argument("--url", default="http://127.0.0.1:8000", help="the server")
+    c.add_argument("--slots", type=int, default=None, help="cache: expert slots wanted")
+    c.add_argument("--kv-pages", type=int, default=None, help="cache: KV pages wanted")
     c.add_argument("--drain", action="store_true", help="let running requests finish first instead of failing with 'busy'")
-    c.add_argument("--timeout", type=float, default=600)
+    c.add_argument("--timeout", type=float, default=600, help="seconds to wait for the answer")
     c.set_defaults(fn=cmd_ctl)
     return p
 
@@ -287,10 +320,6 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
-    from freetoken_jax.checkpoint.safetensors_io import CheckpointError
-    from freetoken_jax.config import ConfigError
-    from freetoken_jax.engine import RequestError
-
     if hasattr(args, "no_compile_cache") and not args.no_compile_cache:
         from freetoken_jax import compile_cache
 
@@ -298,11 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("compiled steps cached in %s", compile_cache.enable(args.compile_cache))
         except OSError as e:
             print(f"warning: no compile cache ({e}); every step compiles afresh", file=sys.stderr)
-    try:
-        return args.fn(args)
-    except (ConfigError, CheckpointError, RequestError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return one_line_errors(lambda: args.fn(args), args.debug)
 
 
 if __name__ == "__main__":

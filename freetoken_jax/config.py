@@ -17,13 +17,30 @@ from typing import Any
 
 import jax
 
-# The activations of expert and dense FFNs, by name: the jnp function the device computes. The C++
-# executor has its own table of the same names (`cpu_ext/src/moe_executor.h`, exported as
-# `_freetoken_cpu.ACTIVATIONS`; a test checks that the two agree).
+# gpt-oss's clamped SwiGLU: its one (alpha, limit), the values of every released checkpoint.
+SWIGLU_OAI = (1.702, 7.0)
+
+
+def _swiglu_oai(g, u):
+    alpha, limit = SWIGLU_OAI
+    g = jax.numpy.minimum(g, limit)
+    u = jax.numpy.clip(u, -limit, limit)
+    return (u + 1) * g * jax.nn.sigmoid(g * alpha)
+
+
+def _gated(act):
+    return lambda g, u: act(g) * u
+
+
+# The gated activations of expert and dense FFNs, by name: the jnp function h(gate x, up x) the
+# device computes. The C++ executor has its own table of the same names
+# (`cpu_ext/src/moe_executor.h`, exported as `_freetoken_cpu.ACTIVATIONS`; a test checks that the
+# two agree).
 ACTIVATIONS = {
-    "silu": jax.nn.silu,
-    "gelu": functools.partial(jax.nn.gelu, approximate=False),
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),
+    "silu": _gated(jax.nn.silu),
+    "gelu": _gated(functools.partial(jax.nn.gelu, approximate=False)),
+    "gelu_tanh": _gated(functools.partial(jax.nn.gelu, approximate=True)),
+    "swiglu_oai": _swiglu_oai,
 }
 DTYPES = ("float32", "bfloat16")
 # Storage formats of routed experts (`quant/formats.py`), each with the multiple of 32 its blocks
@@ -85,6 +102,12 @@ class MoEModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    # Sliding-window attention: a token attends to the `sliding_window` positions ending at its
+    # own (0: the whole context), in the layers `sliding_layers` marks (empty: every layer).
+    sliding_window: int = 0
+    sliding_layers: tuple[bool, ...] = ()
+    # A learned logit per head in every attention softmax's denominator (gpt-oss "sinks").
+    attention_sinks: bool = False
     # Multi-head latent attention (DeepSeek); used when attention == "mla".
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -100,14 +123,17 @@ class MoEModelConfig:
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     mlp_bias: bool = False
-    # Router.
+    # Router. `router_bias`: a learned bias on the router's logits (gpt-oss).
     router_scoring: str = "softmax"  # "softmax" or "sigmoid"
+    router_bias: bool = False
     norm_topk_prob: bool = True
     topk_method: str = "greedy"  # "greedy", "group_limited_greedy" (V2), "noaux_tc" (V3)
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     score_correction_bias: bool = False
+    # Per-expert biases on the gate, up and down projections (gpt-oss).
+    expert_bias: bool = False
     # Shared experts: width of the always-on expert FFN (0 = none), optionally sigmoid-gated.
     shared_expert_dim: int = 0
     shared_expert_gate: bool = False
@@ -160,6 +186,13 @@ class MoEModelConfig:
                 )
             if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
                 raise ConfigError("topk_group groups hold fewer experts than top_k")
+        if self.sliding_window < 0:
+            raise ConfigError(f"sliding_window must not be negative, got {self.sliding_window}")
+        if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
+            raise ConfigError(f"sliding_layers has {len(self.sliding_layers)} entries for {self.num_layers} layers")
+        if self.sliding_window and self.attention == "mla":
+            raise ConfigError("sliding-window attention with MLA is not supported")
+        set_("sliding_layers", tuple(bool(b) for b in self.sliding_layers))
         if not self.moe_layers:
             set_("moe_layers", (True,) * self.num_layers)
         if len(self.moe_layers) != self.num_layers:
@@ -192,6 +225,10 @@ class MoEModelConfig:
     def formats_of(self, m: int) -> tuple[str, str, str]:
         """(gate, up, down) formats of MoE layer m."""
         return self.expert_formats[m] if self.expert_formats else (self.expert_format,) * 3
+
+    def window_of(self, i: int) -> int:
+        """The attention window of layer i (0: the whole context)."""
+        return self.sliding_window if not self.sliding_layers or self.sliding_layers[i] else 0
 
     # Derived sizes -----------------------------------------------------------------------------
     @property
@@ -248,7 +285,8 @@ class EngineConfig:
     (default: enough for `max_batch` full-length sequences).
 
     Expert placement: `moe_strategy` "fused" keeps every expert on the device; "offload" keeps
-    them in host RAM with `expert_slots` slots on the device — given directly, or planned from
+    them in host RAM with `expert_slots` slots on the device — given directly (or as
+    `expert_slots_gb`, GB = 1e9 bytes of slots, what `bench --slots-gb` takes), or planned from
     FreeToken's budget fields (`total_vram_gb`, `base_model_vram_gb` for the dense weights,
     `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory; "cpu"
     computes every routed expert on the CPU from host RAM (no slots), for devices with almost
@@ -260,6 +298,7 @@ class EngineConfig:
     dtype: str = "bfloat16"
     moe_strategy: Strategy = Strategy.FUSED  # a name is accepted too
     expert_slots: int | None = None
+    expert_slots_gb: float | None = None
     total_vram_gb: float | None = None
     base_model_vram_gb: float | None = None
     reserved_vram_gb: float | None = None
@@ -337,6 +376,10 @@ class EngineConfig:
         for name in ("expert_slots", "initial_expert_capacity", "max_running"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.expert_slots is not None and self.expert_slots_gb is not None:
+            raise ConfigError("give expert_slots or expert_slots_gb, not both")
+        if self.expert_slots_gb is not None and self.expert_slots_gb <= 0:
+            raise ConfigError(f"expert_slots_gb must be positive, got {self.expert_slots_gb}")
         for name in ("total_vram_gb", "base_model_vram_gb", "reserved_vram_gb"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")

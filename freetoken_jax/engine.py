@@ -191,11 +191,13 @@ class FreeTokenEngine:
     # Construction ---------------------------------------------------------------------------------
     @classmethod
     def from_pretrained(
-        cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False
+        cls, path: str | os.PathLike, engine_config: EngineConfig | None = None, *, verify: bool = False, require_tokenizer: bool = False
     ) -> FreeTokenEngine:
         """Loads an FTW directory, a Hugging Face safetensors directory of a supported family, a
-        GGUF file (or any part of a split set; `docs/LOADING.md`), an engine-native directory, or `"demo"` (the built-in demo model, created locally on first
-        use). `verify` checks every FTW tensor's checksum while loading."""
+        GGUF file (or any part of a split set; `docs/LOADING.md`), an engine-native directory, or
+        `"demo"` (the built-in demo model, in the package). `verify` checks every FTW tensor's
+        checksum while loading; `require_tokenizer` refuses a checkpoint without one
+        (`tokenizer.json`) before any weight is read."""
         from freetoken_jax.checkpoint.convert import load_ftw
         from freetoken_jax.checkpoint.ftw import FTWReader, is_ftw
         from freetoken_jax.checkpoint.hf import HFSource, load_params
@@ -215,15 +217,20 @@ class FreeTokenEngine:
             from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 
             raise CheckpointError(f"no checkpoint directory at {path!r} (pass a directory with config.json, a .gguf file, or 'demo')")
+        tokenizer = load_tokenizer(path)
+        if tokenizer is None and require_tokenizer:
+            from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+
+            raise CheckpointError(f"{path} has no tokenizer (tokenizer.json); text prompts need one")
         if is_ftw(path):
             with FTWReader(path) as r:
                 cfg = config_from_json(r.index.get("model_config") or {})
             load = lambda place: load_ftw(path, ecfg.dtype, place, verify=verify)[1]  # noqa: E731
-            return cls(cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name, model_path=path)
+            return cls(cfg, ecfg, load=load, tokenizer=tokenizer, name=name, model_path=path)
         src = HFSource(path, ecfg.expert_format)
         src.check(list(build_abstract(src.cfg, ecfg.dtype).flat_state()))  # every shape, before anything is allocated
         load = functools.partial(load_params, src, ecfg.dtype)
-        return cls(src.cfg, ecfg, load=load, tokenizer=load_tokenizer(path), name=name, model_path=path)
+        return cls(src.cfg, ecfg, load=load, tokenizer=tokenizer, name=name, model_path=path)
 
     @classmethod
     def _from_gguf(cls, path: str, ecfg: EngineConfig) -> FreeTokenEngine:

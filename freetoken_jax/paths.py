@@ -1,5 +1,5 @@
 """Where the engine keeps files between runs: `<XDG_CACHE_HOME or ~/.cache>/freetoken_jax`
-(the demo model, the machine's bandwidth profile `benchbw.json`, compiled executables)."""
+(the machine's bandwidth profile `benchbw.json`, compiled executables)."""
 
 from __future__ import annotations
 

@@ -16,20 +16,32 @@ def wait_idle(sched, timeout: float = 30.0) -> bool:
     return False
 
 
-def executor_reference(x, tokens, experts, weights, gate, up, down, F, act, round_activations=None):
-    """The CPU executor's job in float64: out[t] += w · down_e(act(gate_e x_t) ⊙ up_e x_t);
-    `round_activations(v)`, when given, is applied to x_t and to the hidden vector first (as
-    kernels that quantize their activations do)."""
+def gated_reference(act: str, g, u):
+    """The gated activation h(g, u) of `act` in float64 (config.ACTIVATIONS's definitions)."""
+    if act == "swiglu_oai":  # gpt-oss: alpha 1.702, limit 7
+        g, u = np.minimum(g, 7.0), np.clip(u, -7.0, 7.0)
+        return (u + 1) * g / (1 + np.exp(-1.702 * g))
+    f = {"silu": lambda v: v / (1 + np.exp(-v)), "gelu": lambda v: 0.5 * v * (1 + np.vectorize(__import__("math").erf)(v / np.sqrt(2))),
+         "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))}[act]  # fmt: skip
+    return f(g) * u
+
+
+def executor_reference(x, tokens, experts, weights, gate, up, down, F, act, round_activations=None, bias=None):
+    """The CPU executor's job in float64: out[t] += w · (down_e act(gate_e x_t + bg_e, up_e x_t +
+    bu_e) + bd_e), biases (gate, up, down per expert) where given; `round_activations(v)`, when
+    given, is applied to x_t and to the hidden vector first (as kernels that quantize their
+    activations do)."""
     rnd = round_activations or (lambda v: v)
     x = rnd(x.astype(np.float64))
     T, H = x.shape
     g64, u64, d64 = (np.asarray(b, np.float64) for b in (gate, up, down))
+    bg, bu, bd = (
+        (np.asarray(b, np.float64) for b in bias) if bias is not None else (np.zeros((len(g64), F)),) * 2 + (np.zeros((len(g64), H)),)
+    )
     out = np.zeros((T, H))
-    f = {"silu": lambda v: v / (1 + np.exp(-v)), "gelu": lambda v: 0.5 * v * (1 + np.vectorize(__import__("math").erf)(v / np.sqrt(2))),
-         "gelu_tanh": lambda v: 0.5 * v * (1 + np.tanh(0.7978845608028654 * (v + 0.044715 * v**3)))}[act]  # fmt: skip
     for t, e, w in zip(tokens, experts, weights):
         G, U, D = g64[e].reshape(F, H), u64[e].reshape(F, H), d64[e].reshape(H, F)
-        out[t] += w * D @ rnd(f(G @ x[t]) * (U @ x[t]))
+        out[t] += w * (D @ rnd(gated_reference(act, G @ x[t] + bg[e], U @ x[t] + bu[e])) + bd[e])
     return out
 
 

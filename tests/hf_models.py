@@ -5,7 +5,15 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    GptOssConfig,
+    MixtralConfig,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
 
 COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, initializer_range=0.05)
 MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, moe_intermediate_size=32, num_key_value_heads=4)
@@ -20,6 +28,19 @@ VARIANTS = {
         num_experts=8,
         num_experts_per_tok=3,
         mlp_only_layers=[1],
+    ),
+    # sliding windows shorter than the test sequences: every layer (Mixtral), layers 0 and 2 (Qwen2's rule)
+    "mixtral_swa": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, sliding_window=5),
+    "qwen2_moe_swa": lambda: Qwen2MoeConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=3,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=3,
     ),
     "qwen3_moe": lambda: Qwen3MoeConfig(
         **COMMON, num_key_value_heads=2, head_dim=24, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False
@@ -36,6 +57,16 @@ VARIANTS = {
         num_experts=4,
         num_experts_per_tok=2,
         norm_topk_prob=True,
+    ),
+    # alternating sliding (window 6) and full layers, sinks and every bias nonzero (set below), YaRN rope
+    "gpt_oss": lambda: GptOssConfig(
+        **{**COMMON, "intermediate_size": 32},
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=6,
+        num_experts_per_tok=2,
+        sliding_window=6,
+        max_position_embeddings=4096,
     ),
     "deepseek_v2": lambda: DeepseekV2Config(
         **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1
@@ -86,8 +117,11 @@ def make_checkpoint(name: str, root: str) -> str:
     torch.manual_seed(sum(map(ord, name)))
     model = AutoModelForCausalLM.from_config(VARIANTS[name](), dtype=torch.float32)
     with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("bias", "sinks")) and not p.any():  # learned offsets a zero init would leave untested
+                p.copy_(torch.randn_like(p) * (0.5 if name.endswith("sinks") else 0.05))
         for layer in model.model.layers:
-            gate = getattr(layer.mlp, "gate", None)
+            gate = getattr(layer.mlp, "gate", None) or getattr(layer.mlp, "router", None)
             if gate is not None and hasattr(gate, "weight") and gate.weight.shape[0] > 1:
                 gate.weight.mul_(40.0)  # routing margins far above float rounding
             if gate is not None and hasattr(gate, "e_score_correction_bias"):

@@ -79,3 +79,75 @@ def test_bench_and_convert_are_subcommands(capsys):
     with pytest.raises(SystemExit) as e:
         main(["convert", "--help"])
     assert e.value.code == 0 and "--expert-format" in capsys.readouterr().out
+
+
+def test_help_shows_defaults_and_shared_flags(capsys):
+    import pytest
+
+    for cmd, want in (("generate", ["--slots-gb", "--vram-gb", "--debug", "(default: 48)"]), ("serve", ["--slots-gb", "(default: 8000)"]),
+                      ("chat", ["(default: 256)"]), ("ctl", ["(default: http://127.0.0.1:8000)"])):  # fmt: skip
+        with pytest.raises(SystemExit):
+            main([cmd, "--help"])
+        out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+        assert all(w in out for w in want), (cmd, [w for w in want if w not in out])
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--slots-gb" in out and "(default: [16.0])" in out and "--vram-gb" not in out
+
+
+def test_vram_gb_has_one_meaning(capsys):
+    """`bench` takes the slot budget as --slots-gb; --vram-gb (the whole device budget of
+    generate/serve) is refused there with the reason, not read as something else."""
+    import pytest
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "decode", "--preset", "demo", "--vram-gb", "1"])
+    assert e.value.code == 2 and "--slots-gb" in capsys.readouterr().err
+
+
+def test_errors_are_one_line_unless_debug(capsys):
+    import pytest
+
+    from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+
+    for argv in (["bench", "decode", "--model", "/no/such/dir"], ["convert", "/no/such/dir", "/tmp/x"],
+                 ["generate", "--model", "/no/such/dir", "--prompt", "Hi", "--no-compile-cache"]):  # fmt: skip
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and "Traceback" not in err, argv
+    with pytest.raises(CheckpointError):
+        main(["generate", "--model", "/no/such/dir", "--prompt", "Hi", "--no-compile-cache", "--debug"])
+    with pytest.raises(CheckpointError, match="no checkpoint directory"):
+        main(["bench", "--debug", "decode", "--model", "/no/such/dir"])
+
+
+def test_generate_compiles_first_and_times_decode_apart(capsys):
+    """`generate` compiles every step the prompt runs before generating (saying so), so that the
+    generation compiles nothing and its decode rate is the decode's."""
+    from freetoken_jax import EngineConfig, FreeTokenEngine
+
+    engine = FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=160, max_batch=1, prefill_chunk=32))
+    prompt = list(range(65, 65 + 70))  # 70 tokens: chunks of 32, 32 and a 16-token bucket
+    engine.runner.steps.precompile(engine.runner.prompt_jobs(len(prompt)))
+    before = dict(engine.runner.steps.traces)
+    assert len(list(engine.generate(prompt, max_new_tokens=4, ignore_eos=True))) == 4
+    assert engine.runner.steps.traces == before
+    assert main(["generate", "--model", "demo", "--prompt", "Hi", "--max-new-tokens", "3", "--no-compile-cache"]) == 0
+    assert "compiling the prefill and decode steps" in capsys.readouterr().err
+
+
+def test_a_missing_tokenizer_is_said_before_any_weight_is_read(ckpt_root, capsys, monkeypatch):
+    import os
+
+    from hf_models import make_checkpoint
+
+    path = make_checkpoint("mixtral", ckpt_root)
+    assert not os.path.exists(os.path.join(path, "tokenizer.json"))
+
+    def no_load(*a, **k):
+        raise AssertionError("weights were read before the tokenizer was checked")
+
+    monkeypatch.setattr("freetoken_jax.checkpoint.hf.load_params", no_load)
+    assert main(["generate", "--model", path, "--prompt", "Hi", "--no-compile-cache"]) == 2
+    assert "has no tokenizer" in capsys.readouterr().err

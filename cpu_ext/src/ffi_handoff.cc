@@ -497,7 +497,8 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
   for (size_t i = 0; i < layers.size(); ++i) {
     const Layer& l = *layers[i];
     if (l.executor == executor && l.act == act && l.banks.gate == banks.gate && l.banks.up == banks.up && l.banks.down == banks.down &&
-        l.banks.type == banks.type && l.banks.down_type == banks.down_type && l.banks.experts == banks.experts && l.banks.hidden == banks.hidden && l.banks.ffn == banks.ffn)
+        l.banks.type == banks.type && l.banks.down_type == banks.down_type && l.banks.experts == banks.experts && l.banks.hidden == banks.hidden && l.banks.ffn == banks.ffn &&
+        l.banks.gate_bias == banks.gate_bias && l.banks.up_bias == banks.up_bias && l.banks.down_bias == banks.down_bias)
       return static_cast<int64_t>(i);
   }
   layers.push_back(std::make_unique<Layer>(Layer{executor, banks, act}));

@@ -2,11 +2,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <iterator>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -67,6 +69,19 @@ Banks MakeBanks(const Bank& gate, const Bank& up, const Bank& down, int64_t H, i
     throw std::invalid_argument("banks must hold one expert per row: gate/up [E, " + std::to_string(want_gu) + "] and down [E, " +
                                 std::to_string(want_d) + "] for x of width H and " + format + " weights");
   return Banks{gate.data(), up.data(), down.data(), type, E, H, ffn, down_type};
+}
+
+// Adds per-expert biases (float32, gate/up [E, ffn], down [E, H]) to `b`; all three or none.
+using Bias = std::optional<F32x2>;
+void AddBiases(Banks& b, const Bias& gate, const Bias& up, const Bias& down) {
+  if (!gate && !up && !down) return;
+  if (!gate || !up || !down) throw std::invalid_argument("expert biases come as gate, up and down together");
+  auto is = [](const F32x2& a, int64_t r, int64_t c) { return static_cast<int64_t>(a.shape(0)) == r && static_cast<int64_t>(a.shape(1)) == c; };
+  if (!is(*gate, b.experts, b.ffn) || !is(*up, b.experts, b.ffn) || !is(*down, b.experts, b.hidden))
+    throw std::invalid_argument("expert biases must be float32 gate/up [E, ffn] and down [E, H]");
+  b.gate_bias = gate->data();
+  b.up_bias = up->data();
+  b.down_bias = down->data();
 }
 
 }  // namespace
@@ -131,11 +146,12 @@ NB_MODULE(_cpu_ext, m) {
       .def(
           "run",
           [](MoeExecutor& self, F32x2 x, I32 tokens, I32 experts, F32 weights, Bank gate, Bank up, Bank down, int64_t ffn,
-             const std::string& act, Out out, const std::string& format) {
+             const std::string& act, Out out, const std::string& format, Bias gate_bias, Bias up_bias, Bias down_bias) {
             const int64_t T = static_cast<int64_t>(x.shape(0)), H = static_cast<int64_t>(x.shape(1));
             const int64_t N = static_cast<int64_t>(tokens.shape(0));
             auto dim = [](const auto& a, int i) { return static_cast<int64_t>(a.shape(i)); };
             Banks b = MakeBanks(gate, up, down, H, ffn, format);
+            AddBiases(b, gate_bias, up_bias, down_bias);
             const int64_t E = b.experts;
             if (dim(experts, 0) != N || dim(weights, 0) != N) throw std::invalid_argument("tokens, experts and weights must have one length");
             if (dim(out, 0) != T || dim(out, 1) != H) throw std::invalid_argument("out must have x's shape");
@@ -148,16 +164,22 @@ NB_MODULE(_cpu_ext, m) {
             self.Run(x.data(), T, tokens.data(), experts.data(), weights.data(), N, b, a, out.data());
           },
           nb::arg("x"), nb::arg("tokens"), nb::arg("experts"), nb::arg("weights"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("ffn"),
-          nb::arg("act"), nb::arg("out"), nb::arg("format") = "",
-          "out[t] += w * down_e(act(gate_e x_t) * up_e x_t) for every (t, e, w); x and out float32 [T, H]; `format`: the "
-          "banks' quantized format (empty: float32 or bfloat16 by dtype).");
+          nb::arg("act"), nb::arg("out"), nb::arg("format") = "", nb::arg("gate_bias").none() = nb::none(),
+          nb::arg("up_bias").none() = nb::none(), nb::arg("down_bias").none() = nb::none(),
+          "out[t] += w * (down_e act(gate_e x_t + bg_e, up_e x_t + bu_e) + bd_e) for every (t, e, w); x and out float32 [T, H]; "
+          "`format`: the banks' quantized format (empty: float32 or bfloat16 by dtype); biases (float32) optional.");
 
   m.def(
       "register_handoff_layer",
       [](MoeExecutor& executor, Bank gate, Bank up, Bank down, int64_t hidden, int64_t ffn, const std::string& act,
-         const std::string& format) { return RegisterHandoffLayer(&executor, MakeBanks(gate, up, down, hidden, ffn, format), ParseAct(act)); },
+         const std::string& format, Bias gate_bias, Bias up_bias, Bias down_bias) {
+        Banks b = MakeBanks(gate, up, down, hidden, ffn, format);
+        AddBiases(b, gate_bias, up_bias, down_bias);
+        return RegisterHandoffLayer(&executor, b, ParseAct(act));
+      },
       nb::arg("executor"), nb::arg("gate"), nb::arg("up"), nb::arg("down"), nb::arg("hidden"), nb::arg("ffn"), nb::arg("act"),
-      nb::arg("format") = "",
+      nb::arg("format") = "", nb::arg("gate_bias").none() = nb::none(), nb::arg("up_bias").none() = nb::none(),
+      nb::arg("down_bias").none() = nb::none(),
       "Registers one MoE layer's host banks for the FFI handoff; returns its handle. The banks and the executor must outlive "
       "every call that uses the handle.");
   m.def(

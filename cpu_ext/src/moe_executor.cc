@@ -110,16 +110,21 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
 namespace {
 
 
-inline float Activate(float g, Act act) {
+inline float Activate(float g, float u, Act act) {
   switch (act) {
     case Act::kSilu:
-      return g / (1.f + std::exp(-g));
+      return g / (1.f + std::exp(-g)) * u;
     case Act::kGelu:
-      return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f));
+      return 0.5f * g * (1.f + std::erf(g * 0.70710678118654752f)) * u;
     case Act::kGeluTanh:
-      return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+      return 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    case Act::kSwigluOai: {
+      g = std::min(g, 7.f);
+      u = std::min(std::max(u, -7.f), 7.f);
+      return (u + 1.f) * g / (1.f + std::exp(-1.702f * g));
+    }
   }
-  return g;
+  return g * u;
 }
 
 }  // namespace
@@ -189,7 +194,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     while (c > 16 && parallel * ((rows + c - 1) / c) < 2 * threads) c = std::max<int64_t>(16, c / 2 / 4 * 4);
     return c;
   };
-  // Phase 1: hidden[i, f] = act(gate_e[f] . x_t) * (up_e[f] . x_t), in chunks of rows.
+  // Phase 1: hidden[i, f] = act(gate_e[f] . x_t + bg, up_e[f] . x_t + bu), in chunks of rows.
   const int64_t hrow = RowBytes(ty, H), frow = RowBytes(dty, F);
   const int64_t fchunk = rows_per_task(hrow, F, items), nf = (F + fchunk - 1) / fchunk;
   pool_.Run(items * nf, [&](int64_t task) {
@@ -200,8 +205,10 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     float g[kMaxChunk], u[kMaxChunk];
     dots(ty, BankRow(b.gate, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, g);
     dots(ty, BankRow(b.up, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, u);
+    const float* bg = b.gate_bias ? b.gate_bias + e * F : nullptr;
+    const float* bu = b.up_bias ? b.up_bias + e * F : nullptr;
     for (int64_t f = f0; f < f1; ++f)
-      hidden[i * F + f] = Activate(scale[3 * i] * g[f - f0], act) * scale[3 * i + 1] * u[f - f0];
+      hidden[i * F + f] = Activate(scale[3 * i] * g[f - f0] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f - f0] + (bu ? bu[f] : 0.f), act);
   });
   if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph); });
   // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
@@ -213,7 +220,12 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
       const int64_t e = expert_of[i], t = token_of[i];
       const float w = weight_of[i] * scale[3 * i + 2];
       dots(dty, BankRow(b.down, dty, e, H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
-      for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0];
+      if (b.down_bias) {
+        const float *bd = b.down_bias + e * H, wb = weight_of[i];
+        for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0] + wb * bd[h];
+      } else {
+        for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0];
+      }
     }
   });
 }

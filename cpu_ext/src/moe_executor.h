@@ -1,7 +1,8 @@
 // The CPU expert executor: routed-expert FFNs computed straight from host expert banks.
 //
 // For work items (token t, expert e, weight w) it computes
-//   out[t] += w * down_e( act(gate_e x_t) * (up_e x_t) )
+//   out[t] += w * (down_e h + bd_e),  h = act(gate_e x_t + bg_e, up_e x_t + bu_e)
+// (the biases where the banks have them)
 // with gate/up banks holding per expert an [F, H] matrix (row f: its f-th output row, length H)
 // and the down bank an [H, F] one, in float32, bfloat16 or a quantized format (quant_dot.h); one
 // bank row per expert. Work is split in two phases
@@ -25,8 +26,11 @@ namespace freetoken {
 
 // The activations the executor computes, in enum order, by the names the Python side uses
 // (freetoken_jax/config.py ACTIVATIONS; the module exports this table and a test checks the two).
-enum class Act { kSilu, kGelu, kGeluTanh };
-inline constexpr const char* kActNames[] = {"silu", "gelu", "gelu_tanh"};
+// The gated activations h(g, u) of gate and up: act(g) * u for the first three; "swiglu_oai" is
+// gpt-oss's clamped SwiGLU (alpha 1.702, limit 7): (clamp(u, ±7) + 1) * g' * sigmoid(1.702 g'),
+// g' = min(g, 7).
+enum class Act { kSilu, kGelu, kGeluTanh, kSwigluOai };
+inline constexpr const char* kActNames[] = {"silu", "gelu", "gelu_tanh", "swiglu_oai"};
 // Parses a name of kActNames; throws std::invalid_argument listing them.
 Act ParseAct(const std::string& name);
 
@@ -63,6 +67,10 @@ struct Banks {
   BankType type;                 // gate and up
   int64_t experts, hidden, ffn;  // E, H, F
   BankType down_type;            // down (a GGUF Q4_K_M layer keeps it in Q6_K)
+  // Per-expert biases, float32 (gpt-oss), or null: gate and up [E, F], down [E, H].
+  const float* gate_bias = nullptr;
+  const float* up_bias = nullptr;
+  const float* down_bias = nullptr;
 };
 
 // Row r of expert e's [rows, n] matrix in a bank, and the matrix's scale (nvfp4's trailer; 1 for

@@ -1,9 +1,9 @@
 """`python -m freetoken_jax.bench bw|decode|prefill|plot`: measure the machine, then the strategies.
 
     python -m freetoken_jax.bench bw [--json PATH] [--threshold 2.0] [--profile PATH]
-    python -m freetoken_jax.bench decode --preset qwen3-30b-a3b --vram-gb 8 16 32 --batch 1 \
+    python -m freetoken_jax.bench decode --preset qwen3-30b-a3b --slots-gb 8 16 32 --batch 1 \
         --strategy offload hybrid naive --routing-skew 0 1 --json decode.json --plot decode.png
-    python -m freetoken_jax.bench prefill --preset qwen3-30b-a3b --vram-gb 16 --prompt-len 2048 8192 --strategy offload stream per-token
+    python -m freetoken_jax.bench prefill --preset qwen3-30b-a3b --slots-gb 16 --prompt-len 2048 8192 --strategy offload stream per-token
     python -m freetoken_jax.bench plot skew0.json skew1.json --out decode.png   # decode runs drawn together
 """
 
@@ -20,9 +20,12 @@ from freetoken_jax.config import EXPERT_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m freetoken_jax.bench")
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ap = argparse.ArgumentParser(prog="freetoken-jax bench", description="Measure the machine (bw), then the strategies (decode, prefill).",
+                                 formatter_class=fmt)  # fmt: skip
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    bw = sub.add_parser("bw", help="measure host, CPU-executor and PCIe bandwidths; recommend a strategy")
+    bw = sub.add_parser("bw", help="measure host, CPU-executor and PCIe bandwidths; recommend a strategy", formatter_class=fmt)
     bw.add_argument("--json", default=None, help="also write the profile here")
     bw.add_argument("--profile", default=None, help="where the engine looks for it (default: the cache directory)")
     bw.add_argument("--threshold", type=float, default=2.0, help="hybrid only if CPU > threshold x PCIe")
@@ -36,13 +39,19 @@ def main(argv: list[str] | None = None) -> int:
         ("decode", "decode tokens/s of several strategies side by side"),
         ("prefill", "prefill time of several strategies"),
     ):
-        p = sub.add_parser(name, help=help_)
+        p = sub.add_parser(name, help=help_, formatter_class=fmt)
         src = p.add_mutually_exclusive_group()
         src.add_argument("--preset", dest="model", default="demo", choices=sorted(PRESETS), help="a named shape with seeded random weights")
         src.add_argument("--model", dest="model", help="a checkpoint directory (FTW, Hugging Face or native)")
         choices, default = (VARIANTS, ["offload", "hybrid", "naive"]) if name == "decode" else (PREFILL_VARIANTS, ["offload", "stream"])
         p.add_argument("--strategy", nargs="+", choices=choices, default=default)
-        p.add_argument("--vram-gb", type=float, nargs="+", default=[16.0], help="device memory for expert slots, GB (offload, hybrid)")
+        p.add_argument(
+            "--slots-gb",
+            type=float,
+            nargs="+",
+            default=[16.0],
+            help="device memory for expert slots, GB = 1e9 bytes (offload, hybrid; one row per value)",
+        )
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         p.add_argument("--q", type=float, nargs="+", default=None,
                        help="hybrid's share of misses fetched over PCIe, one hybrid row per value (default: q* = Bp / (Bp + Bh) measured in this run)")  # fmt: skip
@@ -68,39 +77,43 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
             p.add_argument("--chunk", type=int, default=512,
                            help="prefill chunk (a power of two); under offload every chunk streams the experts not resident")  # fmt: skip
-    pl = sub.add_parser("plot", help="draw the rows of decode --json files together (needs matplotlib)")
+    pl = sub.add_parser("plot", help="draw the rows of decode --json files together (needs matplotlib)", formatter_class=fmt)
     pl.add_argument("files", nargs="+")
     pl.add_argument("--out", required=True, help="the PNG to write")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--vram-gb" in argv:
+        ap.error("bench takes --slots-gb (device memory for expert slots); --vram-gb is the whole device budget of generate/serve")
     args = ap.parse_args(argv)
-    if args.cmd == "plot":
-        from freetoken_jax.bench.compare import plot
+    from freetoken_jax.cli import one_line_errors
 
-        rows = []
+    return one_line_errors(lambda: _run(args), args.debug)
+
+
+def _run(args) -> int:
+    if args.cmd == "plot":
+        from freetoken_jax.bench.compare import plot, plot_title
+
+        rows, titles = [], []
         for path in args.files:
             with open(path) as f:
                 d = json.load(f)
             if d.get("kind") != "decode":
                 raise SystemExit(f"{path}: not the JSON of a `bench decode` run")
             rows += d["rows"]
-        plot(rows, args.out)
+            titles.append(plot_title(d))
+        plot(rows, args.out, "; ".join(dict.fromkeys(titles)))
         print(f"{len(rows)} rows drawn into {args.out}")
         return 0
     if args.cmd in ("decode", "prefill"):
         from freetoken_jax.bench.compare import run
-        from freetoken_jax.checkpoint.safetensors_io import CheckpointError
-        from freetoken_jax.config import ConfigError
 
         if args.cmd == "decode" and args.plot:  # before the run, not after it
             try:
                 import matplotlib  # noqa: F401
             except ImportError:
-                print("error: --plot needs matplotlib (pip install matplotlib)", file=sys.stderr)
+                print("error: --plot needs matplotlib (pip install 'freetoken_jax[plot]')", file=sys.stderr)
                 return 2
-        try:
-            run(args)
-        except (ConfigError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        run(args)
         return 0
     from freetoken_jax.bench.bw import run_bw
     from freetoken_jax.runtime.choice import profile_path

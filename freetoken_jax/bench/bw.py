@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -56,8 +57,12 @@ def measure(
 
     from freetoken_jax.runtime.cpu_executor import CpuExecutor
 
+    def phase(what: str) -> None:  # the probes take seconds each: say which one runs
+        print(f"bench bw: {what}", file=sys.stderr, flush=True)
+
     threads = threads or os.cpu_count() or 1
     fig: dict = {}
+    phase(f"host memory read ({host_read_gb:g} GB, {threads} threads)")
     fig["host_read_gb_s"] = _host_read(host_read_gb, threads, reps)
     expert_bytes = 3 * hidden * ffn * 2
     E = max(2, int(working_set_gb * 1e9 // expert_bytes))
@@ -66,12 +71,14 @@ def measure(
     banks.append((rng.standard_normal((E, hidden * ffn), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16))
     ex = CpuExecutor(threads)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
+    phase(f"CPU executor on {E} bf16 experts ({ex.tier})")
     cpu_pass, cpu_bytes = executor_pass(ex, [banks], x, top_k)  # the whole working set, batch 1
     fig["cpu_moe_gb_s"] = cpu_bytes / median_time(cpu_pass, reps) / 1e9
     fig["cpu_tier"] = ex.tier
     for fmt in formats:  # the same experts quantized, repeated to the same working set in bytes of the format
         from freetoken_jax.quant.banks import quantize_stack
 
+        phase(f"CPU executor on {fmt} experts")
         shapes = ((ffn, hidden), (ffn, hidden), (hidden, ffn))
         q = [np.asarray(quantize_stack(fmt, b.reshape(E, *s))) for b, s in zip(banks, shapes)]
         copies = max(1, round(expert_bytes / sum(a.shape[1] for a in q)))
@@ -79,8 +86,10 @@ def measure(
         run, nbytes = executor_pass(ex, [q], x, top_k, fmt=fmt)
         fig[f"cpu_moe_{fmt}_gb_s"] = nbytes / median_time(run, reps) / 1e9
         fig[f"cpu_moe_{fmt}_of_read"] = fig[f"cpu_moe_{fmt}_gb_s"] / fig["host_read_gb_s"]
+    phase("the CPU handoff's fixed cost")
     fig.update(handoff_cost(reps=reps))
     if jax.default_backend() == "gpu":
+        phase("PCIe fetch, device copy and the contended host bandwidth")
         fig.update(_gpu_probes(banks, E, cpu_bytes, cpu_pass, reps))
     return fig
 

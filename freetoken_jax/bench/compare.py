@@ -4,7 +4,7 @@ The weights (a preset's seeded random weights, built straight into host banks, o
 are loaded once with every expert in host memory; each strategy is then a different `Weights`
 over the same banks:
 
-- offload: the unified slot cache (`--vram-gb` of expert slots), misses fetched over PCIe;
+- offload: the unified slot cache (`--slots-gb` of expert slots), misses fetched over PCIe;
 - hybrid: the same, with a share of each layer's misses computed by the CPU executor (q* =
   Bp / (Bp + Bh) from bandwidths measured in the same run, unless `--q`);
 - cpu: every routed expert computed by the CPU executor, no slots;
@@ -100,7 +100,9 @@ class Bench:
         if model in PRESETS:
             cfg = preset_config(model)
             if layers is not None:
-                cfg = dataclasses.replace(cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers])
+                cfg = dataclasses.replace(
+                    cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers], sliding_layers=cfg.sliding_layers[:layers]
+                )
             self.engine = FreeTokenEngine(cfg, self.ecfg.replace(expert_slots=max_batch * cfg.top_k))
         else:
             self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))
@@ -122,11 +124,11 @@ class Bench:
     def expert_bytes(self) -> int:
         return expert_bytes(self.cfg, jnp.dtype(self.ecfg.dtype).itemsize)
 
-    def slots_for(self, vram_gb: float, B: int) -> int:
+    def slots_for(self, slots_gb: float, B: int) -> int:
         """Slots a budget buys: at least one step's experts, at most every expert and the two
         prefill buffers (as the engine's planner)."""
         cfg = self.cfg
-        return min(max(B * cfg.top_k, int(vram_gb * 1e9 // self.expert_bytes)), (cfg.num_moe_layers + 2) * cfg.num_experts)
+        return min(max(B * cfg.top_k, int(slots_gb * 1e9 // self.expert_bytes)), (cfg.num_moe_layers + 2) * cfg.num_experts)
 
     def variant(self, variant: str, q: float, skew: float | None) -> tuple | None:
         """(weights, expert backend) of a variant, or None when it cannot run here."""
@@ -157,9 +159,9 @@ class Bench:
             experts = dataclasses.replace(experts, compute=self.compute)
         return weights, experts if skew is None else SyntheticRouting(experts, float(skew))
 
-    def _decode_slots(self, variant: str, B: int, vram_gb: float) -> int | None:
+    def _decode_slots(self, variant: str, B: int, slots_gb: float) -> int | None:
         if variant in ("offload", "hybrid"):
-            return self.slots_for(vram_gb, B)
+            return self.slots_for(slots_gb, B)
         return B * self.cfg.top_k if variant == "naive" else None
 
     def _runner(self, weights, experts, B: int, slots: int | None, **ecfg) -> ModelRunner:
@@ -168,11 +170,11 @@ class Bench:
         return ModelRunner(self.cfg, self.ecfg.replace(max_batch=B, max_running=B, **ecfg), weights, experts, dataclasses.replace(plan, slots=slots or 0),
                            self.steps)  # fmt: skip
 
-    def _decode_job(self, variant: str, B: int, vram_gb: float, prompt_len: int, steps: int, q: float, skew, experts=None, **_) -> tuple:
+    def _decode_job(self, variant: str, B: int, slots_gb: float, prompt_len: int, steps: int, q: float, skew, experts=None, **_) -> tuple:
         """The (decode step, argument shapes) of a `decode` row, from shapes alone (nothing is
         allocated, so several compile at once: `precompile`)."""
         weights, experts = self.variant(variant, q, skew) if experts is None else (self.engine.weights, experts)
-        slots, ecfg, dtype = self._decode_slots(variant, B, vram_gb), self.ecfg.replace(max_batch=B), jnp.dtype(self.ecfg.dtype)
+        slots, ecfg, dtype = self._decode_slots(variant, B, slots_gb), self.ecfg.replace(max_batch=B), jnp.dtype(self.ecfg.dtype)
         return decode_job(self.steps, weights, experts, state_shapes(self.cfg, ecfg, slots, dtype), ecfg.pages_per_sequence)
 
     def precompile(self, rows: list[dict], workers: int) -> None:
@@ -189,7 +191,7 @@ class Bench:
                 self.log(f"{name} B={r['B']}: compiling ahead failed: {type(e).__name__}: {e}")
 
         # rows that differ only in the skew or q share an executable (both are traced)
-        distinct = {(r.get("label") or r["variant"], r["B"], self._decode_slots(r["variant"], r["B"], r["vram_gb"]), r["skew"] is None): r
+        distinct = {(r.get("label") or r["variant"], r["B"], self._decode_slots(r["variant"], r["B"], r["slots_gb"]), r["skew"] is None): r
                     for r in rows}  # fmt: skip
         with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(one, distinct.values()))
@@ -198,7 +200,7 @@ class Bench:
         self,
         variant: str,
         B: int,
-        vram_gb: float,
+        slots_gb: float,
         prompt_len: int,
         steps: int,
         q: float,
@@ -220,7 +222,7 @@ class Bench:
         wx = self.variant(variant, q, skew) if experts is None else (self.engine.weights, experts)
         if wx is None:
             return None
-        slots = self._decode_slots(variant, B, vram_gb)
+        slots = self._decode_slots(variant, B, slots_gb)
         t_start = time.perf_counter()
         runner = self._runner(*wx, B, slots)
         batcher = Batcher(runner, prefix_cache=False, prefill_rows=B, prompt_by_decode=prompt_by_decode)
@@ -298,7 +300,7 @@ class Bench:
             link = on_cpu * self.expert_bytes / self.bh
         bound = link + resident / self.hbm
         r = dict(
-            strategy=label or variant, batch=B, vram_gb=vram_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
+            strategy=label or variant, batch=B, slots_gb=slots_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
             routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=None if ttft is None else ttft * 1e3, hit_rate=float(hit),
             gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
             q=float(q) if variant == "hybrid" else None, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
@@ -310,9 +312,9 @@ class Bench:
                      handoffs_per_step=c / n, handoff_arrivals_unseen=hs["unseen"])  # fmt: skip
         return r
 
-    def prefill(self, variant: str, prompt_len: int, q: float, vram_gb: float) -> dict | None:
+    def prefill(self, variant: str, prompt_len: int, q: float, slots_gb: float) -> dict | None:
         """Time to prefill one prompt. offload / hybrid: through two borrowed layer buffers of a
-        `vram_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
+        `slots_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
         dropped; per-token: the decode path (routed experts looked up and fetched per token)."""
         cfg = self.cfg
         wx = self.variant(variant, q, None)
@@ -320,7 +322,7 @@ class Bench:
             return None
         slots, chunk = None, self.ecfg.prefill_chunk
         if variant in ("offload", "offload-copy", "hybrid", "per-token"):
-            slots = self.slots_for(vram_gb, self.ecfg.max_batch)
+            slots = self.slots_for(slots_gb, self.ecfg.max_batch)
             if variant == "per-token":  # the largest chunk whose routed experts fit the slots (slots >= top_k: `slots_for`)
                 chunk = min(chunk, 1 << (slots // cfg.top_k).bit_length() - 1)
         runner = self._runner(*wx, self.ecfg.max_batch, slots, prefill_chunk=chunk)
@@ -341,7 +343,7 @@ class Bench:
         chunks = -(-prompt_len // self.ecfg.prefill_chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
         bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
-        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, vram_gb=vram_gb if slots is not None else None,
+        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first,
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
@@ -375,8 +377,15 @@ def add_speedups(rows: list[dict]) -> bool:
     return hit
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """tokens/s against the expert VRAM budget, one line per strategy (and batch, skew)."""
+def plot_title(run: dict) -> str:
+    """The model, device and date of a `bench decode` JSON."""
+    when = time.strftime("%Y-%m-%d", time.localtime(run.get("time", 0)))
+    return f"{run.get('model', '?')} ({run.get('expert_format', 'bf16')} experts) on {run.get('device', '?')}, {when}"
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """tokens/s against the expert slot budget, one line per strategy (and batch, skew), under
+    `title` (model, device, date)."""
     try:
         import matplotlib
 
@@ -384,23 +393,30 @@ def plot(rows: list[dict], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise SystemExit(f"--plot needs matplotlib ({e}); install it with `pip install matplotlib`") from e
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    rows = [dict(r, slots_gb=r.get("slots_gb", r.get("vram_gb"))) for r in rows]  # JSON written before the flag was --slots-gb
     fig, ax = plt.subplots(figsize=(7, 4.5))
     keys = sorted({(r["strategy"], r["batch"], r["routing_skew"]) for r in rows}, key=str)
-    budgets = sorted({r["vram_gb"] for r in rows if r["vram_gb"] is not None})
+    budgets = sorted({r["slots_gb"] for r in rows if r["slots_gb"] is not None})
     for s, b, k in keys:
         pts = sorted(
-            (r["vram_gb"], r["tokens_per_s"])
+            (r["slots_gb"], r["tokens_per_s"])
             for r in rows
-            if (r["strategy"], r["batch"], r["routing_skew"]) == (s, b, k) and r["vram_gb"] is not None
+            if (r["strategy"], r["batch"], r["routing_skew"]) == (s, b, k) and r["slots_gb"] is not None
         )
-        flat = [r["tokens_per_s"] for r in rows if (r["strategy"], r["batch"], r["routing_skew"]) == (s, b, k) and r["vram_gb"] is None]
+        flat = [r["tokens_per_s"] for r in rows if (r["strategy"], r["batch"], r["routing_skew"]) == (s, b, k) and r["slots_gb"] is None]
         if not pts and flat and budgets:
             pts = [(v, flat[0]) for v in budgets]  # strategies without slots: flat across budgets
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"{s} B={b} skew={k}")
+            skew = "model's router" if k is None else f"Zipf skew {k:g}"
+            ax.plot(*zip(*pts), marker="o", label=f"{s}, batch {b}, {skew}")
     ax.set_xlabel("expert slot budget (GB)")
     ax.set_ylabel("decode tokens / s")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))  # ticks at 1-2-5, so the top lines have one near them
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -431,10 +447,10 @@ def run(args) -> dict:
             write()
 
     if args.cmd == "decode":
-        rows = [dict(variant=s, B=B, vram_gb=vram, prompt_len=args.prompt_len, q=split, skew=skew,
+        rows = [dict(variant=s, B=B, slots_gb=gb, prompt_len=args.prompt_len, q=split, skew=skew,
                      steps=min(args.gen_len, args.layer_steps) if s == "layer" else args.gen_len)
                 for skew in args.routing_skew for B in args.batch for s in args.strategy
-                for vram in (args.vram_gb if s in ("offload", "hybrid", "transformers") else [None])
+                for gb in (args.slots_gb if s in ("offload", "hybrid", "transformers") else [None])
                 for split in (hybrid_qs if s == "hybrid" else [q])]  # fmt: skip
         if getattr(args, "compile_workers", 1) > 1:
             # fused builds a second engine on first use: not from several threads
@@ -443,13 +459,13 @@ def run(args) -> dict:
             if r["variant"] == "transformers":
                 from freetoken_jax.bench.hf_baseline import transformers_decode
 
-                keep(transformers_decode(args.model, r["B"], args.prompt_len, args.gen_len, r["vram_gb"], args.dtype, bench.log))
+                keep(transformers_decode(args.model, r["B"], args.prompt_len, args.gen_len, r["slots_gb"], args.dtype, bench.log))
             else:
                 by_decode = getattr(args, "prompt_by_decode", False) and r["variant"] != "layer"
                 keep(bench.decode(**r, prompt_by_decode=by_decode))
         if add_speedups(out["rows"]):
             write()
-        cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("vram_gb", "vram GB", "g"), ("routing_skew", "skew", "g"),
+        cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("slots_gb", "slots GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q", ".2f"),
                 ("ratio_to_bound", "of bound", ".2f"), ("x_naive", "x naive", ".2f")]  # fmt: skip
@@ -457,10 +473,10 @@ def run(args) -> dict:
         for n in args.prompt_len:
             for s in args.strategy:
                 for split in hybrid_qs if s == "hybrid" else [q]:
-                    keep(bench.prefill(s, n, split, args.vram_gb[0]))
+                    keep(bench.prefill(s, n, split, args.slots_gb[0]))
         cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
                 ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
     print(table(out["rows"], cols))
     if getattr(args, "plot", None):
-        plot(out["rows"], args.plot)
+        plot(out["rows"], args.plot, plot_title(out))
     return out

@@ -23,7 +23,13 @@ from freetoken_jax.quant.layout import ExpertLayout
 IMPLS = ("auto", "gather", "dense", "slices", "ragged")
 
 
-def slices(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
+def _no_bias(bias, name: str) -> None:
+    if bias is not None:
+        raise ValueError(f"the {name!r} expert implementation has no expert biases; use auto, gather or dense")
+
+
+def slices(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias=None) -> jax.Array:
+    _no_bias(bias, "slices")
     T, K = ids_TK.shape
     f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
     rows = []
@@ -32,13 +38,14 @@ def slices(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
         for k in range(K):
             e = ids_TK[t, k]
             g, u, d = layout.matrices(tuple(jax.lax.dynamic_index_in_dim(b, e, 0, keepdims=False) for b in banks), dt)
-            h = (f(jnp.dot(g, x_TD[t], **mm)) * jnp.dot(u, x_TD[t], **mm)).astype(dt)
+            h = f(jnp.dot(g, x_TD[t], **mm), jnp.dot(u, x_TD[t], **mm)).astype(dt)
             acc = acc + w_TK[t, k] * jnp.dot(d, h, **mm)
         rows.append(acc)
     return jnp.stack(rows).astype(dt)
 
 
-def ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
+def ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias=None) -> jax.Array:
+    _no_bias(bias, "ragged")
     T, K = ids_TK.shape
     E = banks[0].shape[0]
     f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
@@ -51,7 +58,7 @@ def ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
     dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     rdot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, **mm)
     xs = x_TD[tok]
-    h = (f(rdot(xs, gate_EFD)) * rdot(xs, up_EFD)).astype(dt)
+    h = f(rdot(xs, gate_EFD), rdot(xs, up_EFD)).astype(dt)
     y = rdot(h, down_EDF) * w_TK.reshape(-1)[order][:, None]
     return jnp.zeros((T, x_TD.shape[1]), jnp.float32).at[tok].add(y).astype(dt)
 

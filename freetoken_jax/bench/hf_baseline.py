@@ -9,7 +9,7 @@ import os
 import time
 
 
-def transformers_decode(path: str, B: int, prompt_len: int, steps: int, vram_gb: float | None, dtype: str, log) -> dict | None:
+def transformers_decode(path: str, B: int, prompt_len: int, steps: int, slots_gb: float | None, dtype: str, log) -> dict | None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         log("transformers baseline: needs --model with a Hugging Face checkpoint directory; skipped")
         return None
@@ -25,8 +25,8 @@ def transformers_decode(path: str, B: int, prompt_len: int, steps: int, vram_gb:
         try:
             import accelerate  # noqa: F401
 
-            kw.update(device_map="auto", max_memory={0: f"{vram_gb or 16}GB", "cpu": "200GB"})
-            placement = f"device_map=auto, GPU capped at {vram_gb or 16} GB"
+            kw.update(device_map="auto", max_memory={0: f"{slots_gb or 16}GB", "cpu": "200GB"})
+            placement = f"device_map=auto, GPU capped at {slots_gb or 16} GB"
         except ImportError:
             kw.update(device_map="cuda")
             placement = "cuda (accelerate not installed)"
@@ -45,6 +45,6 @@ def transformers_decode(path: str, B: int, prompt_len: int, steps: int, vram_gb:
     del first
     n = out.shape[1] - prompt_len
     dt = max(total - ttft, 1e-9) / max(n - 1, 1)
-    return dict(strategy="transformers", batch=B, vram_gb=vram_gb, slots=None, routing_skew=None, ms_per_token=dt * 1e3,
+    return dict(strategy="transformers", batch=B, slots_gb=slots_gb, slots=None, routing_skew=None, ms_per_token=dt * 1e3,
                 tokens_per_s=B / dt, ttft_ms=ttft * 1e3, hit_rate=None, gb_fetched_per_token=None, experts_on_cpu_per_step=None,
                 q=None, bound_ms=None, ratio_to_bound=None, placement=placement)  # fmt: skip

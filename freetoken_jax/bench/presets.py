@@ -1,9 +1,19 @@
 """Named model shapes for `python -m freetoken_jax.bench decode|prefill` (seeded random weights of
-the real architecture's shape: no checkpoint needed). "demo" is the engine's built-in demo model."""
+the real architecture's shape: no checkpoint needed). "demo" is the shape of the engine's built-in demo model (random weights, as every preset)."""
 
 from __future__ import annotations
 
 from freetoken_jax.config import MoEModelConfig
+
+# gpt-oss's shape and numerics (the 120b and 20b differ in depth and experts; layers 0, 2, ... slide);
+# MXFP4 experts as released.
+GPT_OSS = dict(
+    vocab_size=201088, hidden_dim=2880, intermediate_dim=2880, top_k=4, num_heads=64, num_kv_heads=8, head_dim=64, qkv_bias=True,
+    o_bias=True, attention_sinks=True, router_bias=True, expert_bias=True, hidden_act="swiglu_oai", sliding_window=128,
+    rope_theta=150000.0, rope_scaling=(("rope_type", "yarn"), ("factor", 32.0), ("beta_fast", 32.0), ("beta_slow", 1.0),
+                                       ("truncate", False), ("original_max_position_embeddings", 4096)),
+    max_position_embeddings=131072, rms_norm_eps=1e-5, family="gpt_oss", expert_format="mxfp4",
+)  # fmt: skip
 
 PRESETS: dict[str, MoEModelConfig | None] = {
     "qwen3-30b-a3b": MoEModelConfig(
@@ -27,6 +37,8 @@ PRESETS: dict[str, MoEModelConfig | None] = {
         top_k=2, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-5, family="mixtral",
         max_position_embeddings=32768,
     ),
+    "gpt-oss-120b": MoEModelConfig(**GPT_OSS, num_layers=36, num_experts=128, sliding_layers=(True, False) * 18),
+    "gpt-oss-20b": MoEModelConfig(**GPT_OSS, num_layers=24, num_experts=32, sliding_layers=(True, False) * 12),
     "demo": None,
 }  # fmt: skip
 

@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 
@@ -23,15 +22,10 @@ from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 from freetoken_jax.config import EXPERT_FORMATS, ConfigError, MoEModelConfig
 from freetoken_jax.models import build_abstract, is_expert_path
 from freetoken_jax.models.generic import config_from_json, config_to_json
+from freetoken_jax.progress import progress as progress_bar
 
 ORBAX_MARKER = "freetoken_orbax.json"
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
-
-
-def _progress(total: int, desc: str):
-    from tqdm import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=None, file=sys.stderr)
 
 
 def _name(path: tuple) -> str:
@@ -111,7 +105,7 @@ def convert(src: str, dst: str, *, dtype: str | None = "bf16", shard_gib: float 
         source=dict(path=os.path.abspath(src), kind=kind, fingerprint=fingerprint(src)),
     )
     shard_bytes = max(2 * 4096, int(shard_gib * (1 << 30)) // 4096 * 4096)
-    bar = _progress(total, "convert") if progress else None
+    bar = progress_bar(total, "convert") if progress else None
     try:
         with FTWWriter(dst, shard_bytes=shard_bytes, metadata=meta) as w:
             for path, var in abstract:
@@ -167,7 +161,7 @@ def load_ftw(path: str, dtype: str, place=None, *, verify: bool = False, progres
                     f"{path}: {n} has shape {tuple(r.tensors[n]['shape'])}, the config needs {tuple(var.get_value().shape)}"
                 )
         buf = aligned_empty(max(r.tensors[_name(p)]["nbytes"] for p, _ in abstract))
-        bar = _progress(r.nbytes(), "load") if progress else None
+        bar = progress_bar(r.nbytes(), "loading weights") if progress else None
         flat = []
         for p, var in abstract:
             a = r.get(_name(p), out=buf)
@@ -208,22 +202,25 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(
-        prog="python -m freetoken_jax.convert",
+        prog="freetoken-jax convert",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Convert a Hugging Face safetensors directory, a GGUF file or an Orbax checkpoint to FTW.",
     )
-    ap.add_argument("src")
-    ap.add_argument("dst")
-    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    ap.add_argument("--shard-gib", type=float, default=8.0)
+    ap.add_argument("src", help="a Hugging Face directory, a .gguf file or an Orbax checkpoint")
+    ap.add_argument("dst", help="the FTW directory to write")
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="dense weights' dtype")
+    ap.add_argument("--shard-gib", type=float, default=8.0, help="largest shard file")
     ap.add_argument("--no-verify", action="store_true", help="skip reading the result back to verify checksums")
     ap.add_argument("--expert-format", default=None, choices=list(EXPERT_FORMATS),
                     help="quantize the routed experts to this format as they are written (docs/FORMATS.md); default: as the source")  # fmt: skip
+    ap.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")
     args = ap.parse_args(argv)
-    try:
-        out = convert(args.src, args.dst, dtype=args.dtype, shard_gib=args.shard_gib, verify=not args.no_verify,
-                      expert_format=args.expert_format)  # fmt: skip
-    except (ConfigError, CheckpointError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(out)
-    return 0
+
+    def run() -> int:
+        print(convert(args.src, args.dst, dtype=args.dtype, shard_gib=args.shard_gib, verify=not args.no_verify,
+                      expert_format=args.expert_format))  # fmt: skip
+        return 0
+
+    from freetoken_jax.cli import one_line_errors
+
+    return one_line_errors(run, args.debug)

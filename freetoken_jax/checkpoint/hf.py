@@ -58,6 +58,11 @@ class HFSource:
             return "model.embed_tokens.weight", None
         if path == ("lm_head", "weight"):
             return "lm_head.weight", None
+        if head[-2:] == ("experts", "bias"):  # per-expert biases: gate_up_proj_bias [E, 2F], down_proj_bias [E, D]
+            name = "model." + _hf_prefix(head[:-1], fam)
+            return (name + ".down_proj_bias", None) if leaf == "down" else (name + ".gate_up_proj_bias", leaf + "_bias")
+        if head[-1] == "gate" and leaf == "logit_bias":  # gpt-oss's router bias
+            return "model." + _hf_prefix(head, fam) + ".bias", None
         name = ("model." if path[0] in ("layers", "norm") else "") + _hf_prefix(head, fam)
         if head[-1] == "experts":
             if name + ".gate_up_proj" in ckpt:  # [E, 2F, D] / [E, D, F]
@@ -71,25 +76,48 @@ class HFSource:
     def _read(self, name: str, native: bool) -> np.ndarray:
         return self.ckpt.native(name) if native else self.ckpt.get(name)
 
+    @property
+    def _transposed(self) -> bool:
+        """Unquantized gpt-oss banks are stored [E, in, out]; its MXFP4 blocks are [E, out, in]."""
+        return self.fam.interleaved_gate_up and self.scheme is None
+
     def get(self, path: tuple) -> np.ndarray:
         """The tensor(s) of one parameter path, in the engine's layout (not yet cast); expert
         banks as [E, nbytes] bytes when the experts keep their stored format."""
         name, how = self._name(path)
         native = self.native and path[-2] == "experts"
+        F = self.cfg.moe_intermediate_dim
         if how == "stack":
             return np.stack([self._read(name.format(e=e), native) for e in range(self.cfg.num_experts)])
+        if how in ("gate_bias", "up_bias"):  # [E, 2F]
+            a = self._read(name, False)
+            return self._split(a, how[:-5], F, axis=1)
         if how in ("gate", "up"):
             a = self._read(name, native)
-            F = self.cfg.moe_intermediate_dim
+            if self._transposed:
+                return np.swapaxes(self._split(a, how, F, axis=2), 1, 2)
             if not native:
-                return a[:, :F] if how == "gate" else a[:, F:]
+                return self._split(a, how, F, axis=1)
             from freetoken_jax.quant.formats import get_format
 
             f = get_format(self.cfg.expert_format)
             rb = f.row_bytes(self.cfg.hidden_dim)
-            rows = a[:, : 2 * F * rb]
-            return np.concatenate([rows[:, : F * rb] if how == "gate" else rows[:, F * rb :], a[:, 2 * F * rb :]], axis=1)
-        return self._read(name, native)
+            rows = self._split(a[:, : 2 * F * rb].reshape(a.shape[0], 2 * F, rb), how, F, axis=1).reshape(a.shape[0], F * rb)
+            return np.concatenate([rows, a[:, 2 * F * rb :]], axis=1)
+        a = self._read(name, native)
+        if self._transposed and path[-2] == "experts" and path[-1] == "down":
+            return np.swapaxes(a, 1, 2)
+        return a
+
+    def _split(self, a: np.ndarray, how: str, F: int, axis: int) -> np.ndarray:
+        """The gate or up part of a fused gate-up `a` along `axis`: alternate entries
+        (`interleaved_gate_up`) or the two halves."""
+        idx = [slice(None)] * a.ndim
+        if self.fam.interleaved_gate_up:
+            idx[axis] = slice(0 if how == "gate" else 1, None, 2)
+        else:
+            idx[axis] = slice(0, F) if how == "gate" else slice(F, 2 * F)
+        return a[tuple(idx)]
 
     def shape(self, path: tuple) -> tuple[int, ...]:
         """The parameter's shape as stored, before anything is read (experts: [E, out, in])."""
@@ -101,8 +129,13 @@ class HFSource:
                 raise CheckpointError(f"{self.path}: the experts of {name} have different shapes {sorted(shapes)}")
             return (self.cfg.num_experts, *shapes.pop())
         s = shape(name)
+        if how in ("gate_bias", "up_bias"):
+            return (s[0], s[1] // 2)
         if how in ("gate", "up"):
+            s = (s[0], s[2], s[1]) if self._transposed else s
             return (s[0], s[1] // 2, *s[2:])
+        if self._transposed and path[-2] == "experts" and path[-1] == "down":
+            return (s[0], s[2], s[1])
         return s
 
     def check(self, abstract) -> None:
@@ -129,13 +162,16 @@ def load_params(src, dtype: str, place=None):
     from flax import nnx
 
     from freetoken_jax.models import build_abstract
+    from freetoken_jax.progress import progress
 
     abstract = list(build_abstract(src.cfg, dtype).flat_state())
     src.check(abstract)
     flat = []
-    for p, var in abstract:
-        dt = var.get_value().dtype
-        a = src.get(p)
-        a = a if a.dtype == dt else np.asarray(np.asarray(a, np.float32), dtype=dt)
-        flat.append((p, var.replace(place(p, a) if place else jnp.asarray(a))))
+    with progress(sum(v.get_value().size * v.get_value().dtype.itemsize for _, v in abstract), "loading weights") as bar:
+        for p, var in abstract:
+            dt = var.get_value().dtype
+            a = src.get(p)
+            a = a if a.dtype == dt else np.asarray(np.asarray(a, np.float32), dtype=dt)
+            flat.append((p, var.replace(place(p, a) if place else jnp.asarray(a))))
+            bar.update(var.get_value().size * dt.itemsize)
     return nnx.State.from_flat_path(flat)

@@ -77,11 +77,14 @@ def plan_memory(
     # every expert, plus prefill's two layer buffers, so that a cache with room for everything
     # never evicts
     most = (cfg.num_moe_layers + 2) * cfg.num_experts
-    if ecfg.expert_slots is not None:
-        slots, source = ecfg.expert_slots, "expert_slots"
+    if ecfg.expert_slots is not None or ecfg.expert_slots_gb is not None:
+        if ecfg.expert_slots is not None:
+            slots, source = ecfg.expert_slots, "expert_slots"
+        else:
+            slots, source = int(ecfg.expert_slots_gb * 1e9 // expert), f"expert_slots_gb={ecfg.expert_slots_gb:g}"
         if budget is not None and base + kv_bytes + slots * expert + reserved > budget:
             raise ConfigError(
-                f"expert_slots={slots} ({slots * expert / GB:.2f} GiB) + dense {base / GB:.2f} GiB + KV {kv_bytes / GB:.2f} GiB "
+                f"{source}: {slots} slots ({slots * expert / GB:.2f} GiB) + dense {base / GB:.2f} GiB + KV {kv_bytes / GB:.2f} GiB "
                 f"exceed the budget of {budget / GB:.2f} GiB"
             )
     elif budget is not None:

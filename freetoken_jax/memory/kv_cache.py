@@ -26,6 +26,7 @@ class KVView:
     write_off_BT: jax.Array  # int32 offset inside that page
     page_table_BP: jax.Array  # int32 pages of each sequence, in position order
     mask_BTS: jax.Array  # bool: token t of sequence b may attend to cached position s
+    positions_BT: jax.Array  # int32 position of each new token
 
     @classmethod
     def build(cls, positions_BT: jax.Array, valid_BT: jax.Array, page_table_BP: jax.Array, page_size: int) -> KVView:
@@ -36,7 +37,14 @@ class KVView:
         page = jnp.where(in_table, page, 0)
         s = jnp.arange(P * page_size, dtype=positions_BT.dtype)
         mask = (s[None, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
-        return cls(page, positions_BT % page_size, page_table_BP, mask)
+        return cls(page, positions_BT % page_size, page_table_BP, mask, positions_BT)
+
+    def mask(self, window: int = 0) -> jax.Array:
+        """`mask_BTS`, limited to the `window` positions ending at each token's own (0: all)."""
+        if not window:
+            return self.mask_BTS
+        s = jnp.arange(self.mask_BTS.shape[-1], dtype=self.positions_BT.dtype)
+        return self.mask_BTS & (s[None, None, :] > self.positions_BT[:, :, None] - window)
 
 
 def write_pages(pages, view: KVView, new_BT):

@@ -21,24 +21,36 @@ def rope_parameters(d: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return float(theta), rp
 
 
-def check_no_window(d: dict[str, Any]) -> None:
-    """Refuses a config whose sliding-window attention would be active (the engine attends to the
-    whole context, so past the window it would compute something else): `layer_types` naming
-    sliding layers, or a `sliding_window` shorter than `max_position_embeddings` that no
-    `use_sliding_window: false` turns off."""
-    if "sliding_attention" in (d.get("layer_types") or ()):
-        raise ConfigError("sliding-window attention layers (layer_types) are not supported yet")
+def sliding_windows(d: dict[str, Any], default_layers=None) -> dict[str, Any]:
+    """`sliding_window` and `sliding_layers` as transformers reads them: the config's
+    `layer_types` where it lists them (sliding layers use `sliding_window`), else
+    `default_layers(d)`, the family's rule (a tuple of booleans per layer, or None: no window)."""
+    types = d.get("layer_types")
+    if types is not None:
+        if len(types) != d["num_hidden_layers"]:
+            raise ConfigError(f"layer_types has {len(types)} entries for {d['num_hidden_layers']} layers")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"layer_types {sorted(unknown)} are not supported (sliding_attention, full_attention)")
+        layers = tuple(t == "sliding_attention" for t in types)
+    else:
+        layers = default_layers(d) if default_layers else None
+    if not layers or not any(layers):
+        return {}
     w = d.get("sliding_window")
-    on = d.get("use_sliding_window", isinstance(w, int) and not isinstance(w, bool))
-    if on and (not isinstance(w, int) or w < d.get("max_position_embeddings", 32768)):
-        raise ConfigError(
-            f"sliding-window attention (sliding_window={w!r}, shorter than max_position_embeddings="
-            f"{d.get('max_position_embeddings', 32768)}) is not supported yet"
-        )
+    if isinstance(w, bool) or not isinstance(w, int) or w <= 0:
+        raise ConfigError(f"sliding-window layers need a positive integer sliding_window, got {w!r}")
+    return dict(sliding_window=w, sliding_layers=layers)
 
 
-def common_fields(d: dict[str, Any]) -> dict[str, Any]:
-    check_no_window(d)
+def every_layer_if(on: bool, d: dict[str, Any]) -> tuple[bool, ...] | None:
+    """Every layer sliding when `on` and the config sets a `sliding_window`."""
+    return (True,) * d["num_hidden_layers"] if on and d.get("sliding_window") else None
+
+
+def common_fields(d: dict[str, Any], default_sliding_layers=None) -> dict[str, Any]:
+    """The fields every family reads alike; `default_sliding_layers(d)`: the family's sliding
+    layers when the config lists no `layer_types` (`sliding_windows`)."""
     act = d.get("hidden_act", "silu")
     if act not in _ACT:
         raise ConfigError(f"hidden_act {act!r} is not supported; supported: {sorted(_ACT)}")
@@ -60,4 +72,5 @@ def common_fields(d: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=tuple(eos if isinstance(eos, list) else ([] if eos is None else [eos])),
+        **sliding_windows(d, default_sliding_layers),
     )

@@ -23,7 +23,8 @@ from freetoken_jax.quant.layout import ExpertLayout
 _INIT = nnx.initializers.normal(0.02)
 
 
-def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+def activation(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The gated activation h(gate x, up x) of `name` (config.ACTIVATIONS)."""
     if name not in ACTIVATIONS:
         raise ValueError(f"unsupported activation {name!r}; use one of {tuple(ACTIVATIONS)}")
     return ACTIVATIONS[name]
@@ -134,14 +135,22 @@ def apply_rope(x_BTHd: jax.Array, cos_BTd: jax.Array, sin_BTd: jax.Array, interl
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dtype)
 
 
-def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float) -> jax.Array:
-    """Grouped-query attention over gathered cache entries; softmax in float32."""
+def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float, sinks_H=None) -> jax.Array:
+    """Grouped-query attention over gathered cache entries; softmax in float32. `sinks_H`: a
+    learned logit per head that joins every softmax's denominator and attends to nothing
+    (gpt-oss)."""
     B, T, H, _ = q_BTHd.shape
     K = k_BSKd.shape[2]
     q = q_BTHd.reshape(B, T, K, H // K, -1)
     s = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKd, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask_BTS[:, None, None], s, -1e30)
-    p = jax.nn.softmax(s, axis=-1)
+    if sinks_H is None:
+        p = jax.nn.softmax(s, axis=-1)
+    else:
+        sink = sinks_H.astype(jnp.float32).reshape(1, K, H // K, 1, 1)
+        m = jnp.maximum(jnp.max(s, axis=-1, keepdims=True), sink)
+        e = jnp.exp(s - m)
+        p = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
     o = jnp.einsum("bkgts,bske->btkge", p.astype(v_BSKe.dtype), v_BSKe, preferred_element_type=jnp.float32)
     return o.reshape(B, T, H, -1).astype(q_BTHd.dtype)
 
@@ -149,7 +158,7 @@ def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float) -> jax.Array:
 class Attention(nnx.Module):
     """Grouped-query attention (Mixtral, Qwen2-MoE, Qwen3-MoE, generic) over a paged KV cache."""
 
-    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs, window: int = 0):
         D, H, K, hd = cfg.hidden_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_proj = linear(D, H * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
         self.k_proj = linear(D, K * hd, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs)
@@ -157,7 +166,8 @@ class Attention(nnx.Module):
         self.o_proj = linear(H * hd, D, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
-        self.cfg = cfg
+        self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32)) if cfg.attention_sinks else None
+        self.cfg, self.window = cfg, window
 
     def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView):
         cfg = self.cfg
@@ -171,7 +181,7 @@ class Attention(nnx.Module):
         k = apply_rope(k, *cos_sin, cfg.rope_interleave)
         k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
         k_all, v_all = gather_pages(k_pages, view), gather_pages(v_pages, view)
-        o = attend(q, k_all, v_all, view.mask_BTS, softmax_scale(cfg))
+        o = attend(q, k_all, v_all, view.mask(self.window), softmax_scale(cfg), None if self.sinks is None else self.sinks[...])
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
 
 
@@ -230,7 +240,7 @@ class MLP(nnx.Module):
         self.act = cfg.hidden_act
 
     def __call__(self, x):
-        return self.down_proj(activation(self.act)(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(self.act)(self.gate_proj(x), self.up_proj(x)))
 
 
 # Routing and experts ----------------------------------------------------------------------------
@@ -241,11 +251,14 @@ class Router(nnx.Module):
         # Router weights stay float32 whatever the model dtype (as the reference models keep them).
         self.weight = nnx.Param(_INIT(rngs.params(), (cfg.num_experts, cfg.hidden_dim), jnp.float32))
         self.bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) if cfg.score_correction_bias else None
+        self.logit_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) if cfg.router_bias else None
         self.cfg = cfg
 
     def __call__(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
         cfg = self.cfg
         logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight[...], precision=jax.lax.Precision.HIGHEST)
+        if self.logit_bias is not None:
+            logits_TE = logits_TE + self.logit_bias[...]
         bias = None if self.bias is None else self.bias[...]
         return route(cfg, logits_TE, bias)
 
@@ -288,6 +301,20 @@ class Experts(nnx.Module):
             self.gate = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
             self.up = nnx.Param(_INIT(rngs.params(), (E, F, D), dtype))
             self.down = nnx.Param(_INIT(rngs.params(), (E, D, F), dtype))
+        # Per-expert biases (gpt-oss), float32 and small: they stay on the device (and are copied
+        # for the CPU executor) whatever the strategy; not banks.
+        zeros = lambda *shape: nnx.Param(jnp.zeros(shape, jnp.float32))  # noqa: E731
+        self.bias = nnx.Dict(gate=zeros(E, F), up=zeros(E, F), down=zeros(E, D)) if cfg.expert_bias else None
+
+    def biases(self):
+        """(gate [E, F], up [E, F], down [E, D]) float32 biases, or None."""
+        return None if self.bias is None else tuple(self.bias[k][...] for k in ("gate", "up", "down"))
+
+
+def pair_biases(bias, ids_TK):
+    """The biases of each token's chosen experts: (gate [T, K, F], up [T, K, F], down [T, K, D]),
+    from per-expert `bias` (`Experts.biases`); None without."""
+    return None if bias is None else tuple(b[ids_TK] for b in bias)
 
 
 # "dense" computes at most this many bytes of float32 expert activations at once (a 512-token
@@ -295,9 +322,10 @@ class Experts(nnx.Module):
 DENSE_SLICE_BYTES = 1 << 30
 
 
-def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = "auto") -> jax.Array:
-    """Σ_k w[t,k] · down(act(gate(x_t)) ⊙ up(x_t)) over each token's chosen experts, from `banks`
-    (gate, up, down of every expert, `layout`).
+def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = "auto", bias=None) -> jax.Array:
+    """Σ_k w[t,k] · down(act(gate(x_t), up(x_t))) over each token's chosen experts, from `banks`
+    (gate, up, down of every expert, `layout`); `bias`: each pair's biases (`pair_biases`), added
+    to the gate, up and down projections, or None.
 
     - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
       the chosen experts, dequantizing what it gathers — only the chosen experts' stored bytes
@@ -324,9 +352,10 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
             return jnp.sum(v_TKI[:, :, None, :].astype(jnp.float32) * w_TKOI, axis=-1)
 
         g, u, d = layout.matrices(tuple(b[ids_TK] for b in banks), jnp.float32)
+        bg, bu, bd = bias or (0.0, 0.0, 0.0)
         xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
-        h = (f(matvec(xk, g)) * matvec(xk, u)).astype(dt)
-        y = jnp.where((w_TK != 0)[..., None], matvec(h, d), 0.0)  # an unrouted pair adds exactly 0
+        h = f(matvec(xk, g) + bg, matvec(xk, u) + bu).astype(dt)
+        y = jnp.where((w_TK != 0)[..., None], matvec(h, d) + bd, 0.0)  # an unrouted pair adds exactly 0
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
     if impl != "dense":
         raise ValueError(f"unknown expert implementation {impl!r}: auto, gather or dense")
@@ -338,20 +367,29 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     w_ET = jnp.zeros((E, T), jnp.float32).at[ids_TK, jnp.arange(T)[:, None]].add(w_TK.astype(jnp.float32))
     step = max(1, DENSE_SLICE_BYTES // (2 * 4 * E * layout.F))
 
-    def dense(x, w):
-        h = f(jnp.einsum("td,efd->etf", x, gate_EFD, **mm)) * jnp.einsum("td,efd->etf", x, up_EFD, **mm)
+    def dense(t0, t1):
+        x, w = x_TD[t0:t1], w_ET[:, t0:t1]
+        g, u = jnp.einsum("td,efd->etf", x, gate_EFD, **mm), jnp.einsum("td,efd->etf", x, up_EFD, **mm)
+        if bias is not None:  # each pair's gate/up biases in place; other (expert, token) pairs get weight 0 below
+            at = (ids_TK[t0:t1], jnp.arange(t1 - t0)[:, None])
+            g, u = g.at[at].add(bias[0][t0:t1]), u.at[at].add(bias[1][t0:t1])
+        h = f(g, u)
         h = jnp.where(w[:, :, None] != 0, h * w[:, :, None], 0.0)  # an unrouted pair adds exactly 0
-        return jnp.einsum("etf,edf->td", h.astype(dt), down_EDF, **mm).astype(dt)
+        y = jnp.einsum("etf,edf->td", h.astype(dt), down_EDF, **mm)
+        if bias is not None:
+            y = y + jnp.einsum("tkd,tk->td", bias[2][t0:t1], w_TK[t0:t1].astype(jnp.float32))
+        return y.astype(dt)
 
-    return jnp.concatenate([dense(x_TD[t : t + step], w_ET[:, t : t + step]) for t in range(0, T, step)])
+    return jnp.concatenate([dense(t, min(T, t + step)) for t in range(0, T, step)])
 
 
-ExpertFn = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+# fn(x_TD, ids_TK, w_TK, bias) -> y_TD; `bias`: the layer's per-expert biases (`Experts.biases`) or None.
+ExpertFn = Callable[..., jax.Array]
 
 
 class MoEBlock(nnx.Module):
     """Router + routed experts + optional (gated) shared expert. How the routed experts are
-    computed is pluggable: `expert_fn(x_TD, ids_TK, w_TK)`; by default from this layer's own
+    computed is pluggable: `expert_fn(x_TD, ids_TK, w_TK, bias)`; by default from this layer's own
     resident weights (strategy "fused")."""
 
     def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs, m: int = 0):
@@ -365,13 +403,15 @@ class MoEBlock(nnx.Module):
         """This layer's routed experts computed from its own resident banks by `compute(x_TD,
         ids_TK, w_TK, banks, layout)` (default `routed_experts`)."""
         e, layout = self.experts, self.layout
-        return lambda x, ids, w: (compute or routed_experts)(x, ids, w, (e.gate[...], e.up[...], e.down[...]), layout)
+        return lambda x, ids, w, bias=None: (compute or routed_experts)(
+            x, ids, w, (e.gate[...], e.up[...], e.down[...]), layout, bias=pair_biases(bias, ids)
+        )
 
     def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None) -> jax.Array:
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         ids, w = self.gate(x_TD)
-        out = (expert_fn or self.expert_fn())(x_TD, ids, w)
+        out = (expert_fn or self.expert_fn())(x_TD, ids, w, self.experts.biases())
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)
             if self.shared_expert_gate is not None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.models.hf_config import common_fields
+from freetoken_jax.models.hf_config import common_fields, every_layer_if
 from freetoken_jax.models.registry import Family, register
 
 
@@ -16,9 +16,17 @@ def _moe_layers(d: dict[str, Any]) -> tuple[bool, ...]:
     return tuple(i not in only_mlp and (i + 1) % step == 0 for i in range(n))
 
 
+def _qwen2_sliding(d: dict[str, Any]) -> tuple[bool, ...] | None:
+    """transformers' Qwen2-MoE rule: with `use_sliding_window`, layers 0, 2, 4, ... below
+    `max_window_layers` slide."""
+    if not d.get("use_sliding_window", False):
+        return None
+    return tuple(i % 2 == 0 and i < d.get("max_window_layers", 28) for i in range(d["num_hidden_layers"]))
+
+
 def qwen2_config(d: dict[str, Any]) -> MoEModelConfig:
     return MoEModelConfig(
-        **common_fields(d),
+        **common_fields(d, _qwen2_sliding),
         family="qwen2_moe",
         intermediate_dim=d["intermediate_size"],
         moe_intermediate_dim=d["moe_intermediate_size"],
@@ -35,7 +43,7 @@ def qwen2_config(d: dict[str, Any]) -> MoEModelConfig:
 def qwen3_config(d: dict[str, Any]) -> MoEModelConfig:
     bias = bool(d.get("attention_bias", False))
     return MoEModelConfig(
-        **common_fields(d),
+        **common_fields(d, lambda d: every_layer_if(d.get("use_sliding_window", False), d)),
         family="qwen3_moe",
         intermediate_dim=d["intermediate_size"],
         moe_intermediate_dim=d["moe_intermediate_size"],

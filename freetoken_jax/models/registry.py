@@ -17,7 +17,8 @@ class Family:
     """One family: its `architectures` names, how to read its config, and how its tensors are named.
 
     `renames` maps a segment of our parameter path to the checkpoint's (e.g. Mixtral's MoE block
-    is `block_sparse_moe`); `expert_names` names the gate/up/down projections of one expert.
+    is `block_sparse_moe`); `expert_names` names the gate/up/down projections of one expert;
+    `interleaved_gate_up`: see below.
     """
 
     name: str
@@ -25,6 +26,9 @@ class Family:
     config_from_hf: Callable[[dict[str, Any]], MoEModelConfig]
     renames: tuple[tuple[str, str], ...] = ()
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    # A fused `gate_up_proj` bank with gate and up rows alternating (gpt-oss) rather than in two
+    # halves; unquantized, its banks are stored [E, in, out] (transposed).
+    interleaved_gate_up: bool = False
 
     def parse(self, hf_config: dict[str, Any]) -> MoEModelConfig:
         """`config_from_hf`, with a missing key reported as a `ConfigError` that names it."""
@@ -95,4 +99,4 @@ def family_named(name: str) -> Family:
 
 def _load_builtin() -> None:
     # Importing a family module registers it; imports are cached, so this is cheap after the first.
-    from freetoken_jax.models import deepseek, generic, mixtral, qwen_moe  # noqa: F401
+    from freetoken_jax.models import deepseek, generic, gpt_oss, mixtral, qwen_moe  # noqa: F401

@@ -20,7 +20,7 @@ from freetoken_jax.models.layers import _INIT, MLP, Attention, ExpertFn, MLAtten
 class DecoderLayer(nnx.Module):
     def __init__(self, cfg: MoEModelConfig, index: int, dtype, rngs: nnx.Rngs):
         self.input_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps, dtype)
-        self.self_attn = (MLAttention if cfg.attention == "mla" else Attention)(cfg, dtype, rngs)
+        self.self_attn = MLAttention(cfg, dtype, rngs) if cfg.attention == "mla" else Attention(cfg, dtype, rngs, cfg.window_of(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_dim, cfg.rms_norm_eps, dtype)
         self.is_moe = cfg.moe_layers[index]
         moe_index = sum(cfg.moe_layers[:index])  # m: this layer's place among the MoE layers

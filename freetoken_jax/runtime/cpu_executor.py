@@ -151,7 +151,8 @@ class CpuExecutor:
     def threads(self) -> int:
         return self._ex.threads
 
-    def run(self, x_TH, tokens, experts, weights, gate, up, down, act: str = "silu", fmt: str = "bf16") -> np.ndarray:
+    def run(self, x_TH, tokens, experts, weights, gate, up, down, act: str = "silu", fmt: str = "bf16", bias=None) -> np.ndarray:
+        """`bias`: (gate [E, F], up [E, F], down [E, H]) float32 per-expert biases, or None."""
         x = np.ascontiguousarray(np.asarray(x_TH, dtype=np.float32))
         if x.ndim != 2:
             raise ValueError(f"x must be [T, H], got shape {x.shape}")
@@ -164,16 +165,23 @@ class CpuExecutor:
             np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1),
             np.ascontiguousarray(experts, dtype=np.int32).reshape(-1),
             np.ascontiguousarray(weights, dtype=np.float32).reshape(-1),
-            g, u, d, F, act, out, "" if fmt == "bf16" else fmt,
+            g, u, d, F, act, out, "" if fmt == "bf16" else fmt, *_biases(bias),
         )  # fmt: skip
         return out
 
-    def register_layer(self, gate, up, down, hidden: int, ffn: int, act: str = "silu", fmt: str = "bf16") -> int:
-        """Registers one layer's banks for the FFI handoff (`freetoken_jax.runtime.handoff`);
+    def register_layer(self, gate, up, down, hidden: int, ffn: int, act: str = "silu", fmt: str = "bf16", bias=None) -> int:
+        """Registers one layer's banks (and biases) for the FFI handoff (`freetoken_jax.runtime.handoff`);
         returns the handle its calls carry. The banks stay referenced for the executor's life."""
-        views = (_bank_view(gate, fmt), _bank_view(up, fmt), _bank_view(down, fmt))
+        views, biases = (_bank_view(gate, fmt), _bank_view(up, fmt), _bank_view(down, fmt)), _biases(bias)
         handle = int(
-            _cpu_ext.register_handoff_layer(self._ex, *views, hidden, ffn, act, "" if fmt == "bf16" else fmt)
+            _cpu_ext.register_handoff_layer(self._ex, *views, hidden, ffn, act, "" if fmt == "bf16" else fmt, *biases)
         )  # the same banks: the same handle
-        self._registered[handle] = ((gate, up, down), views)
+        self._registered[handle] = ((gate, up, down), views, biases)
         return handle
+
+
+def _biases(bias) -> tuple:
+    """(gate, up, down) biases as contiguous float32 arrays for the executor; Nones without."""
+    if bias is None:
+        return (None, None, None)
+    return tuple(np.ascontiguousarray(np.asarray(b, dtype=np.float32)) for b in bias)

@@ -74,17 +74,20 @@ class Pending:
 
 class LayerHandoff:
     """The handoff of one MoE layer whose host banks (numpy views) are gate/up [E, F·D] and
-    down [E, D·F] (bytes of format `fmt` when quantized)."""
+    down [E, D·F] (bytes of format `fmt` when quantized), with per-expert float32 `bias`
+    (gate, up, down) where the model has them."""
 
-    def __init__(self, mode: str, gate, up, down, hidden: int, ffn: int, act: str, fmt: str = "bf16", threads: int | None = None):
+    def __init__(self, mode: str, gate, up, down, hidden: int, ffn: int, act: str, fmt: str = "bf16", threads: int | None = None,
+                 bias=None):  # fmt: skip
         from freetoken_jax.runtime.cpu_executor import shared_executor
 
         self.mode = resolve_mode(mode)
         self.banks, self.hidden, self.ffn, self.act, self.fmt, self.threads = (gate, up, down), hidden, ffn, act, fmt, threads
+        self.bias = bias
         self.handle = None
         if self.mode != "callback":
             _register_targets()
-            self.handle = shared_executor(threads).register_layer(gate, up, down, hidden, ffn, act, fmt)
+            self.handle = shared_executor(threads).register_layer(gate, up, down, hidden, ffn, act, fmt, bias)
         self.suffix = "_graph" if self.mode == "ffi" else ""
 
     def submit(self, x_TD, ids_TK, w_TK, valid_T) -> Pending:
@@ -132,4 +135,4 @@ class LayerHandoff:
         keep = np.repeat(np.asarray(valid) != 0, K) & (np.asarray(w).reshape(-1) != 0)
         tokens = np.repeat(np.arange(x.shape[0], dtype=np.int32), K)[keep]
         ids, w = np.asarray(ids).reshape(-1)[keep], np.asarray(w).reshape(-1)[keep]
-        return shared_executor(self.threads).run(x, tokens, ids, w, *self.banks, self.act, self.fmt)
+        return shared_executor(self.threads).run(x, tokens, ids, w, *self.banks, self.act, self.fmt, self.bias)

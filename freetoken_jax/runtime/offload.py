@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
-from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.models.layers import pair_biases, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many
@@ -109,7 +110,7 @@ class OffloadExecutor:
         self.layer_slots[m] = buf if small else jnp.where(resident, s, buf)
 
     def _buffered_prefill_fn(self, m: int):
-        def fn(x_TD, ids_TK, w_TK):
+        def fn(x_TD, ids_TK, w_TK, bias=None):
             n = len(self.banks)
             if m == 0:
                 self._load_layer(0)
@@ -123,7 +124,7 @@ class OffloadExecutor:
                 nxt = self.banks[m + 1] if self._copies_bank(m + 1) else ()
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
                 self._load_layer(m + 1, nxt or None)
-            out = self.compute(x_TD, ids_TK, w_TK, tuple(layer), self.layouts[m])
+            out = self.compute(x_TD, ids_TK, w_TK, tuple(layer), self.layouts[m], bias=pair_biases(bias, ids_TK))
             if m == n - 1:  # the last two layers' fetched experts stay resident
                 for last in range(max(0, n - 2), n):
                     self.cache = keep_buffer(self.cache, self.buffers[last % 2], last)
@@ -144,7 +145,7 @@ class OffloadExecutor:
 
             cpu = CpuExpertExecutor(self.cfg, self.host_banks, self.valid_T, self.handoff, hybrid_threads()).layer(m)
 
-        def fn(x_TD, ids_TK, w_TK):
+        def fn(x_TD, ids_TK, w_TK, bias=None):
             T, K = ids_TK.shape
             E = self.cfg.num_experts
             misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
@@ -155,7 +156,7 @@ class OffloadExecutor:
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
                 w_gpu = jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK)
-                return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layouts[m])
+                return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layouts[m], bias=pair_biases(bias, ids_TK))
 
             if cpu is None:
                 return gpu_side(self.cache)
@@ -168,9 +169,9 @@ class OffloadExecutor:
         return fn
 
     def _prefill_fn(self, m: int):
-        def fn(x_TD, ids_TK, w_TK):
+        def fn(x_TD, ids_TK, w_TK, bias=None):
             banks = [self._on_device(b) for b in self.banks[m]]
-            return self.compute(x_TD, ids_TK, w_TK, tuple(banks), self.layouts[m])
+            return self.compute(x_TD, ids_TK, w_TK, tuple(banks), self.layouts[m], bias=pair_biases(bias, ids_TK))
 
         return fn
 
@@ -217,13 +218,17 @@ class _Static(tuple):
 
 def host_bank_views(params) -> tuple:
     """Numpy views (no copies) of every MoE layer's host banks, (gate, up, down) per layer, for
-    the CPU executor; static metadata of `Weights`."""
+    the CPU executor, followed by host copies of the layer's expert biases (gate, up, down) where
+    it has them; static metadata of `Weights`."""
     from freetoken_jax.runtime.cpu_executor import host_view
 
-    return _Static(
-        tuple(host_view(layer["mlp"]["experts"][k].get_value()) for k in ("gate", "up", "down"))
-        for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"]
-    )  # fmt: skip
+    def layer_views(experts):
+        banks = tuple(host_view(experts[k].get_value()) for k in ("gate", "up", "down"))
+        if "bias" not in experts:
+            return banks
+        return banks + tuple(np.asarray(experts["bias"][k].get_value(), np.float32) for k in ("gate", "up", "down"))
+
+    return _Static(layer_views(layer["mlp"]["experts"]) for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"])
 
 
 class CpuExpertExecutor:
@@ -236,7 +241,10 @@ class CpuExpertExecutor:
     def expert_fns(self, model) -> list:
         def make(m):
             h = self.layer(m)
-            return lambda x_TD, ids_TK, w_TK: h.collect(h.submit(x_TD, ids_TK, w_TK, self.valid_T), x_TD.shape[0]).astype(x_TD.dtype)
+            # the layer's biases reach the executor as host copies (`host_bank_views`)
+            return lambda x_TD, ids_TK, w_TK, bias=None: h.collect(h.submit(x_TD, ids_TK, w_TK, self.valid_T), x_TD.shape[0]).astype(
+                x_TD.dtype
+            )
 
         return moe_layer_fns(model, make)
 
@@ -244,5 +252,6 @@ class CpuExpertExecutor:
         from freetoken_jax.runtime.handoff import LayerHandoff
 
         cfg = self.cfg
-        return LayerHandoff(self.mode, *self.host_banks[m], cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act,
-                            ExpertLayout.of(cfg, m).executor_format(), self.threads)  # fmt: skip
+        gate, up, down, *bias = self.host_banks[m]
+        return LayerHandoff(self.mode, gate, up, down, cfg.hidden_dim, cfg.moe_intermediate_dim, cfg.hidden_act,
+                            ExpertLayout.of(cfg, m).executor_format(), self.threads, tuple(bias) or None)  # fmt: skip

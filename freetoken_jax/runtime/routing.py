@@ -52,7 +52,7 @@ def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, 
         if fn is None:
             out.append(None)
             continue
-        out.append(lambda x, ids, w, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w))
+        out.append(lambda x, ids, w, bias=None, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w, bias))
         m += 1
     return out
 

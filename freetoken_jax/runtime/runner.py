@@ -316,15 +316,28 @@ class ModelRunner:
             jobs.append((step, args + ((st.slots, self.experts) if with_slots else (self.experts,))))
         return jobs
 
+    def prompt_jobs(self, prompt_len: int) -> list[tuple]:
+        """The steps one prompt of `prompt_len` tokens runs: its prefill chunks and the decode step."""
+        Ts, left = set(), prompt_len
+        while left > 0:
+            T = buckets.chunk_bucket(left, self.engine_config.prefill_chunk)
+            Ts.add(T)
+            left -= T
+        return [self.decode_job(), *self.prefill_jobs(sorted(Ts))]
+
     def chunk_buckets(self) -> list[int]:
         chunk = self.engine_config.prefill_chunk
         return sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)})
+
+    def warm_up_jobs(self, prefill_rows: int = 1) -> list[tuple]:
+        """Every step serving runs: decode (both forms) and the prefill of every chunk bucket."""
+        return [self.decode_job(), *self.sample_jobs(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
 
     def warm_up(self, workers: int = 4, prefill_rows: int = 1) -> dict:
         """Compiles the decode step and the prefill step of every chunk bucket before any request
         arrives (on `workers` threads); returns {"steps": n, "seconds": s}."""
         t0 = time.perf_counter()
-        jobs = [self.decode_job(), *self.sample_jobs(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
+        jobs = self.warm_up_jobs(prefill_rows)
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
@@ -394,6 +407,7 @@ class ModelRunner:
         new = ecfg.replace(
             kv_pages=kv_pages if kv_pages is not None else self.pages.num_pages,
             expert_slots=expert_slots if expert_slots is not None else (self.plan.slots if ecfg.uses_slots else None),
+            expert_slots_gb=None,
             initial_expert_capacity=None,
         )
         itemsize = jnp.dtype(jnp_dtype(new.dtype)).itemsize

@@ -8,22 +8,22 @@ import pytest
 from freetoken_jax.bench.__main__ import main
 from freetoken_jax.bench.compare import plot
 
-ROW_KEYS = {"strategy", "batch", "vram_gb", "slots", "routing_skew", "ms_per_token", "tokens_per_s", "ttft_ms", "hit_rate",
+ROW_KEYS = {"strategy", "batch", "slots_gb", "slots", "routing_skew", "ms_per_token", "tokens_per_s", "ttft_ms", "hit_rate",
             "gb_fetched_per_token", "experts_on_cpu_per_step", "q", "bound_ms", "ratio_to_bound"}  # fmt: skip
 
 
 def test_decode_side_by_side(tmp_path, capsys):
     out = tmp_path / "decode.json"
-    argv = ["decode", "--preset", "demo", "--strategy", "offload", "hybrid", "naive", "cpu", "--vram-gb", "0.0005", "0.002",
+    argv = ["decode", "--preset", "demo", "--strategy", "offload", "hybrid", "naive", "cpu", "--slots-gb", "0.0005", "0.002",
             "--gen-len", "8", "--routing-skew", "0", "--q", "0.1", "1", "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     d = json.loads(out.read_text())
     assert d["kind"] == "decode" and d["h2d_gb_s"] > 0 and d["executor_gb_s"] > 0
     assert d["q"] == pytest.approx(d["h2d_gb_s"] / (d["h2d_gb_s"] + d["hybrid_executor_gb_s"]))  # q*, measured on hybrid's threads
     # one hybrid row per --q value, all in one executable (q is traced): at q = 1 every miss is fetched
-    full = {r["vram_gb"]: r for r in d["rows"] if r["strategy"] == "hybrid" and r["q"] == pytest.approx(1)}
+    full = {r["slots_gb"]: r for r in d["rows"] if r["strategy"] == "hybrid" and r["q"] == pytest.approx(1)}
     assert set(full) == {0.0005, 0.002} and all(r["experts_on_cpu_per_step"] == 0 for r in full.values())
-    rows = {(r["strategy"], r["vram_gb"]): r for r in d["rows"] if r["q"] != pytest.approx(1)}
+    rows = {(r["strategy"], r["slots_gb"]): r for r in d["rows"] if r["q"] != pytest.approx(1)}
     assert set(rows) == {("offload", 0.0005), ("offload", 0.002), ("hybrid", 0.0005), ("hybrid", 0.002), ("naive", None), ("cpu", None)}
     for r in d["rows"]:
         assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bound_ms"] > 0 and r["routing_skew"] == 0
@@ -59,7 +59,7 @@ def test_decode_steps_compiled_ahead_on_threads(tmp_path, capsys):
 
     bench = Bench("demo", dtype="float32", max_batch=2, max_context=64)
     rows = [
-        dict(variant=v, B=B, vram_gb=0.001, prompt_len=8, steps=6, q=0.2, skew=k)
+        dict(variant=v, B=B, slots_gb=0.001, prompt_len=8, steps=6, q=0.2, skew=k)
         for v, B in (("offload", 2), ("naive", 1))
         for k in (0.0, 1.0)
     ]
@@ -71,12 +71,12 @@ def test_decode_steps_compiled_ahead_on_threads(tmp_path, capsys):
     assert bench.steps.compilations()["decode"] == 2
     # and the command line does the same
     out = tmp_path / "d.json"
-    argv = ["decode", "--preset", "demo", "--strategy", "offload", "--vram-gb", "0.0005", "0.002", "--gen-len", "6",
+    argv = ["decode", "--preset", "demo", "--strategy", "offload", "--slots-gb", "0.0005", "0.002", "--gen-len", "6",
             "--routing-skew", "0", "--dtype", "float32", "--compile-workers", "2", "--prompt-by-decode", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     assert capsys.readouterr().err.count("compiled ahead") == 2
     got = json.loads(out.read_text())["rows"]
-    assert [(r["strategy"], r["vram_gb"]) for r in got] == [("offload", 0.0005), ("offload", 0.002)]
+    assert [(r["strategy"], r["slots_gb"]) for r in got] == [("offload", 0.0005), ("offload", 0.002)]
     assert not any("x_naive" in r for r in got)  # no naive row, nothing to compare with
 
 
@@ -92,7 +92,7 @@ def test_speedups_pair_rows_by_batch_and_skew():
 
 def test_prefill(tmp_path):
     out = tmp_path / "prefill.json"
-    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-copy", "stream", "fused", "--vram-gb", "0.01",
+    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-copy", "stream", "fused", "--slots-gb", "0.01",
             "--prompt-len", "40", "--chunk", "16",
             "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
@@ -108,8 +108,8 @@ def test_prefill(tmp_path):
 
 
 def test_plot_draws_or_says_what_is_missing(tmp_path):
-    rows = [dict(strategy="offload", batch=1, routing_skew=0, vram_gb=v, tokens_per_s=t) for v, t in ((8, 10.0), (16, 20.0))]
-    rows.append(dict(strategy="naive", batch=1, routing_skew=0, vram_gb=None, tokens_per_s=5.0))
+    rows = [dict(strategy="offload", batch=1, routing_skew=0, slots_gb=v, tokens_per_s=t) for v, t in ((8, 10.0), (16, 20.0))]
+    rows.append(dict(strategy="naive", batch=1, routing_skew=0, slots_gb=None, tokens_per_s=5.0))
     path = tmp_path / "p.png"
     try:
         import matplotlib  # noqa: F401
@@ -126,7 +126,7 @@ def test_transformers_baseline_beside_the_engine(tmp_path, ckpt_root, capsys):
 
     path = make_checkpoint("qwen3_moe", ckpt_root)
     out = tmp_path / "t.json"
-    argv = ["decode", "--model", path, "--strategy", "offload", "transformers", "--vram-gb", "0.001", "--gen-len", "6",
+    argv = ["decode", "--model", path, "--strategy", "offload", "transformers", "--slots-gb", "0.001", "--gen-len", "6",
             "--prompt-len", "8", "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     rows = {r["strategy"]: r for r in json.loads(out.read_text())["rows"]}
@@ -140,7 +140,7 @@ def test_transformers_baseline_beside_the_engine(tmp_path, ckpt_root, capsys):
 def test_plot_command_draws_several_runs_together(tmp_path):
     runs = []
     for skew in (0, 1):
-        rows = [dict(strategy="offload", batch=1, routing_skew=skew, vram_gb=v, tokens_per_s=10.0 + v + skew) for v in (8, 16)]
+        rows = [dict(strategy="offload", batch=1, routing_skew=skew, slots_gb=v, tokens_per_s=10.0 + v + skew) for v in (8, 16)]
         runs.append(tmp_path / f"s{skew}.json")
         runs[-1].write_text(json.dumps(dict(kind="decode", rows=rows)))
     other = tmp_path / "prefill.json"
@@ -162,7 +162,7 @@ def test_expert_impl_is_recorded_and_gives_the_same_tokens(tmp_path):
     firsts = {}
     for impl in ("ragged", "dense"):
         out = tmp_path / f"{impl}.json"
-        argv = ["prefill", "--preset", "demo", "--strategy", "offload", "--vram-gb", "0.01", "--prompt-len", "40", "--chunk", "16",
+        argv = ["prefill", "--preset", "demo", "--strategy", "offload", "--slots-gb", "0.01", "--prompt-len", "40", "--chunk", "16",
                 "--dtype", "float32", "--expert-impl", impl, "--json", str(out)]  # fmt: skip
         assert main(argv) == 0
         d = json.loads(out.read_text())

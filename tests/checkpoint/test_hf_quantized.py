@@ -80,13 +80,14 @@ def write(variant, kind, root, out, block=(128, 128)):
         return deq
 
     for k, w in sd.items():
-        if ".experts." in k:
+        if ".experts." in k and not k.endswith("_bias"):
             E = w.shape[0]
             if kind == "mxfp4":  # gpt-oss's fused blocks and scales
-                parts, deq = mxfp4(w)
+                t = variant == "gpt_oss"  # transformers keeps its banks [E, in, out]; the MXFP4 blocks are [E, out, in]
+                parts, deq = mxfp4(np.swapaxes(w, 1, 2) if t else w)
                 for suffix, v in parts.items():
                     tensors[k + suffix] = v
-                ref[k] = deq
+                ref[k] = np.swapaxes(deq, 1, 2) if t else deq
                 continue
             F = sd[k.replace("gate_up_proj", "down_proj")].shape[-1]
             gate, up, down = ("w1", "w3", "w2") if variant == "mixtral" else ("gate_proj", "up_proj", "down_proj")
@@ -118,7 +119,7 @@ def write(variant, kind, root, out, block=(128, 128)):
 
 
 @pytest.mark.parametrize("variant,kind", [("qwen3_moe_norm", "fp8"), ("mixtral", "fp8"), ("qwen3_moe_k", "nvfp4"), ("qwen3_moe_k", "nvfp4_ct"),
-                                          ("qwen3_moe_norm", "mxfp4")])  # fmt: skip
+                                          ("qwen3_moe_norm", "mxfp4"), ("gpt_oss", "mxfp4")])  # fmt: skip
 def test_quantized_checkpoint_logits_equal_transformers_on_its_dequantization(variant, kind, ckpt_root, tmp_path):
     ref = write(variant, kind, ckpt_root, str(tmp_path / "q"))
     eng = FreeTokenEngine.from_pretrained(str(tmp_path / "q"), EngineConfig(**BASE, moe_strategy="fused"))

@@ -62,31 +62,30 @@ def test_invalid_engine_configs(kw):
         EngineConfig(**kw)
 
 
-def test_sliding_window_is_refused():
-    d = {
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "vocab_size": 10,
-        "hidden_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "intermediate_size": 8,
-        "moe_intermediate_size": 8,
-        "num_experts": 2,
-        "num_experts_per_tok": 1,
-        "use_sliding_window": True,
-    }
-    with pytest.raises(ConfigError, match="sliding"):
-        config_from_hf(d)
-    # Every family: a window shorter than the positions, or sliding layers, is refused; one that a
-    # flag turns off, or that covers every position, is not.
-    mixtral = {"architectures": ["MixtralForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 1,
-               "num_attention_heads": 2, "intermediate_size": 8, "num_local_experts": 2, "num_experts_per_tok": 1,
-               "max_position_embeddings": 32768}  # fmt: skip
-    for bad in ({"sliding_window": 4096}, {"layer_types": ["sliding_attention"]}, {"use_sliding_window": True}):
-        with pytest.raises(ConfigError, match="sliding"):
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    qwen3 = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 4,
+             "num_attention_heads": 2, "intermediate_size": 8, "moe_intermediate_size": 8, "num_experts": 2, "num_experts_per_tok": 1}  # fmt: skip
+    mixtral = {**qwen3, "architectures": ["MixtralForCausalLM"], "num_local_experts": 2}
+    qwen2 = {**qwen3, "architectures": ["Qwen2MoeForCausalLM"]}
+
+    def windows(d):
+        cfg = config_from_hf(d)
+        return [cfg.window_of(i) for i in range(cfg.num_layers)]
+
+    assert windows({**mixtral, "sliding_window": 7}) == [7] * 4  # Mistral's: every layer when set
+    assert windows({**mixtral, "sliding_window": None}) == [0] * 4
+    assert windows({**qwen3, "sliding_window": 7}) == [0] * 4  # Qwen: only with use_sliding_window
+    assert windows({**qwen3, "sliding_window": 7, "use_sliding_window": True}) == [7] * 4
+    assert windows({**qwen2, "sliding_window": 7, "use_sliding_window": True, "max_window_layers": 3}) == [7, 0, 7, 0]
+    types = ["sliding_attention", "full_attention", "full_attention", "sliding_attention"]
+    assert windows({**mixtral, "sliding_window": 7, "layer_types": types}) == [7, 0, 0, 7]  # listed layer types win
+    for bad, match in (({"layer_types": types}, "sliding_window"), ({"layer_types": types[:2], "sliding_window": 3}, "entries"),
+                       ({"layer_types": ["chunked_attention"] * 4, "sliding_window": 3}, "not supported"),
+                       ({"sliding_window": -2}, "sliding_window")):  # fmt: skip
+        with pytest.raises(ConfigError, match=match):
             config_from_hf({**mixtral, **bad})
-    for ok in ({"sliding_window": None}, {"sliding_window": 32768}, {"sliding_window": 4096, "use_sliding_window": False},
-               {"layer_types": ["full_attention"]}):  # fmt: skip
-        assert config_from_hf({**mixtral, **ok}).family == "mixtral"
-    qwen_off = {**d, "use_sliding_window": False, "sliding_window": 4096}
-    assert config_from_hf(qwen_off).family == "qwen3_moe"
+    mla = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "intermediate_size": 8, "moe_intermediate_size": 8, "n_routed_experts": 2, "num_experts_per_tok": 1, "kv_lora_rank": 4,
+           "qk_rope_head_dim": 2, "qk_nope_head_dim": 2, "v_head_dim": 2, "layer_types": ["sliding_attention"] * 2, "sliding_window": 3}  # fmt: skip
+    with pytest.raises(ConfigError, match="MLA"):  # refused with the reason, never ignored
+        config_from_hf(mla)

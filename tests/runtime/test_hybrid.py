@@ -94,7 +94,8 @@ def test_hybrid_matches_fused(family, ckpt_root):
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**{**BASE, "moe_strategy": "fused"}))
     want = fused.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
     cfg = fused.model_config
-    runs = ((0.35, 2 * cfg.top_k, "callback"), (0.0, 2 * cfg.top_k, "ffi"), (1.0, 2 * cfg.top_k, "callback"), (0.5, 1000, "callback"))
+    # (q = 1, every miss fetched: tests/bench/test_bench_compare.py)
+    runs = ((0.35, 2 * cfg.top_k, "callback"), (0.0, 2 * cfg.top_k, "ffi"), (0.5, 1000, "callback"))
     for q, slots, handoff in runs:
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, expert_slots=slots, hybrid_q=q, cpu_handoff=handoff))
         assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want, (family, q, slots, handoff)
@@ -103,8 +104,6 @@ def test_hybrid_matches_fused(family, ckpt_root):
             plain = eng
         if q == 0.0:
             assert m["experts_fetched"] == 0 and m["experts_on_cpu"] > 0
-        if q == 1.0:
-            assert m["experts_on_cpu"] == 0
         if q == 0.35:
             assert 0 < m["experts_fetched"] < m["experts_fetched"] + m["experts_on_cpu"]
             # no slot ever holds an expert that was left to the CPU in the same step: the maps stay a bijection

@@ -161,7 +161,7 @@ def test_logprobs_of_every_step(engine):
         np.testing.assert_allclose([v for _, v in top], np.sort(lp[k])[::-1][:5], atol=1e-3)
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer"}},
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
           "required": ["name", "n"], "additionalProperties": False}  # fmt: skip
 
 

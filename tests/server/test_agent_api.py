@@ -16,7 +16,7 @@ from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.server.text import render_chat
 
 EC = EngineConfig(dtype="float32", max_context=160, max_batch=4, page_size=8, prefill_chunk=32)
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1}},
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer", "minimum": 1, "maximum": 30}},
           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
 
 

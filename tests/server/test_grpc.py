@@ -143,7 +143,12 @@ def test_generate_controls_choices_and_constraints(stub):
     assert sorted(r.done.index for r in rs if r.WhichOneof("event") == "done") == [0, 1, 2]
     for i in range(3):
         assert got[i] == list(ref.generate(prompt, max_new_tokens=5, temperature=1.0, seed=11 + i, ignore_eos=True))
-    schema = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["k"],
+        "additionalProperties": False,
+    }
     chunks, done = generate(s, text="x", max_new_tokens=30, sampling=pb.SamplingParams(temperature=1.0, seed=2),
                             constraint=pb.Constraint(json_schema=json.dumps(schema)))  # fmt: skip
     assert set(json.loads("".join(c.text for c in chunks))) == {"k"} and done.finish_reason == "stop"
