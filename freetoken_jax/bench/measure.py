@@ -44,20 +44,21 @@ def h2d_bandwidth(host=None, gib: float = 1.0, reps: int = 5) -> float:
 
 
 def executor_pass(ex, layers, x, top_k: int, act: str = "silu", fmt: str | list[str] = "bf16"):
-    """One batch-1 pass of the CPU executor over every expert of `layers` ([(gate, up, down)],
-    host banks; `fmt` their executor format, or one per layer): one token's top-k experts per
-    call, in turn. Returns (run, bytes one run reads)."""
+    """One batch-1 pass of the CPU executor over every expert of `layers` ([(gate, up, down[,
+    biases])], host banks as `host_bank_views` gives them; `fmt` their executor format, or one
+    per layer): one token's top-k experts per call, in turn. Returns (run, bytes of expert
+    weights one run reads)."""
     fmts = [fmt] * len(layers) if isinstance(fmt, str) else fmt
     E = layers[0][0].shape[0]
     k = min(top_k, E)
     calls = E // k
 
     def run():
-        for banks, f in zip(layers, fmts):
+        for (gate, up, down, *bias), f in zip(layers, fmts):
             for c in range(calls):
-                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, *banks, act, f)
+                ex.run(x, [0] * k, [c * k + j for j in range(k)], [1.0 / k] * k, gate, up, down, act, f, tuple(bias) or None)
 
-    return run, calls * k * sum(b.nbytes // b.shape[0] for banks in layers for b in banks)
+    return run, calls * k * sum(b.nbytes // b.shape[0] for banks in layers for b in banks[:3])
 
 
 def executor_bandwidth(engine, views, reps: int = 3, threads: int | None = None) -> float:
