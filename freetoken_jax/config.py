@@ -119,6 +119,9 @@ class MoEModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] = ()
     rope_interleave: bool = False
+    # Grouped-query attention: rotate only the first `rotary_dim` dimensions of each head (GLM's
+    # partial rotary; 0: the whole head).
+    rotary_dim: int = 0
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
@@ -170,6 +173,8 @@ class MoEModelConfig:
             raise ConfigError(f"attention must be 'gqa' or 'mla', got {self.attention!r}")
         if self.attention == "mla" and min(self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim) <= 0:
             raise ConfigError("MLA needs kv_lora_rank, qk_rope_head_dim and v_head_dim > 0")
+        if not 0 <= self.rotary_dim <= self.head_dim:
+            raise ConfigError(f"rotary_dim must be in [0, head_dim={self.head_dim}], got {self.rotary_dim}")
         if self.rope_dim % 2:
             raise ConfigError(f"the rotary dimension must be even, got {self.rope_dim}")
         if self.hidden_act not in ACTIVATIONS:
@@ -233,7 +238,7 @@ class MoEModelConfig:
     # Derived sizes -----------------------------------------------------------------------------
     @property
     def rope_dim(self) -> int:
-        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+        return self.qk_rope_head_dim if self.attention == "mla" else (self.rotary_dim or self.head_dim)
 
     @property
     def qk_head_dim(self) -> int:
@@ -290,9 +295,11 @@ class EngineConfig:
     FreeToken's budget fields (`total_vram_gb`, `base_model_vram_gb` for the dense weights,
     `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory; "cpu"
     computes every routed expert on the CPU from host RAM (no slots), for devices with almost
-    no memory to spare; "auto" picks fused when everything fits the budget, otherwise what a
-    matching `benchbw.json` (`python -m freetoken_jax.bench bw`) recommends, otherwise offload —
-    never hybrid without evidence.
+    no memory to spare; "auto" picks fused when everything fits the budget; otherwise, with a
+    matching `benchbw.json` (`python -m freetoken_jax.bench bw`), hybrid or offload by a short
+    decode probe of both (`auto_probe_steps`; its outcome kept in the profile for the next start
+    of the same model and settings), or the profile's recommendation as is when the probe is
+    off; otherwise offload — never hybrid without evidence.
     """
 
     dtype: str = "bfloat16"
@@ -322,9 +329,10 @@ class EngineConfig:
     # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is
     # under 256 KB, else fetch).
     prefill_load: str = "auto"
-    # Strategy "auto": when benchbw.json recommends "hybrid", the engine first decodes this many
-    # steps under hybrid and under offload (batch 1, sampled) and keeps the faster; 0: trust the
-    # recommendation. A measured bandwidth rule can be wrong end to end; this checks it.
+    # Strategy "auto": with a benchbw.json, the engine first decodes this many steps under hybrid
+    # and under offload (batch 1, sampled) and keeps the faster, whatever the profile's bandwidth
+    # rule recommends; 0: trust the recommendation. On the H200 the rule said offload (CPU 76 <
+    # 2 × PCIe 44 GB/s) where hybrid decodes 2.1 × faster.
     auto_probe_steps: int = 16
     # Strategy "auto", with the probe above: hybrid is also measured at the recommended q plus
     # each of these (clamped to [0, 1]; q is traced, so no step compiles again) and keeps the

@@ -27,7 +27,7 @@ from freetoken_jax.memory.budget import GB, device_memory_bytes, host_memory_ava
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.quant.banks import quantize_params, quantizing
-from freetoken_jax.runtime.choice import resolve_auto
+from freetoken_jax.runtime.choice import probe_key, remember_probe, resolve_auto
 from freetoken_jax.runtime.experts import ExpertBackend, make_backend
 from freetoken_jax.runtime.offload import host_bank_placer, to_host_banks
 from freetoken_jax.runtime.runner import ModelRunner
@@ -80,8 +80,8 @@ class FreeTokenEngine:
         self.strategy_reason = f"moe_strategy={ecfg.moe_strategy.value!r} was asked for"
         probe = False  # set when "auto" picks hybrid from a profile: checked by a decode probe
         if ecfg.moe_strategy is Strategy.AUTO:
-            ecfg, self.strategy_reason = resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
-            probe = ecfg.moe_strategy is Strategy.HYBRID and ecfg.auto_probe_steps > 0 and ecfg.max_context >= 4
+            self._probe_key = probe_key(cfg, ecfg)
+            ecfg, self.strategy_reason, probe = resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
             log.info("moe_strategy auto -> %s: %s", ecfg.moe_strategy.value, self.strategy_reason)
         plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
         log.info("memory plan: %s", plan.describe())
@@ -186,6 +186,8 @@ class FreeTokenEngine:
         else:  # offload is in use since its probe
             self.strategy_reason += f"; but the decode probe measured hybrid {h:.1f} tok/s < offload {o:.1f} tok/s: offload"
         log.info("moe_strategy auto: %s", self.strategy_reason)
+        kept = "hybrid" if h >= o else "offload"
+        remember_probe(self._probe_key, dict(strategy=kept, q=q, reason=f"hybrid {h:.1f} tok/s, offload {o:.1f} tok/s at q = {q:g}"))
         self.batcher.reset_metrics()  # the probe's requests are not the user's
 
     # Construction ---------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     GptOssConfig,
     MixtralConfig,
     Qwen2MoeConfig,
@@ -67,6 +68,23 @@ VARIANTS = {
         num_experts_per_tok=2,
         sliding_window=6,
         max_position_embeddings=4096,
+    ),
+    # partial rotary (a quarter of each head), q/k norm, q/k/v biases, a dense first layer, shared expert, V3-style grouped routing
+    "glm4_moe": lambda: Glm4MoeConfig(
+        **COMMON,
+        num_key_value_heads=2,
+        head_dim=16,
+        partial_rotary_factor=0.25,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=1.5,
+        use_qk_norm=True,
+        attention_bias=True,
     ),
     "deepseek_v2": lambda: DeepseekV2Config(
         **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1

@@ -119,6 +119,9 @@ class Bench:
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
                  f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
+        if jax.default_backend() == "cpu":
+            self.log("(the CPU backend: no PCIe and no HBM, so 'host->device' and 'device copy' are memory copies and the rows are a "
+                     "functional demo, not a measure of the strategies; GPU figures: benchmarks/RESULTS.md)")  # fmt: skip
 
     @property
     def expert_bytes(self) -> int:

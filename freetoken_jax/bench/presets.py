@@ -39,6 +39,12 @@ PRESETS: dict[str, MoEModelConfig | None] = {
     ),
     "gpt-oss-120b": MoEModelConfig(**GPT_OSS, num_layers=36, num_experts=128, sliding_layers=(True, False) * 18),
     "gpt-oss-20b": MoEModelConfig(**GPT_OSS, num_layers=24, num_experts=32, sliding_layers=(True, False) * 12),
+    "glm-4.5-air": MoEModelConfig(
+        vocab_size=151552, hidden_dim=4096, intermediate_dim=10944, moe_intermediate_dim=1408, num_layers=46, num_experts=128,
+        top_k=8, num_heads=96, num_kv_heads=8, head_dim=128, rotary_dim=64, qkv_bias=True, shared_expert_dim=1408,
+        moe_layers=(False,) + (True,) * 45, router_scoring="sigmoid", topk_method="noaux_tc", score_correction_bias=True,
+        rope_theta=1e6, rms_norm_eps=1e-5, family="glm4_moe", max_position_embeddings=131072,
+    ),
     "demo": None,
 }  # fmt: skip
 

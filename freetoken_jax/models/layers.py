@@ -177,8 +177,9 @@ class Attention(nnx.Module):
         v = self.v_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, *cos_sin, cfg.rope_interleave)
-        k = apply_rope(k, *cos_sin, cfg.rope_interleave)
+        rd = cfg.rope_dim  # partial rotary: the rest of each head passes as it is
+        rope = lambda x: apply_rope(x, *cos_sin, cfg.rope_interleave)  # noqa: E731
+        q, k = (rope(a) if rd == cfg.head_dim else jnp.concatenate([rope(a[..., :rd]), a[..., rd:]], axis=-1) for a in (q, k))
         k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
         k_all, v_all = gather_pages(k_pages, view), gather_pages(v_pages, view)
         o = attend(q, k_all, v_all, view.mask(self.window), softmax_scale(cfg), None if self.sinks is None else self.sinks[...])

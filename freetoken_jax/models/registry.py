@@ -99,4 +99,4 @@ def family_named(name: str) -> Family:
 
 def _load_builtin() -> None:
     # Importing a family module registers it; imports are cached, so this is cheap after the first.
-    from freetoken_jax.models import deepseek, generic, gpt_oss, mixtral, qwen_moe  # noqa: F401
+    from freetoken_jax.models import deepseek, generic, glm, gpt_oss, mixtral, qwen_moe  # noqa: F401

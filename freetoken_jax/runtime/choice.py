@@ -4,8 +4,11 @@
 (schema version, time, device, CPU model, dtype, figures, recommendation); `load_profile` reads
 it back, ignoring — with a message, never an exception — a missing, corrupt, old-schema or
 foreign (other GPU or CPU) profile. `resolve_auto` picks fused when every expert fits the
-device budget, else the profile's recommendation, else offload (hybrid only on evidence);
-`FreeTokenEngine` then checks a hybrid recommendation with a short decode probe.
+device budget, else offload without a profile (hybrid only on evidence); with one,
+`FreeTokenEngine` measures hybrid (at the profile's q and beside it) against offload with a
+short decode probe whatever the profile's bandwidth rule recommends (the rule orders nothing
+more than the starting q), and keeps the probe's outcome in the profile for the next start of
+the same model and settings (`probe_key`).
 """
 
 from __future__ import annotations
@@ -94,28 +97,74 @@ def load_profile(path: str | None = None) -> dict | None:
     return prof
 
 
-def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, itemsize: int) -> tuple[EngineConfig, str]:
-    """(config with the strategy chosen, why): fused when everything fits; else a matching
-    benchbw.json's recommendation; else offload."""
+def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, itemsize: int) -> tuple[EngineConfig, str, bool]:
+    """(config with the strategy chosen, why, whether a decode probe is still to decide between
+    hybrid and offload): fused when everything fits; else, with a matching benchbw.json, hybrid
+    to be probed against offload (or the kept outcome of an earlier probe, or the profile's
+    recommendation as is when `auto_probe_steps` is 0); else offload."""
     try:
         plan_memory(cfg, ecfg.replace(moe_strategy=Strategy.FUSED), dense, kv, itemsize, device_memory_bytes())
-        return ecfg.replace(moe_strategy=Strategy.FUSED), "every expert fits the device budget"
+        return ecfg.replace(moe_strategy=Strategy.FUSED), "every expert fits the device budget", False
     except ConfigError:
         pass
     prof = load_profile()
     if prof is None:
-        return ecfg.replace(moe_strategy=Strategy.OFFLOAD), (
-            "the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"
+        return (
+            ecfg.replace(moe_strategy=Strategy.OFFLOAD),
+            ("the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"),
+            False,
         )
     rec = prof["recommendation"]
     if cfg.expert_format != "bf16" and isinstance(prof.get("figures"), dict):
         rec = recommend(prof["figures"], prof.get("threshold", THRESHOLD), cfg.expert_format)
     strategy = Strategy.HYBRID if rec["strategy"] == "hybrid" else Strategy.OFFLOAD
     q = rec.get("q")
+    why = f"the experts do not fit; benchbw.json recommends {strategy.value} ({rec.get('reason', '')})"
+    cached = cached_probe(prof, probe_key(cfg, ecfg))
+    if cached is not None:
+        strategy, q = Strategy(cached["strategy"]), cached.get("q", q)
+        why += f"; a decode probe of this model here chose {strategy.value} ({cached.get('reason', '')})"
+    elif strategy is Strategy.OFFLOAD and ecfg.auto_probe_steps > 0 and rec["strategy"] == "offload":
+        # the bandwidth rule is a hint: hybrid is measured against offload before it is ruled out
+        strategy = Strategy.HYBRID
+        why += "; hybrid is measured against it by a decode probe"
     new = ecfg.replace(moe_strategy=strategy, hybrid_q=float(q) if q is not None else ecfg.hybrid_q)
     fig = prof.get("figures") or {}
     us, link = fig.get("handoff_ffi_us"), fig.get("contended_fetch_gb_s", fig.get("fetch_gb_s"))
     if isinstance(us, (int, float)) and isinstance(link, (int, float)) and us > 0 and link > 0:
         # the handoff's measured cost in units of one expert's PCIe fetch time
         new = new.replace(hybrid_overhead=us * 1e-6 / (expert_bytes(cfg, itemsize) / (link * 1e9)))
-    return new, f"the experts do not fit; benchbw.json recommends {strategy.value} ({rec.get('reason', '')})"
+    probe = cached is None and strategy is Strategy.HYBRID and ecfg.auto_probe_steps > 0 and ecfg.max_context >= 4
+    return new, why, probe
+
+
+def probe_key(cfg: MoEModelConfig, ecfg: EngineConfig) -> str:
+    """What a decode probe's outcome depends on: the model's shape and formats, the dtype, the
+    slot budget and the batch (the machine is the profile's)."""
+    import hashlib
+
+    shape = json.dumps([repr(cfg), ecfg.dtype, ecfg.max_batch, ecfg.expert_slots, ecfg.expert_slots_gb, ecfg.total_vram_gb,
+                        ecfg.reserved_vram_gb, ecfg.base_model_vram_gb])  # fmt: skip
+    return hashlib.sha256(shape.encode()).hexdigest()[:16]
+
+
+def cached_probe(prof: dict, key: str) -> dict | None:
+    entry = (prof.get("probes") or {}).get(key)
+    return entry if isinstance(entry, dict) and entry.get("strategy") in ("hybrid", "offload") else None
+
+
+def remember_probe(key: str, outcome: dict, path: str | None = None) -> None:
+    """Adds a decode probe's outcome ({"strategy", "q", "reason"}) to the profile, so that the
+    next start with the same model and settings skips the probe. A profile that cannot be
+    written is left as it is (the probe runs again next time)."""
+    prof = load_profile(path)
+    if prof is None:
+        return
+    prof.setdefault("probes", {})[key] = outcome
+    p = profile_path(path)
+    try:
+        with open(p + ".partial", "w") as f:
+            json.dump(prof, f, indent=1)
+        os.replace(p + ".partial", p)
+    except OSError as e:
+        log.warning("could not keep the decode probe's outcome in %s: %s", p, e)

@@ -202,12 +202,54 @@ class DeepSeekV3(ToolFormat):
         return f"start: {lit(self.start)} call{more} {lit('<｜tool▁calls▁end｜>')}\n{call}\nfn: {' | '.join(fns)}\n"
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), DeepSeekV3())}
+class Glm45(ToolFormat):
+    """GLM-4.5/4.6: `<tool_call>NAME\n<arg_key>K</arg_key>\n<arg_value>V</arg_value>\n…</tool_call>`,
+    each value JSON where it parses as JSON (numbers, booleans, objects), else the string as written."""
+
+    name = "glm45"
+    start = "<tool_call>"
+    marker = "<arg_key>"  # what tells its templates from Hermes' (the same <tool_call>)
+    _call = re.compile(r"<tool_call>\s*([^\n<]+?)\s*(?:\n|(?=<arg_key>|</tool_call>))(.*?)</tool_call>", re.S)
+    _arg = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def parse(self, section: str) -> list[ToolCall]:
+        calls = []
+        for m in self._call.finditer(section):
+            args = {}
+            for k, v in self._arg.findall(m.group(2)):
+                try:
+                    args[k.strip()] = json.loads(v)
+                except ValueError:
+                    args[k.strip()] = v
+            calls.append(ToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False)))
+        if not calls or section.rstrip()[-len("</tool_call>") :] != "</tool_call>":
+            raise ValueError("no tool call, or an unfinished one")
+        return calls
+
+    def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
+        """Each tool's name, then at most one `<arg_key>`/`<arg_value>` pair per property of its
+        schema (values of up to 64 characters without '<'; their types are not checked)."""
+        lit = lambda t: _lit(t, token_id)  # noqa: E731
+        rules = []
+        for i, t in enumerate(tools):
+            props = list(_schema(t["function"].get("parameters")).get("properties", {}))
+            keys = " | ".join(json.dumps(k) for k in props) or '""'
+            pairs = " ".join(f"pair{i}?" for _ in props)
+            rules.append(f'fn{i}: {json.dumps(t["function"]["name"])} "\\n" {pairs}\n'
+                         f'pair{i}: "<arg_key>" ({keys}) "</arg_key>\\n<arg_value>" /[^<]{{0,64}}/ "</arg_value>\\n"')  # fmt: skip
+        fns = " | ".join(f"fn{i}" for i in range(len(tools)))
+        more = ' ("\\n" call)*' if many else ""
+        return f"start: call{more}\ncall: {lit(self.start)} ({fns}) {lit('</tool_call>')}\n" + "\n".join(rules) + "\n"
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), DeepSeekV3(), Glm45())}
 FORMATS["qwen"] = FORMATS["hermes"]
 
 
 def detect(template: str | None) -> ToolFormat:
     """The format a chat template writes tool calls in (Hermes when it shows none)."""
+    if template and Glm45.marker in template:
+        return FORMATS["glm45"]
     for f in (FORMATS["deepseek_v3"], FORMATS["mistral"], FORMATS["hermes"]):
         if template and f.start in template:
             return f

@@ -169,25 +169,39 @@ def test_auto_strategy(tmp_path, monkeypatch):
 
 
 def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
-    """A profile recommending hybrid is kept only if hybrid decodes at least as fast as offload."""
+    """With a profile, hybrid runs only if a decode probe finds it at least as fast as offload,
+    whatever the profile's bandwidth rule recommends; the outcome is kept in the profile."""
     cfg = MoEModelConfig(
         vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
     )
     ecfg = EngineConfig(dtype="float32", max_context=40, max_batch=2, moe_strategy="auto", total_vram_gb=0.0004, auto_probe_steps=4)
     monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
-    prof = dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures={},
-                recommendation=dict(strategy="hybrid", q=0.3, reason="made up"))  # fmt: skip
-    (tmp_path / "benchbw.json").write_text(json.dumps(prof))
+    profile = tmp_path / "benchbw.json"
+
+    def write(strategy):  # a fresh profile: no kept probe outcome
+        profile.write_text(json.dumps(dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures={},
+                                           recommendation=dict(strategy=strategy, q=0.3, reason="made up"))))  # fmt: skip
+
     fused = FreeTokenEngine(cfg, ecfg.replace(moe_strategy="fused", total_vram_gb=None))
     want = fused.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)
-    for rates, kept in (({"hybrid": 5.0, "offload": 10.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0}, "hybrid")):
-        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
-        e = FreeTokenEngine(cfg, ecfg)
-        assert e.engine_config.moe_strategy == e.experts.strategy == kept
-        assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
-        assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
-        if kept == "hybrid":  # every q measured the same: the recommendation stays
-            assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
+    for rec in ("hybrid", "offload"):  # the recommendation only starts the probe
+        for rates, kept in (({"hybrid": 5.0, "offload": 10.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0}, "hybrid")):
+            write(rec)
+            monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
+            e = FreeTokenEngine(cfg, ecfg)
+            assert e.engine_config.moe_strategy == e.experts.strategy == kept, (rec, rates)
+            assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
+            if rec == "hybrid":
+                assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
+            if kept == "hybrid":  # every q measured the same: the recommendation stays
+                assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
+            # the next start of the same model and settings takes the kept outcome without probing
+            monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps: pytest.fail("probed again"))
+            again = FreeTokenEngine(cfg, ecfg)
+            assert again.engine_config.moe_strategy == kept and "a decode probe of this model here chose" in again.strategy_reason
+            other = FreeTokenEngine(cfg, ecfg.replace(max_batch=1, auto_probe_steps=0))  # other settings, no probe: the recommendation
+            assert other.engine_config.moe_strategy == rec
+    write("hybrid")
     # the q probe keeps the fastest q of 0.3 + (0, -0.05, -0.1, 0.05)
     seen = []
 
@@ -205,6 +219,7 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
     monkeypatch.undo()
     monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
+    write("hybrid")
     e = FreeTokenEngine(cfg, ecfg)  # measured for real: the choice follows the two figures it reports
     h, o = (float(x) for x in re.findall(r"hybrid ([0-9.]+) tok/s .* offload ([0-9.]+) tok/s", e.strategy_reason)[0])
     assert e.engine_config.moe_strategy == ("hybrid" if h >= o else "offload")

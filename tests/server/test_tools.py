@@ -41,6 +41,8 @@ SAMPLES = {
     "deepseek_v3": "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
                    '{"city": "Oslo", "days": {"n": 2}}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{}\n```'
                    "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+    "glm45": "Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n"
+             '<arg_value>{"n": 2}</arg_value>\n</tool_call><tool_call>get_time\n</tool_call>',
 }  # fmt: skip
 
 
@@ -61,6 +63,18 @@ def test_tool_stream_reads_calls_as_they_come(fmt, step):
         assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c.arguments
         starts = [k for k, e in enumerate(events) if e[0] == "call" and e[1] == i]
         assert len(starts) == 1 and all(k > starts[0] for k, e in enumerate(events) if e[0] == "arguments" and e[1] == i)
+
+
+def test_glm45_is_told_from_hermes_and_its_grammar_forces_calls_that_parse():
+    assert detect("{{ '<tool_call>' }}{{ '<arg_key>' }}").name == "glm45" and detect("{{ '<tool_call>' }}").name == "hermes"
+    fmt = FORMATS["glm45"]
+    assert fmt.parse("<tool_call>f\n<arg_key>s</arg_key>\n<arg_value>12ab</arg_value>\n</tool_call>")[0].arguments == '{"s": "12ab"}'
+    engine = FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=512, max_batch=1))
+    grammar = fmt.grammar(TOOLS, many=False)
+    for seed in range(3):
+        text = engine.tokenizer.decode(list(engine.generate("call:", max_new_tokens=400, temperature=1.0, seed=seed, lark=grammar)))
+        (call,) = fmt.parse(text)
+        assert call.name in SCHEMAS and set(json.loads(call.arguments)) <= set(SCHEMAS[call.name]["properties"]), text
 
 
 def test_a_section_that_does_not_parse_is_content():
