@@ -6,6 +6,12 @@ os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="freetoken-test-
 
 import pytest  # noqa: E402
 
+from freetoken_jax import compile_cache  # noqa: E402
+
+# Tests build many engines of the same shapes: identical steps compile once per session (a
+# persistent cache in this session's fresh cache directory, so nothing carries over).
+compile_cache.enable(os.path.join(os.environ["XDG_CACHE_HOME"], "xla-tests"), min_compile_seconds=0.0)
+
 from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
 
 
