@@ -1,7 +1,7 @@
 """The built-in demo model: a tiny MoE of the generic family (4 layers, 16 experts of which
-2 are routed per token, a shared expert; 1.9 M parameters) with a byte-level tokenizer, trained
-by `tools/train_demo.py` for a few minutes on the English help text that ships with Python
-(`pydoc_data.topics`). Its weights (bf16, 3.8 MB) come with the package, so the demo needs no
+2 are routed per token, a shared expert; 1.6 M parameters) with a byte-level tokenizer, trained
+by `tools/train_demo.py` (11 minutes on two cores) on the English help text that ships with
+Python (`pydoc_data.topics`). Its weights (bf16, 3.3 MB) come with the package, so the demo needs no
 download and exercises the real loading path; it writes English words and phrases of Python's
 documentation, not sense.
 """
