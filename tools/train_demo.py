@@ -6,7 +6,7 @@ topics of `pydoc_data.topics`, and writes it to `freetoken_jax/demo_model/`.
 
 The model is trained through the engine's own module (`MoETransformer` over a paged KV cache
 of one page per sequence, experts computed by `routed_experts`), so the weights it writes are
-exactly the ones the engine serves. Seeded: a rerun on the same machine writes the same weights.
+exactly the ones the engine serves. The initialisation and the data order are seeded (`--seed`).
 """
 
 from __future__ import annotations
