@@ -101,9 +101,9 @@ def cmd_chat(args) -> int:
     template = getattr(engine.tokenizer, "chat_template", None) or chat_template(engine.model_path)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages = list(system)
-    _compile(
-        engine, [engine.runner.decode_job(), *engine.runner.prefill_jobs(engine.runner.chunk_buckets())], "the prefill and decode steps"
-    )
+    # the decode step now; each prompt length's prefill compiles on its first turn (every bucket
+    # up front would take minutes on a large model)
+    _compile(engine, [engine.runner.decode_job()], "the decode step")
     print("chat: /reset starts over, /exit leaves", file=sys.stderr)
     while True:
         try:
