@@ -296,8 +296,8 @@ class EngineConfig:
     `reserved_vram_gb`, `initial_expert_capacity` as a cap), or from the device's memory; "cpu"
     computes every routed expert on the CPU from host RAM (no slots), for devices with almost
     no memory to spare; "auto" picks fused when everything fits the budget; otherwise, with a
-    matching `benchbw.json` (`python -m freetoken_jax.bench bw`), hybrid or offload by a short
-    decode probe of both (`auto_probe_steps`; its outcome kept in the profile for the next start
+    matching `benchbw.json` (`python -m freetoken_jax.bench bw`), hybrid, offload or cpu by a
+    short decode probe of the three (`auto_probe_steps`; its outcome kept in the profile for the next start
     of the same model and settings), or the profile's recommendation as is when the probe is
     off; otherwise offload — never hybrid without evidence.
     """
@@ -329,8 +329,8 @@ class EngineConfig:
     # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is
     # under 256 KB, else fetch).
     prefill_load: str = "auto"
-    # Strategy "auto": with a benchbw.json, the engine first decodes this many steps under hybrid
-    # and under offload (batch 1, sampled) and keeps the faster, whatever the profile's bandwidth
+    # Strategy "auto": with a benchbw.json, the engine first decodes this many steps under hybrid,
+    # offload and cpu (batch 1, sampled) and keeps the fastest, whatever the profile's bandwidth
     # rule recommends; 0: trust the recommendation. On the H200 the rule said offload (CPU 76 <
     # 2 × PCIe 44 GB/s) where hybrid decodes 2.1 × faster.
     auto_probe_steps: int = 16

@@ -164,8 +164,9 @@ class FreeTokenEngine:
 
     def _check_hybrid_choice(self, steps: int) -> None:
         """Measures hybrid at the recommended q and at q + each of `auto_probe_q_offsets` (one
-        executable: q is traced), keeps the fastest q, and keeps "hybrid" only if it then decodes
-        at least as fast as "offload" here."""
+        executable: q is traced) and keeps the fastest q; then offload over the same slots and cpu
+        (every expert on the CPU; the slots untouched while it is measured), and runs the fastest
+        of the three. Choosing cpu frees the slot cache."""
         hybrid, q0 = self.runner.experts, self.engine_config.hybrid_q
         rates: dict[float, float] = {}
         for d in (0.0, *self.engine_config.auto_probe_q_offsets):
@@ -174,20 +175,26 @@ class FreeTokenEngine:
                 self.use(hybrid.with_q(q))
                 rates[q] = self._decode_rate(steps)
         q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
-        h, hybrid = rates[q], hybrid.with_q(q)
+        hybrid = hybrid.with_q(q)
+        measured = {"hybrid": rates[q]}
         self.use(hybrid.as_offload())
-        o = self._decode_rate(steps)
+        measured["offload"] = self._decode_rate(steps)
+        self.runner.use(hybrid.as_cpu(), over_slots=True)
+        self.batcher.drop_prefixes()
+        measured["cpu"] = self._decode_rate(steps)
+        best = max(measured, key=lambda k: (measured[k], k == "hybrid", k == "offload"))  # ties: hybrid, then offload
         if len(rates) > 1:
             tried = ", ".join(f"{k:g}: {v:.1f}" for k, v in sorted(rates.items()))
             self.strategy_reason += f"; q probe (tok/s at q {tried}): q = {q:g}"
-        if h >= o:
-            self.use(hybrid)
-            self.strategy_reason += f"; decode probe: hybrid {h:.1f} tok/s >= offload {o:.1f} tok/s"
-        else:  # offload is in use since its probe
-            self.strategy_reason += f"; but the decode probe measured hybrid {h:.1f} tok/s < offload {o:.1f} tok/s: offload"
+        figures = ", ".join(f"{k} {v:.1f} tok/s" for k, v in measured.items())
+        self.strategy_reason += f"; decode probe: {figures}: {best}"
+        self.batcher.drop_prefixes()  # the probe's prompts, computed the probes' ways (and their pages, before any resize)
+        if best == "cpu":
+            self.runner.switch_to_slotless(hybrid.as_cpu())
+        else:
+            self.runner.use(hybrid if best == "hybrid" else hybrid.as_offload(), over_slots=True)
         log.info("moe_strategy auto: %s", self.strategy_reason)
-        kept = "hybrid" if h >= o else "offload"
-        remember_probe(self._probe_key, dict(strategy=kept, q=q, reason=f"hybrid {h:.1f} tok/s, offload {o:.1f} tok/s at q = {q:g}"))
+        remember_probe(self._probe_key, dict(strategy=best, q=q, reason=figures + f" at q = {q:g}"))
         self.batcher.reset_metrics()  # the probe's requests are not the user's
 
     # Construction ---------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 it back, ignoring — with a message, never an exception — a missing, corrupt, old-schema or
 foreign (other GPU or CPU) profile. `resolve_auto` picks fused when every expert fits the
 device budget, else offload without a profile (hybrid only on evidence); with one,
-`FreeTokenEngine` measures hybrid (at the profile's q and beside it) against offload with a
+`FreeTokenEngine` measures hybrid (at the profile's q and beside it), offload and cpu with a
 short decode probe whatever the profile's bandwidth rule recommends (the rule orders nothing
 more than the starting q), and keeps the probe's outcome in the profile for the next start of
 the same model and settings (`probe_key`).
@@ -99,7 +99,7 @@ def load_profile(path: str | None = None) -> dict | None:
 
 def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, itemsize: int) -> tuple[EngineConfig, str, bool]:
     """(config with the strategy chosen, why, whether a decode probe is still to decide between
-    hybrid and offload): fused when everything fits; else, with a matching benchbw.json, hybrid
+    hybrid, offload and cpu): fused when everything fits; else, with a matching benchbw.json, hybrid
     to be probed against offload (or the kept outcome of an earlier probe, or the profile's
     recommendation as is when `auto_probe_steps` is 0); else offload."""
     try:
@@ -150,7 +150,7 @@ def probe_key(cfg: MoEModelConfig, ecfg: EngineConfig) -> str:
 
 def cached_probe(prof: dict, key: str) -> dict | None:
     entry = (prof.get("probes") or {}).get(key)
-    return entry if isinstance(entry, dict) and entry.get("strategy") in ("hybrid", "offload") else None
+    return entry if isinstance(entry, dict) and entry.get("strategy") in ("hybrid", "offload", "cpu") else None
 
 
 def remember_probe(key: str, outcome: dict, path: str | None = None) -> None:

@@ -140,6 +140,10 @@ class Hybrid(ExpertBackend):
     def as_offload(self) -> Offload:
         return Offload(self.prefill_load, self.compute)
 
+    def as_cpu(self) -> Cpu:
+        """Every routed expert on the CPU, from the same host banks."""
+        return Cpu(self.host_banks, self.handoff)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

@@ -191,16 +191,29 @@ class ModelRunner:
         """The expert slot cache (offload / hybrid), else None."""
         return self.state.slots
 
-    def use(self, experts: ExpertBackend) -> None:
+    def use(self, experts: ExpertBackend, *, over_slots: bool = False) -> None:
         """Runs later steps with `experts` (same slot geometry: a hybrid backend at another q, or
-        offload over the same slots); the engine config follows (strategy, hybrid's q)."""
-        if experts.uses_slots != self.experts.uses_slots:
+        offload over the same slots); the engine config follows (strategy, hybrid's q).
+        `over_slots`: any backend may run over a state that has slots (a backend without them
+        leaves them as they are: a measurement; `switch_to_slotless` frees them for good)."""
+        if experts.uses_slots != self.experts.uses_slots and not (over_slots and self.state.slots is not None):
             raise ValueError(f"{experts.strategy} and {self.experts.strategy} differ in whether they keep a slot cache")
         self.experts = experts
         ecfg = self.engine_config.replace(moe_strategy=experts.strategy)
         if isinstance(experts, Hybrid):
             ecfg = ecfg.replace(hybrid_q=float(experts.q))
         self.engine_config = ecfg
+
+    def switch_to_slotless(self, experts: ExpertBackend) -> None:
+        """Runs later steps with `experts`, a backend without slots (cpu), and frees the slot cache:
+        the state is rebuilt at the same KV pool without slots (`resize`; its pages start free)."""
+        prev = (self.experts, self.engine_config)
+        self.use(experts, over_slots=True)
+        try:
+            self.resize(kv_pages=self.pages.num_pages)
+        except Exception:
+            self.experts, self.engine_config = prev
+            raise
 
     # Steps -------------------------------------------------------------------------------------------
     def _prefill_fn(self, tokens: int):

@@ -185,14 +185,17 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     fused = FreeTokenEngine(cfg, ecfg.replace(moe_strategy="fused", total_vram_gb=None))
     want = fused.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)
     for rec in ("hybrid", "offload"):  # the recommendation only starts the probe
-        for rates, kept in (({"hybrid": 5.0, "offload": 10.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0}, "hybrid")):
+        for rates, kept in (({"hybrid": 5.0, "offload": 10.0, "cpu": 1.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0, "cpu": 1.0}, "hybrid"),
+                            ({"hybrid": 5.0, "offload": 4.0, "cpu": 9.0}, "cpu")):  # fmt: skip
             write(rec)
             monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
             e = FreeTokenEngine(cfg, ecfg)
             assert e.engine_config.moe_strategy == e.experts.strategy == kept, (rec, rates)
             assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
-            if rec == "hybrid":
+            if rec == "hybrid" or kept == "cpu":
                 assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
+            if kept == "cpu":  # the slot cache is freed for good
+                assert e.runner.state.slots is None and e.plan.slots == 0 and e.get_metrics()["moe_strategy"] == "cpu"
             if kept == "hybrid":  # every q measured the same: the recommendation stays
                 assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
             # the next start of the same model and settings takes the kept outcome without probing
@@ -206,7 +209,7 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     seen = []
 
     def rate(self, steps):
-        if self.experts.strategy == "offload":
+        if self.experts.strategy in ("offload", "cpu"):
             return 1.0
         seen.append(round(float(self.experts.q), 4))
         return {0.2: 9.0, 0.25: 7.0}.get(seen[-1], 5.0)
@@ -221,8 +224,10 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     write("hybrid")
     e = FreeTokenEngine(cfg, ecfg)  # measured for real: the choice follows the two figures it reports
-    h, o = (float(x) for x in re.findall(r"hybrid ([0-9.]+) tok/s .* offload ([0-9.]+) tok/s", e.strategy_reason)[0])
-    assert e.engine_config.moe_strategy == ("hybrid" if h >= o else "offload")
-    assert e.runner.steps.traces.get("decode_step") == 2  # four values of q and offload: two executables
+    got = dict(re.findall(r"(hybrid|offload|cpu) ([0-9.]+) tok/s", e.strategy_reason.split("decode probe:")[1]))
+    best = max(got, key=lambda k: (float(got[k]), k == "hybrid", k == "offload"))
+    assert e.engine_config.moe_strategy == best
+    # four values of q and offload: two executables; cpu over the slots a third (and a fourth without them)
+    assert e.runner.steps.traces.get("decode_step") == (4 if best == "cpu" else 3)
     m = e.get_metrics()
     assert m["requests"] == 0 and m["generated_tokens"] == 0  # the probe's tokens are not the user's
