@@ -11,13 +11,13 @@ import pathlib
 import sys
 import time
 
-from freetoken_jax.config import SUPPORTED_STRATEGIES
+from freetoken_jax.config import DTYPE_NAMES, SUPPORTED_STRATEGIES
 from freetoken_jax.server.tools import FORMATS
 
 
 def _dtype(name: str) -> str:
     """A dtype flag: convert's short names (bf16, f32) or the long ones."""
-    return {"bf16": "bfloat16", "f32": "float32"}.get(name, name)
+    return DTYPE_NAMES.get(name, name)
 
 
 def _engine_config(args):

@@ -43,6 +43,8 @@ ACTIVATIONS = {
     "swiglu_oai": _swiglu_oai,
 }
 DTYPES = ("float32", "bfloat16")
+# The dtype names the command line takes: the long ones and convert's short ones.
+DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
 # Storage formats of routed experts (`quant/formats.py`), each with the multiple of 32 its blocks
 # need along a matrix's input dimension (fp8 pads a short last block). "bf16": the model dtype.
 EXPERT_FORMATS = {"bf16": 1, "q8_0": 32, "q4_0": 32, "fp8": 1, "mxfp4": 32, "nvfp4": 64, "q4_k": 256, "q5_k": 256, "q6_k": 256}

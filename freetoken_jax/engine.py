@@ -141,13 +141,14 @@ class FreeTokenEngine:
     def failed(self) -> str | None:
         return self.runner.failed
 
-    def use(self, experts: ExpertBackend) -> None:
+    def use(self, experts: ExpertBackend, *, over_slots: bool = False) -> None:
         """Computes routed experts with `experts` from now on (same slot geometry: hybrid at
-        another q, offload over hybrid's slots, a benchmark's synthetic routing); cached
-        prefixes are dropped, their KV having been computed the old way."""
+        another q, offload over hybrid's slots, a benchmark's synthetic routing; `over_slots`:
+        see `ModelRunner.use`); cached prefixes are dropped, their KV having been computed the
+        old way."""
         if self.batcher.driver is not None or not self.batcher.idle():
             raise Busy("the engine is generating; change its expert backend when idle")
-        self.runner.use(experts)
+        self.runner.use(experts, over_slots=over_slots)
         self.batcher.drop_prefixes()
 
     def _decode_rate(self, steps: int) -> float:
@@ -179,8 +180,7 @@ class FreeTokenEngine:
         measured = {"hybrid": rates[q]}
         self.use(hybrid.as_offload())
         measured["offload"] = self._decode_rate(steps)
-        self.runner.use(hybrid.as_cpu(), over_slots=True)
-        self.batcher.drop_prefixes()
+        self.use(hybrid.as_cpu(), over_slots=True)
         measured["cpu"] = self._decode_rate(steps)
         best = max(measured, key=lambda k: (measured[k], k == "hybrid", k == "offload"))  # ties: hybrid, then offload
         if len(rates) > 1:
@@ -188,11 +188,11 @@ class FreeTokenEngine:
             self.strategy_reason += f"; q probe (tok/s at q {tried}): q = {q:g}"
         figures = ", ".join(f"{k} {v:.1f} tok/s" for k, v in measured.items())
         self.strategy_reason += f"; decode probe: {figures}: {best}"
-        self.batcher.drop_prefixes()  # the probe's prompts, computed the probes' ways (and their pages, before any resize)
         if best == "cpu":
+            self.batcher.drop_prefixes()  # the probe's prompt pages, before the resize frees the pool
             self.runner.switch_to_slotless(hybrid.as_cpu())
         else:
-            self.runner.use(hybrid if best == "hybrid" else hybrid.as_offload(), over_slots=True)
+            self.use(hybrid if best == "hybrid" else hybrid.as_offload(), over_slots=True)
         log.info("moe_strategy auto: %s", self.strategy_reason)
         remember_probe(self._probe_key, dict(strategy=best, q=q, reason=figures + f" at q = {q:g}"))
         self.batcher.reset_metrics()  # the probe's requests are not the user's

@@ -19,13 +19,13 @@ import numpy as np
 from freetoken_jax.checkpoint.ftw import FTWReader, FTWWriter, aligned_empty
 from freetoken_jax.checkpoint.hf import HFSource
 from freetoken_jax.checkpoint.safetensors_io import CheckpointError
-from freetoken_jax.config import EXPERT_FORMATS, ConfigError, MoEModelConfig
+from freetoken_jax.config import DTYPE_NAMES, EXPERT_FORMATS, ConfigError, MoEModelConfig
 from freetoken_jax.models import build_abstract, is_expert_path
 from freetoken_jax.models.generic import config_from_json, config_to_json
 from freetoken_jax.progress import progress as progress_bar
 
 ORBAX_MARKER = "freetoken_orbax.json"
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
+DTYPES = DTYPE_NAMES
 
 
 def _name(path: tuple) -> str:

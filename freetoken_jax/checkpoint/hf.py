@@ -49,7 +49,8 @@ class HFSource:
 
     def _name(self, path: tuple) -> tuple[str, str | None]:
         """(checkpoint tensor name, how to take it: None as it is, 'stack' per expert, 'gate' / 'up'
-        / 'down' of the fused bank)."""
+        of the fused bank (or of its biases: 'gate_bias' / 'up_bias'), 'down_t' a down bank stored
+        [E, in, out])."""
         fam, ckpt = self.fam, self.ckpt
         if fam.name == "generic":
             return "/".join(map(str, path)), None
@@ -66,7 +67,7 @@ class HFSource:
         name = ("model." if path[0] in ("layers", "norm") else "") + _hf_prefix(head, fam)
         if head[-1] == "experts":
             if name + ".gate_up_proj" in ckpt:  # [E, 2F, D] / [E, D, F]
-                return (name + ".down_proj", None) if leaf == "down" else (name + ".gate_up_proj", leaf)
+                return (name + ".down_proj", "down_t" if self._transposed else None) if leaf == "down" else (name + ".gate_up_proj", leaf)
             proj = dict(zip(("gate", "up", "down"), fam.expert_names))[leaf]
             return f"{name}.{{e}}.{proj}.weight", "stack"
         if head[-1] == "gate" and head[-2] == "mlp" and leaf == "bias":  # V3's routing correction
@@ -104,10 +105,9 @@ class HFSource:
             rb = f.row_bytes(self.cfg.hidden_dim)
             rows = self._split(a[:, : 2 * F * rb].reshape(a.shape[0], 2 * F, rb), how, F, axis=1).reshape(a.shape[0], F * rb)
             return np.concatenate([rows, a[:, 2 * F * rb :]], axis=1)
-        a = self._read(name, native)
-        if self._transposed and path[-2] == "experts" and path[-1] == "down":
-            return np.swapaxes(a, 1, 2)
-        return a
+        if how == "down_t":
+            return np.swapaxes(self._read(name, native), 1, 2)
+        return self._read(name, native)
 
     def _split(self, a: np.ndarray, how: str, F: int, axis: int) -> np.ndarray:
         """The gate or up part of a fused gate-up `a` along `axis`: alternate entries
@@ -134,7 +134,7 @@ class HFSource:
         if how in ("gate", "up"):
             s = (s[0], s[2], s[1]) if self._transposed else s
             return (s[0], s[1] // 2, *s[2:])
-        if self._transposed and path[-2] == "experts" and path[-1] == "down":
+        if how == "down_t":
             return (s[0], s[2], s[1])
         return s
 

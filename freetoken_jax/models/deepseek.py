@@ -58,11 +58,10 @@ def v2_config(d: dict[str, Any]) -> MoEModelConfig:
     )
 
 
-def v3_config(d: dict[str, Any]) -> MoEModelConfig:
-    return MoEModelConfig(
-        **_common(d),
-        family="deepseek_v3",
-        rope_interleave=bool(d.get("rope_interleave", True)),
+def v3_routing(d: dict[str, Any]) -> dict[str, Any]:
+    """V3's router (GLM-4.5 routes the same way): sigmoid scores, `e_score_correction_bias` for
+    the choice, groups ranked by their two best, weights renormalised unless `norm_topk_prob` is false."""
+    return dict(
         router_scoring="sigmoid",
         norm_topk_prob=bool(d.get("norm_topk_prob", True)),
         topk_method="noaux_tc",
@@ -70,6 +69,10 @@ def v3_config(d: dict[str, Any]) -> MoEModelConfig:
         topk_group=d.get("topk_group") or 1,
         score_correction_bias=True,
     )
+
+
+def v3_config(d: dict[str, Any]) -> MoEModelConfig:
+    return MoEModelConfig(**_common(d), family="deepseek_v3", rope_interleave=bool(d.get("rope_interleave", True)), **v3_routing(d))
 
 
 V2 = register(Family("deepseek_v2", ("DeepseekV2ForCausalLM",), v2_config))

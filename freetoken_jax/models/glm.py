@@ -12,6 +12,7 @@ import logging
 from typing import Any
 
 from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.models.deepseek import v3_routing
 from freetoken_jax.models.hf_config import common_fields
 from freetoken_jax.models.registry import Family, register
 
@@ -36,12 +37,7 @@ def config_from_hf(d: dict[str, Any]) -> MoEModelConfig:
         qkv_bias=bool(d.get("attention_bias", False)),
         qk_norm=bool(d.get("use_qk_norm", False)),
         shared_expert_dim=(d.get("n_shared_experts") or 0) * d["moe_intermediate_size"],
-        router_scoring="sigmoid",
-        norm_topk_prob=bool(d.get("norm_topk_prob", True)),
-        topk_method="noaux_tc",
-        n_group=d.get("n_group") or 1,
-        topk_group=d.get("topk_group") or 1,
-        score_correction_bias=True,
+        **v3_routing(d),
         routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0) or 1.0),
         moe_layers=tuple(i >= first_dense for i in range(n)),
     )

@@ -124,7 +124,7 @@ def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, i
     if cached is not None:
         strategy, q = Strategy(cached["strategy"]), cached.get("q", q)
         why += f"; a decode probe of this model here chose {strategy.value} ({cached.get('reason', '')})"
-    elif strategy is Strategy.OFFLOAD and ecfg.auto_probe_steps > 0 and rec["strategy"] == "offload":
+    elif rec["strategy"] == "offload" and ecfg.auto_probe_steps > 0:
         # the bandwidth rule is a hint: hybrid is measured against offload before it is ruled out
         strategy = Strategy.HYBRID
         why += "; hybrid is measured against it by a decode probe"

@@ -342,15 +342,11 @@ class ModelRunner:
         chunk = self.engine_config.prefill_chunk
         return sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)})
 
-    def warm_up_jobs(self, prefill_rows: int = 1) -> list[tuple]:
-        """Every step serving runs: decode (both forms) and the prefill of every chunk bucket."""
-        return [self.decode_job(), *self.sample_jobs(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
-
     def warm_up(self, workers: int = 4, prefill_rows: int = 1) -> dict:
         """Compiles the decode step and the prefill step of every chunk bucket before any request
         arrives (on `workers` threads); returns {"steps": n, "seconds": s}."""
         t0 = time.perf_counter()
-        jobs = self.warm_up_jobs(prefill_rows)
+        jobs = [self.decode_job(), *self.sample_jobs(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
