@@ -44,6 +44,15 @@ def _pairs(logit_bias) -> tuple:
     return tuple((int(t), float(b)) for t, b in items)
 
 
+def _tokenizer_or_refuse(tokenizer, path: str, required: bool):
+    """`tokenizer`, or a `CheckpointError` when a checkpoint without one must have one."""
+    if tokenizer is None and required:
+        from freetoken_jax.checkpoint.safetensors_io import CheckpointError
+
+        raise CheckpointError(f"{path} has no tokenizer (tokenizer.json, or a GGUF vocabulary); text prompts need one")
+    return tokenizer
+
+
 class FreeTokenEngine:
     """Generates tokens from an MoE model.
 
@@ -221,16 +230,12 @@ class FreeTokenEngine:
         ecfg = engine_config or EngineConfig()
         name = os.path.basename(os.path.normpath(path))
         if path.endswith(".gguf"):
-            return cls._from_gguf(path, ecfg)
+            return cls._from_gguf(path, ecfg, require_tokenizer)
         if not os.path.isdir(path):
             from freetoken_jax.checkpoint.safetensors_io import CheckpointError
 
             raise CheckpointError(f"no checkpoint directory at {path!r} (pass a directory with config.json, a .gguf file, or 'demo')")
-        tokenizer = load_tokenizer(path)
-        if tokenizer is None and require_tokenizer:
-            from freetoken_jax.checkpoint.safetensors_io import CheckpointError
-
-            raise CheckpointError(f"{path} has no tokenizer (tokenizer.json); text prompts need one")
+        tokenizer = _tokenizer_or_refuse(load_tokenizer(path), path, require_tokenizer)
         if is_ftw(path):
             with FTWReader(path) as r:
                 cfg = config_from_json(r.index.get("model_config") or {})
@@ -242,7 +247,7 @@ class FreeTokenEngine:
         return cls(src.cfg, ecfg, load=load, tokenizer=tokenizer, name=name, model_path=path)
 
     @classmethod
-    def _from_gguf(cls, path: str, ecfg: EngineConfig) -> FreeTokenEngine:
+    def _from_gguf(cls, path: str, ecfg: EngineConfig, require_tokenizer: bool = False) -> FreeTokenEngine:
         """A GGUF file or split set: config and tokenizer from its metadata; routed experts as
         stored where their type is a native format, re-quantized only to an `expert_format` that
         the caller names."""
@@ -252,7 +257,7 @@ class FreeTokenEngine:
 
         ck = GGUFCheckpoint(path)
         _, cfg, requantize = read_config(ck, ecfg.expert_format)
-        tokenizer = gguf_tokenizer(ck)  # a bad vocabulary is refused before any weight is read
+        tokenizer = _tokenizer_or_refuse(gguf_tokenizer(ck), path, require_tokenizer)  # before any weight is read
         if requantize:
             print(f"{path}: re-quantizing the routed experts to {ecfg.expert_format} while loading", file=sys.stderr)
         params = GGUFParams(ck, cfg, requantize)

@@ -151,3 +151,11 @@ def test_a_missing_tokenizer_is_said_before_any_weight_is_read(ckpt_root, capsys
     monkeypatch.setattr("freetoken_jax.checkpoint.hf.load_params", no_load)
     assert main(["generate", "--model", path, "--prompt", "Hi", "--no-compile-cache"]) == 2
     assert "has no tokenizer" in capsys.readouterr().err
+    # a GGUF file without a vocabulary (tokenizer.ggml.model = no_vocab) alike
+    from gguf import GGMLQuantizationType as Q
+    from gguf_models import write_gguf
+
+    gguf_path = write_gguf(path, os.path.join(ckpt_root, "no_vocab.gguf"), "mixtral", Q.F32)
+    assert main(["generate", "--model", gguf_path, "--prompt", "Hi", "--no-compile-cache"]) == 2
+    err = capsys.readouterr().err
+    assert "has no tokenizer" in err and "Traceback" not in err
