@@ -435,6 +435,8 @@ class FreeTokenEngine:
         m["compilations"] = self.compilations()
         m["kv_pages_free"] = self.pages.free_pages
         m["kv_pages_total"] = self.pages.num_pages - 1
+        ring = self.runner.ring_pool  # sliding layers' rings (`kv_cache.ring_pages`)
+        m["ring_pages_free"], m["ring_pages_total"] = (ring.free_pages, ring.num_pages - 1) if ring else (0, 0)
         m["moe_strategy"] = self.engine_config.moe_strategy.value
         m["memory_plan"] = self.plan.describe()
         m["strategy_reason"] = self.strategy_reason

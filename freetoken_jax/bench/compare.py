@@ -44,13 +44,14 @@ import numpy as np
 
 from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
 from freetoken_jax.bench.presets import PRESETS, preset_config
+from freetoken_jax.memory.kv_cache import gathered_pages
 from freetoken_jax.quant.layout import expert_bytes
 from freetoken_jax.runtime.cpu_executor import hybrid_threads
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
 from freetoken_jax.runtime.offload import host_bank_views
 from freetoken_jax.runtime.routing import SyntheticRouting
-from freetoken_jax.runtime.runner import ModelRunner, StepSet, decode_job, state_shapes
+from freetoken_jax.runtime.runner import ModelRunner, StepSet, decode_job, state_shapes, table_widths
 from freetoken_jax.runtime.sampling import GenerationParams
 from freetoken_jax.runtime.steps import shapes
 from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
@@ -178,7 +179,7 @@ class Bench:
         allocated, so several compile at once: `precompile`)."""
         weights, experts = self.variant(variant, q, skew) if experts is None else (self.engine.weights, experts)
         slots, ecfg, dtype = self._decode_slots(variant, B, slots_gb), self.ecfg.replace(max_batch=B), jnp.dtype(self.ecfg.dtype)
-        return decode_job(self.steps, weights, experts, state_shapes(self.cfg, ecfg, slots, dtype), ecfg.pages_per_sequence)
+        return decode_job(self.steps, weights, experts, state_shapes(self.cfg, ecfg, slots, dtype), table_widths(self.cfg, ecfg))
 
     def precompile(self, rows: list[dict], workers: int) -> None:
         """Compiles the decode steps of `rows` (each a dict of `decode`'s arguments) on `workers`
@@ -253,7 +254,7 @@ class Bench:
                 for h in handles:
                     batcher.submit(h)
             t1 = time.perf_counter()
-            step, args = decode_job(self.steps, *wx, shapes(runner.state, committed=True), runner.engine_config.pages_per_sequence)
+            step, args = decode_job(self.steps, *wx, shapes(runner.state, committed=True), runner.tables)
             step.lower(*args).compile()  # found compiled when `precompile` ran
             prefilled = "prompt fed through the decode step" if prompt_by_decode else f"prefill {t1 - t_start:.0f} s (compile included)"
             self.log(f"{label or variant} B={B}: {prefilled}, decode step ready in {time.perf_counter() - t1:.0f} s")
@@ -279,7 +280,7 @@ class Bench:
             dt = (time.perf_counter() - t0) / n
             hs = _cpu_ext.handoff_stats(True)
             after = None if slots is None else counters(runner.slots)
-            P = runner.engine_config.pages_per_sequence
+            gathered = gathered_pages(cfg, runner.engine_config)
         finally:
             runner.close()
         L, E = cfg.num_moe_layers, cfg.num_experts
@@ -294,7 +295,7 @@ class Bench:
             fetched, on_cpu, hit = misses / n, cpu / n, hits / max(1, hits + misses + cpu)
             distinct = (hits + misses + cpu) / n / L
         plan = self.engine.plan
-        kv = cfg.num_layers * B * P * self.ecfg.page_size * sum(int(np.prod(s)) for s in cfg.kv_entry_shapes()) * 2
+        kv = B * gathered * self.ecfg.page_size * sum(int(np.prod(s)) for s in cfg.kv_entry_shapes()) * 2
         resident = plan.dense_bytes - cfg.vocab_size * cfg.hidden_dim * 2 + (L * distinct - on_cpu) * self.expert_bytes + kv
         link = fetched * self.expert_bytes / self.bp
         if variant == "hybrid":

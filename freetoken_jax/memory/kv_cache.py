@@ -4,6 +4,13 @@ Every layer owns a pool of pages `[num_pages, page_size, *entry]` per stored ten
 grouped-query attention; the latent and the rope key for MLA). A sequence's page table row lists
 its pages in order, so the gathered page run is the sequence's KV in position order. Page 0 is
 never handed to a sequence: writes of padding tokens go there and are never read unmasked.
+
+Sliding-window layers whose window is shorter than a sequence can grow (`ring_pages`) keep a
+smaller pool of their own: each sequence holds a ring of R pages there, position p in page
+`ring[(p // page_size) % R]`, so it holds at most R pages whatever its length. R covers the
+window, the longest step's tokens and the decode steps the host lets run ahead, so every page a
+step reads is still in its ring: the pages that fall out of the window are written again.
+Their attention reads the R ring pages, not the whole context.
 """
 
 from __future__ import annotations
@@ -16,6 +23,41 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import EngineConfig, MoEModelConfig
 
+# Positions a sequence may write past its last token while the host reads its tokens behind the
+# device (`batcher.LENGTH_ONLY_AHEAD` steps, and one more): pages a ring keeps intact for them.
+RUN_AHEAD = 4
+
+
+def ring_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> int:
+    """R, the pages of each sequence's ring in the sliding-window layers' pool; 0 when no layer
+    keeps one (no window, or one a full-length sequence never leaves)."""
+    windows = [cfg.window_of(i) for i in range(cfg.num_layers)]
+    W = max(windows)
+    if not W or W >= ecfg.max_context:
+        return 0
+    R = -(-(W - 1 + ecfg.prefill_chunk + RUN_AHEAD) // ecfg.page_size) + 1
+    return R if R < ecfg.pages_per_sequence else 0
+
+
+def ring_layers(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[bool, ...]:
+    """Which layers keep their KV in rings (`ring_pages`)."""
+    ring = ring_pages(cfg, ecfg) > 0
+    return tuple(ring and cfg.window_of(i) > 0 for i in range(cfg.num_layers))
+
+
+def window_lookback(cfg: MoEModelConfig, page_size: int) -> int:
+    """Whole pages before a position that its sliding layers read: what a cached prefix must
+    still hold in their pool to be continued there."""
+    W = max(cfg.window_of(i) for i in range(cfg.num_layers))
+    return -(-(W - 1) // page_size) if W else 0
+
+
+def ring_pool_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> int:
+    """Pages of the sliding layers' pool: a ring for every row, the window's pages of as many
+    cached prefixes, and the reserved page 0 (0 without rings)."""
+    R = ring_pages(cfg, ecfg)
+    return 1 + ecfg.max_batch * (R + window_lookback(cfg, ecfg.page_size)) if R else 0
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -24,9 +66,10 @@ class KVView:
 
     write_page_BT: jax.Array  # int32 page of each new token (0 for padding)
     write_off_BT: jax.Array  # int32 offset inside that page
-    page_table_BP: jax.Array  # int32 pages of each sequence, in position order
-    mask_BTS: jax.Array  # bool: token t of sequence b may attend to cached position s
+    page_table_BP: jax.Array  # int32 pages gathered for attention, in the order of `cached_pos_BS`
+    mask_BTS: jax.Array  # bool: token t of sequence b may attend to gathered entry s
     positions_BT: jax.Array  # int32 position of each new token
+    cached_pos_BS: jax.Array  # int32 position of each gathered entry ([1, S] when in position order)
 
     @classmethod
     def build(cls, positions_BT: jax.Array, valid_BT: jax.Array, page_table_BP: jax.Array, page_size: int) -> KVView:
@@ -35,16 +78,29 @@ class KVView:
         in_table = valid_BT & (slot < P)
         page = jnp.take_along_axis(page_table_BP, jnp.clip(slot, 0, P - 1), axis=1)
         page = jnp.where(in_table, page, 0)
-        s = jnp.arange(P * page_size, dtype=positions_BT.dtype)
-        mask = (s[None, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
-        return cls(page, positions_BT % page_size, page_table_BP, mask, positions_BT)
+        s = jnp.arange(P * page_size, dtype=positions_BT.dtype)[None]
+        mask = (s[:, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
+        return cls(page, positions_BT % page_size, page_table_BP, mask, positions_BT, s)
+
+    @classmethod
+    def ring(cls, positions_BT: jax.Array, valid_BT: jax.Array, ring_BR: jax.Array, page_size: int) -> KVView:
+        """The view of a sliding layer's ring (module docstring): ring entry r holds, of the
+        pages the step's last token can reach, the one whose index is r modulo R."""
+        B, R = ring_BR.shape
+        slot = positions_BT // page_size
+        page = jnp.where(valid_BT, jnp.take_along_axis(ring_BR, slot % R, axis=1), 0)
+        hi = jnp.max(jnp.where(valid_BT, slot, 0), axis=1, keepdims=True)  # [B, 1]
+        r = jnp.arange(R, dtype=slot.dtype)[None]
+        held = hi - (hi - r) % R  # [B, R] the page index ring entry r holds (negative: none yet)
+        s = (held[:, :, None] * page_size + jnp.arange(page_size, dtype=slot.dtype)).reshape(B, R * page_size)
+        mask = (s[:, None, :] >= 0) & (s[:, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
+        return cls(page, positions_BT % page_size, ring_BR, mask, positions_BT, s)
 
     def mask(self, window: int = 0) -> jax.Array:
         """`mask_BTS`, limited to the `window` positions ending at each token's own (0: all)."""
         if not window:
             return self.mask_BTS
-        s = jnp.arange(self.mask_BTS.shape[-1], dtype=self.positions_BT.dtype)
-        return self.mask_BTS & (s[None, None, :] > self.positions_BT[:, :, None] - window)
+        return self.mask_BTS & (self.cached_pos_BS[:, None, :] > self.positions_BT[:, :, None] - window)
 
 
 def write_pages(pages, view: KVView, new_BT):
@@ -53,7 +109,7 @@ def write_pages(pages, view: KVView, new_BT):
 
 
 def gather_pages(pages, view: KVView):
-    """Every sequence's cached entries in position order: `[B, P * page_size, *entry]`."""
+    """Every sequence's cached entries in the view's order: `[B, P * page_size, *entry]`."""
     g = pages[view.page_table_BP]  # [B, P, page, *entry]
     B, P, page = g.shape[:3]
     return g.reshape(B, P * page, *g.shape[3:])
@@ -62,11 +118,28 @@ def gather_pages(pages, view: KVView):
 KVCache = tuple[tuple[jax.Array, ...], ...]  # per layer, the stored tensors
 
 
+def pool_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[int, ...]:
+    """Pages of each layer's pool: the shared pool's, or the rings' (`ring_pool_pages`)."""
+    rings = ring_pool_pages(cfg, ecfg)
+    return tuple(rings if ring else ecfg.total_kv_pages for ring in ring_layers(cfg, ecfg))
+
+
+def gathered_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> int:
+    """Pages a row's attention gathers in one step, summed over the layers."""
+    R = ring_pages(cfg, ecfg)
+    return sum(R if ring else ecfg.pages_per_sequence for ring in ring_layers(cfg, ecfg))
+
+
 def init_cache(cfg: MoEModelConfig, ecfg: EngineConfig, dtype) -> KVCache:
-    n, page = ecfg.total_kv_pages, ecfg.page_size
-    return tuple(tuple(jnp.zeros((n, page, *shape), dtype) for shape in cfg.kv_entry_shapes()) for _ in range(cfg.num_layers))
+    page = ecfg.page_size
+    return tuple(tuple(jnp.zeros((n, page, *shape), dtype) for shape in cfg.kv_entry_shapes()) for n in pool_pages(cfg, ecfg))
 
 
 def cache_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, itemsize: int) -> int:
     per_token = sum(math.prod(s) for s in cfg.kv_entry_shapes())
-    return cfg.num_layers * ecfg.total_kv_pages * ecfg.page_size * per_token * itemsize
+    return sum(pool_pages(cfg, ecfg)) * ecfg.page_size * per_token * itemsize
+
+
+def copy_pages(cache: KVCache, layers: tuple[bool, ...], src: jax.Array, dst: jax.Array) -> KVCache:
+    """`cache` with pages `src` of the chosen layers' pools copied to pages `dst`."""
+    return tuple(tuple(a.at[dst].set(a[src]) for a in kv) if chosen else kv for kv, chosen in zip(cache, layers))

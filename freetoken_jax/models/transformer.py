@@ -51,15 +51,18 @@ class MoETransformer(nnx.Module):
         view: KVView,
         cache: KVCache,
         expert_fns: Sequence[ExpertFn | None] | None = None,
+        ring_view: KVView | None = None,
     ) -> tuple[jax.Array, KVCache]:
-        """Runs the layers over this step's tokens, reading and extending the paged cache.
+        """Runs the layers over this step's tokens, reading and extending the paged cache
+        (sliding-window layers through `ring_view` when their KV is kept in rings).
         Returns the final-normed hidden states [B, T, D] and the new cache."""
         x = self.embed(tokens_BT)
         cos_sin = rope_cos_sin(self.cfg, positions_BT)
         new_cache = []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                x, kv = layer(x, cos_sin, cache[i], view, None if expert_fns is None else expert_fns[i])
+                v = ring_view if ring_view is not None and self.cfg.window_of(i) else view
+                x, kv = layer(x, cos_sin, cache[i], v, None if expert_fns is None else expert_fns[i])
             new_cache.append(kv)
         return self.norm(x), tuple(new_cache)
 

@@ -33,7 +33,7 @@ import numpy as np
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
 from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
-from freetoken_jax.memory.kv_cache import cache_bytes, init_cache
+from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, init_cache, ring_layers, ring_pages, ring_pool_pages
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.models import jnp_dtype
@@ -130,9 +130,15 @@ def state_shapes(cfg: MoEModelConfig, ecfg: EngineConfig, slots: int | None, dty
     return shapes(state, committed=True)
 
 
-def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, pages_per_row: int) -> tuple:
-    """(decode step, its argument shapes) for a state of these shapes (`steps.shapes`)."""
-    return steps.decode, (weights, state, DecodeBatch.shapes(state.tokens_B.shape[0], pages_per_row), experts)
+def table_widths(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[int, int]:
+    """(pages of a row's page table, pages of its ring; 0 without rings): the batches' table shapes."""
+    return ecfg.pages_per_sequence, ring_pages(cfg, ecfg)
+
+
+def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, tables: tuple[int, int]) -> tuple:
+    """(decode step, its argument shapes) for a state of these shapes (`steps.shapes`) and
+    batches of `tables` (`table_widths`)."""
+    return steps.decode, (weights, state, DecodeBatch.shapes(state.tokens_B.shape[0], *tables), experts)
 
 
 class ModelRunner:
@@ -150,6 +156,7 @@ class ModelRunner:
         self.model_config, self.engine_config, self.weights, self.experts, self.plan = model_config, engine_config, weights, experts, plan
         self.steps = steps or StepSet(engine_config.dtype)
         self.pages = PageAllocator(engine_config.total_kv_pages, engine_config.page_size)
+        self.ring_pool = self._ring_pool(engine_config)
         self.state = self._fresh_state(engine_config, plan)
         self.logprobs: Logprobs | None = None  # the last `sample`'s (device arrays; None after `decode`)
         self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
@@ -161,6 +168,28 @@ class ModelRunner:
             donate_argnums=(0,),
         )
         self._set_counts = jax.jit(lambda counts, rows, new: counts.at[rows].set(new, mode="drop"), donate_argnums=(0,))
+        self._copy_pages = jax.jit(copy_pages, static_argnums=(1,), donate_argnums=(0,))
+
+    def _ring_pool(self, ecfg: EngineConfig) -> PageAllocator | None:
+        """The allocator of the sliding layers' ring pool (`kv_cache.ring_pages`), or None."""
+        n = ring_pool_pages(self.model_config, ecfg)
+        return PageAllocator(n, ecfg.page_size) if n else None
+
+    @property
+    def tables(self) -> tuple[int, int]:
+        """`table_widths` of this runner's batches."""
+        return table_widths(self.model_config, self.engine_config)
+
+    def copy_ring_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copies pages of the ring pool (a cached prefix's window into a row's ring, or back),
+        in stream order with the steps around it."""
+        if not src:
+            return
+        n = -(-len(src) // 8) * 8  # few executables: padded with page 0 onto itself
+        pad = [0] * (n - len(src))
+        layers = ring_layers(self.model_config, self.engine_config)
+        cache = self._copy_pages(self.state.cache, layers, jnp.asarray(src + pad, jnp.int32), jnp.asarray(dst + pad, jnp.int32))
+        self.state = dataclasses.replace(self.state, cache=cache)
 
     def _fresh_state(self, ecfg: EngineConfig, plan: MemoryPlan) -> DecodeState:
         cfg, dtype, B = self.model_config, jnp_dtype(ecfg.dtype), ecfg.max_batch
@@ -287,33 +316,40 @@ class ModelRunner:
 
     def score_prompt(self, ids: list[int]) -> np.ndarray:
         """Float32 logits at every position of `ids`, chunk by chunk: [len(ids), V]."""
+        P, R = self.tables
         pages = self.pages.allocate(len(ids))
+        ring = self.ring_pool.allocate(min(R, len(pages)) * self.engine_config.page_size) if R else []
         try:
-            table = np.zeros((1, self.engine_config.pages_per_sequence), np.int32)
+            table, ring_table = np.zeros((1, P), np.int32), np.zeros((1, R), np.int32) if R else None
             table[0, : len(pages)] = pages
+            if R:
+                ring_table[0, : len(ring)] = ring
             out, start = [], 0
             while start < len(ids):
                 T = buckets.chunk_bucket(len(ids) - start, self.engine_config.prefill_chunk)
                 seg = ids[start : start + T]
-                out.append(np.asarray(self.score(PrefillBatch.chunk([seg], [start], table, T, Sampling.greedy(1))))[0, : len(seg)])
+                batch = PrefillBatch.chunk([seg], [start], table, T, Sampling.greedy(1), ring_table)
+                out.append(np.asarray(self.score(batch))[0, : len(seg)])
                 start += T
             return np.concatenate(out, axis=0)
         finally:
             self.pages.release(pages)
+            if ring:
+                self.ring_pool.release(ring)
 
     # Ahead-of-time compiles ------------------------------------------------------------------------
     def decode_job(self, state: DecodeState | None = None) -> tuple:
         """(decode step, argument shapes) placed as the calls place them; `state`: the shapes of
         another geometry's state."""
         st = state or shapes(self.state, committed=True)
-        return decode_job(self.steps, self.weights, self.experts, st, self.engine_config.pages_per_sequence)
+        return decode_job(self.steps, self.weights, self.experts, st, self.tables)
 
     def sample_jobs(self) -> list[tuple]:
         """(step, argument shapes[, static arguments]) of the decode step's two halves (rows
         asking for penalties, log-probabilities or a grammar), the sampling half with and without
         log-probabilities."""
-        st, B, P = shapes(self.state, committed=True), self.rows, self.engine_config.pages_per_sequence
-        batch = DecodeBatch.shapes(B, P)
+        st, B = shapes(self.state, committed=True), self.rows
+        batch = DecodeBatch.shapes(B, *self.tables)
         logits = jax.ShapeDtypeStruct((B, self.model_config.vocab_size), jnp.float32, sharding=st.tokens_B.sharding)
         mask = jax.ShapeDtypeStruct((B, (self.model_config.vocab_size + 31) // 32), jnp.int32)
         args = (logits, st.tokens_B, st.positions_B, st.counts_BV, batch, mask)
@@ -322,10 +358,10 @@ class ModelRunner:
 
     def prefill_jobs(self, chunks: list[int], rows: int = 1) -> list[tuple]:
         """(prefill step, argument shapes) of a chunk of `rows` × T tokens for each T in `chunks`."""
-        st, P, jobs = shapes(self.state, committed=True), self.engine_config.pages_per_sequence, []
+        st, jobs = shapes(self.state, committed=True), []
         for T in chunks:
             step, with_slots = self._prefill_fn(rows * T)
-            args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, P))
+            args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, *self.tables))
             jobs.append((step, args + ((st.slots, self.experts) if with_slots else (self.experts,))))
         return jobs
 
@@ -361,6 +397,8 @@ class ModelRunner:
             expert_slots=self.plan.slots if ecfg.uses_slots else None,
             kv_pages=self.pages.num_pages,
             kv_pages_free=self.pages.free_pages,
+            ring_pages=self.ring_pool.num_pages if self.ring_pool else 0,
+            ring_pages_free=self.ring_pool.free_pages if self.ring_pool else 0,
             plan=self.plan.describe(),
             failed=self.failed,
         )
@@ -463,21 +501,21 @@ class ModelRunner:
         """Frees the old pool and slots and builds the new ones (the destructive phase)."""
         cfg, dtype, old = self.model_config, jnp_dtype(new.dtype), self.state
         keep = keep_held_pages and new.total_kv_pages >= self.pages.num_pages
+        rings = ring_layers(cfg, new)  # the ring pool's size does not change with the shared pool's
         if keep:
-            kv = tuple(
-                tuple(jnp.zeros((new.total_kv_pages, *a.shape[1:]), a.dtype).at[: a.shape[0]].set(a) for a in layer) for layer in old.cache
-            )
-            pages = self.pages.grown(new.total_kv_pages)
+            grow = lambda a: jnp.zeros((new.total_kv_pages, *a.shape[1:]), a.dtype).at[: a.shape[0]].set(a)  # noqa: E731
+            kv = tuple(layer if ring else tuple(grow(a) for a in layer) for layer, ring in zip(old.cache, rings))
+            pages, ring_pool = self.pages.grown(new.total_kv_pages), self.ring_pool
         else:
             for a in jax.tree.leaves(old.cache):
                 a.delete()
             kv = on_device(init_cache(cfg, new, dtype))
-            pages = PageAllocator(new.total_kv_pages, new.page_size)
+            pages, ring_pool = PageAllocator(new.total_kv_pages, new.page_size), self._ring_pool(new)
         if old.slots is not None:
             for a in jax.tree.leaves(old.slots):
                 a.delete()
         slots = init_slot_cache(cfg, plan.slots, new.max_batch, dtype) if new.uses_slots else None
         old.counts_BV.delete()
         self.state = DecodeState.start(kv, np.zeros(new.max_batch), np.zeros(new.max_batch), slots, cfg.vocab_size)
-        self.pages, self.engine_config, self.plan = pages, new, plan
+        self.pages, self.ring_pool, self.engine_config, self.plan = pages, ring_pool, new, plan
         return keep

@@ -80,11 +80,14 @@ class DecodeBatch:
     page_table_BP: jax.Array  # int32
     active_B: jax.Array  # bool; inactive rows write nothing and keep their token
     sampling: Sampling
+    ring_BR: jax.Array | None = None  # int32 ring pages of each row for sliding layers (`kv_cache.ring_pages`)
 
     @classmethod
-    def shapes(cls, B: int, P: int) -> DecodeBatch:
-        """The shapes of a batch of `B` rows and `P` pages built from fresh arrays (`shapes`)."""
-        return cls(jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), shapes(Sampling.greedy(B)))
+    def shapes(cls, B: int, P: int, R: int = 0) -> DecodeBatch:
+        """The shapes of a batch of `B` rows, `P` pages and rings of `R` built from fresh arrays (`shapes`)."""
+        return cls(
+            jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.bool_), shapes(Sampling.greedy(B)), _ring_shape(B, R)
+        )
 
 
 @jax.tree_util.register_dataclass
@@ -95,9 +98,10 @@ class PrefillBatch:
     valid_BT: jax.Array  # bool
     page_table_BP: jax.Array  # int32
     sampling: Sampling
+    ring_BR: jax.Array | None = None  # as `DecodeBatch.ring_BR`
 
     @classmethod
-    def chunk(cls, segments, starts, table_BP, T: int, sampling: Sampling) -> PrefillBatch:
+    def chunk(cls, segments, starts, table_BP, T: int, sampling: Sampling, ring_BR=None) -> PrefillBatch:
         """A chunk of `T` positions per row: row b holds the tokens `segments[b]` from position
         `starts[b]` (the rest of its T padding); rows past `segments` are all padding."""
         B = table_BP.shape[0]
@@ -105,13 +109,19 @@ class PrefillBatch:
         for b, (seg, start) in enumerate(zip(segments, starts)):
             tok[b, : len(seg)], valid[b, : len(seg)] = seg, True
             pos[b] = np.arange(start, start + T)
-        return cls(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(table_BP, jnp.int32), sampling)
+        ring = None if ring_BR is None else jnp.asarray(ring_BR, jnp.int32)
+        return cls(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(table_BP, jnp.int32), sampling, ring)
 
     @classmethod
-    def shapes(cls, B: int, T: int, P: int) -> PrefillBatch:
-        """The shapes of a chunk of `B` rows × `T` tokens and `P` pages built from fresh arrays."""
+    def shapes(cls, B: int, T: int, P: int, R: int = 0) -> PrefillBatch:
+        """The shapes of a chunk of `B` rows × `T` tokens, `P` pages and rings of `R` built from fresh arrays."""
         i32 = jax.ShapeDtypeStruct((B, T), jnp.int32)
-        return cls(i32, i32, jax.ShapeDtypeStruct((B, T), jnp.bool_), jax.ShapeDtypeStruct((B, P), jnp.int32), shapes(Sampling.greedy(B)))
+        table = jax.ShapeDtypeStruct((B, P), jnp.int32)
+        return cls(i32, i32, jax.ShapeDtypeStruct((B, T), jnp.bool_), table, shapes(Sampling.greedy(B)), _ring_shape(B, R))
+
+
+def _ring_shape(B: int, R: int):
+    return jax.ShapeDtypeStruct((B, R), jnp.int32) if R else None
 
 
 def _page_size(cache: KVCache) -> int:
@@ -128,14 +138,20 @@ def forward(
     page_table_BP,
     slots: SlotCache | None = None,
     buffered: bool = False,
+    ring_BR=None,
 ):
     """Final hidden states [B, T, D] of this step's tokens, the extended KV cache and the expert
     slot cache (given for decode and slot-cache prefill under offload / hybrid, and for prefill
-    through borrowed layer buffers with `buffered`)."""
+    through borrowed layer buffers with `buffered`). `ring_BR`: the rows' rings when the
+    sliding layers keep their KV in rings (`kv_cache.ring_pages`)."""
     model = weights.model()
-    view = KVView.build(positions_BT, valid_BT, page_table_BP, _page_size(cache))
+    page = _page_size(cache)
+    view = KVView.build(positions_BT, valid_BT, page_table_BP, page)
+    if ring_BR is None and len({kv[0].shape[0] for kv in cache}) > 1:
+        raise ValueError("this cache keeps sliding layers' KV in rings (kv_cache.ring_pages): give the batch its ring_BR")
+    ring = None if ring_BR is None else KVView.ring(positions_BT, valid_BT, ring_BR, page)
     fns, slots_after = experts.expert_fns(model, valid_BT.reshape(-1), positions_BT.reshape(-1), slots, buffered)
-    h, cache = model(tokens_BT, positions_BT, view, cache, fns)
+    h, cache = model(tokens_BT, positions_BT, view, cache, fns, ring)
     return h, cache, slots_after()
 
 
@@ -147,7 +163,7 @@ def decode_forward(
     (`sample_step` advances them)."""
     h, cache, slots = forward(
         weights, experts, state.cache, state.tokens_B[:, None], state.positions_B[:, None], batch.active_B[:, None], batch.page_table_BP,
-        state.slots,
+        state.slots, ring_BR=batch.ring_BR,
     )  # fmt: skip
     return weights.model().logits(h[:, 0]), dataclasses.replace(state, cache=cache, slots=slots)
 
@@ -179,7 +195,9 @@ def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts:
     """Writes a chunk of each row's prompt into the cache and samples the token that follows
     each row's last valid position in this chunk (meaningful for the chunk that ends a prompt).
     Host-bank backends stream each layer's whole bank here (no slot cache)."""
-    h, cache, _ = forward(weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    h, cache, _ = forward(
+        weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, ring_BR=batch.ring_BR
+    )
     return _sample_last(weights, h, batch), cache
 
 
@@ -198,7 +216,9 @@ def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch,
     loaded into two borrowed slot buffers, layer L+1 while layer L computes (`OffloadExecutor`).
     Returns (tokens, KV cache, slot cache) with the maps coherent again."""
     b = batch
-    h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True)
+    h, cache, slots = forward(
+        weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True, ring_BR=b.ring_BR
+    )
     return _sample_last(weights, h, batch), cache, slots
 
 
@@ -207,11 +227,13 @@ def prefill_step_slots(weights: Weights, cache: KVCache, batch: PrefillBatch, sl
     the misses fetched (and, under "hybrid", shared with the CPU). For chunks too short to use
     most of a layer's experts (`offload.slot_prefill_pays`). Returns (tokens, KV cache, slot cache)."""
     b = batch
-    h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots)
+    h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, ring_BR=b.ring_BR)
     return _sample_last(weights, h, batch), cache, slots
 
 
 def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:
     """Like `prefill_step`, but returns the float32 logits at every position [B, T, V]."""
-    h, cache, _ = forward(weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP)
+    h, cache, _ = forward(
+        weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, ring_BR=batch.ring_BR
+    )
     return weights.model().logits(h), cache

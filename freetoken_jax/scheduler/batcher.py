@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from freetoken_jax.memory.kv_cache import RUN_AHEAD, window_lookback
 from freetoken_jax.memory.kv_pages import OutOfPages
 from freetoken_jax.runtime import buckets
 from freetoken_jax.runtime.runner import ModelRunner, RebuildFailed
@@ -113,6 +114,7 @@ class RequestHandle:
 class _Row:
     handle: RequestHandle
     pages: list[int]  # every page of the sequence, cached prefix first
+    ring: list[int]  # its ring in the sliding layers' pool (`kv_cache.ring_pages`; empty without)
     nodes: list  # locked radix nodes of the cached prefix
     start: int  # tokens already in the cache (cached prefix + prefilled chunks)
     stops: frozenset
@@ -153,8 +155,11 @@ class Batcher:
         ecfg = self.runner.engine_config
         self.B, self.page_size = ecfg.max_batch, ecfg.page_size
         self.rows: list[_Row | None] = [None] * self.B
-        self.table = np.zeros((self.B, ecfg.pages_per_sequence), np.int32)
-        self.radix = RadixCache(ecfg.page_size) if self.prefix_cache else None
+        P, self.R = self.runner.tables
+        self.table = np.zeros((self.B, P), np.int32)
+        self.ring = np.zeros((self.B, self.R), np.int32) if self.R else None  # rows' rings, as `table`
+        lookback = window_lookback(self.runner.model_config, self.page_size) if self.R else 0
+        self.radix = RadixCache(ecfg.page_size, lookback) if self.prefix_cache else None
         self._batch_key, self._batch = None, None  # the last decode batch put on the device
         self._ones = None  # `_all_tokens`
 
@@ -236,7 +241,13 @@ class Batcher:
     def drop_prefixes(self) -> None:
         """Empties the prefix cache (its KV was computed by what is about to change)."""
         if self.radix is not None:
-            self.runner.pages.release(self.radix.evict(self.radix.cached_pages))
+            self._free(*self.radix.evict(self.radix.cached_pages))
+
+    def _free(self, pages: list[int], ring_pages: list[int] = ()) -> None:
+        """Returns pages to the shared pool and ring-pool pages to theirs."""
+        self.runner.pages.release(pages)
+        if ring_pages:
+            self.runner.ring_pool.release(ring_pages)
 
     def flush(self) -> None:
         """Reads a decode step still in flight once no row decodes (its tokens are dropped)."""
@@ -274,12 +285,17 @@ class Batcher:
                 continue
             nodes = self.radix.match(h.prompt, max_pages=(len(h.prompt) - 1) // self.page_size) if self.radix else []
             cached = [n.page for n in nodes]
-            need = pages.pages_for(len(h.prompt) + h.params.max_new_tokens) - len(cached)
+            total = pages.pages_for(len(h.prompt) + h.params.max_new_tokens)
+            need = total - len(cached)
             if need > pages.free_pages and self.radix is not None:
-                for p in self.radix.evict(need - pages.free_pages):
-                    pages.release([p])
+                self._free(*self.radix.evict(need - pages.free_pages))
             try:
                 own = pages.allocate(need * self.page_size)
+                try:
+                    ring = self._take_ring(min(self.R, total))
+                except OutOfPages:
+                    pages.release(own)
+                    raise
             except OutOfPages:
                 if self.radix is not None:
                     self.radix.unlock(nodes)
@@ -293,10 +309,16 @@ class Batcher:
             self.metrics["prefix_hit_tokens"] += hit
             self.metrics["prompt_tokens"] += len(h.prompt)
             full = h.params.processed or h.grammar is not None
-            self.rows[row] = r = _Row(h, cached + own, nodes, hit, stops, full=full)
+            self.rows[row] = r = _Row(h, cached + own, ring, nodes, hit, stops, full=full)
             r.decoding = self.prompt_by_decode or hit >= r.prefill_end
             self.table[row] = 0
             self.table[row, : len(cached) + len(own)] = cached + own
+            if self.R:
+                self.ring[row] = 0
+                self.ring[row, : len(ring)] = ring
+                # the window of the cached prefix, from the tree's pages into the ring
+                back = range(max(0, len(nodes) - self.radix.lookback), len(nodes)) if nodes else range(0)
+                self.runner.copy_ring_pages([nodes[j].wpage for j in back], [ring[j % self.R] for j in back])
 
     def _prefill(self) -> bool:
         """One chunk of up to `prefill_rows` rows still in their prompts, oldest first."""
@@ -311,8 +333,12 @@ class Batcher:
         segs = [r.handle.prompt[r.start : min(r.start + T, r.prefill_end)] for r in rows]
         table = np.zeros((Bp, self.table.shape[1]), np.int32)
         table[: len(idx)] = self.table[idx]
+        ring = None
+        if self.R:
+            ring = np.zeros((Bp, self.R), np.int32)
+            ring[: len(idx)] = self.ring[idx]
         sampling = sampling_rows([r.handle.sampling for r in rows] + [None] * (Bp - len(rows)))
-        first = self.runner.prefill(PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling))
+        first = self.runner.prefill(PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling, ring))
         ends = np.full(Bp, self.B, np.int32)  # rows whose prompt this chunk ends (padding: B, dropped)
         lengths = np.zeros(Bp, np.int32)
         for b, (i, r, seg) in enumerate(zip(idx, rows, segs)):
@@ -340,12 +366,23 @@ class Batcher:
         if self.radix is None or h.published:
             return
         k = r.start // self.page_size  # pages wholly written
-        path = self.radix.match(h.prompt, max_pages=k)
-        self.radix.unlock(path)
+        path = self.radix.match(h.prompt, max_pages=k, whole=True)  # locked while ring pages are taken
         if k > len(r.nodes) and [n.page for n in path] == r.pages[: len(path)]:  # not cached meanwhile by another request
-            self.radix.insert(h.prompt[: k * self.page_size], r.pages[:k])
+            wpages = [None] * k
+            if self.R:  # copies of the window's pages: the ring goes on to be written
+                back = [j for j in range(max(0, k - self.radix.lookback), k) if j >= len(path) or path[j].wpage is None]
+                copies = self._take_ring(len(back), fail_ok=True)
+                if len(copies) < len(back):  # a window in part cannot be continued
+                    self._free([], copies)
+                    back, copies = [], []
+                self.runner.copy_ring_pages([r.ring[j % self.R] for j in back], copies)
+                for j, c in zip(back, copies):
+                    wpages[j] = c
+            _, wleft = self.radix.insert(h.prompt[: k * self.page_size], r.pages[:k], wpages)
+            self._free([], wleft)
             self.radix.unlock(r.nodes)
-            r.nodes = self.radix.match(h.prompt, max_pages=k)
+            r.nodes = self.radix.match(h.prompt, max_pages=k, whole=True)
+        self.radix.unlock(path)
         h.published = True
 
     def _decode(self) -> bool:
@@ -455,7 +492,10 @@ class Batcher:
         if self._batch_key != key:
             self._batch_key = key
             self._batch = DecodeBatch(
-                jnp.asarray(self.table), jnp.asarray(active), sampling_rows([r.handle.sampling if r else None for r in self.rows])
+                jnp.asarray(self.table),
+                jnp.asarray(active),
+                sampling_rows([r.handle.sampling if r else None for r in self.rows]),
+                None if self.ring is None else jnp.asarray(self.ring),
             )
         return self._batch
 
@@ -493,17 +533,46 @@ class Batcher:
         r = self.rows[i]
         self.rows[i] = None
         self.table[i] = 0
-        pages = r.pages
+        if self.R:
+            self.ring[i] = 0
+        pages, ring = r.pages, r.ring
         if self.radix is not None:
             self.radix.unlock(r.nodes)
             if cache_prefix:
                 # KV exists for the prompt and every generated token but the last.
                 written = (r.handle.prompt + r.handle.generated[:-1])[: r.start + max(0, len(r.handle.generated) - 1)]
-                pages = self.radix.insert(written, r.pages)
+                wpages = self._ring_window(r, len(written))
+                pages, wleft = self.radix.insert(written, r.pages, wpages)
+                adopted = {w for w in wpages if w is not None} - set(wleft)
+                ring = [p for p in r.ring if p not in adopted]
             else:
                 pages = r.pages[len(r.nodes) :]
         held = {n.page for n in r.nodes}
-        self.runner.pages.release([p for p in pages if p not in held])
+        self._free([p for p in pages if p not in held], ring)
+
+    def _take_ring(self, n: int, *, fail_ok: bool = False) -> list[int]:
+        """`n` pages of the ring pool, the prefix cache's window pages evicted for them when
+        short; `fail_ok`: as many as there are, else `OutOfPages` when short."""
+        pool = self.runner.ring_pool
+        if not n:
+            return []
+        if n > pool.free_pages and self.radix is not None:
+            pool.release(self.radix.evict_wpages(n - pool.free_pages))
+        n = min(n, pool.free_pages) if fail_ok else n
+        return pool.allocate(n * self.page_size) if n else []
+
+    def _ring_window(self, r: _Row, written: int) -> list[int | None]:
+        """Per full page of a row's `written` tokens, the ring page still holding it for the
+        prefix cache to adopt (the window's last pages), else None. Decode steps dispatched
+        past the end may have written up to `RUN_AHEAD` positions more."""
+        k = written // self.page_size
+        out: list[int | None] = [None] * k
+        if not self.R or not written:
+            return out
+        newest = (written - 1 + RUN_AHEAD) // self.page_size  # the last page those steps may have reached
+        for j in range(max(0, k - self.radix.lookback, newest - self.R + 1), k):
+            out[j] = r.ring[j % self.R]
+        return out
 
     # Resize ----------------------------------------------------------------------------------------
     def status(self) -> dict:

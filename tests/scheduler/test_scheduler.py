@@ -92,13 +92,13 @@ def test_back_pressure_and_impossible_requests(demo_scheduler):
 
 def test_radix_against_a_dict_model():
     r = RadixCache(page_size=2)
-    assert r.insert([1, 2, 3, 4, 5], [10, 11, 12]) == [12]  # the partial third page is not kept
+    assert r.insert([1, 2, 3, 4, 5], [10, 11, 12]) == ([12], [])  # the partial third page is not kept
     nodes = r.match([1, 2, 3, 4, 9, 9])
     assert [n.page for n in nodes] == [10, 11]
-    assert r.insert([1, 2, 7, 7], [10, 20]) == []
-    assert r.evict(5) == [20]  # 11 is locked (matched above), 10 is its parent
+    assert r.insert([1, 2, 7, 7], [10, 20]) == ([], [])
+    assert r.evict(5) == ([20], [])  # 11 is locked (matched above), 10 is its parent
     r.unlock(nodes)
-    assert sorted(r.evict(5)) == [10, 11] and r.cached_pages == 0
+    assert sorted(r.evict(5)[0]) == [10, 11] and r.cached_pages == 0
 
 
 @pytest.mark.parametrize("given", [None, 1])
