@@ -5,6 +5,7 @@ terminal), `serve` (HTTP and gRPC), `bench` (`python -m freetoken_jax.bench`), `
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import pathlib
@@ -12,7 +13,7 @@ import sys
 import time
 
 from freetoken_jax.config import DTYPE_NAMES, SUPPORTED_STRATEGIES
-from freetoken_jax.server.tools import FORMATS
+from freetoken_jax.server.tools import FORMATS, detect
 
 
 def _dtype(name: str) -> str:
@@ -64,15 +65,26 @@ def _compile(engine, jobs: list, what: str) -> None:
     print(f" {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
-def _stream(engine, ids, args) -> tuple[str, float]:
+def _stream(engine, ids, args, harmony: bool = False) -> tuple[str, float]:
     """Generates after `ids`, printing the text as it completes (`engine.stream_text`); returns
-    the text and the seconds to its first piece."""
+    the text and the seconds to its first piece. `harmony`: the reply is gpt-oss's messages:
+    its reasoning goes to stderr (dimmed on a terminal), its answer to stdout and the return."""
+    from freetoken_jax.server.harmony import HarmonyStream
+
     parts, t0, first = [], time.perf_counter(), None
-    for delta in engine.stream_text(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                                    top_p=args.top_p, seed=args.seed):  # fmt: skip
-        first = first or time.perf_counter() - t0
-        parts.append(delta)
-        print(printable(delta), end="", flush=True)
+    split = HarmonyStream(calls=False) if harmony else None
+    dim = ("\x1b[2m", "\x1b[0m") if sys.stderr.isatty() else ("", "")
+    deltas = engine.stream_text(ids, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, special=harmony)  # fmt: skip
+    for delta in itertools.chain(deltas, [None]):
+        events = [("content", delta)] if split is None else split.push(delta) if delta is not None else split.finish()
+        for kind, text in (e for e in events if e[1]):
+            first = first or time.perf_counter() - t0
+            if kind == "reasoning":
+                print(dim[0] + printable(text) + dim[1], end="", file=sys.stderr, flush=True)
+            else:
+                parts.append(text)
+                print(printable(text), end="", flush=True)
     print(flush=True)
     return "".join(parts), first or 0.0
 
@@ -103,6 +115,7 @@ def cmd_chat(args) -> int:
     messages = list(system)
     # the decode step now; each prompt length's prefill compiles on its first turn (every bucket
     # up front would take minutes on a large model)
+    harmony = detect(template).name == "harmony"  # gpt-oss: its reasoning is shown apart and not sent back
     _compile(engine, [engine.runner.decode_job()], "the decode step")
     print("chat: /reset starts over, /exit leaves", file=sys.stderr)
     while True:
@@ -124,7 +137,7 @@ def cmd_chat(args) -> int:
             print(f"(the conversation is {len(ids)} tokens: past --max-context with the reply; /reset)", file=sys.stderr)
             messages.pop()
             continue
-        reply, _ = _stream(engine, ids, args)
+        reply, _ = _stream(engine, ids, args, harmony)
         messages.append({"role": "assistant", "content": reply})
 
 

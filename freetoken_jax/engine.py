@@ -370,15 +370,16 @@ class FreeTokenEngine:
             elif ev.kind == "error":
                 raise RequestError(ev.message)
 
-    def stream_text(self, prompt: str | Sequence[int], max_new_tokens: int = 64, **kw) -> Iterator[str]:
+    def stream_text(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, special: bool = False, **kw) -> Iterator[str]:
         """Yields the generated text as it completes: whole characters only (a character split
-        across tokens comes once all its bytes are out), the end-of-sequence token left out. The
-        other arguments are `generate`'s."""
+        across tokens comes once all its bytes are out), the end-of-sequence token left out.
+        `special`: special tokens are text too (harmony's markers), the end-of-sequence tokens
+        still left out. The other arguments are `generate`'s."""
         from freetoken_jax.server.text import TextStream
 
         if self.tokenizer is None:
             raise RequestError("this model has no tokenizer: use generate() with token ids")
-        text = TextStream(self.tokenizer, [])
+        text = TextStream(self.tokenizer, [], special, frozenset(self.model_config.eos_token_ids) if special else frozenset())
         for t in self.generate(prompt, max_new_tokens, **kw):
             if delta := text.push(t)[0]:
                 yield delta

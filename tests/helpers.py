@@ -66,16 +66,50 @@ def random_blocks(fmt, O, I, rng, scale=0.01):
 @contextlib.contextmanager
 def demo_server(ecfg):
     """The demo model served over HTTP on a free loopback port: yields (base URL, `Service`)."""
+    with model_server("demo", "demo", ecfg) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def model_server(path, name, ecfg):
+    """The model at `path` served over HTTP as `name` on a free loopback port: yields (base URL, `Service`)."""
     from freetoken_jax import FreeTokenEngine
     from freetoken_jax.scheduler.scheduler import Scheduler
     from freetoken_jax.server.http import Service, serve_http
 
-    engine = FreeTokenEngine.from_pretrained("demo", ecfg)
+    engine = FreeTokenEngine.from_pretrained(path, ecfg)
     sched = Scheduler(engine)
-    service = Service(sched, "demo", engine.model_path)
+    service = Service(sched, name, engine.model_path)
     httpd = serve_http(service, "127.0.0.1", 0)
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}", service
     finally:
         httpd.shutdown()
         sched.shutdown()
+
+
+def chat_checkpoint(path: str, template: str, special: list[str], added: list[str] = (), eos: str | list[str] = "<|im_end|>") -> str:
+    """A tiny random Qwen3-MoE checkpoint at `path` with a byte-level tokenizer holding `special`
+    and `added` tokens and the chat `template`; `eos`: its end-of-sequence token(s)."""
+    import json
+    import os
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(special)
+    tok.add_tokens(list(added))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    eos = [eos] if isinstance(eos, str) else eos
+    json.dump({"chat_template": template, "eos_token": eos[0]}, open(os.path.join(path, "tokenizer_config.json"), "w"))
+    ids = [tok.token_to_id(t) for t in eos]
+    cfg = Qwen3MoeConfig(vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=ids[0] if len(ids) == 1 else ids,
+                         initializer_range=0.05)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+    return path

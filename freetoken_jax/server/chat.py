@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from freetoken_jax.server.harmony import HarmonyStream
 from freetoken_jax.server.service import ApiError
 from freetoken_jax.server.text import message_text
 from freetoken_jax.server.tools import ThinkStream, ToolCall, ToolFormat, ToolStream, template_takes_tools
@@ -64,6 +65,8 @@ def openai_messages(messages) -> list[dict]:
         for key in ("name", "reasoning_content"):
             if isinstance(extra.get(key), str):
                 msg[key] = extra[key]
+        if "reasoning_content" in msg:
+            msg["thinking"] = msg["reasoning_content"]  # the field gpt-oss's template reads
         out.append(msg)
     return out
 
@@ -103,7 +106,7 @@ def anthropic_messages(messages, system: str | None) -> list[dict]:
             if calls:
                 msg["tool_calls"] = calls
             if reasoning:
-                msg["reasoning_content"] = "".join(reasoning)
+                msg["reasoning_content"] = msg["thinking"] = "".join(reasoning)
             out.append(msg)
     return out
 
@@ -185,9 +188,13 @@ class Reply:
     index, ToolCall), ("arguments", index, text); `finish()` adds the last events and sets
     `content`, `reasoning` and `calls`."""
 
-    def __init__(self, tools: Tools | None, reasoning: bool, reasoning_open: bool = False):
-        self.think = ThinkStream(reasoning_open) if reasoning else None
-        self.tools = ToolStream(tools.fmt) if tools is not None and tools.parse else None
+    def __init__(self, tools: Tools | None, reasoning: bool, reasoning_open: bool = False, harmony: bool = False):
+        """`harmony`: the reply is gpt-oss's messages (`harmony.HarmonyStream`), its text
+        decoded with special tokens."""
+        parse = tools is not None and tools.parse
+        self.harmony = HarmonyStream(calls=parse) if harmony else None
+        self.think = ThinkStream(reasoning_open) if reasoning and not harmony else None
+        self.tools = ToolStream(tools.fmt) if parse and not harmony else None
         self.reasoning, self.content, self.calls = "", "", []
 
     def _answer(self, text: str) -> list[tuple]:
@@ -196,12 +203,17 @@ class Reply:
         return self.tools.push(text) if self.tools is not None else [("content", text)]
 
     def push(self, delta: str) -> list[tuple]:
+        if self.harmony is not None:
+            return self._record(self.harmony.push(delta))
         if self.think is None:
             return self._record(self._answer(delta))
         r, a = self.think.push(delta)
         return self._record(([("reasoning", r)] if r else []) + self._answer(a))
 
     def finish(self) -> list[tuple]:
+        if self.harmony is not None:
+            self.calls = self.harmony.calls
+            return self._record(self.harmony.finish())
         ev = []
         if self.think is not None:
             r, a = self.think.flush()

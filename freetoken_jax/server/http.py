@@ -446,14 +446,16 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             for i in range(best_of):  # choice i is seeded seed + i; choices after the first reuse its prompt's KV pages
                 p = dataclasses.replace(params, seed=(params.seed + i) % (1 << 32))
                 g = grammar if i == 0 or grammar is None else grammar.fork()
-                gens.append(Generation(app.state, request, ids, p, stops, g, keep_special=parse_tools, after=gens[0] if gens else None))
+                gens.append(
+                    Generation(app.state, request, ids, p, stops, g, keep_special=parse_tools or s.harmony, after=gens[0] if gens else None)
+                )
         except ApiError:
             for g in gens:
                 g.handle.cancel()
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
-        replies = [Reply(tools, s.reasoning_parser, opened) if chat else None for _ in gens]
+        replies = [Reply(tools, s.reasoning_parser, opened, s.harmony) if chat else None for _ in gens]
         prefix = s.decode(ids) if echo else ""
         text_sent = [0] * len(gens)
 
@@ -581,8 +583,8 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         params = s.params(body.model_dump(include=SAMPLING_FIELDS), body.max_tokens)
         grammar = await asyncio.to_thread(_grammar, s, body, tools)
         gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop_sequences", limits), grammar,
-                         keep_special=tools is not None and tools.parse)  # fmt: skip
-        reply = Reply(tools, s.reasoning_parser, opened)
+                         keep_special=(tools is not None and tools.parse) or s.harmony)  # fmt: skip
+        reply = Reply(tools, s.reasoning_parser, opened, s.harmony)
         mid = "msg_" + secrets.token_hex(12)
 
         def reason(f):

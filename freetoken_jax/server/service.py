@@ -53,7 +53,9 @@ class Service:
         if tool_parser is not None and tool_parser not in FORMATS:
             raise ValueError(f"unknown tool parser {tool_parser!r}; known: {', '.join(sorted(FORMATS))}")
         self.tool_format = FORMATS[tool_parser] if tool_parser else detect(self.template)
-        self.reasoning_parser = reasoning_parser
+        # harmony (gpt-oss) always keeps its channels apart: analysis is reasoning, whatever the flag
+        self.harmony = self.tool_format.name == "harmony"
+        self.reasoning_parser = reasoning_parser or self.harmony
         self.created = int(time.time())
 
     @property

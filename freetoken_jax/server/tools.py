@@ -5,7 +5,8 @@ reasoning text some models write before their answer.
 A `ToolFormat` knows its markers, how to parse a finished section of calls, how far a section
 still being written can be read (`partial`: a call's name as soon as it is complete, its
 arguments as far as they are certain), and a Lark grammar that admits only well-formed calls to
-the given tools. `FORMATS` is the registry (`serve --tool-parser`); `detect` picks one from the
+the given tools (gpt-oss's harmony, where calls are messages among others, is read by
+`harmony.HarmonyStream` instead). `FORMATS` is the registry (`serve --tool-parser`); `detect` picks one from the
 chat template. `ToolStream` turns a response's text deltas into content, call starts and
 argument deltas; `ThinkStream` splits `<think>…</think>` reasoning from the answer.
 """
@@ -242,12 +243,43 @@ class Glm45(ToolFormat):
         return f"start: call{more}\ncall: {lit(self.start)} ({fns}) {lit('</tool_call>')}\n" + "\n".join(rules) + "\n"
 
 
-FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), DeepSeekV3(), Glm45())}
+class Harmony(ToolFormat):
+    """gpt-oss: a call is a message to `functions.NAME` on the commentary channel,
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`, ended by the
+    `<|call|>` stop token; one call per turn."""
+
+    name = "harmony"
+    start = "<|channel|>"  # what a harmony chat template shows (`tools.detect`)
+
+    def parse(self, section: str) -> list[ToolCall]:
+        from freetoken_jax.server.harmony import HarmonyStream  # which reads messages with this module's ToolCall
+
+        s = HarmonyStream()
+        s.push(section)
+        s.finish()
+        if not s.calls:
+            raise ValueError("no tool call")
+        return s.calls
+
+    def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
+        """One call (harmony has one per turn, whatever `many` says), straight away: no analysis first."""
+        lit = lambda t: _lit(t, token_id)  # noqa: E731
+        fns = [
+            f'fn{i}: {json.dumps(t["function"]["name"] + " ")} {lit("<|constrain|>")} "json" {lit("<|message|>")} %json {json.dumps(_schema(t["function"].get("parameters")))}'
+            for i, t in enumerate(tools)
+        ]
+        alts = " | ".join(f"fn{i}" for i in range(len(tools)))
+        return f'start: {lit("<|channel|>")} "commentary to=functions." ({alts})\n' + "\n".join(fns) + "\n"
+
+
+FORMATS: dict[str, ToolFormat] = {f.name: f for f in (Hermes(), Mistral(), DeepSeekV3(), Glm45(), Harmony())}
 FORMATS["qwen"] = FORMATS["hermes"]
 
 
 def detect(template: str | None) -> ToolFormat:
     """The format a chat template writes tool calls in (Hermes when it shows none)."""
+    if template and Harmony.start in template:
+        return FORMATS["harmony"]
     if template and Glm45.marker in template:
         return FORMATS["glm45"]
     for f in (FORMATS["deepseek_v3"], FORMATS["mistral"], FORMATS["hermes"]):

@@ -10,14 +10,10 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-import torch
-from helpers import demo_server
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+from helpers import chat_checkpoint, demo_server, model_server
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.scheduler.scheduler import Scheduler
 from freetoken_jax.server.chat import Tools, openai_messages, render_messages
-from freetoken_jax.server.http import Service, serve_http
 from freetoken_jax.server.schemas import ChatRequest
 from freetoken_jax.server.tools import FORMATS, ThinkStream, ToolStream, detect
 
@@ -200,28 +196,9 @@ def test_tool_requests_that_cannot_be_served_are_400(demo):
 # A Qwen3-MoE checkpoint with Qwen3's template ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    path = str(tmp_path_factory.mktemp("qwen3_tools"))
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    tok.add_special_tokens(SPECIAL)
-    tok.add_tokens(ADDED)
-    tok.save(os.path.join(path, "tokenizer.json"))
-    im_end = tok.token_to_id("<|im_end|>")
-    json.dump({"chat_template": TEMPLATE, "eos_token": "<|im_end|>"}, open(os.path.join(path, "tokenizer_config.json"), "w"))
-    cfg = Qwen3MoeConfig(vocab_size=288, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, eos_token_id=im_end, initializer_range=0.05)  # fmt: skip
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-    engine = FreeTokenEngine.from_pretrained(path, EC)
-    sched = Scheduler(engine)
-    service = Service(sched, "qwen", path)
-    httpd = serve_http(service, "127.0.0.1", 0)
-    yield openai.OpenAI(base_url=f"http://127.0.0.1:{httpd.server_address[1]}/v1", api_key="x", max_retries=0, timeout=120), service
-    httpd.shutdown()
-    sched.shutdown()
+    path = chat_checkpoint(str(tmp_path_factory.mktemp("qwen3_tools")), TEMPLATE, SPECIAL, ADDED)
+    with model_server(path, "qwen", EC) as (url, service):
+        yield openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120), service
 
 
 def test_qwen_template_forced_calls_and_reasoning(qwen):
