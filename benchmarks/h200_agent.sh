@@ -1,10 +1,7 @@
 #!/bin/bash
 # One GPU lease: decode with a JSON-schema constraint against without (benchmarks/bench_structured.py).
 # Usage (device `run`, carry .whl): bash benchmarks/h200_agent.sh [fused|hybrid]...
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
+source benchmarks/h200_install.sh
 for what in "$@"; do
   case $what in
     fused) python3 benchmarks/bench_structured.py --preset qwen3-30b-a3b --batch 1 8 --gen-len 64 --json "$OUT/structured_fused.json" 2>&1 | grep -v "it/s\]" | tail -9 ;;

@@ -7,11 +7,7 @@
 # MODEL=20b: the whole gpt-oss-20b shape instead (24 layers of 32 experts, 10.2 GB of MXFP4; 25% on
 # the GPU: `-ncmoe 18`, 192 slots = 2.538 GB).
 # Usage (device `run`, carry .whl .llamacpp): [MODEL=20b] bash benchmarks/h200_gptoss.sh [check|lcpp-build|lcpp|decode]...
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
-B="python3 -m freetoken_jax.bench"
+source benchmarks/h200_install.sh
 if [ "${MODEL:-120b}" = 20b ]; then L=24; E=32; SLOTS=2.538; SHAPE="--preset gpt-oss-20b"
 else L=12; E=128; SLOTS=5.077; SHAPE="--preset gpt-oss-120b --layers $L"; fi
 SHAPE="$SHAPE --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode"

@@ -8,11 +8,7 @@
 # and a Q4_K one of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file).
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/install.log" 2>&1 || { tail -30 "$OUT/install.log"; exit 1; }
-B="python3 -m freetoken_jax.bench"
+source benchmarks/h200_install.sh
 SHAPE="--preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode"
 for what in "$@"; do
   case $what in

@@ -1,0 +1,48 @@
+"""Strategy `auto` on a bench preset, as a server would start it: the profile `bench bw` wrote
+decides the candidates, the engine's decode probe measures them, and the chosen strategy's
+decode rate is then timed like a user's generation (the same 16-token prompt and 64 tokens as
+`bench decode --prompt-len 16 --gen-len 64`), for comparison with `bench decode`'s rows of the
+same lease. Prints one JSON line.
+
+    python benchmarks/auto_choice.py --preset qwen3-30b-a3b --layers 24 --slots-gb 16
+"""
+
+import argparse
+import dataclasses
+import json
+import time
+
+from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.bench.presets import preset_config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--layers", type=int, default=None, help="keep the preset's first layers")
+    ap.add_argument("--slots-gb", type=float, required=True, help="expert-slot budget (GB = 1e9)")
+    ap.add_argument("--gen-len", type=int, default=64)
+    a = ap.parse_args()
+    cfg = preset_config(a.preset)
+    if a.layers:
+        cfg = dataclasses.replace(
+            cfg, num_layers=a.layers, moe_layers=cfg.moe_layers[: a.layers], sliding_layers=cfg.sliding_layers[: a.layers]
+        )
+    ecfg = EngineConfig(dtype="bfloat16", moe_strategy="auto", expert_slots_gb=a.slots_gb, max_batch=1, max_context=512, prefix_cache=False)
+    t0 = time.perf_counter()
+    engine = FreeTokenEngine(cfg, ecfg)
+    started = time.perf_counter() - t0
+    prompt = list(range(1, 17))
+    list(engine.generate(prompt, max_new_tokens=8, ignore_eos=True))  # compiles the prefill of this prompt
+    engine.batcher.reset_metrics()
+    t1 = time.perf_counter()
+    out = list(engine.generate(prompt, max_new_tokens=a.gen_len, ignore_eos=True))
+    wall = time.perf_counter() - t1
+    m = engine.get_metrics()
+    print(json.dumps(dict(preset=a.preset, layers=cfg.num_layers, slots_gb=a.slots_gb, strategy=engine.engine_config.moe_strategy.value,
+                          q=engine.engine_config.hybrid_q, reason=engine.strategy_reason, start_s=round(started, 1),
+                          decode_tok_s=round(m["decode_tokens_per_second"], 2), wall_tok_s=round(len(out) / wall, 2))))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

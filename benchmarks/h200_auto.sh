@@ -1,0 +1,16 @@
+#!/bin/bash
+# Strategy `auto` on the GPU machine beside `bench decode`'s rows of the same lease, and the whole
+# gpt-oss-120b shape (36 layers, 61 GB of MXFP4 experts in pinned host memory) at 16 GB of slots.
+# Usage (device `run`, carry .whl): bash benchmarks/h200_auto.sh [bw|auto|rows|oss120]...
+source benchmarks/h200_install.sh
+QWEN="--preset qwen3-30b-a3b --layers 24"
+for what in "$@"; do
+  case $what in
+    bw) $B bw 2>&1 | grep -v "it/s\]" | tail -12; cp ~/.cache/freetoken_jax/benchbw.json "$OUT/" 2>/dev/null ;;
+    auto) python3 benchmarks/auto_choice.py $QWEN --slots-gb 8 2>&1 | grep -v "it/s\]" | tail -4 ;;
+    rows) $B decode $QWEN --slots-gb 8 --strategy hybrid offload cpu --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
+            --compile-workers 3 --json "$OUT/qwen_rows.json" 2>&1 | grep -v "it/s\]" | tail -8 ;;
+    oss120) $B decode --preset gpt-oss-120b --slots-gb 16 --strategy hybrid cpu offload --routing-skew 0 --prompt-len 16 --gen-len 64 \
+            --prompt-by-decode --compile-workers 3 --json "$OUT/oss120.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
+  esac
+done
