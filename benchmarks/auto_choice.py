@@ -21,6 +21,9 @@ def main() -> None:
     ap.add_argument("--preset", required=True)
     ap.add_argument("--layers", type=int, default=None, help="keep the preset's first layers")
     ap.add_argument("--slots-gb", type=float, required=True, help="expert-slot budget (GB = 1e9)")
+    ap.add_argument(
+        "--vram-gb", type=float, default=None, help="the device budget (default: the slots and 4 GB): the experts must not fit it"
+    )
     ap.add_argument("--gen-len", type=int, default=64)
     a = ap.parse_args()
     cfg = preset_config(a.preset)
@@ -28,7 +31,9 @@ def main() -> None:
         cfg = dataclasses.replace(
             cfg, num_layers=a.layers, moe_layers=cfg.moe_layers[: a.layers], sliding_layers=cfg.sliding_layers[: a.layers]
         )
-    ecfg = EngineConfig(dtype="bfloat16", moe_strategy="auto", expert_slots_gb=a.slots_gb, max_batch=1, max_context=512, prefix_cache=False)
+    vram = a.vram_gb if a.vram_gb is not None else a.slots_gb + 4
+    ecfg = EngineConfig(dtype="bfloat16", moe_strategy="auto", expert_slots_gb=a.slots_gb, total_vram_gb=vram, max_batch=1, max_context=512,
+                        prefix_cache=False)  # fmt: skip
     t0 = time.perf_counter()
     engine = FreeTokenEngine(cfg, ecfg)
     started = time.perf_counter() - t0
