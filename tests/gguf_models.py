@@ -15,7 +15,7 @@ from freetoken_jax.quant.formats import get_format
 
 Q = gguf.GGMLQuantizationType
 ARCH = {"qwen3_moe": "qwen3moe", "qwen3_moe_norm": "qwen3moe", "qwen3_moe_k": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama",
-        "deepseek_v2": "deepseek2", "deepseek_v2_qlora": "deepseek2", "deepseek_v3": "deepseek2"}  # fmt: skip
+        "deepseek_v2": "deepseek2", "deepseek_v2_qlora": "deepseek2", "deepseek_v3": "deepseek2", "gpt_oss": "gpt-oss"}  # fmt: skip
 # llama.cpp's newer converters split MLA's kv_b into attn_k_b / attn_v_b; older ones keep attn_kv_b
 SPLIT_KV_B = {"deepseek_v3", "deepseek_v2_qlora"}
 OURS = {Q.Q4_K: "q4_k", Q.Q5_K: "q5_k", Q.Q6_K: "q6_k"}  # no quantizer in `gguf`: ours makes valid blocks
@@ -71,6 +71,26 @@ _LAYER = {
 }
 
 
+# gpt-oss: its own names (llama.cpp's `gpt-oss`), the router's and experts' biases, and the
+# experts' interleaved [E, in, 2 x out] gate_up stack split into gate and up
+_GPT_OSS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    **{f"attn_{g}.{kind}": f"self_attn.{h}_proj.{kind}" for g, h in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")) for kind in ("weight", "bias")},
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp.weight": "mlp.router.weight",
+    "ffn_gate_inp.bias": "mlp.router.bias",
+}  # fmt: skip
+
+
+def _gpt_oss_experts(sd, p):
+    """{GGUF expert tensor: [E, out, in] or bias [E, out]} of one gpt-oss layer."""
+    gu, gub, down = sd[p + "mlp.experts.gate_up_proj"], sd[p + "mlp.experts.gate_up_proj_bias"], sd[p + "mlp.experts.down_proj"]
+    return {"ffn_gate_exps.weight": gu[..., ::2].transpose(0, 2, 1), "ffn_up_exps.weight": gu[..., 1::2].transpose(0, 2, 1),
+            "ffn_down_exps.weight": down.transpose(0, 2, 1), "ffn_gate_exps.bias": gub[:, ::2], "ffn_up_exps.bias": gub[:, 1::2],
+            "ffn_down_exps.bias": sd[p + "mlp.experts.down_proj_bias"]}  # fmt: skip
+
+
 def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
     """[(gguf name, float32 array, type)] of a transformers model, in llama.cpp's naming and
     layout (q/k rows permuted for llama, experts as [E, out, in] stacks, 1-d tensors float32)."""
@@ -80,6 +100,14 @@ def gguf_tensors(model, variant: str, expert_type, dense_type=Q.F32):
     out = [("token_embd.weight", sd["model.embed_tokens.weight"], dense_type)]
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
+        if variant == "gpt_oss":
+            out += [
+                (b + g, sd[p + hf], Q.F32 if sd[p + hf].ndim == 1 or g == "ffn_gate_inp.weight" else dense_type)
+                for g, hf in _GPT_OSS.items()
+            ]
+            for g, a in _gpt_oss_experts(sd, p).items():
+                out.append((b + g, np.ascontiguousarray(a), Q.F32 if g.endswith(".bias") else expert_type))
+            continue
         for g, hfs in _LAYER.items():
             hf = next((h for h in ((hfs,) if isinstance(hfs, str) else hfs) if p + h in sd), None)
             if hf is None:
@@ -122,6 +150,13 @@ def write_metadata(w: gguf.GGUFWriter, cfg, variant: str, tokenizer=None) -> Non
     w.add_expert_used_count(cfg.num_experts_per_tok)
     if arch == "deepseek2":
         deepseek_metadata(w, cfg, variant, rp)
+    elif arch == "gpt-oss":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rp["factor"])
+        w.add_rope_scaling_orig_ctx_len(rp["original_max_position_embeddings"])
     elif arch == "llama":
         w.add_expert_count(cfg.num_local_experts)
     else:
@@ -197,6 +232,16 @@ def reference_model(hf_dir: str, gguf_path: str, variant: str):
            "lm_head.weight": deq.get("output.weight", deq["token_embd.weight"])}  # fmt: skip
     for i in range(cfg.num_hidden_layers):
         p, b = f"model.layers.{i}.", f"blk.{i}."
+        if variant == "gpt_oss":
+            new.update({p + hf: deq[b + g] for g, hf in _GPT_OSS.items()})
+            interleave = lambda g, u: np.stack([g, u], axis=-1).reshape(*g.shape[:-1], -1)  # noqa: E731
+            new[p + "mlp.experts.gate_up_proj"] = interleave(
+                deq[b + "ffn_gate_exps.weight"].transpose(0, 2, 1), deq[b + "ffn_up_exps.weight"].transpose(0, 2, 1)
+            )
+            new[p + "mlp.experts.gate_up_proj_bias"] = interleave(deq[b + "ffn_gate_exps.bias"], deq[b + "ffn_up_exps.bias"])
+            new[p + "mlp.experts.down_proj"] = deq[b + "ffn_down_exps.weight"].transpose(0, 2, 1)
+            new[p + "mlp.experts.down_proj_bias"] = deq[b + "ffn_down_exps.bias"]
+            continue
         if b + "attn_k_b.weight" in deq:
             k_b, v_b = deq[b + "attn_k_b.weight"], deq[b + "attn_v_b.weight"]
             deq[b + "attn_kv_b.weight"] = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, k_b.shape[1])

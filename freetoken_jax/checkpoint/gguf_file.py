@@ -151,9 +151,11 @@ class GGUFCheckpoint:
 
 
 # Architectures -------------------------------------------------------------------------------------
-def _common(ck: GGUFCheckpoint) -> dict[str, Any]:
-    if ck.arch_get("attention.sliding_window"):
-        raise ConfigError(f"{ck.path}: sliding-window attention ({ck.arch}.attention.sliding_window) is not supported yet")
+def _common(ck: GGUFCheckpoint, window: bool = False) -> dict[str, Any]:
+    """The keys every architecture shares; `window`: the architecture says which layers a
+    `attention.sliding_window` applies to (elsewhere one is refused: llama.cpp ignores it there)."""
+    if ck.arch_get("attention.sliding_window") and not window:
+        raise ConfigError(f"{ck.path}: {ck.arch}.attention.sliding_window is set, and {ck.arch} does not say which layers it applies to")
     n_layers = int(ck.need("block_count"))
     vocab = ck.arch_get("vocab_size") or ck.shape("token_embd.weight")[0]
     d = dict(
@@ -204,6 +206,18 @@ def _llama(ck):
                 num_experts_per_tok=int(ck.need("expert_used_count")))  # fmt: skip
 
 
+def _gpt_oss(ck):
+    """llama.cpp's `gpt-oss`: sliding-window and full layers alternating (layers 0, 2, ... slide),
+    YaRN rope without truncation (the released config's), the experts' gate and up apart."""
+    d = _common(ck, window=True)
+    n = d["num_hidden_layers"]
+    d["rope_scaling"] = dict(d.get("rope_scaling") or {}, beta_fast=32.0, beta_slow=1.0, truncate=False)
+    return dict(d, architectures=["GptOssForCausalLM"], intermediate_size=int(ck.need("expert_feed_forward_length")),
+                num_local_experts=int(ck.need("expert_count")), num_experts_per_tok=int(ck.need("expert_used_count")),
+                sliding_window=int(ck.need("attention.sliding_window")),
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)])  # fmt: skip
+
+
 def _deepseek2(ck):
     """DeepSeek-V2 / V3 (llama.cpp's `deepseek2`: V3 when its gating is sigmoid)."""
     d = _common(ck)
@@ -242,7 +256,8 @@ def _deepseek2(ck):
 
 # GGUF architecture → (HF config builder, whether attn_q / attn_k rows are in GGML's interleaved
 # rope order: llama.cpp's converter permutes them for `llama`, the engine uses Hugging Face's).
-ARCHS = {"qwen3moe": (_qwen3moe, False), "qwen2moe": (_qwen2moe, False), "llama": (_llama, True), "deepseek2": (_deepseek2, False)}
+ARCHS = {"qwen3moe": (_qwen3moe, False), "qwen2moe": (_qwen2moe, False), "llama": (_llama, True), "deepseek2": (_deepseek2, False),
+         "gpt-oss": (_gpt_oss, False)}  # fmt: skip
 
 _LAYER = {
     ("input_layernorm", "weight"): "attn_norm.weight",
@@ -275,6 +290,11 @@ _LAYER = {
     ("self_attn", "kv_a_proj_with_mqa", "weight"): "attn_kv_a_mqa.weight",
     ("self_attn", "kv_a_layernorm", "weight"): "attn_kv_a_norm.weight",
     ("self_attn", "kv_b_proj", "weight"): "attn_kv_b.weight",
+    ("self_attn", "sinks"): "attn_sinks.weight",
+    ("mlp", "gate", "logit_bias"): "ffn_gate_inp.bias",
+    ("mlp", "experts", "bias", "gate"): "ffn_gate_exps.bias",
+    ("mlp", "experts", "bias", "up"): "ffn_up_exps.bias",
+    ("mlp", "experts", "bias", "down"): "ffn_down_exps.bias",
 }
 
 
@@ -287,7 +307,10 @@ def gguf_name(ck: GGUFCheckpoint, path: tuple) -> str:
     if path == ("norm", "weight"):
         return "output_norm.weight"
     if path[0] == "layers" and tuple(path[2:]) in _LAYER:
-        return f"blk.{path[1]}.{_LAYER[tuple(path[2:])]}"
+        name = f"blk.{path[1]}.{_LAYER[tuple(path[2:])]}"
+        if name.endswith(".ffn_norm.weight") and name not in ck.tensors:  # gpt-oss's name for it
+            name = name.replace(".ffn_norm.", ".post_attention_norm.")
+        return name
     raise CheckpointError(f"{ck.path}: no GGUF tensor is known for the parameter {'/'.join(map(str, path))}")
 
 

@@ -33,6 +33,7 @@ CASES = [
     ("deepseek_v3", Q.Q8_0, Q.F32),  # MLA with kv_b split into attn_k_b / attn_v_b, sigmoid routing, YaRN
     ("deepseek_v2_qlora", Q.Q4_0, Q.F16),  # group-limited softmax routing
     ("deepseek_v2", Q.MXFP4, Q.F32),  # kv_b whole, as older converters write it
+    ("gpt_oss", Q.MXFP4, Q.F16),  # as released: sliding windows, sinks, biases, YaRN without truncation
 ]
 
 
@@ -96,7 +97,10 @@ QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^
 # DeepSeek-V3's tokenizer.json: three splits before the byte-level step
 DEEPSEEK_V3_REGEXES = (r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
                        r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
-PRE = {"qwen2": (QWEN2_REGEX,), "deepseek-v3": DEEPSEEK_V3_REGEXES}
+# gpt-oss's tokenizer.json (o200k)
+GPT4O_REGEX = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?"
+               r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
+PRE = {"qwen2": (QWEN2_REGEX,), "deepseek-v3": DEEPSEEK_V3_REGEXES, "gpt-4o": (GPT4O_REGEX,)}
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world, hello there! 12345 numbers 2026.", "naïve café déjà vu — ünïcode",
@@ -220,27 +224,35 @@ def test_types_without_kernels_and_mixed_types_need_an_explicit_requantize(ckpt_
     assert np.abs(got - want).max() <= 0.1 * np.abs(want).max()  # q8_0 of 4-6 bit weights (6% measured: one routing flip)
 
 
-def test_shape_and_architecture_mismatches_are_refused_before_loading(ckpt_root, tmp_path):
-    hf = make_checkpoint("qwen3_moe_norm", ckpt_root)
-    path = write_gguf(hf, str(tmp_path / "a.gguf"), "qwen3_moe_norm", Q.Q8_0)
-    r = gguf.GGUFReader(path)
-    # a copy whose metadata claims another expert width: the expert tensors no longer fit
-    w = gguf.GGUFWriter(str(tmp_path / "b.gguf"), "qwen3moe")
+def rewrite(src: str, out: str, keys: dict) -> None:
+    """A copy of the GGUF file `src` with metadata `keys` set (uint32 where new)."""
+    r = gguf.GGUFReader(src)
+    w = gguf.GGUFWriter(out, r.fields["general.architecture"].contents())
     for k, f in r.fields.items():
-        if k.startswith("GGUF.") or k == "general.architecture":
+        if k.startswith("GGUF.") or k == "general.architecture" or k in keys:
             continue
-        v = f.contents()
-        if k == "qwen3moe.expert_feed_forward_length":
-            v = 64
-        w.add_key_value(k, v, f.types[0], sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+        w.add_key_value(k, f.contents(), f.types[0], sub_type=f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for k, v in keys.items():
+        w.add_key_value(k, v, gguf.GGUFValueType.UINT32)
     for t in r.tensors:
         w.add_tensor(t.name, t.data, raw_shape=None, raw_dtype=t.tensor_type if t.tensor_type not in (Q.F32, Q.F16) else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def test_shape_and_architecture_mismatches_are_refused_before_loading(ckpt_root, tmp_path):
+    hf = make_checkpoint("qwen3_moe_norm", ckpt_root)
+    path = write_gguf(hf, str(tmp_path / "a.gguf"), "qwen3_moe_norm", Q.Q8_0)
+    # a copy whose metadata claims another expert width: the expert tensors no longer fit
+    rewrite(path, str(tmp_path / "b.gguf"), {"qwen3moe.expert_feed_forward_length": 64})
     with pytest.raises(CheckpointError, match=r"blk\.0\.ffn_\w+_exps\.weight has shape \(8, \d+, \d+\), the config needs"):
         FreeTokenEngine.from_pretrained(str(tmp_path / "b.gguf"), EngineConfig(**BASE))
+    # a window on an architecture that does not say where it applies (llama.cpp ignores it there)
+    rewrite(path, str(tmp_path / "w.gguf"), {"qwen3moe.attention.sliding_window": 8})
+    with pytest.raises(ConfigError, match="sliding_window is set, and qwen3moe does not say which layers"):
+        FreeTokenEngine.from_pretrained(str(tmp_path / "w.gguf"), EngineConfig(**BASE))
     other = gguf.GGUFWriter(str(tmp_path / "c.gguf"), "rwkv6")
     other.add_block_count(1)
     other.write_header_to_file()
