@@ -1,8 +1,8 @@
 """Strategy `auto` on a bench preset, as a server would start it: the profile `bench bw` wrote
 decides the candidates, the engine's decode probe measures them, and the chosen strategy's
 decode rate is then timed like a user's generation (the same 16-token prompt and 64 tokens as
-`bench decode --prompt-len 16 --gen-len 64`), for comparison with `bench decode`'s rows of the
-same lease. Prints one JSON line.
+`bench decode --prompt-len 16 --gen-len 64`) and routing (`--routing-skew`, uniform by default),
+for comparison with `bench decode`'s rows of the same lease. Prints one JSON line.
 
     python benchmarks/auto_choice.py --preset qwen3-30b-a3b --layers 24 --slots-gb 16
 """
@@ -25,6 +25,7 @@ def main() -> None:
         "--vram-gb", type=float, default=None, help="the device budget (default: the slots and 4 GB): the experts must not fit it"
     )
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--routing-skew", type=float, default=0.0, help="Zipf exponent of the synthetic routing (bench decode's; 0: uniform)")
     a = ap.parse_args()
     cfg = preset_config(a.preset)
     if a.layers:
@@ -35,7 +36,7 @@ def main() -> None:
     ecfg = EngineConfig(dtype="bfloat16", moe_strategy="auto", expert_slots_gb=a.slots_gb, total_vram_gb=vram, max_batch=1, max_context=512,
                         prefix_cache=False)  # fmt: skip
     t0 = time.perf_counter()
-    engine = FreeTokenEngine(cfg, ecfg)
+    engine = FreeTokenEngine(cfg, ecfg, routing_skew=a.routing_skew)
     started = time.perf_counter() - t0
     prompt = list(range(1, 17))
     list(engine.generate(prompt, max_new_tokens=8, ignore_eos=True))  # compiles the prefill of this prompt

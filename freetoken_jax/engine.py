@@ -70,10 +70,13 @@ class FreeTokenEngine:
         tokenizer=None,
         name: str = "random",
         model_path: str | None = None,
+        routing_skew: float | None = None,
     ):
         """`params`: a parameter state to use; `load(place)`: a loader to call once the memory plan
         is accepted; neither: seeded random weights (`EngineConfig.seed`). `model_path`: the
-        checkpoint directory it came from."""
+        checkpoint directory it came from. `routing_skew` (benchmarks): every token's experts are
+        drawn from a Zipf(skew) popularity instead of the router's (`runtime/routing.py`), from
+        the start (the `auto` probe included)."""
         ecfg = engine_config or EngineConfig()
         cfg = model_config.with_expert_format(ecfg.expert_format)
         quantize = cfg.expert_format != model_config.expert_format  # on load, a layer at a time
@@ -120,7 +123,12 @@ class FreeTokenEngine:
                 params = quantize_params(params, cfg.expert_format)
             if host:
                 params = to_host_banks(params)
-        self.runner = ModelRunner(cfg, ecfg, Weights(params, graphdef), make_backend(ecfg, params), plan)
+        experts = make_backend(ecfg, params)
+        if routing_skew is not None:
+            from freetoken_jax.runtime.routing import SyntheticRouting
+
+            experts = SyntheticRouting(experts, float(routing_skew))
+        self.runner = ModelRunner(cfg, ecfg, Weights(params, graphdef), experts, plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)
         if probe:
             self._check_hybrid_choice(ecfg.auto_probe_steps)

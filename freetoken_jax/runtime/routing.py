@@ -75,8 +75,22 @@ class SyntheticRouting(ExpertBackend):
     def uses_slots(self) -> bool:
         return self.inner.uses_slots
 
+    @property
+    def q(self):
+        return self.inner.q
+
     def prefill_path(self, cfg, tokens, num_slots):
         return self.inner.prefill_path(cfg, tokens, num_slots)
+
+    # hybrid's variants (the `auto` probe's candidates), routed the same way
+    def with_q(self, q: float) -> SyntheticRouting:
+        return dataclasses.replace(self, inner=self.inner.with_q(q))
+
+    def as_offload(self) -> SyntheticRouting:
+        return dataclasses.replace(self, inner=self.inner.as_offload())
+
+    def as_cpu(self) -> SyntheticRouting:
+        return dataclasses.replace(self, inner=self.inner.as_cpu())
 
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
         fns, after = self.inner.expert_fns(model, valid_T, positions_T, slots, buffered)

@@ -31,14 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
 from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, init_cache, ring_layers, ring_pages, ring_pool_pages
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.models import jnp_dtype
 from freetoken_jax.runtime import buckets
-from freetoken_jax.runtime.experts import ExpertBackend, Hybrid
+from freetoken_jax.runtime.experts import ExpertBackend
 from freetoken_jax.runtime.sampling import Logprobs, prompt_counts
 from freetoken_jax.runtime.steps import (
     DecodeBatch,
@@ -229,7 +229,7 @@ class ModelRunner:
             raise ValueError(f"{experts.strategy} and {self.experts.strategy} differ in whether they keep a slot cache")
         self.experts = experts
         ecfg = self.engine_config.replace(moe_strategy=experts.strategy)
-        if isinstance(experts, Hybrid):
+        if experts.strategy is Strategy.HYBRID:
             ecfg = ecfg.replace(hybrid_q=float(experts.q))
         self.engine_config = ecfg
 
