@@ -289,7 +289,10 @@ class EngineConfig:
 
     `max_context` bounds prompt + generated tokens of one sequence; `max_batch` bounds the
     sequences decoded together. KV memory is `kv_pages` pages of `page_size` tokens per layer
-    (default: enough for `max_batch` full-length sequences).
+    (default: enough for `max_batch` full-length sequences); sliding-window layers keep a ring
+    pool of their own (`memory/kv_cache.py`). Any page size is correct for every architecture
+    here: windows are masked per position and rings are sized from the page, and MLA pages hold
+    latents like any other entry; the size only trades gather granularity against waste.
 
     Expert placement: `moe_strategy` "fused" keeps every expert on the device; "offload" keeps
     them in host RAM with `expert_slots` slots on the device — given directly (or as
