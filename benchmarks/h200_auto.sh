@@ -1,7 +1,8 @@
 #!/bin/bash
 # Strategy `auto` on the GPU machine beside `bench decode`'s rows of the same lease, and the whole
 # gpt-oss-120b shape (36 layers, 61 GB of MXFP4 experts in pinned host memory) at 16 GB of slots.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_auto.sh [bw|auto|rows|oss120]...
+# chunks: offload prefill of 8192 tokens at four chunk sizes.
+# Usage (device `run`, carry .whl): bash benchmarks/h200_auto.sh [bw|auto|rows|oss120|chunks]...
 source benchmarks/h200_install.sh
 QWEN="--preset qwen3-30b-a3b --layers 24"
 for what in "$@"; do
@@ -12,5 +13,7 @@ for what in "$@"; do
             --compile-workers 3 --json "$OUT/qwen_rows.json" 2>&1 | grep -v "it/s\]" | tail -8 ;;
     oss120) $B decode --preset gpt-oss-120b --slots-gb 16 --strategy hybrid cpu offload --routing-skew 0 --prompt-len 16 --gen-len 64 \
             --prompt-by-decode --compile-workers 3 --json "$OUT/oss120.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
+    chunks) $B prefill $QWEN --slots-gb 8 --prompt-len 8192 --chunk 512 1024 2048 4096 --strategy offload --json "$OUT/chunks.json" 2>&1 \
+            | grep -v "it/s\]" | tail -8 ;;
   esac
 done

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
-from freetoken_jax.memory.budget import GB, device_memory_bytes, host_memory_available, pinned_host_limit, plan_memory
+from freetoken_jax.memory.budget import GB, choose_prefill_chunk, device_memory_bytes, host_memory_available, pinned_host_limit, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.quant.banks import quantize_params, quantizing
@@ -96,6 +96,14 @@ class FreeTokenEngine:
             ecfg, self.strategy_reason, probe = resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
             log.info("moe_strategy auto -> %s: %s", ecfg.moe_strategy.value, self.strategy_reason)
         plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
+        chunk, why = choose_prefill_chunk(cfg, ecfg, plan)
+        if ecfg.prefill_chunk is None:
+            chosen = ecfg.replace(prefill_chunk=chunk)
+            try:  # rings (sliding layers) are sized from the chunk: planned again
+                plan, ecfg = plan_memory(cfg, chosen, dense, cache_bytes(cfg, chosen, itemsize), itemsize, device_memory_bytes()), chosen
+            except ConfigError:
+                chunk, why, ecfg = ecfg.chunk, "the default: the rings of a larger chunk would not fit", ecfg.replace(prefill_chunk=ecfg.chunk)
+            log.info("prefill chunk %d: %s", chunk, why)
         log.info("memory plan: %s", plan.describe())
         host = ecfg.moe_strategy.experts_on_host
         place = None

@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                            help="feed the prompt through the decode step instead of a prefill (saves compiling one; no TTFT)")  # fmt: skip
         else:
             p.add_argument("--prompt-len", type=int, nargs="+", default=[256])
-            p.add_argument("--chunk", type=int, default=512,
-                           help="prefill chunk (a power of two); under offload every chunk streams the experts not resident")  # fmt: skip
+            p.add_argument("--chunk", type=int, nargs="+", default=[512],
+                           help="prefill chunks (powers of two; one row per value); under offload every chunk streams the experts not resident")  # fmt: skip
     pl = sub.add_parser("plot", help="draw the rows of decode --json files together (needs matplotlib)", formatter_class=fmt)
     pl.add_argument("files", nargs="+")
     pl.add_argument("--out", required=True, help="the PNG to write")

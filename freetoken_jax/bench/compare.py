@@ -316,15 +316,16 @@ class Bench:
                      handoffs_per_step=c / n, handoff_arrivals_unseen=hs["unseen"])  # fmt: skip
         return r
 
-    def prefill(self, variant: str, prompt_len: int, q: float, slots_gb: float) -> dict | None:
+    def prefill(self, variant: str, prompt_len: int, q: float, slots_gb: float, chunk: int | None = None) -> dict | None:
         """Time to prefill one prompt. offload / hybrid: through two borrowed layer buffers of a
         `slots_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
-        dropped; per-token: the decode path (routed experts looked up and fetched per token)."""
+        dropped; per-token: the decode path (routed experts looked up and fetched per token).
+        `chunk`: the prefill chunk (default: the bench's)."""
         cfg = self.cfg
         wx = self.variant(variant, q, None)
         if wx is None:
             return None
-        slots, chunk = None, self.ecfg.prefill_chunk
+        slots, chunk = None, chunk or self.ecfg.chunk
         if variant in ("offload", "offload-copy", "hybrid", "per-token"):
             slots = self.slots_for(slots_gb, self.ecfg.max_batch)
             if variant == "per-token":  # the largest chunk whose routed experts fit the slots (slots >= top_k: `slots_for`)
@@ -344,7 +345,7 @@ class Bench:
             first = h.generated[0]
         finally:
             runner.close()
-        chunks = -(-prompt_len // self.ecfg.prefill_chunk)  # the bound is the buffered path's, at the chosen chunk size
+        chunks = -(-prompt_len // chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
         bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None,
@@ -431,7 +432,7 @@ def run(args) -> dict:
     steps = getattr(args, "gen_len", 0)
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
                   max_context=max(getattr(args, "prompt_len", [64]) if args.cmd == "prefill" else [args.prompt_len + steps + 16]) + 16,
-                  prefill_chunk=getattr(args, "chunk", 64), expert_impl=getattr(args, "expert_impl", "auto"),
+                  prefill_chunk=max(getattr(args, "chunk", None) or [64]), expert_impl=getattr(args, "expert_impl", "auto"),
                   expert_format=getattr(args, "expert_format", None), layers=getattr(args, "layers", None))  # fmt: skip
     q = bench.bp / (bench.bp + bench.bh_hybrid)  # q*, from this run's measured bandwidths (hybrid's executor threads)
     hybrid_qs = args.q or [q]
@@ -475,10 +476,12 @@ def run(args) -> dict:
                 ("ratio_to_bound", "of bound", ".2f"), ("x_naive", "x naive", ".2f")]  # fmt: skip
     else:
         for n in args.prompt_len:
-            for s in args.strategy:
-                for split in hybrid_qs if s == "hybrid" else [q]:
-                    keep(bench.prefill(s, n, split, args.slots_gb[0]))
-        cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunks", "chunks", "d"), ("tokens_per_s", "tok/s", ".0f"),
+            for chunk in args.chunk:
+                for s in args.strategy:
+                    for split in hybrid_qs if s == "hybrid" else [q]:
+                        keep(bench.prefill(s, n, split, args.slots_gb[0], chunk))
+        cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunk", "chunk", "d"), ("chunks", "chunks", "d"),
+                ("tokens_per_s", "tok/s", ".0f"),
                 ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
     print(table(out["rows"], cols))
     if getattr(args, "plot", None):

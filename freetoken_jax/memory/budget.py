@@ -132,3 +132,41 @@ def host_memory_available() -> int | None:
     except OSError:
         return None
     return None
+
+
+# Prefill chunks `choose_prefill_chunk` tries, largest first, and the share of the device memory
+# the plan leaves free that a chunk's activations may take (XLA's own buffers, fragmentation).
+PREFILL_CHUNKS = (8192, 4096, 2048, 1024)
+ACTIVATION_SHARE = 0.5
+
+
+def prefill_activation_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, tokens: int) -> int:
+    """An upper estimate of one prefill chunk's activations in float32: the residual stream and
+    its projections, each attention layer's scores over the whole gathered context (with its
+    softmax), and the routed experts' gate, up and activation per token."""
+    context = ecfg.pages_per_sequence * ecfg.page_size
+    per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * context + 3 * cfg.top_k * cfg.intermediate_dim
+    return 4 * tokens * ecfg.max_batch * per_token
+
+
+def choose_prefill_chunk(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan) -> tuple[int, str]:
+    """(prefill chunk, why) for an `ecfg` that leaves it to be chosen: under offload / hybrid,
+    with a known budget, the largest of `PREFILL_CHUNKS` no longer than the context whose
+    activations take at most `ACTIVATION_SHARE` of what the plan leaves free; else the default."""
+    if ecfg.prefill_chunk is not None:
+        return ecfg.prefill_chunk, "prefill_chunk was given"
+    default = ecfg.chunk
+    if not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None:
+        return default, "the default (larger chunks pay under offload / hybrid, where each chunk streams the experts)"
+    reserved = int((ecfg.reserved_vram_gb or 0.0) * GB)
+    free = plan.budget_bytes - reserved - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
+    for t in PREFILL_CHUNKS:
+        if t <= ecfg.max_context and prefill_activation_bytes(cfg, ecfg, t) <= ACTIVATION_SHARE * free:
+            return (
+                t,
+                f"the largest chunk whose activations (~{prefill_activation_bytes(cfg, ecfg, t) / GB:.1f} GiB) fit half of the {free / GB:.1f} GiB the plan leaves free",
+            )
+    return (
+        default,
+        f"the default: a chunk of {PREFILL_CHUNKS[-1]} would not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",
+    )

@@ -35,7 +35,7 @@ def ring_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> int:
     W = max(windows)
     if not W or W >= ecfg.max_context:
         return 0
-    R = -(-(W - 1 + ecfg.prefill_chunk + RUN_AHEAD) // ecfg.page_size) + 1
+    R = -(-(W - 1 + ecfg.chunk + RUN_AHEAD) // ecfg.page_size) + 1
     return R if R < ecfg.pages_per_sequence else 0
 
 

@@ -326,7 +326,7 @@ class ModelRunner:
                 ring_table[0, : len(ring)] = ring
             out, start = [], 0
             while start < len(ids):
-                T = buckets.chunk_bucket(len(ids) - start, self.engine_config.prefill_chunk)
+                T = buckets.chunk_bucket(len(ids) - start, self.engine_config.chunk)
                 seg = ids[start : start + T]
                 batch = PrefillBatch.chunk([seg], [start], table, T, Sampling.greedy(1), ring_table)
                 out.append(np.asarray(self.score(batch))[0, : len(seg)])
@@ -369,13 +369,13 @@ class ModelRunner:
         """The steps one prompt of `prompt_len` tokens runs: its prefill chunks and the decode step."""
         Ts, left = set(), prompt_len
         while left > 0:
-            T = buckets.chunk_bucket(left, self.engine_config.prefill_chunk)
+            T = buckets.chunk_bucket(left, self.engine_config.chunk)
             Ts.add(T)
             left -= T
         return [self.decode_job(), *self.prefill_jobs(sorted(Ts))]
 
     def chunk_buckets(self) -> list[int]:
-        chunk = self.engine_config.prefill_chunk
+        chunk = self.engine_config.chunk
         return sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)})
 
     def warm_up(self, workers: int = 4, prefill_rows: int = 1) -> dict:

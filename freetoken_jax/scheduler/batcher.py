@@ -329,7 +329,7 @@ class Batcher:
         idx = [i for _, i in todo]
         rows = [self.rows[i] for i in idx]
         Bp = buckets.batch_bucket(len(rows), self.prefill_rows)
-        T = buckets.chunk_bucket(max(r.prefill_end - r.start for r in rows), self.runner.engine_config.prefill_chunk)
+        T = buckets.chunk_bucket(max(r.prefill_end - r.start for r in rows), self.runner.engine_config.chunk)
         segs = [r.handle.prompt[r.start : min(r.start + T, r.prefill_end)] for r in rows]
         table = np.zeros((Bp, self.table.shape[1]), np.int32)
         table[: len(idx)] = self.table[idx]

@@ -1,0 +1,46 @@
+"""The prefill chunk left to the engine: under offload / hybrid the largest candidate whose
+estimated activations fit half of what the memory plan leaves free, else the default; a given
+chunk is kept. Checked against a plain restatement of the rule over made-up budgets."""
+
+import pytest
+
+from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
+from freetoken_jax.config import DEFAULT_PREFILL_CHUNK
+from freetoken_jax.memory.budget import GB, PREFILL_CHUNKS, choose_prefill_chunk, plan_memory, prefill_activation_bytes
+
+CFG = MoEModelConfig(vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=2, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2)
+
+
+def expected(ecfg, free):
+    fits = [t for t in PREFILL_CHUNKS if t <= ecfg.max_context and prefill_activation_bytes(CFG, ecfg, t) <= 0.5 * free]
+    return max(fits) if fits else DEFAULT_PREFILL_CHUNK
+
+
+@pytest.mark.parametrize("budget_gb", [0.01, 0.02, 0.05, 0.2, 1.0, 8.0])
+@pytest.mark.parametrize("max_context", [2048, 16384])
+def test_the_largest_chunk_that_fits_what_the_plan_leaves(budget_gb, max_context):
+    ecfg = EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_context=max_context, max_batch=1, total_vram_gb=budget_gb)
+    plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
+    free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
+    chunk, why = choose_prefill_chunk(CFG, ecfg, plan)
+    assert chunk == expected(ecfg, free), why
+    assert prefill_activation_bytes(CFG, ecfg, 2048) == 2 * prefill_activation_bytes(CFG, ecfg, 1024)  # linear in the chunk
+
+
+def test_given_chunks_and_other_strategies_keep_theirs():
+    big = dict(dtype="float32", max_context=16384, max_batch=1, total_vram_gb=8.0)
+    for ecfg in (EngineConfig(**big, moe_strategy="fused"), EngineConfig(**big, moe_strategy="cpu"),
+                 EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_batch=1)):  # fmt: skip  (no budget: the default)
+        plan = plan_memory(CFG, ecfg, 10_000, 20_000, 4, None)
+        assert choose_prefill_chunk(CFG, ecfg, plan)[0] == DEFAULT_PREFILL_CHUNK
+    given = EngineConfig(**big, moe_strategy="offload", expert_slots=8, prefill_chunk=64)
+    assert choose_prefill_chunk(CFG, given, plan_memory(CFG, given, 10_000, 20_000, 4, None)) == (64, "prefill_chunk was given")
+
+
+def test_the_engine_runs_with_the_chunk_it_chose():
+    ecfg = EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=16, max_context=2048, max_batch=1, total_vram_gb=1.0)
+    eng = FreeTokenEngine(CFG, ecfg)
+    assert eng.engine_config.prefill_chunk == 2048  # the context's whole length fits
+    ref = FreeTokenEngine(CFG, ecfg.replace(prefill_chunk=16))
+    prompt = list(range(1, 60))
+    assert list(eng.generate(prompt, max_new_tokens=4, ignore_eos=True)) == list(ref.generate(prompt, max_new_tokens=4, ignore_eos=True))
