@@ -25,6 +25,9 @@ def main() -> None:
         "--vram-gb", type=float, default=None, help="the device budget (default: the slots and 4 GB): the experts must not fit it"
     )
     ap.add_argument("--gen-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16, help="a long one shows the prefill chunk the engine chose at work (TTFT)")
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--routing-skew", type=float, default=0.0, help="Zipf exponent of the synthetic routing (bench decode's; 0: uniform)")
     a = ap.parse_args()
     cfg = preset_config(a.preset)
@@ -33,20 +36,25 @@ def main() -> None:
             cfg, num_layers=a.layers, moe_layers=cfg.moe_layers[: a.layers], sliding_layers=cfg.sliding_layers[: a.layers]
         )
     vram = a.vram_gb if a.vram_gb is not None else a.slots_gb + 4
-    ecfg = EngineConfig(dtype="bfloat16", moe_strategy="auto", expert_slots_gb=a.slots_gb, total_vram_gb=vram, max_batch=1, max_context=512,
-                        prefix_cache=False)  # fmt: skip
+    ecfg = EngineConfig(dtype="bfloat16", moe_strategy=a.strategy, expert_slots_gb=a.slots_gb, total_vram_gb=vram, max_batch=1,
+                        max_context=max(a.max_context, a.prompt_len + a.gen_len + 16), prefix_cache=False)  # fmt: skip
     t0 = time.perf_counter()
     engine = FreeTokenEngine(cfg, ecfg, routing_skew=a.routing_skew)
     started = time.perf_counter() - t0
-    prompt = list(range(1, 17))
+    prompt = [1 + i % (cfg.vocab_size - 1) for i in range(a.prompt_len)]
     list(engine.generate(prompt, max_new_tokens=8, ignore_eos=True))  # compiles the prefill of this prompt
     engine.batcher.reset_metrics()
     t1 = time.perf_counter()
-    out = list(engine.generate(prompt, max_new_tokens=a.gen_len, ignore_eos=True))
+    tokens = engine.generate(prompt, max_new_tokens=a.gen_len, ignore_eos=True)
+    out = [next(tokens)]
+    ttft = time.perf_counter() - t1
+    out += list(tokens)
     wall = time.perf_counter() - t1
     m = engine.get_metrics()
     print(json.dumps(dict(preset=a.preset, layers=cfg.num_layers, slots_gb=a.slots_gb, strategy=engine.engine_config.moe_strategy.value,
                           q=engine.engine_config.hybrid_q, reason=engine.strategy_reason, start_s=round(started, 1),
+                          prefill_chunk=engine.engine_config.prefill_chunk, prompt_len=len(prompt), ttft_s=round(ttft, 3),
+                          prefill_tok_s=round(len(prompt) / ttft, 1),
                           decode_tok_s=round(m["decode_tokens_per_second"], 2), wall_tok_s=round(len(out) / wall, 2))))  # fmt: skip
 
 

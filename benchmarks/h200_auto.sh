@@ -1,8 +1,8 @@
 #!/bin/bash
 # Strategy `auto` on the GPU machine beside `bench decode`'s rows of the same lease, and the whole
 # gpt-oss-120b shape (36 layers, 61 GB of MXFP4 experts in pinned host memory) at 16 GB of slots.
-# chunks: offload prefill of 8192 tokens at four chunk sizes.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_auto.sh [bw|auto|rows|oss120|chunks]...
+# chunks: offload prefill of 8192 tokens at four chunk sizes; engine: the chunk the engine picks, at work.
+# Usage (device `run`, carry .whl): bash benchmarks/h200_auto.sh [bw|auto|rows|oss120|chunks|engine]...
 source benchmarks/h200_install.sh
 QWEN="--preset qwen3-30b-a3b --layers 24"
 for what in "$@"; do
@@ -15,5 +15,7 @@ for what in "$@"; do
             --prompt-by-decode --compile-workers 3 --json "$OUT/oss120.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
     chunks) $B prefill $QWEN --slots-gb 8 --prompt-len 8192 --chunk 512 1024 2048 4096 --strategy offload --json "$OUT/chunks.json" 2>&1 \
             | grep -v "it/s\]" | tail -8 ;;
+    engine) python3 benchmarks/auto_choice.py $QWEN --strategy offload --slots-gb 8 --vram-gb 120 --prompt-len 8000 --max-context 8192 \
+              --gen-len 16 2>&1 | grep -v "it/s\]" | tail -3 ;;
   esac
 done
