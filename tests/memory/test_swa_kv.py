@@ -2,6 +2,7 @@
 against plain-Python models: what a ring view lets each token read, and which cached prefixes
 `RadixCache` lets a request continue once window pages are evicted."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,16 +20,21 @@ def test_ring_view_reads_exactly_the_window(window, page, chunk):
     R = -(-(window - 1 + chunk + 4) // page) + 1
     pool = jnp.full((1 + 2 * R, page), -1, jnp.int32)
     ring = jnp.asarray([np.arange(1, R + 1), np.arange(R + 1, 2 * R + 1)[::-1]], jnp.int32)  # two rows, any page order
-    pos = np.zeros(2, int)
-    for step in range(40):
-        T = int(rng.integers(1, chunk + 1)) if step < 20 else 1
-        n = [T, int(rng.integers(0, T + 1))]  # row 1 writes fewer tokens (padding past them)
-        positions = jnp.asarray([np.arange(p, p + T) for p in pos], jnp.int32)
-        valid = jnp.asarray([np.arange(T) < k for k in n])
+
+    @jax.jit
+    def step(pool, positions, valid):  # every step `chunk` wide: the tokens past a row's count are padding
         view = KVView.ring(positions, valid, ring, page)
         pool = write_pages(pool, view, positions)  # each entry holds its own position
-        seen, mask = np.asarray(gather_pages(pool, view)), np.asarray(view.mask(window))
-        cached = np.broadcast_to(np.asarray(view.cached_pos_BS), seen.shape)
+        return pool, gather_pages(pool, view), view.mask(window), jnp.broadcast_to(view.cached_pos_BS, (2, view.cached_pos_BS.shape[1]))
+
+    pos = np.zeros(2, int)
+    for s in range(40):
+        T = int(rng.integers(1, chunk + 1)) if s < 20 else 1  # prefill chunks, then decode steps
+        n = [T, int(rng.integers(0, T + 1))]  # row 1 writes fewer tokens
+        positions = jnp.asarray([np.arange(p, p + chunk) for p in pos], jnp.int32)
+        valid = jnp.asarray([np.arange(chunk) < k for k in n])
+        pool, seen, mask, cached = step(pool, positions, valid)
+        seen, mask, cached = np.asarray(seen), np.asarray(mask), np.asarray(cached)
         for b in range(2):
             for t in range(n[b]):
                 p = pos[b] + t
