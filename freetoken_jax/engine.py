@@ -102,7 +102,11 @@ class FreeTokenEngine:
             try:  # rings (sliding layers) are sized from the chunk: planned again
                 plan, ecfg = plan_memory(cfg, chosen, dense, cache_bytes(cfg, chosen, itemsize), itemsize, device_memory_bytes()), chosen
             except ConfigError:
-                chunk, why, ecfg = ecfg.chunk, "the default: the rings of a larger chunk would not fit", ecfg.replace(prefill_chunk=ecfg.chunk)
+                chunk, why, ecfg = (
+                    ecfg.chunk,
+                    "the default: the rings of a larger chunk would not fit",
+                    ecfg.replace(prefill_chunk=ecfg.chunk),
+                )
             log.info("prefill chunk %d: %s", chunk, why)
         log.info("memory plan: %s", plan.describe())
         host = ecfg.moe_strategy.experts_on_host

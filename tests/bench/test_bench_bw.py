@@ -210,7 +210,9 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     write("offload")
     rates = {"hybrid": 5.0, "offload": 4.0, "cpu": 9.0}
     seen = []
-    monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps: seen.append(type(self.experts)) or rates[self.experts.strategy])
+    monkeypatch.setattr(
+        FreeTokenEngine, "_decode_rate", lambda self, steps: seen.append(type(self.experts)) or rates[self.experts.strategy]
+    )
     e = FreeTokenEngine(cfg, ecfg, routing_skew=0.0)
     assert seen == [SyntheticRouting] * 6 and isinstance(e.experts, SyntheticRouting) and e.engine_config.moe_strategy == "cpu"
     assert len(e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4

@@ -19,7 +19,9 @@ def expected(ecfg, free):
 @pytest.mark.parametrize("budget_gb", [0.01, 0.02, 0.05, 0.2, 1.0, 8.0])
 @pytest.mark.parametrize("max_context", [2048, 16384])
 def test_the_largest_chunk_that_fits_what_the_plan_leaves(budget_gb, max_context):
-    ecfg = EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_context=max_context, max_batch=1, total_vram_gb=budget_gb)
+    ecfg = EngineConfig(
+        dtype="float32", moe_strategy="offload", expert_slots=8, max_context=max_context, max_batch=1, total_vram_gb=budget_gb
+    )
     plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
     free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
     chunk, why = choose_prefill_chunk(CFG, ecfg, plan)
@@ -29,8 +31,11 @@ def test_the_largest_chunk_that_fits_what_the_plan_leaves(budget_gb, max_context
 
 def test_given_chunks_and_other_strategies_keep_theirs():
     big = dict(dtype="float32", max_context=16384, max_batch=1, total_vram_gb=8.0)
-    for ecfg in (EngineConfig(**big, moe_strategy="fused"), EngineConfig(**big, moe_strategy="cpu"),
-                 EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_batch=1)):  # fmt: skip  (no budget: the default)
+    for ecfg in (
+        EngineConfig(**big, moe_strategy="fused"),
+        EngineConfig(**big, moe_strategy="cpu"),
+        EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_batch=1),
+    ):  # fmt: skip  (no budget: the default)
         plan = plan_memory(CFG, ecfg, 10_000, 20_000, 4, None)
         assert choose_prefill_chunk(CFG, ecfg, plan)[0] == DEFAULT_PREFILL_CHUNK
     given = EngineConfig(**big, moe_strategy="offload", expert_slots=8, prefill_chunk=64)
