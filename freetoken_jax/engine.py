@@ -96,18 +96,15 @@ class FreeTokenEngine:
             ecfg, self.strategy_reason, probe = resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
             log.info("moe_strategy auto -> %s: %s", ecfg.moe_strategy.value, self.strategy_reason)
         plan = plan_memory(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize, device_memory_bytes())
-        chunk, why = choose_prefill_chunk(cfg, ecfg, plan)
         if ecfg.prefill_chunk is None:
+            chunk, why = choose_prefill_chunk(cfg, ecfg, plan)
             chosen = ecfg.replace(prefill_chunk=chunk)
             try:  # rings (sliding layers) are sized from the chunk: planned again
-                plan, ecfg = plan_memory(cfg, chosen, dense, cache_bytes(cfg, chosen, itemsize), itemsize, device_memory_bytes()), chosen
+                plan = plan_memory(cfg, chosen, dense, cache_bytes(cfg, chosen, itemsize), itemsize, device_memory_bytes())
             except ConfigError:
-                chunk, why, ecfg = (
-                    ecfg.chunk,
-                    "the default: the rings of a larger chunk would not fit",
-                    ecfg.replace(prefill_chunk=ecfg.chunk),
-                )
-            log.info("prefill chunk %d: %s", chunk, why)
+                chosen, why = ecfg.replace(prefill_chunk=ecfg.chunk), "the default: the rings of a larger chunk would not fit"
+            ecfg = chosen
+            log.info("prefill chunk %d: %s", ecfg.prefill_chunk, why)
         log.info("memory plan: %s", plan.describe())
         host = ecfg.moe_strategy.experts_on_host
         place = None

@@ -28,11 +28,14 @@ from freetoken_jax.config import EngineConfig, MoEModelConfig
 RUN_AHEAD = 4
 
 
+def _widest_window(cfg: MoEModelConfig) -> int:
+    return max(cfg.window_of(i) for i in range(cfg.num_layers))
+
+
 def ring_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> int:
     """R, the pages of each sequence's ring in the sliding-window layers' pool; 0 when no layer
     keeps one (no window, or one a full-length sequence never leaves)."""
-    windows = [cfg.window_of(i) for i in range(cfg.num_layers)]
-    W = max(windows)
+    W = _widest_window(cfg)
     if not W or W >= ecfg.max_context:
         return 0
     R = -(-(W - 1 + ecfg.chunk + RUN_AHEAD) // ecfg.page_size) + 1
@@ -48,7 +51,7 @@ def ring_layers(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[bool, ...]:
 def window_lookback(cfg: MoEModelConfig, page_size: int) -> int:
     """Whole pages before a position that its sliding layers read: what a cached prefix must
     still hold in their pool to be continued there."""
-    W = max(cfg.window_of(i) for i in range(cfg.num_layers))
+    W = _widest_window(cfg)
     return -(-(W - 1) // page_size) if W else 0
 
 

@@ -317,9 +317,10 @@ class ModelRunner:
     def score_prompt(self, ids: list[int]) -> np.ndarray:
         """Float32 logits at every position of `ids`, chunk by chunk: [len(ids), V]."""
         P, R = self.tables
-        pages = self.pages.allocate(len(ids))
-        ring = self.ring_pool.allocate(min(R, len(pages)) * self.engine_config.page_size) if R else []
+        pages, ring = self.pages.allocate(len(ids)), []
         try:
+            if R:
+                ring = self.ring_pool.allocate(min(R, len(pages)) * self.engine_config.page_size)
             table, ring_table = np.zeros((1, P), np.int32), np.zeros((1, R), np.int32) if R else None
             table[0, : len(pages)] = pages
             if R:

@@ -331,12 +331,11 @@ class Batcher:
         Bp = buckets.batch_bucket(len(rows), self.prefill_rows)
         T = buckets.chunk_bucket(max(r.prefill_end - r.start for r in rows), self.runner.engine_config.chunk)
         segs = [r.handle.prompt[r.start : min(r.start + T, r.prefill_end)] for r in rows]
-        table = np.zeros((Bp, self.table.shape[1]), np.int32)
-        table[: len(idx)] = self.table[idx]
-        ring = None
-        if self.R:
-            ring = np.zeros((Bp, self.R), np.int32)
-            ring[: len(idx)] = self.ring[idx]
+
+        def padded(a):  # the chunk's rows of a table, then padding rows of page 0
+            return np.concatenate([a[idx], np.zeros((Bp - len(idx), a.shape[1]), np.int32)])
+
+        table, ring = padded(self.table), None if self.ring is None else padded(self.ring)
         sampling = sampling_rows([r.handle.sampling for r in rows] + [None] * (Bp - len(rows)))
         first = self.runner.prefill(PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling, ring))
         ends = np.full(Bp, self.B, np.int32)  # rows whose prompt this chunk ends (padding: B, dropped)
