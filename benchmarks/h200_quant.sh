@@ -5,7 +5,7 @@
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
 # lcpp-build|lcpp|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
-# and a Q4_K one of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b
+# and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file).
 source benchmarks/h200_install.sh
@@ -15,10 +15,12 @@ for what in "$@"; do
     check) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_0 2>&1 | tail -8 ;;
     bw) $B bw --json "$OUT/bw.json" 2>&1 | tail -40 ;;
     decode) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
-    prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 --chunk 2048 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | tail -8 ;;
+    prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
+               --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
-    lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1;
+    lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1
+                 [ -z "$Q4_ONLY" ] || exit 0
                  python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1;
                  python3 ../benchmarks/gen_gguf.py --out /tmp/q4km.gguf --layers 24 --experts q4_k_m >> /tmp/genk.log 2>&1) &
       mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
@@ -40,7 +42,7 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
       /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
-      $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 | grep "^|" ;;
+      $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 2048,8192 -b 8192 -ub 2048,8192 -n 0 -r 2 -o md 2>&1 | grep "^|" ;;
     capacity) cap=$(python3 -c "import freetoken_jax, os; print(os.environ['XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB'])")  # GiB
       n=$(python3 -c "print(min(94, int(($cap - 4) / (128 * 3 * 4096 * 1536 * 18 / 32 / 2**30))))")
       echo "pinned cap $cap GiB of $(awk '/MemTotal/ {print int($2 / 1048576)}' /proc/meminfo) GiB RAM: $n of 94 layers"

@@ -70,14 +70,17 @@ void ThreadPool::Work(int) {
       seen = generation_;
       fn = fn_;
       n = n_;
-      ++active_;  // Run cannot return while this worker may still call fn
+      active_.fetch_add(1);  // Run cannot return while this worker may still call fn
     }
     int64_t done = 0;
     for (int64_t t; (t = next_.fetch_add(1)) < n; ++done) (*fn)(t);
-    {
+    // Sequentially consistent with the caller's store of caller_sleeps_ and its loads of the
+    // counts: either the caller sees this worker gone, or this worker sees the caller asleep.
+    completed_.fetch_add(done);
+    active_.fetch_sub(1);
+    if (caller_sleeps_.load()) {
       std::lock_guard<std::mutex> l(mu_);
-      completed_ += done;
-      if (--active_ == 0 && completed_ == n_) done_cv_.notify_all();
+      done_cv_.notify_all();
     }
   }
 }
@@ -89,7 +92,7 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
     fn_ = &fn;
     n_ = n;
     next_.store(0);
-    completed_ = 0;
+    completed_.store(0);
     running_ = true;
     ++generation_;
     published_.store(generation_, std::memory_order_release);
@@ -97,12 +100,24 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
   cv_.notify_all();
   int64_t done = 0;
   for (int64_t t; (t = next_.fetch_add(1)) < n; ++done) fn(t);
+  completed_.fetch_add(done);
   // Done when every task has run and no worker is inside fn: a worker that wakes late (busy
-  // cores) finds no task left and is not waited for.
+  // cores) finds no task left and is not waited for. The last tasks end within microseconds of
+  // each other, so the caller spins (a sleeping caller would add a wake-up to every phase) and
+  // sleeps only when a worker is held up for long.
+  auto finished = [&] { return completed_.load() == n && active_.load() == 0; };
+  const auto spin_from = std::chrono::steady_clock::now();
+  for (int i = 1; !finished(); ++i) {
+#ifdef FREETOKEN_X86
+    _mm_pause();
+#endif
+    if ((i & 63) == 0 && std::chrono::steady_clock::now() - spin_from > std::chrono::microseconds(500)) break;
+  }
   std::unique_lock<std::mutex> l(mu_);
-  completed_ += done;
-  done_cv_.wait(l, [&] { return completed_ == n && active_ == 0; });
-  running_ = false;
+  caller_sleeps_.store(true);
+  done_cv_.wait(l, finished);
+  caller_sleeps_.store(false);
+  running_ = false;  // under mu_: no worker joins from here on, and none is inside fn
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -154,7 +169,35 @@ MoeExecutor::MoeExecutor(int threads, IsaTier max_tier, bool pin) : pool_(thread
   if (tier_ == IsaTier::kAmxBf16) tier_ = IsaTier::kAvx512Bf16;  // no AMX kernel: the bf16 dot is the top tier
 }
 
-constexpr int64_t kMaxChunk = 128;  // rows a task reads of one matrix, at most
+constexpr int64_t kMaxChunk = 128;  // rows a task of the many-items path reads of one matrix, at most
+
+namespace {
+
+// One task of a phase: rows [r0, r1) of stream s (a matrix of one item).
+struct RowRun {
+  int64_t stream, r0, r1;
+};
+
+// Splits `streams` matrices of `rows` rows (`row_bytes` each) into runs for `threads` threads,
+// largest first: each run takes about a third of what remains per thread, between 8 KB and
+// 256 KB of rows, in multiples of 4 rows. Long runs keep the hardware prefetchers streaming
+// (each run's start is a cold miss); the short ones at the end keep every thread busy to the
+// phase's end.
+std::vector<RowRun> GuidedRuns(int64_t streams, int64_t rows, int64_t row_bytes, int threads) {
+  std::vector<RowRun> runs;
+  const int64_t lo = std::max<int64_t>(4, 8192 / row_bytes / 4 * 4), hi = std::max<int64_t>(lo, 262144 / row_bytes / 4 * 4);
+  int64_t left = streams * rows;
+  for (int64_t s = 0; s < streams; ++s)
+    for (int64_t r = 0; r < rows;) {
+      const int64_t want = std::min(hi, std::max(lo, left / (3 * int64_t{threads}) / 4 * 4));
+      const int64_t n = rows - r - want < lo ? rows - r : want;  // no sliver left at a stream's end
+      runs.push_back({s, r, r + n});
+      r += n, left -= n;
+    }
+  return runs;
+}
+
+}  // namespace
 
 void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, const int32_t* expert_of, const float* weight_of, int64_t items,
                       const Banks& b, Act act, float* out) {
@@ -162,12 +205,12 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   std::lock_guard<std::mutex> lock(run_mu_);
   const int64_t H = b.hidden, F = b.ffn;
   const BankType ty = b.type, dty = b.down_type;
+  const int threads = pool_.size();
   // Vectors prepared once for kernels that read them (bf16 copies, int8 blocks: quant_dot.h).
   const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, dty, F);
   std::vector<uint8_t> xprep(static_cast<size_t>(tokens * px)), hprep(static_cast<size_t>(items * ph));
   if (px)
     for (int64_t t = 0; t < tokens; ++t) Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px);
-  std::vector<float> hidden(static_cast<size_t>(items) * F);
   // Per-item matrix scales (nvfp4; 1 otherwise).
   std::vector<float> scale(3 * items);
   for (int64_t i = 0; i < items; ++i) {
@@ -185,47 +228,62 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     const DotFn dot = t == ty ? dot_gu : dot_d;
     for (int64_t r = 0; r < rows; ++r) out[r] = dot(row + r * stride, v, prep, n);
   };
-  // A task reads a run of rows of one matrix: at least 16, and about 32 KB of them, so that each
-  // stream is long enough for the prefetchers (quantized rows are short); fewer rows where that
-  // would leave threads without a task.
-  const int threads = pool_.size();
-  auto rows_per_task = [&](int64_t row_bytes, int64_t rows, int64_t parallel) {
-    int64_t c = std::min<int64_t>(kMaxChunk, std::max<int64_t>(16, (32768 / row_bytes + 3) / 4 * 4));
-    while (c > 16 && parallel * ((rows + c - 1) / c) < 2 * threads) c = std::max<int64_t>(16, c / 2 / 4 * 4);
-    return c;
-  };
-  // Phase 1: hidden[i, f] = act(gate_e[f] . x_t + bg, up_e[f] . x_t + bu), in chunks of rows.
   const int64_t hrow = RowBytes(ty, H), frow = RowBytes(dty, F);
-  const int64_t fchunk = rows_per_task(hrow, F, items), nf = (F + fchunk - 1) / fchunk;
-  pool_.Run(items * nf, [&](int64_t task) {
-    const int64_t i = task / nf, f0 = (task % nf) * fchunk, f1 = std::min(F, f0 + fchunk);
-    const int64_t e = expert_of[i], t = token_of[i];
-    const float* xt = x + t * H;
-    const uint8_t* xpt = px ? xprep.data() + t * px : nullptr;
-    float g[kMaxChunk], u[kMaxChunk];
-    dots(ty, BankRow(b.gate, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, g);
-    dots(ty, BankRow(b.up, ty, e, F, H, f0), hrow, f1 - f0, xt, xpt, H, u);
+  // Phase 1: gate and up rows of every item, each task one run of one matrix: gu[i][m][f].
+  std::vector<float> gu(static_cast<size_t>(items) * 2 * F), hidden(static_cast<size_t>(items) * F);
+  const std::vector<RowRun> runs1 = GuidedRuns(2 * items, F, hrow, threads);
+  pool_.Run(static_cast<int64_t>(runs1.size()), [&](int64_t task) {
+    const RowRun& run = runs1[task];
+    const int64_t i = run.stream / 2, e = expert_of[i], t = token_of[i];
+    const void* bank = run.stream % 2 ? b.up : b.gate;
+    dots(ty, BankRow(bank, ty, e, F, H, run.r0), hrow, run.r1 - run.r0, x + t * H, px ? xprep.data() + t * px : nullptr, H,
+         gu.data() + run.stream * F + run.r0);
+  });
+  // hidden[i, f] = act(gate . x_t + bg, up . x_t + bu), and its prepared copy for the down rows.
+  pool_.Run(items, [&](int64_t i) {
+    const int64_t e = expert_of[i];
+    const float *g = gu.data() + 2 * i * F, *u = g + F;
     const float* bg = b.gate_bias ? b.gate_bias + e * F : nullptr;
     const float* bu = b.up_bias ? b.up_bias + e * F : nullptr;
-    for (int64_t f = f0; f < f1; ++f)
-      hidden[i * F + f] = Activate(scale[3 * i] * g[f - f0] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f - f0] + (bu ? bu[f] : 0.f), act);
+    for (int64_t f = 0; f < F; ++f)
+      hidden[i * F + f] = Activate(scale[3 * i] * g[f] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f] + (bu ? bu[f] : 0.f), act);
+    if (ph) Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph);
   });
-  if (ph) pool_.Run(items, [&](int64_t i) { Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph); });
-  // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i); each task owns a block of output rows.
-  const int64_t hchunk = rows_per_task(frow, H, 1), nh = (H + hchunk - 1) / hchunk;
+  auto down_rows = [&](int64_t i, int64_t h0, int64_t h1, float* d) {
+    dots(dty, BankRow(b.down, dty, expert_of[i], H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
+  };
+  auto add_down = [&](int64_t i, int64_t h0, int64_t h1, const float* d) {  // out[t, h0:h1] += w_i * (d + bd)
+    const int64_t e = expert_of[i], t = token_of[i];
+    const float w = weight_of[i] * scale[3 * i + 2], wb = weight_of[i];
+    const float* bd = b.down_bias ? b.down_bias + e * H : nullptr;
+    for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0] + (bd ? wb * bd[h] : 0.f);
+  };
+  // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i). Few items (decode): each task one run of
+  // one item's down rows into its own partial sums, added up per output block afterwards in item
+  // order; many items: each task a block of output rows over every item (no partials held).
+  constexpr int64_t kPartialItems = 64, kAddRows = 256;
+  if (items <= kPartialItems) {
+    std::vector<float> partial(static_cast<size_t>(items) * H);
+    const std::vector<RowRun> runs2 = GuidedRuns(items, H, frow, threads);
+    pool_.Run(static_cast<int64_t>(runs2.size()), [&](int64_t task) {
+      const RowRun& run = runs2[task];
+      down_rows(run.stream, run.r0, run.r1, partial.data() + run.stream * H + run.r0);
+    });
+    pool_.Run((H + kAddRows - 1) / kAddRows, [&](int64_t task) {
+      const int64_t h0 = task * kAddRows, h1 = std::min(H, h0 + kAddRows);
+      for (int64_t i = 0; i < items; ++i) add_down(i, h0, h1, partial.data() + i * H + h0);
+    });
+    return;
+  }
+  int64_t hchunk = std::min<int64_t>(kMaxChunk, std::max<int64_t>(16, (32768 / frow + 3) / 4 * 4));
+  while (hchunk > 16 && (H + hchunk - 1) / hchunk < 2 * threads) hchunk = std::max<int64_t>(16, hchunk / 2 / 4 * 4);
+  const int64_t nh = (H + hchunk - 1) / hchunk;
   pool_.Run(nh, [&](int64_t task) {
     const int64_t h0 = task * hchunk, h1 = std::min(H, h0 + hchunk);
     float d[kMaxChunk];
     for (int64_t i = 0; i < items; ++i) {
-      const int64_t e = expert_of[i], t = token_of[i];
-      const float w = weight_of[i] * scale[3 * i + 2];
-      dots(dty, BankRow(b.down, dty, e, H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
-      if (b.down_bias) {
-        const float *bd = b.down_bias + e * H, wb = weight_of[i];
-        for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0] + wb * bd[h];
-      } else {
-        for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0];
-      }
+      down_rows(i, h0, h1, d);
+      add_down(i, h0, h1, d);
     }
   });
 }

@@ -54,9 +54,10 @@ class ThreadPool {
   int64_t n_ = 0;
   uint64_t generation_ = 0;
   std::atomic<uint64_t> published_{0};  // generation_, readable without the lock
-  int64_t completed_ = 0;  // tasks of this generation that have run
-  int active_ = 0;         // workers inside this generation's fn
-  bool running_ = false;   // a Run is in progress (workers join only then)
+  std::atomic<int64_t> completed_{0};   // tasks of this generation that have run
+  std::atomic<int> active_{0};          // workers inside this generation's fn (joined under mu_)
+  std::atomic<bool> caller_sleeps_{false};
+  bool running_ = false;  // a Run is in progress (workers join only then)
   bool stop_ = false;
 };
 
