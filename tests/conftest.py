@@ -1,6 +1,12 @@
 import os
 import tempfile
 
+# The suite's time is mostly XLA compiling tiny models' steps on the CPU: compile them without
+# LLVM's optimisations (the programs run for microseconds). Subprocesses inherit it.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]
+).strip()
+
 # The demo model is written to the cache directory on first use: keep tests out of the user's.
 os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="freetoken-test-cache-"))
 

@@ -173,28 +173,46 @@ constexpr int64_t kMaxChunk = 128;  // rows a task of the many-items path reads 
 
 namespace {
 
-// One task of a phase: rows [r0, r1) of stream s (a matrix of one item).
+// One task of a phase: rows [r0, r1) of stream s (one matrix, read for every item of a group).
 struct RowRun {
   int64_t stream, r0, r1;
 };
 
-// Splits `streams` matrices of `rows` rows (`row_bytes` each) into runs for `threads` threads,
-// largest first: each run takes about a third of what remains per thread, between 8 KB and
-// 256 KB of rows, in multiples of 4 rows. Long runs keep the hardware prefetchers streaming
-// (each run's start is a cold miss); the short ones at the end keep every thread busy to the
-// phase's end.
-std::vector<RowRun> GuidedRuns(int64_t streams, int64_t rows, int64_t row_bytes, int threads) {
+// Splits `streams` matrices of `rows` rows (`row_bytes` each), stream s read for weight[s] items,
+// into runs for `threads` threads, largest first: each run takes about a third of the work that
+// remains per thread, between 8 KB and 256 KB of rows (at least 4 rows), in multiples of 4 rows.
+// Long runs keep the hardware prefetchers streaming (each run's start is a cold miss) and stay in
+// the core's L2 while a group's items are dotted with them; the short ones at the end keep every
+// thread busy to the phase's end.
+std::vector<RowRun> GuidedRuns(const std::vector<int64_t>& weight, int64_t rows, int64_t row_bytes, int threads) {
   std::vector<RowRun> runs;
   const int64_t lo = std::max<int64_t>(4, 8192 / row_bytes / 4 * 4), hi = std::max<int64_t>(lo, 262144 / row_bytes / 4 * 4);
-  int64_t left = streams * rows;
-  for (int64_t s = 0; s < streams; ++s)
+  int64_t left = 0;
+  for (int64_t w : weight) left += w * rows;
+  for (size_t s = 0; s < weight.size(); ++s)
     for (int64_t r = 0; r < rows;) {
-      const int64_t want = std::min(hi, std::max(lo, left / (3 * int64_t{threads}) / 4 * 4));
+      const int64_t want = std::min(hi, std::max(lo, left / (3 * int64_t{threads}) / weight[s] / 4 * 4));
       const int64_t n = rows - r - want < lo ? rows - r : want;  // no sliver left at a stream's end
-      runs.push_back({s, r, r + n});
-      r += n, left -= n;
+      runs.push_back({static_cast<int64_t>(s), r, r + n});
+      r += n, left -= n * weight[s];
     }
   return runs;
+}
+
+// Items grouped by expert (stable): order[begin[g] .. begin[g + 1]) are group g's items.
+struct Groups {
+  std::vector<int64_t> order, begin, size;
+};
+Groups ByExpert(const int32_t* expert_of, int64_t items) {
+  Groups g;
+  g.order.resize(static_cast<size_t>(items));
+  for (int64_t i = 0; i < items; ++i) g.order[i] = i;
+  std::stable_sort(g.order.begin(), g.order.end(), [&](int64_t a, int64_t b) { return expert_of[a] < expert_of[b]; });
+  for (int64_t k = 0; k < items; ++k)
+    if (k == 0 || expert_of[g.order[k]] != expert_of[g.order[k - 1]]) g.begin.push_back(k);
+  g.begin.push_back(items);
+  for (size_t k = 0; k + 1 < g.begin.size(); ++k) g.size.push_back(g.begin[k + 1] - g.begin[k]);
+  return g;
 }
 
 }  // namespace
@@ -209,8 +227,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   // Vectors prepared once for kernels that read them (bf16 copies, int8 blocks: quant_dot.h).
   const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, dty, F);
   std::vector<uint8_t> xprep(static_cast<size_t>(tokens * px)), hprep(static_cast<size_t>(items * ph));
-  if (px)
-    for (int64_t t = 0; t < tokens; ++t) Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px);
+  if (px) pool_.Run(tokens, [&](int64_t t) { Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px); });
   // Per-item matrix scales (nvfp4; 1 otherwise).
   std::vector<float> scale(3 * items);
   for (int64_t i = 0; i < items; ++i) {
@@ -229,15 +246,22 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     for (int64_t r = 0; r < rows; ++r) out[r] = dot(row + r * stride, v, prep, n);
   };
   const int64_t hrow = RowBytes(ty, H), frow = RowBytes(dty, F);
-  // Phase 1: gate and up rows of every item, each task one run of one matrix: gu[i][m][f].
+  // Phase 1: gate and up rows for every item, gu[i][m][f]; each task one run of one matrix of
+  // one expert, dotted with every item routed to it (the rows read from memory once).
+  const Groups groups = ByExpert(expert_of, items);
+  const int64_t G = static_cast<int64_t>(groups.size.size());
   std::vector<float> gu(static_cast<size_t>(items) * 2 * F), hidden(static_cast<size_t>(items) * F);
-  const std::vector<RowRun> runs1 = GuidedRuns(2 * items, F, hrow, threads);
+  std::vector<int64_t> weight1(2 * G);
+  for (int64_t g = 0; g < 2 * G; ++g) weight1[g] = groups.size[g / 2];
+  const std::vector<RowRun> runs1 = GuidedRuns(weight1, F, hrow, threads);
   pool_.Run(static_cast<int64_t>(runs1.size()), [&](int64_t task) {
     const RowRun& run = runs1[task];
-    const int64_t i = run.stream / 2, e = expert_of[i], t = token_of[i];
-    const void* bank = run.stream % 2 ? b.up : b.gate;
-    dots(ty, BankRow(bank, ty, e, F, H, run.r0), hrow, run.r1 - run.r0, x + t * H, px ? xprep.data() + t * px : nullptr, H,
-         gu.data() + run.stream * F + run.r0);
+    const int64_t g = run.stream / 2, m = run.stream % 2;
+    const uint8_t* rows = BankRow(m ? b.up : b.gate, ty, expert_of[groups.order[groups.begin[g]]], F, H, run.r0);
+    for (int64_t k = groups.begin[g]; k < groups.begin[g + 1]; ++k) {
+      const int64_t i = groups.order[k], t = token_of[i];
+      dots(ty, rows, hrow, run.r1 - run.r0, x + t * H, px ? xprep.data() + t * px : nullptr, H, gu.data() + (2 * i + m) * F + run.r0);
+    }
   });
   // hidden[i, f] = act(gate . x_t + bg, up . x_t + bu), and its prepared copy for the down rows.
   pool_.Run(items, [&](int64_t i) {
@@ -258,16 +282,20 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     const float* bd = b.down_bias ? b.down_bias + e * H : nullptr;
     for (int64_t h = h0; h < h1; ++h) out[t * H + h] += w * d[h - h0] + (bd ? wb * bd[h] : 0.f);
   };
-  // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i). Few items (decode): each task one run of
-  // one item's down rows into its own partial sums, added up per output block afterwards in item
+  // Phase 2: out[t, h] += w_i * (down_e[h] . hidden_i), the items of one expert one after
+  // another (its rows read from memory once). Few items (decode): each task one run of one
+  // expert's down rows into its items' partial sums, added up per output block afterwards in item
   // order; many items: each task a block of output rows over every item (no partials held).
   constexpr int64_t kPartialItems = 64, kAddRows = 256;
   if (items <= kPartialItems) {
     std::vector<float> partial(static_cast<size_t>(items) * H);
-    const std::vector<RowRun> runs2 = GuidedRuns(items, H, frow, threads);
+    const std::vector<RowRun> runs2 = GuidedRuns(groups.size, H, frow, threads);
     pool_.Run(static_cast<int64_t>(runs2.size()), [&](int64_t task) {
       const RowRun& run = runs2[task];
-      down_rows(run.stream, run.r0, run.r1, partial.data() + run.stream * H + run.r0);
+      for (int64_t k = groups.begin[run.stream]; k < groups.begin[run.stream + 1]; ++k) {
+        const int64_t i = groups.order[k];
+        down_rows(i, run.r0, run.r1, partial.data() + i * H + run.r0);
+      }
     });
     pool_.Run((H + kAddRows - 1) / kAddRows, [&](int64_t task) {
       const int64_t h0 = task * kAddRows, h1 = std::min(H, h0 + kAddRows);
@@ -281,7 +309,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   pool_.Run(nh, [&](int64_t task) {
     const int64_t h0 = task * hchunk, h1 = std::min(H, h0 + hchunk);
     float d[kMaxChunk];
-    for (int64_t i = 0; i < items; ++i) {
+    for (int64_t i : groups.order) {
       down_rows(i, h0, h1, d);
       add_down(i, h0, h1, d);
     }

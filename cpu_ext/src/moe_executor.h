@@ -5,9 +5,13 @@
 // (the biases where the banks have them)
 // with gate/up banks holding per expert an [F, H] matrix (row f: its f-th output row, length H)
 // and the down bank an [H, F] one, in float32, bfloat16 or a quantized format (quant_dot.h); one
-// bank row per expert. Work is split in two phases
-// over a persistent thread pool: (1) every item's F hidden units in chunks, (2) the H output rows
-// in chunks, each chunk looping over all items, so no two threads write the same output row.
+// bank row per expert. Work is split in two phases over a persistent thread pool, each task one
+// run of rows of one matrix (long runs first, short ones last, so that streams are long and
+// threads finish together): (1) every item's gate and up rows, then its hidden units and their
+// prepared copy; (2) the down rows: for a few items (decode) each item's into partial sums added
+// up per block of output rows afterwards, in item order; for many items each task a block of
+// output rows over every item. No two threads write the same output row, and the sums do not
+// depend on the thread count.
 #pragma once
 
 #include <atomic>

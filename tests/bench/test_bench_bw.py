@@ -185,26 +185,27 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
 
     fused = FreeTokenEngine(cfg, ecfg.replace(moe_strategy="fused", total_vram_gb=None))
     want = fused.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)
-    for rec in ("hybrid", "offload"):  # the recommendation only starts the probe
-        for rates, kept in (({"hybrid": 5.0, "offload": 10.0, "cpu": 1.0}, "offload"), ({"hybrid": 12.0, "offload": 10.0, "cpu": 1.0}, "hybrid"),
-                            ({"hybrid": 5.0, "offload": 4.0, "cpu": 9.0}, "cpu")):  # fmt: skip
-            write(rec)
-            monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
-            e = FreeTokenEngine(cfg, ecfg)
-            assert e.engine_config.moe_strategy == e.experts.strategy == kept, (rec, rates)
-            assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
-            if rec == "hybrid" or kept == "cpu":
-                assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
-            if kept == "cpu":  # the slot cache is freed for good
-                assert e.runner.state.slots is None and e.plan.slots == 0 and e.get_metrics()["moe_strategy"] == "cpu"
-            if kept == "hybrid":  # every q measured the same: the recommendation stays
-                assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
-            # the next start of the same model and settings takes the kept outcome without probing
-            monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps: pytest.fail("probed again"))
-            again = FreeTokenEngine(cfg, ecfg)
-            assert again.engine_config.moe_strategy == kept and "a decode probe of this model here chose" in again.strategy_reason
-            other = FreeTokenEngine(cfg, ecfg.replace(max_batch=1, auto_probe_steps=0))  # other settings, no probe: the recommendation
-            assert other.engine_config.moe_strategy == rec
+    offload_wins, hybrid_wins, cpu_wins = ({"hybrid": 5.0, "offload": 10.0, "cpu": 1.0}, "offload"), \
+        ({"hybrid": 12.0, "offload": 10.0, "cpu": 1.0}, "hybrid"), ({"hybrid": 5.0, "offload": 4.0, "cpu": 9.0}, "cpu")  # fmt: skip
+    # the recommendation only starts the probe: each outcome from "hybrid", and hybrid's from "offload"
+    for rec, (rates, kept) in [("hybrid", offload_wins), ("hybrid", hybrid_wins), ("hybrid", cpu_wins), ("offload", hybrid_wins)]:
+        write(rec)
+        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
+        e = FreeTokenEngine(cfg, ecfg)
+        assert e.engine_config.moe_strategy == e.experts.strategy == kept, (rec, rates)
+        assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
+        if rec == "hybrid" or kept == "cpu":
+            assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
+        if kept == "cpu":  # the slot cache is freed for good
+            assert e.runner.state.slots is None and e.plan.slots == 0 and e.get_metrics()["moe_strategy"] == "cpu"
+        if kept == "hybrid":  # every q measured the same: the recommendation stays
+            assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
+        # the next start of the same model and settings takes the kept outcome without probing
+        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps: pytest.fail("probed again"))
+        again = FreeTokenEngine(cfg, ecfg)
+        assert again.engine_config.moe_strategy == kept and "a decode probe of this model here chose" in again.strategy_reason
+        other = FreeTokenEngine(cfg, ecfg.replace(max_batch=1, auto_probe_steps=0))  # other settings, no probe: the recommendation
+        assert other.engine_config.moe_strategy == rec
     # a benchmark's synthetic routing stays on every candidate (hybrid at each q, offload) and on
     # the winner, cpu here (its slots freed)
     write("offload")

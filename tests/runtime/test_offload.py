@@ -11,8 +11,9 @@ from hf_models import make_checkpoint
 from freetoken_jax import ConfigError, EngineConfig, FreeTokenEngine, MoEModelConfig
 from freetoken_jax.runtime.steps import DecodeBatch
 
-# qwen3_moe and deepseek_v3 run offload in tests/quant/test_quantized_strategies.py
-FAMILIES = ["mixtral", "qwen2_moe", "deepseek_v2"]
+# qwen3_moe, deepseek_v3 and mixtral run offload in tests/quant/test_quantized_strategies.py
+# (mixtral's bf16 offload decode also in tests/runtime/test_prefill.py)
+FAMILIES = ["qwen2_moe", "deepseek_v2"]
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28]]
 
 
