@@ -227,7 +227,10 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   // Vectors prepared once for kernels that read them (bf16 copies, int8 blocks: quant_dot.h).
   const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, dty, F);
   std::vector<uint8_t> xprep(static_cast<size_t>(tokens * px)), hprep(static_cast<size_t>(items * ph));
-  if (px) pool_.Run(tokens, [&](int64_t t) { Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px); });
+  auto prepare_x = [&](int64_t t) { Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px); };
+  if (px && tokens >= 8) pool_.Run(tokens, prepare_x);  // a prompt's chunk: on every thread
+  else if (px)
+    for (int64_t t = 0; t < tokens; ++t) prepare_x(t);  // decode rows: not worth waking the pool
   // Per-item matrix scales (nvfp4; 1 otherwise).
   std::vector<float> scale(3 * items);
   for (int64_t i = 0; i < items; ++i) {
