@@ -49,6 +49,20 @@ def executor_reference(x, tokens, experts, weights, gate, up, down, F, act, roun
 K_SCALE_BYTES = {"q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
+def int8_activations(tier: str, fmt: str) -> bool:
+    """Whether the CPU executor's kernels of `fmt` at `tier` read activations rounded to int8 per
+    block of 32 (cpu_ext/src/quant_dot.cc: the VNNI kernels from avx512_bf16 on, all but fp8; the
+    AVX2 tier's int8 kernels of q4_0, mxfp4 and nvfp4)."""
+    if tier in ("avx512_bf16", "amx_bf16"):
+        return fmt != "fp8"
+    return tier == "avx2_fma" and fmt in ("q4_0", "mxfp4", "nvfp4")
+
+
+def float_tier(tiers: list[str]) -> str:
+    """The highest tier of `tiers` whose quantized kernels read float32 activations."""
+    return "avx512f" if "avx512f" in tiers else "scalar"
+
+
 def random_blocks(fmt, O, I, rng, scale=0.01):
     """uint8 [O, row_bytes] of `fmt` with every code and sub-block scale random and each f16
     super-block scale a random finite value of about `scale` (what GGUF files of K-quants hold:

@@ -505,21 +505,24 @@ inline VnniPrep VnniView(const void* prep, int64_t nb) {
 }
 
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+// AVX2 code shared by the float and int8 kernels, inlined into each (a call per block would cost
+// the VNNI kernel half its rate).
+#define SHARED_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline))
 
-VNNI_TARGET inline float Hsum(__m256 s) {
+SHARED_AVX2 inline float Hsum(__m256 s) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
 // 16 bytes of nibbles → 32 codes: byte j's low nibble at j, its high nibble at 16 + j.
-VNNI_TARGET inline __m256i Nibbles(const uint8_t* p) {
+SHARED_AVX2 inline __m256i Nibbles(const uint8_t* p) {
   const __m256i raw = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_and_si256(_mm256_srlv_epi32(raw, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
 }
 
 // e2m1 codes → doubled value + 12 (0..24), a byte table for vpshufb.
-VNNI_TARGET inline __m256i E2m1Codes(__m256i nibbles) {
+SHARED_AVX2 inline __m256i E2m1Codes(__m256i nibbles) {
   const __m256i lut = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,  //
                                        12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
   return _mm256_shuffle_epi8(lut, nibbles);
@@ -527,7 +530,7 @@ VNNI_TARGET inline __m256i E2m1Codes(__m256i nibbles) {
 
 // f16 scales of R ≤ 4 rows' blocks: gathered into one register, converted once.
 template <int R>
-VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __m256* s) {
+SHARED_AVX2 inline void HalfScales(const uint8_t* b, int64_t stride, float d, __m256* s) {
   uint64_t h = 0;
   for (int i = 0; i < R; ++i) {
     uint16_t v;
@@ -544,28 +547,28 @@ VNNI_TARGET inline void HalfScales(const uint8_t* b, int64_t stride, float d, __
 // (stride bytes apart) times the activation scale d.
 struct Q4_0Vnni {
   static constexpr int64_t kBytes = 18;
-  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return Nibbles(row + b * kBytes + 2); }
+  SHARED_AVX2 static __m256i Codes(const uint8_t* row, int64_t b) { return Nibbles(row + b * kBytes + 2); }
   template <int R>
-  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+  SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     HalfScales<R>(row + b * kBytes, stride, d, s);
   }
 };
 struct Q8_0Vnni {
   static constexpr int64_t kBytes = 34;
-  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) {
+  SHARED_AVX2 static __m256i Codes(const uint8_t* row, int64_t b) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBytes + 2)),
                             _mm256_set1_epi8(static_cast<char>(0x80)));
   }
   template <int R>
-  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+  SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     HalfScales<R>(row + b * kBytes, stride, d, s);
   }
 };
 struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
   static constexpr int64_t kBytes = 17;
-  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + b * kBytes + 1)); }
+  SHARED_AVX2 static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + b * kBytes + 1)); }
   template <int R>
-  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+  SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(0.5f * E8m0(row[i * stride + b * kBytes]) * d);
   }
 };
@@ -575,9 +578,9 @@ struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
 // lanes 0-1 and 4-5 take A's scale, 2-3 and 6-7 B's.
 struct Nvfp4Vnni {
   static constexpr int64_t kBytes = 18;
-  VNNI_TARGET static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + (b / 2) * 36 + 4 + 16 * (b % 2))); }
+  SHARED_AVX2 static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + (b / 2) * 36 + 4 + 16 * (b % 2))); }
   template <int R>
-  VNNI_TARGET static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
+  SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     const __m256 half_d = _mm256_set1_ps(0.5f * d);
     for (int i = 0; i < R; ++i) {
       const uint8_t* sc = row + i * stride + (b / 2) * 36 + 2 * (b % 2);
@@ -590,27 +593,39 @@ struct Nvfp4Vnni {
 // DRAM, four rows in step read at half the rate of one). The R rows after them are contiguous, so
 // each step prefetches its share of them as one stream: kBytes bytes from `p`.
 template <int64_t kBytes>
-VNNI_TARGET inline void PrefetchAhead(const uint8_t* p) {
+SHARED_AVX2 inline void PrefetchAhead(const uint8_t* p) {
   for (int64_t o = 0; o < kBytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T0);
   _mm_prefetch(reinterpret_cast<const char*>(p + kBytes - 1), _MM_HINT_T0);
 }
 
-// Σ over a row's blocks for R rows (stride bytes apart) at once.
+// dpbusd without VNNI: u8 × s8 pairs summed to int16 (exact while the codes stay below 128, as
+// q4_0's and the e2m1 formats' do), then to the int32 lanes.
+SHARED_AVX2 inline __m256i DpbusdAvx2(__m256i acc, __m256i u8, __m256i s8) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
+}
+
+// Σ over a row's blocks for R rows (stride bytes apart) at once; DOT is the dpbusd.
+#define INT8_ROWS_BODY(DOT)                                                                                         \
+  __m256 acc[R];                                                                                                    \
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();                                                         \
+  for (int64_t b = 0; b < nb; ++b) {                                                                                \
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));                          \
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));                           \
+    __m256 s[R];                                                                                                    \
+    Fmt::template Scales<R>(r, stride, b, p.d[b], s);                                                               \
+    PrefetchAhead<R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);                                           \
+    for (int i = 0; i < R; ++i)                                                                                     \
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);         \
+  }                                                                                                                 \
+  for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
+
 template <class Fmt, int R>
 VNNI_TARGET inline void VnniRows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
-    __m256 s[R];
-    Fmt::template Scales<R>(r, stride, b, p.d[b], s);
-    PrefetchAhead<R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);
-    for (int i = 0; i < R; ++i) {
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Fmt::Codes(r + i * stride, b), q)), s[i], acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
+  INT8_ROWS_BODY(_mm256_dpbusd_epi32)
+}
+template <class Fmt, int R>
+AVX2_TARGET inline void Avx2Int8Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+  INT8_ROWS_BODY(DpbusdAvx2)
 }
 
 // A row kernel as a type: Kernel::Rows<R>(rows, stride, prep, blocks, out) for R = 4 and 1.
@@ -621,10 +636,18 @@ struct VnniKernel {
     VnniRows<Fmt, R>(r, stride, p, nb, out);
   }
 };
+template <class Fmt>
+struct Avx2Int8Kernel {
+  template <int R>
+  AVX2_TARGET static void Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+    Avx2Int8Rows<Fmt, R>(r, stride, p, nb, out);
+  }
+};
 
 // All `rows` rows, four at a time, then one at a time; and one row (DotFn).
+// (AVX2 code: it calls the kernel's rows, VNNI or not.)
 template <class Kernel>
-VNNI_TARGET void DotRowsOf(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
+AVX2_TARGET void DotRowsOf(const uint8_t* r, int64_t stride, int64_t rows, const float*, const void* prep, int64_t n, float* out) {
   const int64_t nb = n / 32;
   const VnniPrep p = VnniView(prep, nb);
   int64_t i = 0;
@@ -632,7 +655,7 @@ VNNI_TARGET void DotRowsOf(const uint8_t* r, int64_t stride, int64_t rows, const
   for (; i < rows; ++i) Kernel::template Rows<1>(r + i * stride, stride, p, nb, out + i);
 }
 template <class Kernel>
-VNNI_TARGET float DotOf(const uint8_t* r, const float* x, const void* prep, int64_t n) {
+AVX2_TARGET float DotOf(const uint8_t* r, const float* x, const void* prep, int64_t n) {
   float out;
   DotRowsOf<Kernel>(r, 0, 1, x, prep, n, &out);
   return out;
@@ -644,9 +667,6 @@ VNNI_TARGET float DotOf(const uint8_t* r, const float* x, const void* prep, int6
 // lanes 4 + 4). q4_k and q5_k have mins (kMins): w = d·sc·q − dmin·m; their codes enter dpbusd as
 // they are and the mins come off once per super-block as Σ_j dmin·m[j] · (activation block j's
 // d·Σ codes). q6_k is q − 32: Prepare's lane sums (−32 × Σ codes) start its dpbusd.
-// AVX2 code shared by the float and VNNI kernels, inlined into both (a call per block would cost
-// the VNNI kernel half its rate).
-#define SHARED_AVX2 __attribute__((target("avx2,fma,f16c"), always_inline))
 SHARED_AVX2 inline __m256i Shift4(__m256i v, int odd) { return odd ? _mm256_srli_epi16(v, 4) : v; }
 SHARED_AVX2 inline __m256i Load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 template <BankType T>
@@ -797,6 +817,12 @@ void PrepareQ8(const float* x, int64_t n, uint8_t* out, int offset, bool nvfp4_o
 inline bool UsesVnni(IsaTier tier, BankType type) {
   return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type != BankType::kF32 && type != BankType::kBF16 && type != BankType::kFp8;
 }
+// The AVX2 tier's int8 kernels: the formats whose codes stay below 128 (DpbusdAvx2) and whose
+// scales need no AVX-512 (not the K-quants').
+inline bool UsesAvx2Int8(IsaTier tier, BankType type) {
+  return tier == IsaTier::kAvx2Fma && (type == BankType::kQ4_0 || type == BankType::kMxfp4 || type == BankType::kNvfp4);
+}
+inline bool UsesInt8(IsaTier tier, BankType type) { return UsesVnni(tier, type) || UsesAvx2Int8(tier, type); }
 // What Prepare's lane sums take back: the codes' offset from the signed value (mins formats: 1,
 // so that the lane sums are −Σ codes).
 inline int VnniOffset(BankType type) {
@@ -833,7 +859,7 @@ static_assert(sizeof(kScalar) / sizeof(kScalar[0]) == kNumTypes);
 
 int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
 #ifdef FREETOKEN_X86
-  if (UsesVnni(tier, type)) return VnniPrepBytes(n / 32);
+  if (UsesInt8(tier, type)) return VnniPrepBytes(n / 32);
   if (UsesBf16Dot(tier, type)) return 2 * n;
 #endif
   (void)tier, (void)type, (void)n;
@@ -842,7 +868,7 @@ int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
 
 void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out) {
 #ifdef FREETOKEN_X86
-  if (UsesVnni(tier, type)) return PrepareQ8(x, n, out, VnniOffset(type), type == BankType::kNvfp4);
+  if (UsesInt8(tier, type)) return PrepareQ8(x, n, out, VnniOffset(type), type == BankType::kNvfp4);
   if (UsesBf16Dot(tier, type)) {
     for (int64_t i = 0; i < n; ++i) {  // round to nearest even
       uint32_t u;
@@ -873,6 +899,9 @@ DotFn DotFor(IsaTier tier, BankType type) {
     case IsaTier::kAvx512F:
       return kAvx512[t];
     case IsaTier::kAvx2Fma:
+      if (type == BankType::kQ4_0) return DotOf<Avx2Int8Kernel<Q4_0Vnni>>;
+      if (type == BankType::kMxfp4) return DotOf<Avx2Int8Kernel<Mxfp4Vnni>>;
+      if (type == BankType::kNvfp4) return DotOf<Avx2Int8Kernel<Nvfp4Vnni>>;
       return kAvx2[t];
     default:
       break;
@@ -884,6 +913,16 @@ DotFn DotFor(IsaTier tier, BankType type) {
 
 DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
 #ifdef FREETOKEN_X86
+  if (UsesAvx2Int8(tier, type)) {
+    switch (type) {
+      case BankType::kQ4_0:
+        return DotRowsOf<Avx2Int8Kernel<Q4_0Vnni>>;
+      case BankType::kMxfp4:
+        return DotRowsOf<Avx2Int8Kernel<Mxfp4Vnni>>;
+      default:
+        return DotRowsOf<Avx2Int8Kernel<Nvfp4Vnni>>;
+    }
+  }
   if (UsesVnni(tier, type)) {
     switch (type) {
       case BankType::kQ4_0:

@@ -48,8 +48,9 @@ using DotRowsFn = void (*)(const uint8_t* row, int64_t stride, int64_t rows, con
 DotRowsFn DotRowsFor(IsaTier tier, BankType type);
 
 // What some kernels read instead of (or beside) the float32 vector, made once per vector: the
-// bf16 dot tier reads x rounded to bf16; the VNNI kernels of the 4- to 8-bit formats (tier
-// avx512_bf16 and up; all but fp8) read x quantized to int8 per block of 32 as llama.cpp does (d = max|x| / 127,
+// bf16 dot tier reads x rounded to bf16; the int8 kernels (VNNI: the 4- to 8-bit formats but fp8
+// from tier avx512_bf16 up; AVX2: q4_0, mxfp4 and nvfp4 at tier avx2_fma) read x quantized to
+// int8 per block of 32 as llama.cpp does (d = max|x| / 127,
 // q = round(x / d)), so their sums are those of x dequantized from those blocks. 0 bytes: the
 // kernel reads x alone.
 int64_t PrepBytes(IsaTier tier, BankType type, int64_t n);

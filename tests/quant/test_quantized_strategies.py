@@ -6,6 +6,7 @@ unquantized model."""
 
 import numpy as np
 import pytest
+from helpers import float_tier, int8_activations
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
@@ -46,12 +47,12 @@ def test_strategies_agree_on_quantized_experts(family, fmt, ckpt_root, monkeypat
     rel = np.abs(logits - ref).max() / np.abs(ref).max()
     assert 0 < rel <= TOLERANCE[fmt], rel  # quantized: not the same numbers, but close
     k = fused.model_config.top_k
-    # the executor's VNNI kernels (every format but fp8, from the avx512_bf16 tier up) multiply
-    # activations rounded to int8 blocks, as llama.cpp does; with float32 activations (tier
-    # avx512f) the CPU's experts give the device's tokens and logits
-    vnni = fmt != "fp8" and "avx512_bf16" in supported_tiers()
+    # the executor's int8 kernels (VNNI from the avx512_bf16 tier up, and AVX2's for the 4-bit
+    # formats) multiply activations rounded to int8 blocks, as llama.cpp does; with float32
+    # activations the CPU's experts give the device's tokens and logits
+    vnni = int8_activations(supported_tiers()[-1], fmt)
     if vnni:
-        monkeypatch.setenv("FREETOKEN_CPU_TIER", "avx512f")
+        monkeypatch.setenv("FREETOKEN_CPU_TIER", float_tier(supported_tiers()))
     for strategy, kw in (("offload", dict(expert_slots=2 * k)), ("hybrid", dict(expert_slots=2 * k, hybrid_q=0.5)), ("cpu", {})):
         eng = engine(family, path, moe_strategy=strategy, expert_format=fmt, **kw)
         assert eng.generate_batch(PROMPTS, max_new_tokens=8, ignore_eos=True) == want, (family, fmt, strategy)

@@ -4,6 +4,7 @@ float64 matmul of the dequantized reference weights."""
 import numpy as np
 import pytest
 from helpers import executor_reference as reference
+from helpers import int8_activations
 
 from freetoken_jax import _cpu_ext
 from freetoken_jax.quant.formats import FORMATS, get_format
@@ -18,10 +19,6 @@ def quantized_banks(fmt, E, F, H, rng):
         banks.append(np.stack(rows))
         dense.append(np.stack([f.dequantize_ref(r, O, I).reshape(-1) for r in rows]))
     return banks, dense
-
-
-def int8_activations(tier, fmt):
-    return tier in ("avx512_bf16", "amx_bf16") and fmt != "fp8"
 
 
 def q8_round_trip(v):
