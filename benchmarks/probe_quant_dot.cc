@@ -23,23 +23,7 @@ using Clock = std::chrono::steady_clock;
 namespace freetoken {
 namespace {
 
-// The shipped 4-row kernel without its software prefetch.
-template <int R>
-VNNI_TARGET void RowsNoPrefetch(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q + 32 * b));
-    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
-    __m256 s[R];
-    Q4_0Vnni::Scales<R>(r, stride, b, p.d[b], s);
-    for (int i = 0; i < R; ++i)
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Q4_0Vnni::Codes(r + i * stride, b), q)), s[i], acc[i]);
-  }
-  for (int i = 0; i < R; ++i) out[i] = Hsum(acc[i]);
-}
-
-// The shipped kernel prefetching `ahead` groups of R rows ahead instead of one.
+// The shipped kernel prefetching `ahead` groups of R rows ahead instead of one (0: no prefetch).
 template <int R, int ahead>
 VNNI_TARGET void RowsFar(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
   __m256 acc[R];
@@ -49,7 +33,7 @@ VNNI_TARGET void RowsFar(const uint8_t* r, int64_t stride, const VnniPrep& p, in
     const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.c + 8 * b));
     __m256 s[R];
     Q4_0Vnni::Scales<R>(r, stride, b, p.d[b], s);
-    PrefetchAhead<R * 18>(r + ahead * R * stride + b * R * 18);
+    if constexpr (ahead > 0) PrefetchAhead<R * 18>(r + ahead * R * stride + b * R * 18);
     for (int i = 0; i < R; ++i)
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_dpbusd_epi32(c, Q4_0Vnni::Codes(r + i * stride, b), q)), s[i], acc[i]);
   }
@@ -112,7 +96,7 @@ struct Variant {
 
 const Variant kVariants[] = {
     {"shipped", VnniRows<Q4_0Vnni, 4>, VnniRows<Q4_0Vnni, 1>},
-    {"no_prefetch", RowsNoPrefetch<4>, RowsNoPrefetch<1>},
+    {"no_prefetch", RowsFar<4, 0>, RowsFar<1, 0>},
     {"one_row", VnniRows<Q4_0Vnni, 1>, VnniRows<Q4_0Vnni, 1>},
     {"prefetch_x2", RowsFar<4, 2>, VnniRows<Q4_0Vnni, 1>},
     {"prefetch_x4", RowsFar<4, 4>, VnniRows<Q4_0Vnni, 1>},

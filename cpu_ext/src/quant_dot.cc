@@ -882,26 +882,62 @@ void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* ou
   (void)tier, (void)type, (void)x, (void)n, (void)out;
 }
 
+#ifdef FREETOKEN_X86
+namespace {
+// The int8 kernel of (tier, type) as both entry points; nulls where the pair has none.
+struct Int8Fns {
+  DotFn dot;
+  DotRowsFn rows;
+};
+template <class Kernel>
+Int8Fns Fns() {
+  return {DotOf<Kernel>, DotRowsOf<Kernel>};
+}
+Int8Fns Int8Kernels(IsaTier tier, BankType type) {
+  if (UsesAvx2Int8(tier, type)) {
+    switch (type) {
+      case BankType::kQ4_0:
+        return Fns<Avx2Int8Kernel<Q4_0Vnni>>();
+      case BankType::kMxfp4:
+        return Fns<Avx2Int8Kernel<Mxfp4Vnni>>();
+      default:
+        return Fns<Avx2Int8Kernel<Nvfp4Vnni>>();
+    }
+  }
+  if (UsesVnni(tier, type)) {
+    switch (type) {
+      case BankType::kQ4_0:
+        return Fns<VnniKernel<Q4_0Vnni>>();
+      case BankType::kQ8_0:
+        return Fns<VnniKernel<Q8_0Vnni>>();
+      case BankType::kMxfp4:
+        return Fns<VnniKernel<Mxfp4Vnni>>();
+      case BankType::kQ4_K:
+        return Fns<KKernel<BankType::kQ4_K>>();
+      case BankType::kQ5_K:
+        return Fns<KKernel<BankType::kQ5_K>>();
+      case BankType::kQ6_K:
+        return Fns<KKernel<BankType::kQ6_K>>();
+      default:
+        return Fns<VnniKernel<Nvfp4Vnni>>();
+    }
+  }
+  return {nullptr, nullptr};
+}
+}  // namespace
+#endif
+
 DotFn DotFor(IsaTier tier, BankType type) {
   const int t = static_cast<int>(type);
 #ifdef FREETOKEN_X86
+  if (const DotFn int8 = Int8Kernels(tier, type).dot) return int8;
   switch (tier) {
     case IsaTier::kAmxBf16:
     case IsaTier::kAvx512Bf16:
-      if (type == BankType::kQ4_0) return DotOf<VnniKernel<Q4_0Vnni>>;
-      if (type == BankType::kQ8_0) return DotOf<VnniKernel<Q8_0Vnni>>;
-      if (type == BankType::kMxfp4) return DotOf<VnniKernel<Mxfp4Vnni>>;
-      if (type == BankType::kNvfp4) return DotOf<VnniKernel<Nvfp4Vnni>>;
-      if (type == BankType::kQ4_K) return DotOf<KKernel<BankType::kQ4_K>>;
-      if (type == BankType::kQ5_K) return DotOf<KKernel<BankType::kQ5_K>>;
-      if (type == BankType::kQ6_K) return DotOf<KKernel<BankType::kQ6_K>>;
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:
       return kAvx512[t];
     case IsaTier::kAvx2Fma:
-      if (type == BankType::kQ4_0) return DotOf<Avx2Int8Kernel<Q4_0Vnni>>;
-      if (type == BankType::kMxfp4) return DotOf<Avx2Int8Kernel<Mxfp4Vnni>>;
-      if (type == BankType::kNvfp4) return DotOf<Avx2Int8Kernel<Nvfp4Vnni>>;
       return kAvx2[t];
     default:
       break;
@@ -913,37 +949,11 @@ DotFn DotFor(IsaTier tier, BankType type) {
 
 DotRowsFn DotRowsFor(IsaTier tier, BankType type) {
 #ifdef FREETOKEN_X86
-  if (UsesAvx2Int8(tier, type)) {
-    switch (type) {
-      case BankType::kQ4_0:
-        return DotRowsOf<Avx2Int8Kernel<Q4_0Vnni>>;
-      case BankType::kMxfp4:
-        return DotRowsOf<Avx2Int8Kernel<Mxfp4Vnni>>;
-      default:
-        return DotRowsOf<Avx2Int8Kernel<Nvfp4Vnni>>;
-    }
-  }
-  if (UsesVnni(tier, type)) {
-    switch (type) {
-      case BankType::kQ4_0:
-        return DotRowsOf<VnniKernel<Q4_0Vnni>>;
-      case BankType::kQ8_0:
-        return DotRowsOf<VnniKernel<Q8_0Vnni>>;
-      case BankType::kMxfp4:
-        return DotRowsOf<VnniKernel<Mxfp4Vnni>>;
-      case BankType::kQ4_K:
-        return DotRowsOf<KKernel<BankType::kQ4_K>>;
-      case BankType::kQ5_K:
-        return DotRowsOf<KKernel<BankType::kQ5_K>>;
-      case BankType::kQ6_K:
-        return DotRowsOf<KKernel<BankType::kQ6_K>>;
-      default:
-        return DotRowsOf<VnniKernel<Nvfp4Vnni>>;
-    }
-  }
-#endif
+  return Int8Kernels(tier, type).rows;
+#else
   (void)tier, (void)type;
   return nullptr;
+#endif
 }
 
 }  // namespace freetoken
