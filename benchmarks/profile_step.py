@@ -52,7 +52,29 @@ def kernel_profile(run, n=5, top=8):
     for e in events:
         agg.setdefault(e.name[:80], []).append(e.device_time)
     rows = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
+    idle(events, n, top)
     return len(events) / n, sum(e.device_time for e in events) / n / 1e3, [(sum(t) / n / 1e3, len(t) / n, k) for k, t in rows]
+
+
+def idle(events, n: int, top: int, floor_us: float = 3.0) -> None:
+    """Where the GPU sat idle: gaps of more than `floor_us` between the end of everything before
+    and the next event's start (all streams merged), summed per step by the event that ends the
+    gap and the one before it."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in events)
+    if not spans:
+        return
+    gaps: dict[tuple, list[float]] = {}
+    end, before = spans[0][1], spans[0][2]
+    for s, e, name in spans[1:]:
+        if s - end > floor_us:
+            gaps.setdefault((before, name), []).append(s - end)
+        if e > end:
+            end, before = e, name
+    total = sum(sum(g) for g in gaps.values()) / n / 1e3
+    span = (max(e for _, e, _ in spans) - spans[0][0]) / n / 1e3
+    print(f"   idle: {total:.3f} ms per step of {span:.3f} ms spanned (gaps over {floor_us:g} us), heaviest after -> before:")
+    for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"   {sum(g) / n / 1e3:7.3f} ms {len(g) / n:5.0f}x ({sum(g) / len(g):6.1f} us)  {a} -> {b}")
 
 
 def report(summary: list, B: int, name: str, wall: float, profile, compile_s: float) -> None:
@@ -68,8 +90,9 @@ def host_bank_strategies(args) -> list:
     each variant's backend and geometry over one set of host banks)."""
     from freetoken_jax.bench.compare import Bench
 
-    bench = Bench(args.preset, dtype=args.dtype, max_batch=max(args.batch), max_context=256)
-    q = bench.bp / (bench.bp + bench.bh)
+    bench = Bench(args.preset, dtype=args.dtype, max_batch=max(args.batch), max_context=256, layers=args.layers,
+                  expert_format=args.expert_format)  # fmt: skip
+    q = bench.bp / (bench.bp + bench.bh_hybrid)
     summary = []
     for B, s, sampling in [(B, s, m) for B in args.batch for s in args.strategies for m in args.sampling]:
         use_sampling(bench, sampling)
@@ -95,9 +118,16 @@ def host_bank_strategies(args) -> list:
 
         run(args.warm)
         calls.clear()
+        handoffs = handoff_stats()
         t = time.perf_counter()
         run(10)
         wall = (time.perf_counter() - t) / 10 * 1e3
+        hs = handoffs()
+        if hs["count"]:
+            c = hs["count"]
+            print(f"B={B} {s}: {c / 10:.0f} handoffs per step; per handoff window {hs['window_s'] / c * 1e6:.0f} us, GPU side "
+                  f"{hs['gpu_s'] / c * 1e6:.0f} us, CPU side {hs['cpu_s'] / c * 1e6:.0f} us; outside the windows "
+                  f"{wall - hs['window_s'] / 10 * 1e3:.3f} ms per step")  # fmt: skip
         print(f"B={B} {s} sampling={sampling}: the call returns after {sorted(calls)[len(calls) // 2] * 1e3:.3f} ms (median)")
         profile = None if args.no_profile else kernel_profile(run, top=args.top)
         with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
@@ -107,6 +137,14 @@ def host_bank_strategies(args) -> list:
         report(summary, B, name if sampling == "where" else f"{name} {sampling}", wall, profile, compile_s)
     use_sampling(bench, "where")
     return summary
+
+
+def handoff_stats():
+    """Resets the C++ handoff counters and returns a function that reads them since."""
+    from freetoken_jax import _cpu_ext
+
+    _cpu_ext.handoff_stats(True)
+    return lambda: _cpu_ext.handoff_stats(True)
 
 
 def use_sampling(bench, how: str) -> None:
@@ -187,6 +225,8 @@ def main() -> int:
     ap.add_argument("--routing-skew", type=float, default=0.0)
     ap.add_argument("--warm", type=int, default=16, help="steps before timing (host-bank strategies)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--expert-format", default=None, help="host-bank strategies: the experts' format (bf16, q4_0, ...)")
+    ap.add_argument("--layers", type=int, default=None, help="host-bank strategies: keep the preset's first layers")
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--sampling", nargs="+", default=["where"], choices=["where", "cond", "greedy"],
