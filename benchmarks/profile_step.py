@@ -38,6 +38,7 @@ from freetoken_jax.bench.expert_impls import named  # noqa: E402
 from freetoken_jax.bench.presets import preset_config  # noqa: E402
 from freetoken_jax.memory.kv_cache import init_cache  # noqa: E402
 from freetoken_jax.runtime.experts import Fused  # noqa: E402
+from freetoken_jax.runtime.runner import _traced  # noqa: E402
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
 
 
@@ -94,8 +95,10 @@ def host_bank_strategies(args) -> list:
                   expert_format=args.expert_format)  # fmt: skip
     q = bench.bp / (bench.bp + bench.bh_hybrid)
     summary = []
-    for B, s, sampling in [(B, s, m) for B in args.batch for s in args.strategies for m in args.sampling]:
+    for B, s, sampling, order in [(B, s, m, o) for B in args.batch for s in args.strategies for m in args.sampling for o in args.token]:
         use_sampling(bench, sampling)
+        if order == "first":  # the token as the step's first output, with the donated buffers it takes (`runner._token_last`)
+            bench.steps.decode = jax.jit(_traced(decode_step, args.dtype, {}), donate_argnums=(1,))
         runner = bench._runner(*bench.variant(s, q, args.routing_skew), B, bench._decode_slots(s, B, args.slots_gb))
         t = time.perf_counter()
         step, shapes = runner.decode_job()
@@ -117,6 +120,8 @@ def host_bank_strategies(args) -> list:
             runner.state.tokens_B.block_until_ready()
 
         run(args.warm)
+        if args.addresses:
+            moved_buffers(runner, batch)
         calls.clear()
         handoffs = handoff_stats()
         t = time.perf_counter()
@@ -134,9 +139,25 @@ def host_bank_strategies(args) -> list:
             f.write(compiled.as_text())
         runner.close()
         name = f"{s} {args.slots_gb:g}GB" if s in ("offload", "hybrid") else s
+        name += " token first" if order == "first" else ""
         report(summary, B, name if sampling == "where" else f"{name} {sampling}", wall, profile, compile_s)
     use_sampling(bench, "where")
     return summary
+
+
+def moved_buffers(runner, batch, steps: int = 4) -> None:
+    """Which of the step's outputs land at another device address from one step to the next (a
+    CUDA graph that captured the old address must be updated before it runs again)."""
+
+    def addresses(tok):
+        leaves = jax.tree_util.tree_flatten_with_path(runner.state)[0]
+        out = {jax.tree_util.keystr(k): v.unsafe_buffer_pointer() for k, v in leaves if isinstance(v, jax.Array)}
+        return out | {"tok": tok.unsafe_buffer_pointer()}
+
+    seen = [addresses(runner.decode(batch)) for _ in range(steps)]
+    runner.state.tokens_B.block_until_ready()
+    moved = sorted({k for a, b in zip(seen, seen[1:]) for k in a if a[k] != b.get(k)})
+    print(f"   outputs at a new address from step to step: {len(moved)} of {len(seen[0])}: {', '.join(moved[:12])}")
 
 
 def handoff_stats():
@@ -231,6 +252,9 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--sampling", nargs="+", default=["where"], choices=["where", "cond", "greedy"],
                     help="host-bank strategies: how the sampler picks greedy or stochastic (see use_sampling)")  # fmt: skip
+    ap.add_argument("--token", nargs="+", default=["last"], choices=["last", "first"],
+                    help="host-bank strategies: the decode step's sampled token as its last output (the engine's) or first")  # fmt: skip
+    ap.add_argument("--addresses", action="store_true", help="host-bank strategies: list the outputs whose address moves")
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
     ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy"])

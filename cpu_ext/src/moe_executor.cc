@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <stdexcept>
@@ -22,7 +23,18 @@ namespace freetoken {
 // ---------------------------------------------------------------------------------------------
 // Thread pool
 
-ThreadPool::ThreadPool(int threads, bool pin) {
+namespace {
+
+// FREETOKEN_POOL_SPIN_US: how long an idle worker spins for the next job before it sleeps on a
+// condition variable (default 2000 µs; 0: it sleeps at once).
+std::chrono::microseconds PoolSpin() {
+  const char* env = std::getenv("FREETOKEN_POOL_SPIN_US");
+  return std::chrono::microseconds(env && *env ? std::max(0LL, std::atoll(env)) : 2000LL);
+}
+
+}  // namespace
+
+ThreadPool::ThreadPool(int threads, bool pin) : spin_(PoolSpin()) {
   threads = std::max(1, threads);
   for (int i = 1; i < threads; ++i) {
     workers_.emplace_back([this, i] { Work(i); });
@@ -52,14 +64,14 @@ void ThreadPool::Work(int) {
     const std::function<void(int64_t)>* fn;
     int64_t n;
     // A job's phases follow one another within microseconds, and a decode step's layers (one
-    // job each) within about a millisecond: spin for up to 2 ms before sleeping, so that a new
-    // job does not wait for sleeping threads to wake.
+    // job each) within about a millisecond: spin for up to `spin_` before sleeping, so that a
+    // new job does not wait for sleeping threads to wake.
     const auto spin_from = std::chrono::steady_clock::now();
     for (int i = 1; published_.load(std::memory_order_acquire) == seen; ++i) {
 #ifdef FREETOKEN_X86
       _mm_pause();
 #endif
-      if ((i & 255) == 0 && std::chrono::steady_clock::now() - spin_from > std::chrono::milliseconds(2)) break;
+      if ((i & 255) == 0 && std::chrono::steady_clock::now() - spin_from > spin_) break;
     }
     {
       std::unique_lock<std::mutex> l(mu_);

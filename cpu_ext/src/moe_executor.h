@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -61,6 +62,7 @@ class ThreadPool {
   std::atomic<int64_t> completed_{0};   // tasks of this generation that have run
   std::atomic<int> active_{0};          // workers inside this generation's fn (joined under mu_)
   std::atomic<bool> caller_sleeps_{false};
+  std::chrono::microseconds spin_;  // how long an idle worker spins before it sleeps
   bool running_ = false;  // a Run is in progress (workers join only then)
   bool stop_ = false;
 };
