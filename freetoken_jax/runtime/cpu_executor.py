@@ -132,14 +132,8 @@ def shared_executor(threads: int | None = None) -> CpuExecutor:
     default `default_threads()`."""
     key = (threads or default_threads(), max_tier())
     if key not in _SHARED:
-        _SHARED[key] = CpuExecutor(*key, pin=pin_threads())
+        _SHARED[key] = CpuExecutor(*key)
     return _SHARED[key]
-
-
-def pin_threads() -> bool:
-    """Whether the executors' worker threads are pinned, worker i to core i (the calling thread
-    stays free, as do the cores above the pool's): FREETOKEN_CPU_PIN=1."""
-    return os.environ.get("FREETOKEN_CPU_PIN", "0") not in ("", "0")
 
 
 class CpuExecutor:
