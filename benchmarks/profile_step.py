@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 import time
 
 import jax
@@ -124,9 +125,13 @@ def host_bank_strategies(args) -> list:
             moved_buffers(runner, batch)
         calls.clear()
         handoffs = handoff_stats()
+        sched = schedstat()
         t = time.perf_counter()
         run(10)
         wall = (time.perf_counter() - t) / 10 * 1e3
+        on_cpu, queued = (b - a for a, b in zip(sched, schedstat()))
+        print(f"B={B} {s}: the calling thread per step: {on_cpu / 10 / 1e6:.3f} ms on a core, {queued / 10 / 1e6:.3f} ms runnable "
+              f"but waiting for one, the rest of {wall:.3f} ms asleep")  # fmt: skip
         hs = handoffs()
         if hs["count"]:
             c = hs["count"]
@@ -158,6 +163,16 @@ def moved_buffers(runner, batch, steps: int = 4) -> None:
     runner.state.tokens_B.block_until_ready()
     moved = sorted({k for a, b in zip(seen, seen[1:]) for k in a if a[k] != b.get(k)})
     print(f"   outputs at a new address from step to step: {len(moved)} of {len(seen[0])}: {', '.join(moved[:12])}")
+
+
+def schedstat() -> tuple[int, int]:
+    """(ns this thread ran on a core, ns it waited runnable for one) so far (Linux schedstat)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            ran, waited, _ = f.read().split()
+        return int(ran), int(waited)
+    except OSError:
+        return 0, 0
 
 
 def handoff_stats():
