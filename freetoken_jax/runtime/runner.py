@@ -131,7 +131,7 @@ class StepSet:
         self.prefill_slots = sampled(prefill_step_slots, (1, 3))
         self.score = jit(score_step, (1,))
         self.decode_logits = jit(decode_forward, (1,))
-        self.sample = sampled(sample_step, (2, 3), static_argnames=("logprobs",))  # with and without log-probabilities
+        self.sample = sampled(sample_step, (1, 2, 3), static_argnames=("logprobs",))  # with and without log-probabilities
 
     def compilations(self) -> dict[str, int]:
         """Executables compiled so far per step kind (one per bucket)."""

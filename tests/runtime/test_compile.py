@@ -3,10 +3,14 @@
 import collections
 import contextlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import monitoring
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.engine import GenerationParams
+from freetoken_jax.runtime.steps import DecodeBatch, Sampling
 
 
 def test_compiles_once_per_bucket():
@@ -106,3 +110,33 @@ def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
         for n in (5, 20, 40, 100):
             sched.submit(list(range(1, n + 1)), p).result(120)
     assert not any(resized[s] for s in STEPS), resized
+
+
+def _addresses(tree) -> dict:
+    return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer() for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_steps_keep_the_state_where_it_is():
+    """Each step's state arrays are written over their donated inputs: from step to step every
+    array of the decode state (KV pages, tokens, positions, slot cache, counts) keeps its device
+    address, whichever path samples, and the token a step returns stays readable after the next
+    step. (XLA keeps CUDA graphs of the step that captured those addresses; an array that moves
+    has every command reading it re-recorded before the next step runs.)"""
+    ec = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16, moe_strategy="offload", expert_slots=6)
+    engine = FreeTokenEngine.from_pretrained("demo", ec)
+    runner = engine.runner
+    table = np.zeros((2, ec.pages_per_sequence), np.int32)
+    table[:, :2] = runner.pages.allocate(16)[:2], runner.pages.allocate(16)[:2]
+    runner.set_rows(np.arange(2), jnp.asarray([3, 4], jnp.int32), [0, 0])
+    batch = DecodeBatch(jnp.asarray(table), jnp.asarray([True, True]), Sampling.greedy(2))
+    tok = runner.decode(batch)  # the first step takes the state's arrays as the engine made them
+    before = _addresses(runner.state)
+    assert before and all(v for v in before.values())
+    toks = [runner.decode(batch) for _ in range(3)]
+    assert _addresses(runner.state) == before
+    mask = jnp.full((2, (engine.model_config.vocab_size + 31) // 32), -1, jnp.int32)
+    for _ in range(2):  # the two halves: the model's, then the full sampler's
+        toks.append(runner.sample(runner.decode_logits(batch), batch, mask))
+        assert _addresses(runner.state) == before
+    assert np.asarray(tok).shape == (2,) and all(np.asarray(t).shape == (2,) for t in toks)
+    assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()
