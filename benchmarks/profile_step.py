@@ -90,8 +90,11 @@ def report(summary: list, B: int, name: str, wall: float, profile, compile_s: fl
 def host_bank_strategies(args) -> list:
     """Profiles the decode step of host-bank strategies as `bench decode` runs them (a runner of
     each variant's backend and geometry over one set of host banks)."""
+    from freetoken_jax.bench import compare
     from freetoken_jax.bench.compare import Bench
 
+    if args.handoff != "auto":
+        compare.resolve_mode = lambda _: args.handoff
     bench = Bench(args.preset, dtype=args.dtype, max_batch=max(args.batch), max_context=256, layers=args.layers,
                   expert_format=args.expert_format)  # fmt: skip
     q = bench.bp / (bench.bp + bench.bh_hybrid)
@@ -269,6 +272,7 @@ def main() -> int:
                     help="host-bank strategies: how the sampler picks greedy or stochastic (see use_sampling)")  # fmt: skip
     ap.add_argument("--token", nargs="+", default=["last"], choices=["last", "first"],
                     help="host-bank strategies: the decode step's sampled token as its last output (the engine's) or first")  # fmt: skip
+    ap.add_argument("--handoff", default="auto", choices=["auto", "ffi", "ffi_nograph", "callback"], help="hybrid and cpu: the handoff")
     ap.add_argument("--addresses", action="store_true", help="host-bank strategies: list the outputs whose address moves")
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
