@@ -49,6 +49,10 @@ struct Cuda {
   int (*primary_ctx_retain)(void**, int) = nullptr;
   int (*ctx_push)(void*) = nullptr;
   int (*ctx_pop)(void**) = nullptr;
+  int (*ctx_get_current)(void**) = nullptr;
+  int (*module_load_data)(void**, const void*) = nullptr;  // the signalling kernels (kSyncKernel)
+  int (*module_get_function)(void**, void*, const char*) = nullptr;
+  int (*launch_kernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Stream, void**, void**) = nullptr;
   std::string error;
 };
 
@@ -77,6 +81,10 @@ const Cuda& Driver() {
     sym(c.primary_ctx_retain, {"cuDevicePrimaryCtxRetain"}, true);
     sym(c.ctx_push, {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}, true);
     sym(c.ctx_pop, {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}, true);
+    sym(c.ctx_get_current, {"cuCtxGetCurrent"}, true);
+    sym(c.module_load_data, {"cuModuleLoadData"}, false);
+    sym(c.module_get_function, {"cuModuleGetFunction"}, false);
+    sym(c.launch_kernel, {"cuLaunchKernel"}, false);
     return c;
   }();
   return cuda;
@@ -84,9 +92,11 @@ const Cuda& Driver() {
 
 // How a CUDA stream and the dispatcher signal each other: stream memory operations (the stream
 // writes a flag in mapped host memory and waits for one: no host thread in the loop; the default
-// where the driver has them), or host functions launched on the stream
-// (FREETOKEN_HANDOFF_SYNC=host_function). Both follow the same flag protocol, so graphs recorded
-// in either mode stay correct after `SetHandoffSync` switches.
+// where the driver has them), host functions launched on the stream
+// (FREETOKEN_HANDOFF_SYNC=host_function), or one-thread kernels that write the flag and spin on
+// it (FREETOKEN_HANDOFF_SYNC=kernel: the stream holds no memory operation, only kernels and
+// copies). All follow the same flag protocol, so graphs recorded in one mode stay correct after
+// `SetHandoffSync` switches.
 std::atomic<int> sync_mode{-1};  // -1: not chosen yet
 
 bool HasStreamMemOps() {
@@ -94,13 +104,101 @@ bool HasStreamMemOps() {
   return c.error.empty() && c.write_value32 && c.wait_value32;
 }
 
+bool HasKernelLaunch() {
+  const Cuda& c = Driver();
+  return c.error.empty() && c.module_load_data && c.module_get_function && c.launch_kernel;
+}
+
 int SyncMode() {
   int m = sync_mode.load(std::memory_order_relaxed);
   if (m >= 0) return m;
-  const char* env = std::getenv("FREETOKEN_HANDOFF_SYNC");
-  m = (env && std::string(env) == "host_function") || !HasStreamMemOps() ? kSyncHostFunction : kSyncStreamMemOps;
+  const std::string env = std::getenv("FREETOKEN_HANDOFF_SYNC") ? std::getenv("FREETOKEN_HANDOFF_SYNC") : "";
+  m = env == "kernel" && HasKernelLaunch() ? kSyncKernel
+      : env == "host_function" || !HasStreamMemOps() ? kSyncHostFunction
+                                                     : kSyncStreamMemOps;
   sync_mode.store(m, std::memory_order_relaxed);
   return m;
+}
+
+// The kernels of kSyncKernel, one thread each, in PTX (the module is built without CUDA; the
+// driver compiles it for the device when it is loaded):
+//   ft_handoff_ready(ready): after a system-scope fence, ready = 1 (the stream's copy of the
+//     inputs precedes it in stream order);
+//   ft_handoff_wait(arrived, done): arrived = 1; spins until done == 1; done = 0.
+constexpr char kSignalPtx[] = R"(.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry ft_handoff_ready(.param .u64 ready)
+{
+  .reg .u64 %rd<2>;
+  .reg .u32 %r<2>;
+  ld.param.u64 %rd1, [ready];
+  mov.u32 %r1, 1;
+  fence.sc.sys;
+  st.volatile.global.u32 [%rd1], %r1;
+  ret;
+}
+.visible .entry ft_handoff_wait(.param .u64 arrived, .param .u64 done)
+{
+  .reg .u64 %rd<3>;
+  .reg .u32 %r<3>;
+  .reg .pred %p<2>;
+  ld.param.u64 %rd1, [arrived];
+  ld.param.u64 %rd2, [done];
+  mov.u32 %r1, 1;
+  st.volatile.global.u32 [%rd1], %r1;
+  fence.sc.sys;
+SPIN:
+  ld.volatile.global.u32 %r2, [%rd2];
+  setp.ne.u32 %p1, %r2, 1;
+  @%p1 nanosleep.u32 100;
+  @%p1 bra SPIN;
+  fence.sc.sys;
+  mov.u32 %r1, 0;
+  st.volatile.global.u32 [%rd2], %r1;
+  fence.sc.sys;
+  ret;
+}
+)";
+
+struct SignalKernels {
+  void* ready = nullptr;
+  void* wait = nullptr;
+};
+std::mutex kernels_mu;
+std::map<void*, SignalKernels> kernels_of_context;  // loaded per CUDA context, never unloaded
+
+// Loads the signalling kernels into the current context (once); outside any stream capture.
+std::string LoadSignalKernels() {
+  const Cuda& c = Driver();
+  if (!HasKernelLaunch()) return "the CUDA driver lacks cuModuleLoadData / cuLaunchKernel";
+  void* ctx = nullptr;
+  if (c.ctx_get_current(&ctx) || !ctx) return "no current CUDA context to load the handoff kernels into";
+  std::lock_guard<std::mutex> g(kernels_mu);
+  if (kernels_of_context.count(ctx)) return "";
+  void* module = nullptr;
+  SignalKernels k;
+  if (c.module_load_data(&module, kSignalPtx) || c.module_get_function(&k.ready, module, "ft_handoff_ready") ||
+      c.module_get_function(&k.wait, module, "ft_handoff_wait"))
+    return "loading the handoff's signalling kernels failed";
+  kernels_of_context[ctx] = k;
+  return "";
+}
+
+const SignalKernels* CurrentSignalKernels() {
+  void* ctx = nullptr;
+  if (Driver().ctx_get_current(&ctx) || !ctx) return nullptr;
+  std::lock_guard<std::mutex> g(kernels_mu);
+  auto it = kernels_of_context.find(ctx);
+  return it == kernels_of_context.end() ? nullptr : &it->second;
+}
+
+int LaunchSignal(void* fn, void* stream, std::initializer_list<uint64_t> args) {
+  uint64_t values[2] = {0, 0};
+  void* params[2] = {&values[0], &values[1]};
+  size_t i = 0;
+  for (uint64_t a : args) values[i++] = a;
+  return Driver().launch_kernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -448,10 +546,16 @@ ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> packed, ffi::ResultBuf
   if (auto e = GetJob(handle, T, K, true, &j, packed.element_count()); e.failure()) return e;
   const Cuda& c = Driver();
   int rc = c.memcpy_dtoh(j->x, reinterpret_cast<uint64_t>(packed.untyped_data()), packed.size_bytes(), stream);
-  if (SyncMode() == kSyncStreamMemOps)
+  const int mode = SyncMode();
+  if (mode == kSyncStreamMemOps) {
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, ready)), 1, 0);  // ordered after the copy, with a fence
-  else
+  } else if (mode == kSyncKernel) {
+    const SignalKernels* k = CurrentSignalKernels();
+    if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
+    rc |= LaunchSignal(k->ready, stream, {FlagAddress(j, offsetof(Flags, ready))});
+  } else {
     rc |= c.launch_host_func(stream, MarkReady, j);
+  }
   if (rc) return ffi::Error::Internal("enqueueing the CPU expert job on the stream failed");
   Dispatcher::Get().Kick();
   return ffi::Error::Success();
@@ -462,10 +566,15 @@ ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::
   if (auto e = GetJob(handle, out->dimensions()[0], K, true, &j); e.failure()) return e;
   const Cuda& c = Driver();
   int rc = 0;
-  if (SyncMode() == kSyncStreamMemOps) {
+  const int mode = SyncMode();
+  if (mode == kSyncStreamMemOps) {
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, arrived)), 1, 0);
     rc |= c.wait_value32(stream, FlagAddress(j, offsetof(Flags, done)), 1, /*CU_STREAM_WAIT_VALUE_EQ*/ 1);
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, done)), 0, 0);
+  } else if (mode == kSyncKernel) {
+    const SignalKernels* k = CurrentSignalKernels();
+    if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
+    rc |= LaunchSignal(k->wait, stream, {FlagAddress(j, offsetof(Flags, arrived)), FlagAddress(j, offsetof(Flags, done))});
   } else {
     rc |= c.launch_host_func(stream, Await, j);
   }
@@ -508,6 +617,8 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
 void PrepareHandoffJob(int64_t handle, int64_t tokens, int64_t top_k, int cuda_ordinal) {
   ScopedContext ctx(cuda_ordinal);
   if (!ctx.error().empty()) throw std::runtime_error(ctx.error());
+  if (cuda_ordinal >= 0 && SyncMode() == kSyncKernel)
+    if (std::string e = LoadSignalKernels(); !e.empty()) throw std::runtime_error(e);
   Job* j;
   ffi::Error e = GetJob(handle, tokens, top_k, cuda_ordinal >= 0, &j);
   if (e.failure()) throw std::runtime_error(e.message());
@@ -528,7 +639,8 @@ HandoffStats TakeHandoffStats(bool reset) {
 int HandoffSync() { return SyncMode(); }
 
 void SetHandoffSync(int mode) {
-  sync_mode.store(mode == kSyncStreamMemOps && !HasStreamMemOps() ? kSyncHostFunction : mode, std::memory_order_relaxed);
+  const bool missing = (mode == kSyncStreamMemOps && !HasStreamMemOps()) || (mode == kSyncKernel && !HasKernelLaunch());
+  sync_mode.store(missing ? kSyncHostFunction : mode, std::memory_order_relaxed);
 }
 
 void* SubmitHandlerCpu() { return reinterpret_cast<void*>(&FreetokenSubmitCpu); }

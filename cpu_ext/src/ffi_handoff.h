@@ -46,10 +46,11 @@ struct HandoffStats {
 };
 HandoffStats TakeHandoffStats(bool reset);
 
-// How CUDA handlers signal: stream memory operations (the default where the driver has them) or
-// host functions. Switch only while no handoff is in flight; graphs already recorded keep the
-// operations they were recorded with (both work with the same flags).
-enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1 };
+// How CUDA handlers signal: stream memory operations (the default where the driver has them),
+// host functions, or one-thread signalling kernels. Switch only while no handoff is in flight;
+// graphs already recorded keep the operations they were recorded with (all work with the same
+// flags); kernels are loaded by `PrepareHandoffJob`, so switch to them before preparing jobs.
+enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1, kSyncKernel = 2 };
 int HandoffSync();
 void SetHandoffSync(int mode);
 

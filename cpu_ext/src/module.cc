@@ -202,12 +202,15 @@ NB_MODULE(_cpu_ext, m) {
       [](const std::string& mode) {
         if (mode == "stream_memops") SetHandoffSync(kSyncStreamMemOps);
         else if (mode == "host_function") SetHandoffSync(kSyncHostFunction);
-        else if (!mode.empty()) throw std::invalid_argument("handoff sync is 'stream_memops' or 'host_function', got '" + mode + "'");
-        return std::string(HandoffSync() == kSyncStreamMemOps ? "stream_memops" : "host_function");
+        else if (mode == "kernel") SetHandoffSync(kSyncKernel);
+        else if (!mode.empty())
+          throw std::invalid_argument("handoff sync is 'stream_memops', 'host_function' or 'kernel', got '" + mode + "'");
+        const int m = HandoffSync();
+        return std::string(m == kSyncStreamMemOps ? "stream_memops" : m == kSyncKernel ? "kernel" : "host_function");
       },
       nb::arg("mode") = "",
-      "How CUDA handoffs signal: 'stream_memops' or 'host_function'; sets it when `mode` is given (only while no handoff is "
-      "in flight); returns the mode in use.");
+      "How CUDA handoffs signal: 'stream_memops', 'host_function' or 'kernel'; sets it when `mode` is given (only while no "
+      "handoff is in flight); returns the mode in use.");
   m.def(
       "ffi_handlers",
       [] {

@@ -1,0 +1,28 @@
+#!/bin/bash
+# One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
+# compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped]...
+#   check:   the handoff and strategy tests on the GPU with the signalling kernels
+#            (FREETOKEN_HANDOFF_SYNC=kernel);
+#   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
+#            windows) with the handoff signalled by stream memory operations (the default), by
+#            kernels, by host functions, and outside the CUDA graphs (ffi_nograph);
+#   grouped: q4_0 offload prefill of 2048 and 8192 tokens in one chunk, experts dense and grouped.
+source benchmarks/h200_install.sh
+P="python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --out $OUT --no-profile --warm 8"
+for what in "$@"; do
+  case $what in
+    check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q -x tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
+             tests/runtime/test_cpu_strategy.py 2>&1 | tail -4 ;;
+    sync) for s in default kernel host_function; do
+        echo "== FREETOKEN_HANDOFF_SYNC=$s"
+        FREETOKEN_HANDOFF_SYNC=$s timeout 150 $P --strategies cpu hybrid 2>&1 | grep -E "thread|handoffs|returns|=="
+      done
+      echo "== ffi_nograph"; timeout 150 $P --strategies cpu hybrid --handoff ffi_nograph 2>&1 | grep -E "thread|handoffs|returns|==" ;;
+    grouped) for impl in dense grouped; do
+        $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
+          --strategy offload --expert-impl $impl --json "$OUT/prefill_$impl.json" 2>&1 | grep -v "it/s\]" | tail -6
+      done ;;
+  esac
+done
+rm -f "$OUT"/*.hlo.txt
