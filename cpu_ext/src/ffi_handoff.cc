@@ -185,12 +185,15 @@ std::string LoadSignalKernels() {
   return "";
 }
 
+// The kernels of the current context; where the calling thread holds none (or another), those
+// of the one context they were loaded into, if there is exactly one (one device).
 const SignalKernels* CurrentSignalKernels() {
   void* ctx = nullptr;
-  if (Driver().ctx_get_current(&ctx) || !ctx) return nullptr;
+  if (Driver().ctx_get_current(&ctx)) ctx = nullptr;
   std::lock_guard<std::mutex> g(kernels_mu);
   auto it = kernels_of_context.find(ctx);
-  return it == kernels_of_context.end() ? nullptr : &it->second;
+  if (it != kernels_of_context.end()) return &it->second;
+  return kernels_of_context.size() == 1 ? &kernels_of_context.begin()->second : nullptr;
 }
 
 int LaunchSignal(void* fn, void* stream, std::initializer_list<uint64_t> args) {
