@@ -26,7 +26,6 @@ import dataclasses
 import functools
 import os
 import sys
-import threading
 import time
 
 import jax
@@ -36,6 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from freetoken_jax import EngineConfig, FreeTokenEngine  # noqa: E402
 from freetoken_jax.bench.expert_impls import named  # noqa: E402
+from freetoken_jax.bench.measure import thread_times  # noqa: E402
 from freetoken_jax.bench.presets import preset_config  # noqa: E402
 from freetoken_jax.memory.kv_cache import init_cache  # noqa: E402
 from freetoken_jax.runtime.experts import Fused  # noqa: E402
@@ -128,11 +128,11 @@ def host_bank_strategies(args) -> list:
             moved_buffers(runner, batch)
         calls.clear()
         handoffs = handoff_stats()
-        sched = schedstat()
+        sched = thread_times()
         t = time.perf_counter()
         run(10)
         wall = (time.perf_counter() - t) / 10 * 1e3
-        on_cpu, queued = (b - a for a, b in zip(sched, schedstat()))
+        on_cpu, queued = (b - a for a, b in zip(sched, thread_times()))
         print(f"B={B} {s}: the calling thread per step: {on_cpu / 10 / 1e6:.3f} ms on a core, {queued / 10 / 1e6:.3f} ms runnable "
               f"but waiting for one, the rest of {wall:.3f} ms asleep")  # fmt: skip
         hs = handoffs()
@@ -166,16 +166,6 @@ def moved_buffers(runner, batch, steps: int = 4) -> None:
     runner.state.tokens_B.block_until_ready()
     moved = sorted({k for a, b in zip(seen, seen[1:]) for k in a if a[k] != b.get(k)})
     print(f"   outputs at a new address from step to step: {len(moved)} of {len(seen[0])}: {', '.join(moved[:12])}")
-
-
-def schedstat() -> tuple[int, int]:
-    """(ns this thread ran on a core, ns it waited runnable for one) so far (Linux schedstat)."""
-    try:
-        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
-            ran, waited, _ = f.read().split()
-        return int(ran), int(waited)
-    except OSError:
-        return 0, 0
 
 
 def handoff_stats():

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth
+from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_bandwidth, thread_times
 from freetoken_jax.bench.presets import PRESETS, preset_config
 from freetoken_jax.memory.kv_cache import gathered_pages
 from freetoken_jax.quant.layout import expert_bytes
@@ -259,13 +259,19 @@ class Bench:
             prefilled = "prompt fed through the decode step" if prompt_by_decode else f"prefill {t1 - t_start:.0f} s (compile included)"
             self.log(f"{label or variant} B={B}: {prefilled}, decode step ready in {time.perf_counter() - t1:.0f} s")
             warm = fed + max(1, min(16, steps // 4))
-            before, t0, bar = None, 0.0, tqdm(total=fed + steps, desc=f"{variant} B={B}", leave=False, disable=None)
+            before, t0, host0, bar = (
+                None,
+                0.0,
+                thread_times()[0],
+                tqdm(total=fed + steps, desc=f"{variant} B={B}", leave=False, disable=None),
+            )
             while not all(h.finished for h in handles):
                 done = batcher.metrics["decode_steps"]
                 if done == warm and before is None:
                     runner.state.tokens_B.block_until_ready()
                     before = None if slots is None else counters(runner.slots)
                     _cpu_ext.handoff_stats(True)
+                    host0 = thread_times()[0]
                     t0 = time.perf_counter()
                 t1 = time.perf_counter()
                 batcher.step()
@@ -278,6 +284,7 @@ class Bench:
             runner.state.tokens_B.block_until_ready()
             n = batcher.metrics["decode_steps"] - warm
             dt = (time.perf_counter() - t0) / n
+            host = (thread_times()[0] - host0) / n * 1e-9
             hs = _cpu_ext.handoff_stats(True)
             after = None if slots is None else counters(runner.slots)
             gathered = gathered_pages(cfg, runner.engine_config)
@@ -308,6 +315,7 @@ class Bench:
             routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=None if ttft is None else ttft * 1e3, hit_rate=float(hit),
             gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
             q=float(q) if variant == "hybrid" else None, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
+            host_thread_ms_per_step=host * 1e3,
         )  # fmt: skip
         if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
             c = hs["count"]
@@ -473,7 +481,8 @@ def run(args) -> dict:
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("slots_gb", "slots GB", "g"), ("routing_skew", "skew", "g"),
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q", ".2f"),
-                ("ratio_to_bound", "of bound", ".2f"), ("x_naive", "x naive", ".2f")]  # fmt: skip
+                ("ratio_to_bound", "of bound", ".2f"), ("host_thread_ms_per_step", "host ms", ".2f"),
+                ("x_naive", "x naive", ".2f")]  # fmt: skip
     else:
         for n in args.prompt_len:
             for chunk in args.chunk:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax
@@ -18,6 +19,17 @@ def median_time(fn, reps: int) -> float:
         fn()
         ts.append(time.perf_counter() - t)
     return float(np.median(ts))
+
+
+def thread_times() -> tuple[int, int]:
+    """(ns the calling thread has run on a core, ns it has waited runnable for one) so far, from
+    Linux's schedstat; (0, 0) where there is none."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
+            ran, waited, _ = f.read().split()
+        return int(ran), int(waited)
+    except OSError:
+        return 0, 0
 
 
 def copy_bandwidth(gib: float = 4.0, reps: int = 20) -> float:

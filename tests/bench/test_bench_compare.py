@@ -27,6 +27,7 @@ def test_decode_side_by_side(tmp_path, capsys):
     assert set(rows) == {("offload", 0.0005), ("offload", 0.002), ("hybrid", 0.0005), ("hybrid", 0.002), ("naive", None), ("cpu", None)}
     for r in d["rows"]:
         assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bound_ms"] > 0 and r["routing_skew"] == 0
+        assert 0 < r["host_thread_ms_per_step"] <= r["ms_per_token"] * 1.05  # the driving thread ran within the step
     assert rows[("naive", None)]["hit_rate"] == 0 and rows[("naive", None)]["gb_fetched_per_token"] > 0
     # more slots, no fewer hits (same seeded routing); the hybrid sends work to the CPU
     assert rows[("offload", 0.002)]["hit_rate"] >= rows[("offload", 0.0005)]["hit_rate"]
