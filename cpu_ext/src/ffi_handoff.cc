@@ -196,12 +196,17 @@ const SignalKernels* CurrentSignalKernels() {
   return kernels_of_context.size() == 1 ? &kernels_of_context.begin()->second : nullptr;
 }
 
-int LaunchSignal(void* fn, void* stream, std::initializer_list<uint64_t> args) {
+// Launches signalling kernel `which` (one thread) of the current context on `stream`.
+ffi::Error LaunchSignal(void* SignalKernels::*which, void* stream, std::initializer_list<uint64_t> args) {
+  const SignalKernels* k = CurrentSignalKernels();
+  if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
   uint64_t values[2] = {0, 0};
   void* params[2] = {&values[0], &values[1]};
   size_t i = 0;
   for (uint64_t a : args) values[i++] = a;
-  return Driver().launch_kernel(fn, 1, 1, 1, 1, 1, 1, 0, stream, params, nullptr);
+  if (Driver().launch_kernel(k->*which, 1, 1, 1, 1, 1, 1, 0, stream, params, nullptr))
+    return ffi::Error::Internal("launching the handoff's signalling kernel failed");
+  return ffi::Error::Success();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -553,9 +558,7 @@ ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> packed, ffi::ResultBuf
   if (mode == kSyncStreamMemOps) {
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, ready)), 1, 0);  // ordered after the copy, with a fence
   } else if (mode == kSyncKernel) {
-    const SignalKernels* k = CurrentSignalKernels();
-    if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
-    rc |= LaunchSignal(k->ready, stream, {FlagAddress(j, offsetof(Flags, ready))});
+    if (auto e = LaunchSignal(&SignalKernels::ready, stream, {FlagAddress(j, offsetof(Flags, ready))}); e.failure()) return e;
   } else {
     rc |= c.launch_host_func(stream, MarkReady, j);
   }
@@ -575,9 +578,9 @@ ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::
     rc |= c.wait_value32(stream, FlagAddress(j, offsetof(Flags, done)), 1, /*CU_STREAM_WAIT_VALUE_EQ*/ 1);
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, done)), 0, 0);
   } else if (mode == kSyncKernel) {
-    const SignalKernels* k = CurrentSignalKernels();
-    if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
-    rc |= LaunchSignal(k->wait, stream, {FlagAddress(j, offsetof(Flags, arrived)), FlagAddress(j, offsetof(Flags, done))});
+    if (auto e = LaunchSignal(&SignalKernels::wait, stream, {FlagAddress(j, offsetof(Flags, arrived)), FlagAddress(j, offsetof(Flags, done))});
+        e.failure())
+      return e;
   } else {
     rc |= c.launch_host_func(stream, Await, j);
   }

@@ -259,12 +259,8 @@ class Bench:
             prefilled = "prompt fed through the decode step" if prompt_by_decode else f"prefill {t1 - t_start:.0f} s (compile included)"
             self.log(f"{label or variant} B={B}: {prefilled}, decode step ready in {time.perf_counter() - t1:.0f} s")
             warm = fed + max(1, min(16, steps // 4))
-            before, t0, host0, bar = (
-                None,
-                0.0,
-                thread_times()[0],
-                tqdm(total=fed + steps, desc=f"{variant} B={B}", leave=False, disable=None),
-            )
+            before, t0, host0 = None, 0.0, 0
+            bar = tqdm(total=fed + steps, desc=f"{variant} B={B}", leave=False, disable=None)
             while not all(h.finished for h in handles):
                 done = batcher.metrics["decode_steps"]
                 if done == warm and before is None:

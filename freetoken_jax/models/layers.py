@@ -8,7 +8,6 @@ routing are computed in float32 whatever the parameter dtype.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 
@@ -359,10 +358,11 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     caps = [cap for cap in (c, 2 * c) if cap < T]
     if not caps:  # so few tokens that a group is as large as the chunk
         return _dense(x_TD, ids_TK, w_TK, mats, layout, bias)
-    branches = [functools.partial(_grouped, capacity=cap) for cap in caps] + [_dense]
-    most = jnp.max(jnp.zeros((E,), jnp.int32).at[ids_TK.reshape(-1)].add(1))
-    which = jnp.sum(most > jnp.asarray(caps, jnp.int32))  # the first capacity that holds every group
-    return jax.lax.switch(which, [lambda x, i, w, m, b, f=f: f(x, i, w, m, layout, b) for f in branches], x_TD, ids_TK, w_TK, mats, bias)
+    counts = jnp.zeros((E,), jnp.int32).at[ids_TK.reshape(-1)].add(1)  # pairs per expert
+    which = jnp.sum(jnp.max(counts) > jnp.asarray(caps, jnp.int32))  # the first capacity that holds every group
+    grouped = [lambda x, i, w, m, b, n, cap=cap: _grouped(x, i, w, m, layout, b, n, cap) for cap in caps]
+    dense = lambda x, i, w, m, b, n: _dense(x, i, w, m, layout, b)  # noqa: E731
+    return jax.lax.switch(which, [*grouped, dense], x_TD, ids_TK, w_TK, mats, bias, counts)
 
 
 def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
@@ -411,9 +411,10 @@ def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
     return jnp.concatenate([dense(t, min(T, t + step)) for t in range(0, T, step)])
 
 
-def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, capacity: int) -> jax.Array:
+def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, counts, capacity: int) -> jax.Array:
     # Pair p (token t, k) sorted by expert goes to row `rank` of its expert's group of
-    # `capacity` rows (every group fits: `routed_experts` checked the counts); empty rows carry
+    # `capacity` rows (every group fits: `routed_experts` checked `counts`, the pairs per
+    # expert); empty rows carry
     # zeros and weight 0. Experts go through in slices whose float32 activations [e, C, F] stay
     # within DENSE_SLICE_BYTES.
     T, K = ids_TK.shape
@@ -423,7 +424,6 @@ def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, capacity: int
     flat = ids_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
-    counts = jnp.zeros((E,), jnp.int32).at[flat].add(1)
     rank = jnp.arange(T * K, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
     row = e_sorted * C + rank
     tok = order // K
