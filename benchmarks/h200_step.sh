@@ -9,7 +9,7 @@
 #            kernels, by host functions, and outside the CUDA graphs (ffi_nograph);
 #   grouped: q4_0 offload prefill of 2048 and 8192 tokens in one chunk, experts dense and grouped;
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native
-#            stack, sampled by attaching cuda-gdb to a profile_step process in its steady state.
+#            stack sampled over 300 steps (profile_step --stacks).
 source benchmarks/h200_install.sh
 P="python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --out $OUT --no-profile --warm 8"
 for what in "$@"; do
@@ -17,17 +17,7 @@ for what in "$@"; do
     # (test_bad_calls_raise checks the CPU backend's handlers: a CUDA job's errors are printed, not raised)
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
-    stacks) for s in ${STACKS:-cpu hybrid offload}; do
-        $P --strategies $s --warm 100000 > "$OUT/stacks_$s.log" 2>&1 &
-        pid=$!
-        sleep ${STACK_AFTER:-70}
-        for i in 1 2 3 4 5 6; do
-          timeout 60 cuda-gdb -q -batch -p $pid -ex "info threads" -ex "thread 1" -ex "bt 40" > "$OUT/stack_${s}_$i.txt" 2>&1
-          echo "== $s sample $i"; sed -n '/^#0/,$p' "$OUT/stack_${s}_$i.txt" | cut -c1-160 | head -24
-          sleep 2
-        done
-        kill $pid; wait $pid 2>/dev/null
-      done ;;
+    stacks) $P --strategies ${STACKS:-cpu hybrid offload} --stacks 300 2>&1 | grep -v "it/s\]" | cut -c1-220 ;;
     sync) for s in default kernel host_function; do
         echo "== FREETOKEN_HANDOFF_SYNC=$s"
         FREETOKEN_HANDOFF_SYNC=$s timeout 150 $P --strategies cpu hybrid 2>&1 | grep -E "thread|handoffs|returns|=="

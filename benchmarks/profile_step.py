@@ -142,6 +142,10 @@ def host_bank_strategies(args) -> list:
                   f"{hs['gpu_s'] / c * 1e6:.0f} us, CPU side {hs['cpu_s'] / c * 1e6:.0f} us; outside the windows "
                   f"{wall - hs['window_s'] / 10 * 1e3:.3f} ms per step")  # fmt: skip
         print(f"B={B} {s} sampling={sampling}: the call returns after {sorted(calls)[len(calls) // 2] * 1e3:.3f} ms (median)")
+        if args.stacks:
+            from native_stacks import sample
+
+            sample(lambda: run(args.stacks), os.path.join(args.out, f"stacks_b{B}_{s}.txt"))
         profile = None if args.no_profile else kernel_profile(run, top=args.top)
         with open(os.path.join(args.out, f"decode_b{B}_{s}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
@@ -263,6 +267,8 @@ def main() -> int:
     ap.add_argument("--token", nargs="+", default=["last"], choices=["last", "first"],
                     help="host-bank strategies: the decode step's sampled token as its last output (the engine's) or first")  # fmt: skip
     ap.add_argument("--handoff", default="auto", choices=["auto", "ffi", "ffi_nograph", "callback"], help="hybrid and cpu: the handoff")
+    ap.add_argument("--stacks", type=int, default=0, metavar="N",
+                    help="host-bank strategies: sample the calling thread's native stack over N more steps (benchmarks/native_stacks.py)")  # fmt: skip
     ap.add_argument("--addresses", action="store_true", help="host-bank strategies: list the outputs whose address moves")
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
