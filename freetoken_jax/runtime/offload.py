@@ -11,8 +11,8 @@ them): layer L+1 is loaded into one while layer L computes; experts already resi
 cache are used where they are (not sent again, not even copied), the rest are fetched from the
 host bank into the buffer, and banks with rows under 256 KB move as one whole-layer copy. At
 the end the last two layers' fetched experts stay resident in their buffers (`keep_buffer`).
-Without 2E slots each layer's whole bank is copied to the device (layer L+1's copy issued
-before layer L computes), used and dropped, and the slot cache is left as it was.
+Without 2E slots each layer's whole bank is copied to the device, used and dropped, and the
+slot cache is left as it was.
 
 Under this strategy the experts' parameters in the weights tree are the host banks themselves,
 one per MoE layer and weight kind, each expert one flattened row ([E, F·D] for gate and up,
@@ -170,17 +170,8 @@ class OffloadExecutor:
 
     def _prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK, bias=None):
-            n = len(self.banks)
-            if m == 0:
-                self.copied = {0: tuple(self._on_device(b) for b in self.banks[0])}
-            banks = self.copied.pop(m)
-            if m + 1 < n:
-                # Layer m+1's copy is issued once layer m's input and bank exist, before layer m
-                # computes (as in `_buffered_prefill_fn`): the two may overlap, and at most two
-                # layers' banks are on the device at once.
-                x_TD, banks, nxt = jax.lax.optimization_barrier((x_TD, banks, self.banks[m + 1]))
-                self.copied[m + 1] = tuple(self._on_device(b) for b in nxt)
-            return self.compute(x_TD, ids_TK, w_TK, banks, self.layouts[m], bias=pair_biases(bias, ids_TK))
+            banks = [self._on_device(b) for b in self.banks[m]]
+            return self.compute(x_TD, ids_TK, w_TK, tuple(banks), self.layouts[m], bias=pair_biases(bias, ids_TK))
 
         return fn
 
