@@ -53,6 +53,26 @@ def _register_targets() -> None:
 
 
 @functools.cache
+def _ffi_primitive(target: str):
+    """A primitive that lowers to FFI custom call `target`, marked side-effecting in the HLO (XLA
+    neither removes nor merges it) but carrying no JAX effect: `jax.ffi.ffi_call(...,
+    has_side_effect=True)` gives the step an effect, and jit dispatches a step with effects
+    through its Python path at every call (on the H200, most of a 24-layer hybrid step's host
+    time). The pair's order is fixed by data: wait takes submit's token, and `around` ties the
+    work between them with optimization barriers. Params: `result` (a ShapeDtypeStruct) and the
+    call's attributes."""
+    from jax.extend.core import Primitive
+    from jax.interpreters import mlir
+
+    prim = Primitive(target)
+    prim.def_abstract_eval(lambda *args, result, **attrs: jax.core.ShapedArray(result.shape, result.dtype))
+    prim.def_impl(lambda *args, **params: jax.jit(lambda *a: prim.bind(*a, **params))(*args))
+    lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    mlir.register_lowering(prim, lambda ctx, *args, result, **attrs: lower(ctx, *args, **attrs))
+    return prim
+
+
+@functools.cache
 def _prepare_job(handle: int, tokens: int, top_k: int) -> None:
     """Creates the layer's staging job for this shape now, while tracing: a handler XLA records
     into a CUDA graph must not allocate."""
@@ -99,8 +119,8 @@ class LayerHandoff:
         packed = jnp.concatenate([x.reshape(-1), bits(ids), w.reshape(-1), bits(valid)])  # one copy to the host
         T, K = ids.shape
         _prepare_job(self.handle, T, K)
-        token = jax.ffi.ffi_call("freetoken_moe_submit" + self.suffix, jax.ShapeDtypeStruct((1,), jnp.int32), has_side_effect=True)(
-            packed, handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
+        token = _ffi_primitive("freetoken_moe_submit" + self.suffix).bind(
+            packed, result=jax.ShapeDtypeStruct((1,), jnp.int32), handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
         )
         return Pending(token, K)
 
@@ -123,8 +143,8 @@ class LayerHandoff:
     def collect(self, p: Pending, T: int) -> jax.Array:
         out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)
         if self.mode != "callback":
-            wait = jax.ffi.ffi_call("freetoken_moe_wait" + self.suffix, out, has_side_effect=True)
-            return wait(p.token, handle=np.int64(self.handle), top_k=np.int64(p.top_k))
+            wait = _ffi_primitive("freetoken_moe_wait" + self.suffix)
+            return wait.bind(p.token, result=out, handle=np.int64(self.handle), top_k=np.int64(p.top_k))
         return jax.pure_callback(self._on_host, out, *p.inputs)
 
     def _on_host(self, x, ids, w, valid):

@@ -145,3 +145,23 @@ def test_handoff_sync_mode():
         _cpu_ext.handoff_sync("carrier-pigeon")
     _cpu_ext.handoff_sync(mode)
     assert _cpu_ext.handoff_sync() == mode
+
+
+def test_the_handoff_adds_no_jax_effect_and_stays_side_effecting_in_the_hlo():
+    """A step with a JAX effect is dispatched through jit's Python path at every call; the pair
+    adds none, while XLA still sees both custom calls as side-effecting (kept and never merged)."""
+    rng = np.random.default_rng(5)
+    E, F, H, T, K = 4, 8, 16, 2, 2
+    g, u, d = banks(rng, E, F, H, np.float32)
+    h = LayerHandoff("ffi", g, u, d, H, F, "silu")
+    args = inputs(rng, T, H, K, E)
+
+    def f(x, ids, w, valid):
+        gpu, cpu = h.around(x, ids, w, valid, lambda t: t * 2.0, x)
+        return gpu + cpu
+
+    assert jax.make_jaxpr(f)(*args).effects == set()
+    hlo = jax.jit(f).lower(*args).as_text()
+    calls = [line for line in hlo.splitlines() if "freetoken_moe_" in line and "custom_call" in line]
+    assert len(calls) == 2 and all("has_side_effect = true" in line for line in calls), calls
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), 2 * args[0] + reference(*args, g, u, d, H, F), atol=1e-4, rtol=0)
