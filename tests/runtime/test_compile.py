@@ -140,3 +140,19 @@ def test_steps_keep_the_state_where_it_is():
         assert _addresses(runner.state) == before
     assert np.asarray(tok).shape == (2,) and all(np.asarray(t).shape == (2,) for t in toks)
     assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()
+
+
+def test_decode_steps_carry_no_jax_effect():
+    """jit dispatches a step that has a JAX effect through its Python path at every call (on the
+    H200 that cost a 24-layer hybrid step most of its host time): the decode step of every
+    strategy, the CPU handoff's FFI pair included, has none."""
+    for strategy in ("fused", "offload", "hybrid", "cpu"):
+        ec = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16, moe_strategy=strategy,
+                          expert_slots=None if strategy in ("fused", "cpu") else 6, cpu_handoff="ffi")  # fmt: skip
+        runner = FreeTokenEngine.from_pretrained("demo", ec).runner
+        batch = DecodeBatch(jnp.zeros((2, ec.pages_per_sequence), jnp.int32), jnp.asarray([True, False]), Sampling.greedy(2))
+        jaxpr = jax.make_jaxpr(runner.steps.decode.jitted)(runner.weights, runner.state, batch, runner.experts)
+        text = str(jaxpr)
+        assert (strategy in ("hybrid", "cpu")) == ("freetoken_moe_submit" in text), strategy  # the pair is in the step
+        assert jaxpr.effects == set(), (strategy, jaxpr.effects)
+        runner.close()
