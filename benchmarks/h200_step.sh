@@ -8,6 +8,8 @@
 #            windows) with the handoff signalled by stream memory operations (the default), by
 #            kernels, by host functions, and outside the CUDA graphs (ffi_nograph);
 #   grouped: q4_0 offload prefill of 2048 and 8192 tokens in one chunk, experts dense and grouped;
+#   pprofile: one 2048-token q4_0 prefill chunk through the two layer buffers, dense and grouped,
+#            under the kernel profiler (profile_step --prefill-tokens);
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native
 #            stack sampled over 300 steps (profile_step --stacks).
 source benchmarks/h200_install.sh
@@ -17,6 +19,7 @@ for what in "$@"; do
     # (test_bad_calls_raise checks the CPU backend's handlers: a CUDA job's errors are printed, not raised)
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
+    pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens 2048 --variants dense grouped --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
     stacks) $P --strategies ${STACKS:-cpu hybrid offload} --stacks 300 2>&1 | grep -v "it/s\]" | cut -c1-220 ;;
     sync) for s in default kernel host_function; do
         echo "== FREETOKEN_HANDOFF_SYNC=$s"

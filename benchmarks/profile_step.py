@@ -213,7 +213,8 @@ def prefill_chunk(args) -> list:
     from freetoken_jax.runtime.steps import PrefillBatch, on_device, prefill_step_buffered
 
     T = args.prefill_tokens
-    bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T)
+    bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T, layers=args.layers,
+                  expert_format=args.expert_format)  # fmt: skip
     cfg, ecfg, summary = bench.cfg, bench.ecfg, []
     weights, experts = bench.engine.weights, Offload(args.prefill_load)
     n = bench.slots_for(args.slots_gb, 1)
@@ -258,8 +259,8 @@ def main() -> int:
     ap.add_argument("--routing-skew", type=float, default=0.0)
     ap.add_argument("--warm", type=int, default=16, help="steps before timing (host-bank strategies)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--expert-format", default=None, help="host-bank strategies: the experts' format (bf16, q4_0, ...)")
-    ap.add_argument("--layers", type=int, default=None, help="host-bank strategies: keep the preset's first layers")
+    ap.add_argument("--expert-format", default=None, help="the experts' format (bf16, q4_0, ...)")
+    ap.add_argument("--layers", type=int, default=None, help="keep the preset's first layers")
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--sampling", nargs="+", default=["where"], choices=["where", "cond", "greedy"],
