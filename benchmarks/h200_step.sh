@@ -10,6 +10,8 @@
 #   grouped: q4_0 offload prefill of 2048 and 8192 tokens in one chunk, experts dense and grouped;
 #   pprofile: one 2048-token q4_0 prefill chunk through the two layer buffers, dense and grouped,
 #            under the kernel profiler (profile_step --prefill-tokens);
+#   overlap: whether a layer's load from pinned host memory runs beside compute in one jitted
+#            program, on one stream or under compute_on("gpu_stream:1") (benchmarks/stream_overlap.py);
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native
 #            stack sampled over 300 steps (profile_step --stacks).
 source benchmarks/h200_install.sh
@@ -20,6 +22,7 @@ for what in "$@"; do
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
     pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens 2048 --variants dense grouped --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
+    overlap) timeout 240 python3 benchmarks/stream_overlap.py --layers 8 --reps 40 2>&1 | tail -14 ;;
     stacks) $P --strategies ${STACKS:-cpu hybrid offload} --stacks 300 2>&1 | grep -v "it/s\]" | cut -c1-220 ;;
     sync) for s in default kernel host_function; do
         echo "== FREETOKEN_HANDOFF_SYNC=$s"

@@ -1,0 +1,113 @@
+"""Can a layer's load from pinned host memory run beside the previous layer's compute inside one
+jitted program? The pattern of a long prefill chunk: L layers, each a bank of E expert rows in
+pinned host memory; layer m+1's rows are loaded while layer m computes on its own.
+
+Variants (each one jitted program over the L layers, timed after a warm run):
+  load      the loads only (the Pallas fetch kernel of `pallas_kernels/expert_fetch.py`, each
+            layer's rows into a fresh device buffer);
+  compute   the compute only (chained matmuls over a resident buffer, `--reps` per layer);
+  serial    both, layer m+1's load issued before layer m's compute (one stream: XLA runs them in
+            order);
+  stream1   the same with each load under `compute_on("gpu_stream:1")` (XLA's stream annotation:
+            the load runs on a second stream);
+  copy      as serial, the load a `device_put` of the whole bank to device memory;
+  copy1     copy under `compute_on("gpu_stream:1")`.
+Overlap shows as a variant's time near max(load, compute) rather than their sum.
+
+    python benchmarks/stream_overlap.py --layers 8 --reps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.compute_on import compute_on
+
+from pallas_kernels.expert_fetch import fetch_rows_many
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--rows", type=int, default=640, help="each expert: rows × 2048 bfloat16 weights")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=40, help="matmul pairs per layer (sets the compute time)")
+    ap.add_argument("--variants", nargs="+", default=["load", "compute", "serial", "stream1", "copy", "copy1"])
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    dev = jax.devices()[0]
+    host = jax.sharding.SingleDeviceSharding(dev, memory_kind="pinned_host" if gpu else None)
+    on_dev = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
+    L, E, F, D, T = args.layers, args.experts, args.rows, 2048, args.tokens
+    rng = np.random.default_rng(0)
+    banks = [jax.device_put((rng.standard_normal((E, F * D), np.float32) * 0.02).astype(jnp.bfloat16), host) for _ in range(L)]
+    x0 = jnp.asarray(rng.standard_normal((T, D), np.float32), jnp.bfloat16)
+    idx, ones = jnp.arange(E, dtype=jnp.int32), jnp.ones((E,), bool)
+    layer_gb = E * F * D * 2 / 1e9
+    print(
+        f"{jax.devices()[0].device_kind}: {L} layers of {E} experts, {layer_gb:.3f} GB a layer; {T} tokens, {args.reps} matmul pairs a layer"
+    )
+
+    def fetch(bank):
+        return fetch_rows_many((bank,), (jnp.zeros((E, F * D), bank.dtype),), idx, idx, ones, interpret=not gpu)[0]
+
+    def copy(bank):
+        return jax.device_put(bank, on_dev) if gpu else bank
+
+    def compute(x, w_ER):
+        k = min(8, E)
+        w = w_ER.reshape(E, F, D)[:k].reshape(k * F, D)  # [5120, 2048]: 8 of this layer's loaded experts
+        for _ in range(args.reps):
+            h = jnp.dot(x, w.T, preferred_element_type=jnp.float32).astype(x.dtype)
+            x = (jnp.dot(h, w, preferred_element_type=jnp.float32) * 0.05).astype(x.dtype)
+        return x
+
+    def pipeline(load):
+        def run(x, banks):
+            loaded = load(banks[0])
+            for m in range(L):
+                w = loaded
+                if m + 1 < L:
+                    x, w, nxt = jax.lax.optimization_barrier((x, w, banks[m + 1]))
+                    loaded = load(nxt)
+                x = compute(x, w)
+            return x
+
+        return run
+
+    resident = copy(banks[0])
+    variants = {
+        "load": lambda x, b: sum(jnp.sum(fetch(bank)[:1, :8].astype(jnp.float32)) for bank in b) + x[0, 0],
+        "compute": lambda x, b: [x := compute(x, resident) for _ in range(L)][-1],
+        "serial": pipeline(jax.jit(fetch)),
+        "stream1": pipeline(compute_on("gpu_stream:1")(jax.jit(fetch))),
+        "copy": pipeline(copy),
+        "copy1": pipeline(compute_on("gpu_stream:1")(jax.jit(copy))),
+    }
+    rows = []
+    for name in args.variants:
+        try:
+            f = jax.jit(variants[name])
+            jax.block_until_ready(f(x0, banks))
+            t = time.perf_counter()
+            for _ in range(3):
+                out = f(x0, banks)
+            jax.block_until_ready(out)
+            ms = (time.perf_counter() - t) / 3 * 1e3
+            text = f.lower(x0, banks).compile().as_text()
+            rows.append((name, ms, "call-start" in text))
+        except Exception as e:  # a variant the backend refuses: say why and go on
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
+    print(f"\n{'variant':>8} {'ms':>8} {'GB/s of loads':>14} {'second stream':>14}")
+    for name, ms, streamed in rows:
+        print(f"{name:>8} {ms:8.2f} {L * layer_gb / ms * 1e3:14.1f} {str(streamed):>14}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
