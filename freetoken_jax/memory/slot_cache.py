@@ -5,7 +5,9 @@ S slots per weight kind are shared by all MoE layers. An expert is addressed by 
 slot or -1, `id_of_slot[s]` the id held by slot s or -1, `last_use[s]` the clock value of the
 layer step that last used it; one global LRU over all layers (the clock advances once per MoE
 layer per step). Every update has fixed shapes: a layer's needs are the B × k routed entries,
-misses padded with a mask, so the step compiles once per batch bucket.
+misses padded with a mask, so the step compiles once per batch bucket. What no later layer of
+a step reads (the counters, `routed_LN`, `last_routed`) is written once for all the step's layers
+at its end (`record_stats`): fewer, larger updates than one per layer.
 
 Each slot array holds one expert per row, flattened: gate and up as [F·D] (rows of the [F, D]
 matrix), down as [D·F], or for a quantized expert format the matrix's bytes (uint8,
@@ -132,10 +134,24 @@ def find_misses(
     return LayerMisses(flat, valid, first, slot, miss, to_cpu, on_cpu)
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerStats:
+    """What a layer's `place_misses` leaves for `record_stats`: the state no later layer of the
+    step reads (its counters, the ids it was routed, when), written for every layer at once at
+    the step's end — one update per array a step instead of one per layer."""
+
+    layer: int
+    clock: jax.Array  # int32 []: the layer's clock value
+    counts: jax.Array  # int32 [3]: distinct experts found resident, fetched, left to the CPU
+    routed: jax.Array  # int32 [routed_LN.shape[1]]: the flat ids it was routed (-1 pad)
+    flat: jax.Array  # int32 [N]: its entries' flat ids
+    valid: jax.Array  # bool [N]
+
+
 def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int):
     """Chooses least-recently-used victims for the fetched misses among the slots this layer does
-    not need and updates the maps, clocks and counters. Returns the new cache, each entry's slot
-    [T, k] (0 for entries on the CPU) and the fetch plan."""
+    not need and updates the maps and clocks. Returns the new cache, each entry's slot [T, k] (0
+    for entries on the CPU), the fetch plan and the layer's `LayerStats` (for `record_stats`)."""
     N, S = T * K, c.num_slots
     flat, valid, slot, miss = m.flat, m.valid, m.slot, m.miss
     resident = slot >= 0
@@ -146,27 +162,40 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     victim = jnp.where(miss, order[rank], S)  # S: out of range, dropped
     evicted = jnp.where(miss, c.id_of_slot[jnp.clip(victim, 0, S - 1)], -1)
     oob = c.slot_for_id.shape[0]
-    slot_for_id = c.slot_for_id.at[jnp.where(evicted >= 0, evicted, oob)].set(-1, mode="drop")
-    slot_for_id = slot_for_id.at[jnp.where(miss, flat, oob)].set(victim, mode="drop")
+    # One scatter: the evicted ids (resident) and the missed ones (not) never coincide.
+    slot_for_id = c.slot_for_id.at[jnp.concatenate([jnp.where(evicted >= 0, evicted, oob), jnp.where(miss, flat, oob)])].set(
+        jnp.concatenate([jnp.full((N,), -1, jnp.int32), victim.astype(jnp.int32)]), mode="drop"
+    )
     id_of_slot = c.id_of_slot.at[victim].set(flat, mode="drop")
     on_gpu = valid & ~m.on_cpu
     slots_TK = jnp.where(on_gpu, slot_for_id[flat], 0).reshape(T, K)
     last_use = c.last_use.at[jnp.where(on_gpu, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
-    routed = (
-        jnp.full((c.routed_LN.shape[1],), -1, jnp.int32)
-        .at[: min(N, c.routed_LN.shape[1])]
-        .set(jnp.where(valid, flat, -1)[: c.routed_LN.shape[1]])
-    )
-    new = c.with_(
-        slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1,
-        hits_L=c.hits_L.at[moe_layer].add(jnp.sum(m.first & resident)),
-        misses_L=c.misses_L.at[moe_layer].add(jnp.sum(miss)),
-        routed_LN=c.routed_LN.at[moe_layer].set(routed),
-        last_routed=c.last_routed.at[jnp.where(valid, flat, oob)].set(c.clock, mode="drop"),
-        cpu_L=c.cpu_L.at[moe_layer].add(jnp.sum(m.to_cpu)),
-    )  # fmt: skip
+    W = c.routed_LN.shape[1]
+    routed = jnp.full((W,), -1, jnp.int32).at[: min(N, W)].set(jnp.where(valid, flat, -1)[:W])
+    counts = jnp.stack([jnp.sum(m.first & resident), jnp.sum(miss), jnp.sum(m.to_cpu)]).astype(jnp.int32)
+    stats = LayerStats(moe_layer, c.clock, counts, routed, flat, valid)
+    new = c.with_(slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1)
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
-    return new, slots_TK, plan
+    return new, slots_TK, plan, stats
+
+
+def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:
+    """The layers' `LayerStats` written into the cache: cumulative counters, `routed_LN` and
+    `last_routed`."""
+    if not stats:
+        return c
+    layers = jnp.asarray([s.layer for s in stats], jnp.int32)
+    counts = jnp.stack([s.counts for s in stats])
+    oob = c.last_routed.shape[0]
+    ids = jnp.concatenate([jnp.where(s.valid, s.flat, oob) for s in stats])
+    when = jnp.concatenate([jnp.broadcast_to(s.clock, s.flat.shape) for s in stats])
+    return c.with_(
+        hits_L=c.hits_L.at[layers].add(counts[:, 0]),
+        misses_L=c.misses_L.at[layers].add(counts[:, 1]),
+        cpu_L=c.cpu_L.at[layers].add(counts[:, 2]),
+        routed_LN=c.routed_LN.at[layers].set(jnp.stack([s.routed for s in stats])),
+        last_routed=c.last_routed.at[ids].set(when, mode="drop"),
+    )
 
 
 def borrow_for_prefill(c: SlotCache, num_experts: int) -> tuple[SlotCache, jax.Array]:

@@ -104,7 +104,7 @@ class Offload(ExpertBackend):
         from freetoken_jax.runtime.offload import OffloadExecutor
 
         ex = OffloadExecutor(model.cfg, model, slots, valid_T, prefill=buffered, prefill_load=self.prefill_load, compute=self.compute)
-        return ex.expert_fns(model), lambda: ex.cache
+        return ex.expert_fns(model), ex.result
 
 
 @jax.tree_util.register_dataclass
@@ -132,7 +132,7 @@ class Hybrid(ExpertBackend):
             model.cfg, model, slots, valid_T, self.q if hybrid else None, self.host_banks, self.handoff, self.overhead, buffered,
             self.prefill_load, self.compute,
         )  # fmt: skip
-        return ex.expert_fns(model), lambda: ex.cache
+        return ex.expert_fns(model), ex.result
 
     def with_q(self, q: float) -> Hybrid:
         return dataclasses.replace(self, q=float(q))

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses
+from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses, record_stats
 from freetoken_jax.models.layers import pair_biases, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime.experts import moe_layer_fns
@@ -73,6 +73,7 @@ class OffloadExecutor:
         self.hybrid_q, self.host_banks, self.handoff, self.hybrid_overhead = hybrid_q, host_banks, handoff, hybrid_overhead
         self.prefill, self.prefill_load = prefill, prefill_load
         self.compute = compute or routed_experts
+        self.stats: list = []  # each decode layer's `LayerStats`, recorded by `result`
         self.layouts = [ExpertLayout.of(cfg, m) for m in range(cfg.num_moe_layers)]
         if prefill and cache is not None:
             self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
@@ -81,6 +82,10 @@ class OffloadExecutor:
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
         self.interpret = jax.default_backend() == "cpu"
+
+    def result(self) -> SlotCache | None:
+        """The slot cache after the step's last layer, its layers' statistics recorded."""
+        return None if self.cache is None else record_stats(self.cache, self.stats)
 
     def expert_fns(self, model) -> list:
         if self.cache is None:
@@ -151,7 +156,8 @@ class OffloadExecutor:
             misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
 
             def gpu_side(c):
-                c, slots_TK, plan = place_misses(c, m, misses, E, T, K)
+                c, slots_TK, plan, stats = place_misses(c, m, misses, E, T, K)
+                self.stats.append(stats)
                 arrays = (c.gate_SR, c.up_SR, c.down_SR)
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])

@@ -8,7 +8,7 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.memory.slot_cache import SlotCache, fetch_count, find_misses, place_misses
+from freetoken_jax.memory.slot_cache import SlotCache, fetch_count, find_misses, place_misses, record_stats
 
 # max_running: both rows decode together even with the fewest slots (one step's experts for max_batch rows)
 BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid",
@@ -72,7 +72,7 @@ def test_misses_found_before_placing_agree_with_the_placed_maps():
         valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
         q = float(rng.choice([0.0, 0.3, 0.5, 1.0]))
         m = find_misses(c, layer, ids, valid, E, q)
-        new, slots_TK, plan = place_misses(c, layer, m, E, T, K)
+        new, slots_TK, plan, _ = place_misses(c, layer, m, E, T, K)
         flat = layer * E + np.asarray(ids).reshape(-1)
         v = np.repeat(np.asarray(valid) != 0, K)
         after = np.asarray(new.slot_for_id)[flat]
@@ -84,6 +84,37 @@ def test_misses_found_before_placing_agree_with_the_placed_maps():
         np.testing.assert_array_equal(np.asarray(slots_TK).reshape(-1)[on_gpu], after[on_gpu])
         np.testing.assert_array_equal(np.asarray(new.id_of_slot)[after[on_gpu]], flat[on_gpu])
         assert set(np.asarray(plan.dst_N)[np.asarray(plan.valid_N)]) <= set(after[on_gpu])
+
+
+def test_a_steps_statistics_recorded_at_its_end_equal_each_layers_own():
+    """`place_misses` leaves each layer's counters, routed ids and routing clock to
+    `record_stats`, which writes them for all the step's layers at once: the same values a
+    layer-by-layer update gives (a plain-Python model over the layers in step order)."""
+    rng = np.random.default_rng(3)
+    L, E, T, K = 4, 8, 3, 2
+    for trial in range(30):
+        c = _random_cache(rng, L, E, 10, T * K)
+        hits, misses, cpu = (np.asarray(a).copy() for a in (c.hits_L, c.misses_L, c.cpu_L))
+        routed, last_routed = np.asarray(c.routed_LN).copy(), np.asarray(c.last_routed).copy()
+        stats = []
+        for layer in range(L):
+            ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)
+            valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
+            m = find_misses(c, layer, ids, valid, E, float(rng.choice([0.0, 0.5, 1.0])))
+            clock = int(c.clock)
+            c, _, _, st = place_misses(c, layer, m, E, T, K)
+            stats.append(st)
+            flat, v = layer * E + np.asarray(ids).reshape(-1), np.repeat(np.asarray(valid) != 0, K)
+            hits[layer] += int(np.sum(np.asarray(m.first) & (np.asarray(m.slot) >= 0)))
+            misses[layer] += int(np.sum(m.miss))
+            cpu[layer] += int(np.sum(m.to_cpu))
+            routed[layer] = np.where(v, flat, -1)
+            last_routed[flat[v]] = clock
+        out = record_stats(c, stats)
+        for got, want in ((out.hits_L, hits), (out.misses_L, misses), (out.cpu_L, cpu), (out.routed_LN, routed),
+                          (out.last_routed, last_routed)):  # fmt: skip
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=str(trial))
+    assert record_stats(c, []) is c
 
 
 # Hybrid is family-independent past the router; two families here (shared experts and a dense
