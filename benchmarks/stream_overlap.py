@@ -11,7 +11,9 @@ Variants (each one jitted program over the L layers, timed after a warm run):
   stream1   the same with each load under `compute_on("gpu_stream:1")` (XLA's stream annotation:
             the load runs on a second stream);
   copy      as serial, the load a `device_put` of the whole bank to device memory;
-  copy1     copy under `compute_on("gpu_stream:1")`.
+  copy1     copy under `compute_on("gpu_stream:1")`;
+  inplace / inplace1  as serial / stream1, each layer fetched in place into one half of a
+            [2E, row] buffer carried through the layers (the engine's borrowed layer buffers).
 Overlap shows as a variant's time near max(load, compute) rather than their sum.
 
     python benchmarks/stream_overlap.py --layers 8 --reps 40
@@ -37,7 +39,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=640, help="each expert: rows × 2048 bfloat16 weights")
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=40, help="matmul pairs per layer (sets the compute time)")
-    ap.add_argument("--variants", nargs="+", default=["load", "compute", "serial", "stream1", "copy", "copy1"])
+    ap.add_argument("--variants", nargs="+", default=["load", "compute", "serial", "stream1", "copy", "copy1", "inplace", "inplace1"])
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     dev = jax.devices()[0]
@@ -80,6 +82,22 @@ def main() -> int:
 
         return run
 
+    def fetch_into(bank, buf, dst):
+        return fetch_rows_many((bank,), (buf,), idx, dst, ones, interpret=not gpu)[0]
+
+    def pipeline_inplace(load):
+        def run(x, banks):
+            buf = load(banks[0], jnp.zeros((2 * E, F * D), banks[0].dtype), idx)
+            for m in range(L):
+                w = buf[E * (m % 2) : E * (m % 2 + 1)]
+                if m + 1 < L:
+                    x, w, buf, nxt = jax.lax.optimization_barrier((x, w, buf, banks[m + 1]))
+                    buf = load(nxt, buf, idx + E * ((m + 1) % 2))
+                x = compute(x, w)
+            return x
+
+        return run
+
     resident = copy(banks[0])
     variants = {
         "load": lambda x, b: sum(jnp.sum(fetch(bank)[:1, :8].astype(jnp.float32)) for bank in b) + x[0, 0],
@@ -88,8 +106,10 @@ def main() -> int:
         "stream1": pipeline(compute_on("gpu_stream:1")(jax.jit(fetch))),
         "copy": pipeline(copy),
         "copy1": pipeline(compute_on("gpu_stream:1")(jax.jit(copy))),
+        "inplace": pipeline_inplace(jax.jit(fetch_into, donate_argnums=1)),
+        "inplace1": pipeline_inplace(compute_on("gpu_stream:1")(jax.jit(fetch_into, donate_argnums=1))),
     }
-    rows = []
+    rows, first = [], None
     for name in args.variants:
         try:
             f = jax.jit(variants[name])
@@ -100,12 +120,16 @@ def main() -> int:
             jax.block_until_ready(out)
             ms = (time.perf_counter() - t) / 3 * 1e3
             text = f.lower(x0, banks).compile().as_text()
-            rows.append((name, ms, "call-start" in text))
+            same = ""
+            if name not in ("load", "compute"):  # the pipelines compute the same thing
+                first = out if first is None else first
+                same = str(bool(jnp.array_equal(out, first)))
+            rows.append((name, ms, "call-start" in text, same))
         except Exception as e:  # a variant the backend refuses: say why and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
-    print(f"\n{'variant':>8} {'ms':>8} {'GB/s of loads':>14} {'second stream':>14}")
-    for name, ms, streamed in rows:
-        print(f"{name:>8} {ms:8.2f} {L * layer_gb / ms * 1e3:14.1f} {str(streamed):>14}")
+    print(f"\n{'variant':>8} {'ms':>8} {'GB/s of loads':>14} {'second stream':>14} {'same result':>12}")
+    for name, ms, streamed, same in rows:
+        print(f"{name:>8} {ms:8.2f} {L * layer_gb / ms * 1e3:14.1f} {str(streamed):>14} {same:>12}")
     return 0
 
 
