@@ -143,7 +143,6 @@ class LayerStats:
     layer: int
     clock: jax.Array  # int32 []: the layer's clock value
     counts: jax.Array  # int32 [3]: distinct experts found resident, fetched, left to the CPU
-    routed: jax.Array  # int32 [routed_LN.shape[1]]: the flat ids it was routed (-1 pad)
     flat: jax.Array  # int32 [N]: its entries' flat ids
     valid: jax.Array  # bool [N]
 
@@ -170,10 +169,8 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     on_gpu = valid & ~m.on_cpu
     slots_TK = jnp.where(on_gpu, slot_for_id[flat], 0).reshape(T, K)
     last_use = c.last_use.at[jnp.where(on_gpu, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
-    W = c.routed_LN.shape[1]
-    routed = jnp.full((W,), -1, jnp.int32).at[: min(N, W)].set(jnp.where(valid, flat, -1)[:W])
     counts = jnp.stack([jnp.sum(m.first & resident), jnp.sum(miss), jnp.sum(m.to_cpu)]).astype(jnp.int32)
-    stats = LayerStats(moe_layer, c.clock, counts, routed, flat, valid)
+    stats = LayerStats(moe_layer, c.clock, counts, flat, valid)
     new = c.with_(slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1)
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
     return new, slots_TK, plan, stats
@@ -186,6 +183,9 @@ def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:
         return c
     layers = jnp.asarray([s.layer for s in stats], jnp.int32)
     counts = jnp.stack([s.counts for s in stats])
+    W = c.routed_LN.shape[1]
+    routed = jnp.stack([jnp.where(s.valid, s.flat, -1) for s in stats])[:, :W]  # the ids each layer was routed
+    routed = jnp.pad(routed, ((0, 0), (0, W - routed.shape[1])), constant_values=-1)
     oob = c.last_routed.shape[0]
     ids = jnp.concatenate([jnp.where(s.valid, s.flat, oob) for s in stats])
     when = jnp.concatenate([jnp.broadcast_to(s.clock, s.flat.shape) for s in stats])
@@ -193,7 +193,7 @@ def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:
         hits_L=c.hits_L.at[layers].add(counts[:, 0]),
         misses_L=c.misses_L.at[layers].add(counts[:, 1]),
         cpu_L=c.cpu_L.at[layers].add(counts[:, 2]),
-        routed_LN=c.routed_LN.at[layers].set(jnp.stack([s.routed for s in stats])),
+        routed_LN=c.routed_LN.at[layers].set(routed),
         last_routed=c.last_routed.at[ids].set(when, mode="drop"),
     )
 

@@ -414,9 +414,8 @@ def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
 def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, counts, capacity: int) -> jax.Array:
     # Pair p (token t, k) sorted by expert goes to row `rank` of its expert's group of
     # `capacity` rows (every group fits: `routed_experts` checked `counts`, the pairs per
-    # expert); empty rows carry
-    # zeros and weight 0. Experts go through in slices whose float32 activations [e, C, F] stay
-    # within DENSE_SLICE_BYTES.
+    # expert); empty rows carry zeros and weight 0. Experts go through in slices whose float32
+    # activations [e, C, F] stay within DENSE_SLICE_BYTES.
     T, K = ids_TK.shape
     gate_EFD, up_EFD, down_EDF = mats
     E, C, D = gate_EFD.shape[0], capacity, x_TD.shape[1]
