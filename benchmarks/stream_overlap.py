@@ -32,6 +32,20 @@ from jax.experimental.compute_on import compute_on
 from pallas_kernels.expert_fetch import fetch_rows_many
 
 
+def on_stream(f, n: int):
+    """`f` under XLA's stream annotation `gpu_stream:n` (jax 0.11's `compute_on(f, compute_type=...)`,
+    jax 0.10's context manager)."""
+    try:
+        return compute_on(f, compute_type=f"gpu_stream:{n}", out_memory_spaces=jax.memory.Space.Device)
+    except TypeError:
+
+        def g(*args):
+            with compute_on(f"gpu_stream:{n}"):
+                return f(*args)
+
+        return g
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -40,6 +54,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--reps", type=int, default=40, help="matmul pairs per layer (sets the compute time)")
     ap.add_argument("--variants", nargs="+", default=["load", "compute", "serial", "stream1", "copy", "copy1", "inplace", "inplace1"])
+    ap.add_argument("--no-annotate", dest="annotate", action="store_false", help="compile without xla_gpu_experimental_stream_annotation")
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     dev = jax.devices()[0]
@@ -109,16 +124,18 @@ def main() -> int:
         "load": lambda x, b: sum(jnp.sum(fetch(bank)[:1, :8].astype(jnp.float32)) for bank in b) + x[0, 0],
         "compute": compute_only,
         "serial": pipeline(jax.jit(fetch)),
-        "stream1": pipeline(compute_on("gpu_stream:1")(jax.jit(fetch))),
+        "stream1": pipeline(on_stream(jax.jit(fetch), 1)),
         "copy": pipeline(copy),
-        "copy1": pipeline(compute_on("gpu_stream:1")(jax.jit(copy))),
+        "copy1": pipeline(on_stream(jax.jit(copy), 1)),
         "inplace": pipeline_inplace(jax.jit(fetch_into, donate_argnums=1)),
-        "inplace1": pipeline_inplace(compute_on("gpu_stream:1")(jax.jit(fetch_into, donate_argnums=1))),
+        "inplace1": pipeline_inplace(on_stream(jax.jit(fetch_into, donate_argnums=1), 1)),
     }
     rows, first = [], None
     for name in args.variants:
         try:
-            f = jax.jit(variants[name]).lower(x0, banks).compile()
+            lowered = jax.jit(variants[name]).lower(x0, banks)
+            # XLA honours the stream annotation only with this option (jax's StreamAnnotationTest)
+            f = lowered.compile({"xla_gpu_experimental_stream_annotation": True} if gpu and args.annotate else None)
             jax.block_until_ready(f(x0, banks))
             t = time.perf_counter()
             for _ in range(3):
