@@ -67,7 +67,7 @@ def main(argv=None) -> int:
 
         def load_layer(m):
             if load == "pallas":
-                ex._load_layer(m)
+                ex._fetch_layer(m)
                 return ex.layer_slots.pop(m)
             banks = [ex._on_device(b) for b in ex.banks[m]]
             return banks

@@ -332,8 +332,9 @@ class EngineConfig:
     hybrid_overhead: float = 0.3
     # Strategies "offload" / "hybrid": how prefill brings a layer's experts into its borrowed
     # buffer: "fetch" (the Pallas kernel, per missing expert; resident experts are not copied),
-    # "copy" (the whole bank in one in-jit device_put) or "auto" (copy when an expert row is
-    # under 256 KB, else fetch).
+    # "copy" (the whole bank in one in-jit device_put, which XLA runs on its own stream beside
+    # the compute) or "auto" (copy on a GPU; on the CPU backend when an expert row is under
+    # 256 KB, else fetch).
     prefill_load: str = "auto"
     # Strategy "auto": with a benchbw.json, the engine first decodes this many steps under hybrid,
     # offload and cpu (batch 1, sampled) and keeps the fastest, whatever the profile's bandwidth
