@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                        help="store the experts in this format (a preset's random weights are quantized as built; default: as the checkpoint)")  # fmt: skip
         p.add_argument("--expert-impl", default="auto", choices=IMPLS,
                        help="how the GPU computes routed experts (freetoken_jax/bench/expert_impls.py)")  # fmt: skip
+        p.add_argument("--routing-skew", type=float, nargs="+", default=[None],
+                       help="Zipf exponent of synthetic routing (0 = uniform), one set of rows per value; default: the model's own "
+                            "router (a preset's random router sends most of a prompt's tokens to a few experts)")  # fmt: skip
         if name == "decode":
             p.add_argument("--batch", type=int, nargs="+", default=[1])
-            p.add_argument("--routing-skew", type=float, nargs="+", default=[None],
-                           help="Zipf exponent of synthetic routing (0 = uniform); default: the model's own router")  # fmt: skip
             p.add_argument("--prompt-len", type=int, default=64)
             p.add_argument("--gen-len", type=int, default=64, help="decode steps per row (the first quarter, at most 16, are warm-up)")
             p.add_argument("--layer-steps", type=int, default=8, help="decode steps of the `layer` baseline (each moves every expert)")

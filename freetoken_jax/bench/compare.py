@@ -320,13 +320,16 @@ class Bench:
                      handoffs_per_step=c / n, handoff_arrivals_unseen=hs["unseen"])  # fmt: skip
         return r
 
-    def prefill(self, variant: str, prompt_len: int, q: float, slots_gb: float, chunk: int | None = None) -> dict | None:
+    def prefill(
+        self, variant: str, prompt_len: int, q: float, slots_gb: float, chunk: int | None = None, skew: float | None = None
+    ) -> dict | None:
         """Time to prefill one prompt. offload / hybrid: through two borrowed layer buffers of a
         `slots_gb` slot cache (when it has 2E slots); stream: each layer's whole bank copied and
         dropped; per-token: the decode path (routed experts looked up and fetched per token).
-        `chunk`: the prefill chunk (default: the bench's)."""
+        `chunk`: the prefill chunk (default: the bench's); `skew`: synthetic routing (None: the
+        model's router)."""
         cfg = self.cfg
-        wx = self.variant(variant, q, None)
+        wx = self.variant(variant, q, skew)
         if wx is None:
             return None
         slots, chunk = None, chunk or self.ecfg.chunk
@@ -352,7 +355,7 @@ class Bench:
         chunks = -(-prompt_len // chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
         bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
-        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None,
+        return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None, routing_skew=skew,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first,
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
@@ -480,12 +483,13 @@ def run(args) -> dict:
                 ("ratio_to_bound", "of bound", ".2f"), ("host_thread_ms_per_step", "host ms", ".2f"),
                 ("x_naive", "x naive", ".2f")]  # fmt: skip
     else:
-        for n in args.prompt_len:
-            for chunk in args.chunk:
-                for s in args.strategy:
-                    for split in hybrid_qs if s == "hybrid" else [q]:
-                        keep(bench.prefill(s, n, split, args.slots_gb[0], chunk))
-        cols = [("strategy", "strategy", ""), ("prompt_len", "prompt", "d"), ("chunk", "chunk", "d"), ("chunks", "chunks", "d"),
+        for skew in args.routing_skew:
+            for n in args.prompt_len:
+                for chunk in args.chunk:
+                    for s in args.strategy:
+                        for split in hybrid_qs if s == "hybrid" else [q]:
+                            keep(bench.prefill(s, n, split, args.slots_gb[0], chunk, skew))
+        cols = [("strategy", "strategy", ""), ("routing_skew", "skew", "g"), ("prompt_len", "prompt", "d"), ("chunk", "chunk", "d"), ("chunks", "chunks", "d"),
                 ("tokens_per_s", "tok/s", ".0f"),
                 ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
     print(table(out["rows"], cols))

@@ -108,6 +108,18 @@ def test_prefill(tmp_path):
     assert len({r["first_token"] for r in rows}) == 1  # every load path prefills the same prompt to the same token
 
 
+def test_prefill_under_synthetic_routing(tmp_path):
+    out = tmp_path / "prefill.json"
+    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "fused", "--slots-gb", "0.01", "--prompt-len", "40",
+            "--chunk", "16", "--routing-skew", "0", "3", "--expert-impl", "grouped", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["strategy"], r["routing_skew"]) for r in rows] == [("offload", 0), ("fused", 0), ("offload", 3), ("fused", 3)]
+    # the strategies agree under each routing, and the routing is the one drawn: the skews differ
+    assert rows[0]["first_token"] == rows[1]["first_token"] and rows[2]["first_token"] == rows[3]["first_token"]
+    assert rows[0]["first_token"] != rows[2]["first_token"]
+
+
 def test_plot_draws_or_says_what_is_missing(tmp_path):
     rows = [dict(strategy="offload", batch=1, routing_skew=0, slots_gb=v, tokens_per_s=t) for v, t in ((8, 10.0), (16, 20.0))]
     rows.append(dict(strategy="naive", batch=1, routing_skew=0, slots_gb=None, tokens_per_s=5.0))
