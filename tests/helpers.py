@@ -53,7 +53,7 @@ def int8_activations(tier: str, fmt: str) -> bool:
     """Whether the CPU executor's kernels of `fmt` at `tier` read activations rounded to int8 per
     block of 32 (cpu_ext/src/quant_dot.cc: the VNNI kernels from avx512_bf16 on, all but fp8; the
     AVX2 tier's int8 kernels of q4_0, mxfp4 and nvfp4)."""
-    if tier in ("avx512_bf16", "amx_bf16"):
+    if tier == "avx512_bf16":
         return fmt != "fp8"
     return tier == "avx2_fma" and fmt in ("q4_0", "mxfp4", "nvfp4")
 

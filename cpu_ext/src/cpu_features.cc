@@ -37,17 +37,14 @@ std::vector<IsaTier> SupportedTiers() {
   unsigned long long xcr0 = Xgetbv();
   bool ymm = (xcr0 & 0x6) == 0x6;
   bool zmm = ymm && (xcr0 & 0xe0) == 0xe0;
-  bool amx_state = (xcr0 & (3ull << 17)) == (3ull << 17);
   Regs l7 = Cpuid(7, 0);
   Regs l7s1 = Cpuid(7, 1);
   bool avx2 = l7.b & (1u << 5), fma = l1.c & (1u << 12);
   bool avx512f = l7.b & (1u << 16), avx512bw = l7.b & (1u << 30), avx512vl = l7.b & (1u << 31);
   bool avx512bf16 = l7s1.a & (1u << 5), avx512vnni = l7.c & (1u << 11);
-  bool amx_tile = l7.d & (1u << 24), amx_bf16 = l7.d & (1u << 22);
   if (ymm && avx2 && fma) tiers.push_back(IsaTier::kAvx2Fma); else return tiers;
   if (zmm && avx512f && avx512bw && avx512vl) tiers.push_back(IsaTier::kAvx512F); else return tiers;
-  if (avx512bf16 && avx512vnni) tiers.push_back(IsaTier::kAvx512Bf16); else return tiers;
-  if (amx_state && amx_tile && amx_bf16) tiers.push_back(IsaTier::kAmxBf16);
+  if (avx512bf16 && avx512vnni) tiers.push_back(IsaTier::kAvx512Bf16);
 #endif
   return tiers;
 }
@@ -58,7 +55,6 @@ const char* TierName(IsaTier tier) {
     case IsaTier::kAvx2Fma: return "avx2_fma";
     case IsaTier::kAvx512F: return "avx512f";
     case IsaTier::kAvx512Bf16: return "avx512_bf16";
-    case IsaTier::kAmxBf16: return "amx_bf16";
   }
   return "unknown";
 }

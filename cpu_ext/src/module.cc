@@ -24,9 +24,9 @@ using namespace freetoken;
 namespace {
 
 IsaTier ParseTier(const std::string& name) {
-  for (int t = 0; t <= static_cast<int>(IsaTier::kAmxBf16); ++t)
+  for (int t = 0; t <= static_cast<int>(IsaTier::kAvx512Bf16); ++t)
     if (name == TierName(static_cast<IsaTier>(t))) return static_cast<IsaTier>(t);
-  throw std::invalid_argument("unknown ISA tier '" + name + "'; use scalar, avx2_fma, avx512f, avx512_bf16 or amx_bf16");
+  throw std::invalid_argument("unknown ISA tier '" + name + "'; use scalar, avx2_fma, avx512f or avx512_bf16");
 }
 
 using Bank = nb::ndarray<nb::ro, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -99,7 +99,7 @@ NB_MODULE(_cpu_ext, m) {
         for (auto t : SupportedTiers()) names.emplace_back(TierName(t));
         return names;
       },
-      "ISA tiers usable on this CPU, lowest first (scalar, avx2_fma, avx512f, avx512_bf16, amx_bf16).");
+      "ISA tiers usable on this CPU, lowest first (scalar, avx2_fma, avx512f, avx512_bf16).");
 
   m.def(
       "format_nbytes", [](const std::string& format, int64_t rows, int64_t n) { return MatrixBytes(ParseBankType(format.c_str()), rows, n); },
@@ -140,7 +140,7 @@ NB_MODULE(_cpu_ext, m) {
             if (threads <= 0) throw std::invalid_argument("threads must be positive");
             new (self) MoeExecutor(threads, ParseTier(max_tier), pin);
           },
-          nb::arg("threads"), nb::arg("max_tier") = "amx_bf16", nb::arg("pin") = false)
+          nb::arg("threads"), nb::arg("max_tier") = "avx512_bf16", nb::arg("pin") = false)
       .def_prop_ro("tier", [](const MoeExecutor& e) { return std::string(TierName(e.tier())); })
       .def_prop_ro("threads", &MoeExecutor::threads)
       .def(

@@ -178,7 +178,6 @@ MoeExecutor::MoeExecutor(int threads, IsaTier max_tier, bool pin) : pool_(thread
   tier_ = IsaTier::kScalar;
   for (IsaTier t : SupportedTiers())
     if (static_cast<int>(t) <= static_cast<int>(max_tier)) tier_ = t;
-  if (tier_ == IsaTier::kAmxBf16) tier_ = IsaTier::kAvx512Bf16;  // no AMX kernel: the bf16 dot is the top tier
 }
 
 constexpr int64_t kMaxChunk = 128;  // rows a task of the many-items path reads of one matrix, at most

@@ -815,7 +815,7 @@ void PrepareQ8(const float* x, int64_t n, uint8_t* out, int offset, bool nvfp4_o
 }
 
 inline bool UsesVnni(IsaTier tier, BankType type) {
-  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type != BankType::kF32 && type != BankType::kBF16 && type != BankType::kFp8;
+  return tier == IsaTier::kAvx512Bf16 && type != BankType::kF32 && type != BankType::kBF16 && type != BankType::kFp8;
 }
 // The AVX2 tier's int8 kernels: the formats whose codes stay below 128 (DpbusdAvx2) and whose
 // scales need no AVX-512 (not the K-quants').
@@ -841,7 +841,7 @@ inline int VnniOffset(BankType type) {
   }
 }
 inline bool UsesBf16Dot(IsaTier tier, BankType type) {
-  return (tier == IsaTier::kAvx512Bf16 || tier == IsaTier::kAmxBf16) && type == BankType::kBF16;
+  return tier == IsaTier::kAvx512Bf16 && type == BankType::kBF16;
 }
 
 #define K_SCALAR DotKScalar<BankType::kQ4_K>, DotKScalar<BankType::kQ5_K>, DotKScalar<BankType::kQ6_K>
@@ -932,7 +932,6 @@ DotFn DotFor(IsaTier tier, BankType type) {
 #ifdef FREETOKEN_X86
   if (const DotFn int8 = Int8Kernels(tier, type).dot) return int8;
   switch (tier) {
-    case IsaTier::kAmxBf16:
     case IsaTier::kAvx512Bf16:
       return type == BankType::kBF16 ? DotBf16Avx512Bf16 : kAvx512[t];
     case IsaTier::kAvx512F:

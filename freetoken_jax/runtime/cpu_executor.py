@@ -16,7 +16,7 @@ import numpy as np
 
 from freetoken_jax import _cpu_ext
 
-TIERS = ("scalar", "avx2_fma", "avx512f", "avx512_bf16", "amx_bf16")
+TIERS = ("scalar", "avx2_fma", "avx512f", "avx512_bf16")
 
 
 def supported_tiers() -> list[str]:
@@ -115,10 +115,11 @@ def hybrid_threads() -> int:
 
 def max_tier() -> str:
     """The highest ISA tier the engine's executors may use: FREETOKEN_CPU_TIER if set, else
-    "amx_bf16" (the best this CPU has). From "avx512_bf16" up, q8_0 / q4_0 / mxfp4 / nvfp4 experts
-    multiply activations rounded to int8 blocks (as llama.cpp does) and bf16 experts activations
-    rounded to bf16; "avx512f" keeps every activation in float32 (slower)."""
-    tier = os.environ.get("FREETOKEN_CPU_TIER", "amx_bf16")
+    "avx512_bf16" (the best this CPU has at most). At "avx512_bf16" the 4- and 8-bit formats
+    multiply activations rounded to int8 blocks (as llama.cpp does, VNNI) and bf16 experts
+    activations rounded to bf16; at "avx2_fma" q4_0 / mxfp4 / nvfp4 use int8 blocks too;
+    "avx512f" keeps every activation in float32 (slower)."""
+    tier = os.environ.get("FREETOKEN_CPU_TIER", "avx512_bf16")
     if tier not in TIERS:
         raise ValueError(f"FREETOKEN_CPU_TIER must be one of {TIERS}, got {tier!r}")
     return tier
@@ -137,7 +138,7 @@ def shared_executor(threads: int | None = None) -> CpuExecutor:
 
 
 class CpuExecutor:
-    def __init__(self, threads: int = 0, max_tier: str = "amx_bf16", pin: bool = False):
+    def __init__(self, threads: int = 0, max_tier: str = "avx512_bf16", pin: bool = False):
         if max_tier not in TIERS:
             raise ValueError(f"max_tier must be one of {TIERS}")
         self._ex = _cpu_ext.CpuMoeExecutor(threads or default_threads(), max_tier, pin)
