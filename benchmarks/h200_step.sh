@@ -1,13 +1,16 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|overlap|stacks]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
 #            windows) with the handoff signalled by stream memory operations (the default), by
 #            kernels, by host functions, and outside the CUDA graphs (ffi_nograph);
 #   grouped: q4_0 offload prefill of 2048 and 8192 tokens in one chunk, experts dense and grouped;
+#   pgrouped: the same under uniform synthetic routing (--routing-skew 0: a preset's random router
+#            sends a chunk's tokens to a few experts, and grouped falls back to dense), each layer
+#            loaded by whole-bank copies (the default on a GPU) and by the Pallas fetch;
 #   pprofile: one 2048-token q4_0 prefill chunk through the two layer buffers, dense and grouped,
 #            under the kernel profiler (profile_step --prefill-tokens);
 #   overlap: whether a layer's load from pinned host memory runs beside compute in one jitted
@@ -31,6 +34,10 @@ for what in "$@"; do
         FREETOKEN_HANDOFF_SYNC=$s timeout 150 $P --strategies cpu hybrid 2>&1 | grep -E "thread|handoffs|returns|=="
       done
       echo "== ffi_nograph"; timeout 150 $P --strategies cpu hybrid --handoff ffi_nograph 2>&1 | grep -E "thread|handoffs|returns|==" ;;
+    pgrouped) for impl in dense grouped; do
+        timeout 280 $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
+          --routing-skew 0 --strategy offload offload-fetch --expert-impl $impl --json "$OUT/prefill_skew0_$impl.json" 2>&1 | grep -v "it/s\]" | tail -5
+      done ;;
     grouped) for impl in dense grouped; do
         $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
           --strategy offload --expert-impl $impl --json "$OUT/prefill_$impl.json" 2>&1 | grep -v "it/s\]" | tail -6

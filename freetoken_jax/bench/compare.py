@@ -16,8 +16,9 @@ over the same banks:
 
 Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
-baselines for the buffered prefill of offload / hybrid, and `offload-copy` (the buffered
-prefill loading whole banks by device_put instead of the Pallas fetch: `prefill_load="copy"`).
+baselines for the buffered prefill of offload / hybrid, and `offload-copy` / `offload-fetch` (the
+buffered prefill loading whole banks by device_put, or the missing experts by the Pallas fetch:
+`prefill_load="copy"` / `"fetch"`; plain offload takes the engine's choice).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q*, tokens/s as a multiple of the naive baseline's (when it ran at that batch and skew) and the
@@ -57,7 +58,7 @@ from freetoken_jax.runtime.steps import shapes
 from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
-PREFILL_VARIANTS = ("offload", "offload-copy", "hybrid", "stream", "per-token", "cpu", "fused")
+PREFILL_VARIANTS = ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token", "cpu", "fused")
 
 
 @jax.tree_util.register_dataclass
@@ -157,8 +158,8 @@ class Bench:
             experts = LayerStreaming(self.ecfg.prefill_load)
         elif variant == "per-token":
             experts = PerToken(self.ecfg.prefill_load)
-        else:  # offload, naive (few slots), offload-copy
-            experts = Offload("copy" if variant == "offload-copy" else self.ecfg.prefill_load)
+        else:  # offload, naive (few slots), offload-copy, offload-fetch
+            experts = Offload(variant.removeprefix("offload-") if variant.startswith("offload-") else self.ecfg.prefill_load)
         if self.compute is not None and hasattr(experts, "compute"):
             experts = dataclasses.replace(experts, compute=self.compute)
         return weights, experts if skew is None else SyntheticRouting(experts, float(skew))
@@ -333,7 +334,7 @@ class Bench:
         if wx is None:
             return None
         slots, chunk = None, chunk or self.ecfg.chunk
-        if variant in ("offload", "offload-copy", "hybrid", "per-token"):
+        if variant in ("offload", "offload-copy", "offload-fetch", "hybrid", "per-token"):
             slots = self.slots_for(slots_gb, self.ecfg.max_batch)
             if variant == "per-token":  # the largest chunk whose routed experts fit the slots (slots >= top_k: `slots_for`)
                 chunk = min(chunk, 1 << (slots // cfg.top_k).bit_length() - 1)
@@ -354,7 +355,11 @@ class Bench:
             runner.close()
         chunks = -(-prompt_len // chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = chunks * all_experts / self.bp if variant in ("offload", "offload-copy", "hybrid", "stream", "per-token") else None
+        bound = (
+            chunks * all_experts / self.bp
+            if variant in ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token")
+            else None
+        )
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None, routing_skew=skew,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first,
