@@ -4,8 +4,10 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
-# lcpp-build|lcpp|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
-# and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; capacity: the qwen3-235b-a22b
+# lcpp-build|lcpp|ik-build|ik|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; ik-build / ik:
+# ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
+# GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file).
 source benchmarks/h200_install.sh
@@ -40,6 +42,12 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         --compile-workers 3 --json "$OUT/$(basename $f .gguf)_decode.json" > "$OUT/$(basename $f .gguf).log" 2>&1
       echo "rc=$?"; grep -v "it/s\]" "$OUT/$(basename $f .gguf).log" | tail -12
       /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
+    ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;  # ≈ 11 min on 16 cores: twice, back to back (ninja resumes)
+    ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
+      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
+      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
+      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -p 2048 -b 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 | grep "^|" | tail -1 ;;
+    qsweep) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid --q 0.3 0.35 0.4 0.45 0.5 --json "$OUT/q4_qsweep.json" 2>&1 | grep -v "it/s\]" | tail -7 ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 2048,8192 -b 8192 -ub 2048,8192 -n 0 -r 2 -o md 2>&1 | grep "^|" ;;
