@@ -155,6 +155,61 @@ def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float, sinks_H=None) -> jax.
     return o.reshape(B, T, H, -1).astype(q_BTHd.dtype)
 
 
+# Key positions per block of a many-token step's attention (`attend_paged`).
+ATTN_BLOCK = 1024
+
+
+def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None) -> jax.Array:
+    """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor), keys
+    and values made by `kv_of(gathered)` -> (k_BSKd, v_BSKe). A step of one token per row, or a
+    page table of at most ATTN_BLOCK positions, gathers everything and calls `attend`. A step of
+    many tokens (prefill) goes through the table in blocks of ATTN_BLOCK positions with a running
+    softmax and stops after the last block that any of its queries may read, so that its cost
+    follows the positions it reads rather than `max_context` (a 2048-token chunk in an 8192-token
+    context reads a quarter of the table)."""
+    B, T = q_BTHd.shape[:2]
+    P, page = view.page_table_BP.shape[1], pages[0].shape[1]
+    bp = max(1, ATTN_BLOCK // page)  # pages per block
+    if T == 1 or P <= bp:
+        k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
+        return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)
+    nb, W = -(-P // bp), bp * page
+    table = jnp.pad(view.page_table_BP, ((0, 0), (0, nb * bp - P)))
+    mask = jnp.pad(mask_BTS, ((0, 0), (0, 0), (0, nb * W - P * page)))
+    read = jnp.any(mask, axis=(0, 1))
+    blocks = jnp.max(jnp.where(read, jnp.arange(nb * W), 0)) // W + 1  # blocks up to the last position read
+
+    def block(i):
+        pg = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
+        k, v = kv_of(tuple(p[pg].reshape(B, W, *p.shape[2:]) for p in pages))
+        K = k.shape[2]
+        q = q_BTHd.reshape(B, T, K, q_BTHd.shape[2] // K, -1)
+        sc = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+        m = jax.lax.dynamic_slice_in_dim(mask, i * W, W, axis=2)
+        return jnp.where(m[:, None, None], sc, -1e30), v
+
+    def update(carry, i):
+        mx, den, acc = carry  # running max and denominator [B, K, G, T], numerator [B, T, K, G, e]
+        sc, v = block(i)
+        new = jnp.maximum(mx, jnp.max(sc, axis=-1))
+        p = jnp.exp(sc - new[..., None])
+        corr = jnp.exp(mx - new)
+        pv = jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return new, den * corr + jnp.sum(p, axis=-1), acc * jnp.moveaxis(corr, 3, 1)[..., None] + pv
+
+    sc, v = block(0)
+    K, G = sc.shape[1:3]
+    # a sink (gpt-oss) is one more key of value 0: it starts the running max and denominator
+    sink = jnp.full((1, K, G, 1), -1e30, jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32).reshape(1, K, G, 1)
+    mx = jnp.maximum(jnp.max(sc, axis=-1), sink)
+    p = jnp.exp(sc - mx[..., None])
+    den = jnp.sum(p, axis=-1) + (0.0 if sinks_H is None else jnp.exp(sink - mx))
+    acc = jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    mx, den, acc = jax.lax.fori_loop(1, blocks, lambda i, c: update(c, i), (mx, den, acc))
+    o = acc / jnp.moveaxis(den, 3, 1)[..., None]
+    return o.reshape(B, T, K * G, -1).astype(q_BTHd.dtype)
+
+
 class Attention(nnx.Module):
     """Grouped-query attention (Mixtral, Qwen2-MoE, Qwen3-MoE, generic) over a paged KV cache."""
 
@@ -181,8 +236,8 @@ class Attention(nnx.Module):
         rope = lambda x: apply_rope(x, *cos_sin, cfg.rope_interleave)  # noqa: E731
         q, k = (rope(a) if rd == cfg.head_dim else jnp.concatenate([rope(a[..., :rd]), a[..., rd:]], axis=-1) for a in (q, k))
         k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
-        k_all, v_all = gather_pages(k_pages, view), gather_pages(v_pages, view)
-        o = attend(q, k_all, v_all, view.mask(self.window), softmax_scale(cfg), None if self.sinks is None else self.sinks[...])
+        sinks = None if self.sinks is None else self.sinks[...]
+        o = attend_paged(q, (k_pages, v_pages), view, view.mask(self.window), softmax_scale(cfg), lambda kv: kv, sinks)
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
 
 
@@ -223,12 +278,15 @@ class MLAttention(nnx.Module):
         q_rot = apply_rope(q_rot, *cos_sin, cfg.rope_interleave)
         k_rot = apply_rope(k_rot, *cos_sin, cfg.rope_interleave)[:, :, 0]
         lat_pages, rot_pages = write_pages(kv[0], view, latent_BTR), write_pages(kv[1], view, k_rot)
-        lat_BSR, rot_BSr = gather_pages(lat_pages, view), gather_pages(rot_pages, view)
-        S = lat_BSR.shape[1]
-        kvb = self.kv_b_proj(lat_BSR).reshape(B, S, H, dn + dv)
-        k_BSHd = jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(rot_BSr[:, :, None], (B, S, H, dr))], axis=-1)
+
+        def kv_of(gathered):  # keys and values of gathered entries, expanded from the latent
+            lat_BSR, rot_BSr = gathered
+            S = lat_BSR.shape[1]
+            kvb = self.kv_b_proj(lat_BSR).reshape(B, S, H, dn + dv)
+            return jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(rot_BSr[:, :, None], (B, S, H, dr))], axis=-1), kvb[..., dn:]
+
         q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
-        o = attend(q_BTHd, k_BSHd, kvb[..., dn:], view.mask_BTS, softmax_scale(cfg))
+        o = attend_paged(q_BTHd, (lat_pages, rot_pages), view, view.mask_BTS, softmax_scale(cfg), kv_of)
         return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages)
 
 

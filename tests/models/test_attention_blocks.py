@@ -1,0 +1,94 @@
+"""`attend_paged` (blocks of the page table with a running softmax, stopping after the last block
+read) against `attend` over everything gathered (the reference), and the models' long prefill
+through it against transformers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from freetoken_jax.memory.kv_cache import KVView, gather_pages
+from freetoken_jax.models import layers
+from freetoken_jax.models.layers import attend, attend_paged
+
+PAGE = 4
+
+
+def _case(rng, B, T, K, G, P, start, valid_len):
+    """Pools whose pages hold random K/V, each row's table a random set of distinct pages, a chunk
+    of T tokens from `start` of which the first `valid_len` are real."""
+    d, e, pool = 8, 6, B * P + 1
+    k_pool = jnp.asarray(rng.standard_normal((pool, PAGE, K, d)), jnp.float32)
+    v_pool = jnp.asarray(rng.standard_normal((pool, PAGE, K, e)), jnp.float32)
+    table = jnp.asarray(rng.permutation(np.arange(1, pool))[: B * P].reshape(B, P), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(start, start + T, dtype=jnp.int32), (B, T))
+    valid = jnp.broadcast_to(jnp.arange(T) < valid_len, (B, T))
+    view = KVView.build(pos, valid, table, PAGE)
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, d)), jnp.float32)
+    return q, k_pool, v_pool, view
+
+
+@pytest.mark.parametrize(
+    "B, T, K, G, P, start, valid_len, window, sinks",
+    [
+        (1, 8, 2, 2, 12, 0, 8, 0, False),  # a first chunk: one block of three read
+        (2, 6, 1, 4, 12, 17, 6, 0, False),  # a later chunk crossing a block edge
+        (1, 7, 2, 1, 10, 20, 5, 0, True),  # padding tokens, sinks, a table not a multiple of the block
+        (2, 8, 2, 2, 16, 30, 8, 9, True),  # a sliding window: early blocks fully masked
+        (1, 5, 1, 2, 9, 31, 5, 0, False),  # the last block of the table
+    ],
+)
+def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sinks, monkeypatch):
+    monkeypatch.setattr(layers, "ATTN_BLOCK", 4 * PAGE)  # 4 pages a block
+    rng = np.random.default_rng(B * 100 + T + start)
+    q, k_pool, v_pool, view = _case(rng, B, T, K, G, P, start, valid_len)
+    sinks_H = jnp.asarray(rng.standard_normal(K * G), jnp.float32) if sinks else None
+    mask = view.mask(window)
+    want = attend(q, gather_pages(k_pool, view), gather_pages(v_pool, view), mask, 0.3, sinks_H)
+    got = jax.jit(lambda q, k, v: attend_paged(q, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H))(q, k_pool, v_pool)
+    real = np.asarray(view.positions_BT < start + valid_len)  # padding tokens' outputs are never read
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
+
+
+def test_blocks_after_the_last_position_read_are_not_read(monkeypatch):
+    """NaN in every page after the block holding the chunk's last position: the reference reads
+    them (0 × NaN in its weighted sum), the blocked attention stops before them."""
+    monkeypatch.setattr(layers, "ATTN_BLOCK", 4 * PAGE)
+    rng = np.random.default_rng(3)
+    q, k_pool, v_pool, view = _case(rng, 1, 6, 2, 2, 16, 2, 6)  # positions 2..7: block 0 only
+    later = view.page_table_BP[0, 4:]
+    k_bad, v_bad = k_pool.at[later].set(jnp.nan), v_pool.at[later].set(jnp.nan)
+    clean = attend(q, gather_pages(k_pool, view), gather_pages(v_pool, view), view.mask_BTS, 0.3)
+    assert np.isnan(np.asarray(attend(q, gather_pages(k_bad, view), gather_pages(v_bad, view), view.mask_BTS, 0.3))).all()
+    got = attend_paged(q, (k_bad, v_bad), view, view.mask_BTS, 0.3, lambda kv: kv)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(clean), atol=2e-6, rtol=2e-6)
+
+
+def test_one_token_steps_and_short_tables_take_the_reference_path(monkeypatch):
+    monkeypatch.setattr(layers, "ATTN_BLOCK", 4 * PAGE)
+    rng = np.random.default_rng(4)
+    for T, P in ((1, 16), (6, 4)):
+        q, k_pool, v_pool, view = _case(rng, 1, T, 2, 2, P, 3, T)
+        want = attend(q, gather_pages(k_pool, view), gather_pages(v_pool, view), view.mask_BTS, 0.3)
+        got = attend_paged(q, (k_pool, v_pool), view, view.mask_BTS, 0.3, lambda kv: kv)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral_swa"])
+def test_long_prefill_in_blocks_matches_transformers(name, ckpt_root, monkeypatch):
+    """Blocks of 8 positions (2 pages) over a 96-position table: a 45-token prompt's chunks of 16
+    read 2, 4 and 6 of its 12 blocks (GQA, MLA, sinks with sliding windows)."""
+    import torch
+    from hf_models import load_hf, make_checkpoint
+
+    from freetoken_jax import EngineConfig, FreeTokenEngine
+
+    monkeypatch.setattr(layers, "ATTN_BLOCK", 8)
+    path = make_checkpoint(name, ckpt_root)
+    engine = FreeTokenEngine.from_pretrained(
+        path, EngineConfig(dtype="float32", max_context=96, max_batch=2, page_size=4, prefill_chunk=16)
+    )
+    prompt = [int(t) for t in np.random.default_rng(45).integers(0, 96, 45)]
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
