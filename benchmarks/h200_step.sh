@@ -12,7 +12,7 @@
 #            sends a chunk's tokens to a few experts, and grouped falls back to dense), each layer
 #            loaded by whole-bank copies (the default on a GPU) and by the Pallas fetch;
 #   pprofile: one 2048-token q4_0 prefill chunk through the two layer buffers, dense and grouped,
-#            under the kernel profiler (profile_step --prefill-tokens);
+#            uniform synthetic routing, under the kernel profiler (profile_step --prefill-tokens);
 #   overlap: whether a layer's load from pinned host memory runs beside compute in one jitted
 #            program, on one stream or under compute_on("gpu_stream:1") (benchmarks/stream_overlap.py);
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native

@@ -204,12 +204,14 @@ def prefill_chunk(args) -> list:
     """Profiles one prefill chunk of `--prefill-tokens` tokens under offload with `--slots-gb` of
     slots through two borrowed layer buffers, each layer's missing experts fetched by the Pallas
     kernel or copied whole (`--prefill-load`), for each expert implementation of `--variants`
-    (`auto`: the engine's choice, `dense` at this size; `ragged`: grouped matmuls); writes
-    each compiled step's HLO beside the profile."""
+    (`auto`: the engine's choice, `dense` at this size; `ragged`: grouped matmuls), the experts
+    routed by `--routing-skew` (synthetic routing: a preset's random router sends most tokens
+    to a few experts); writes each compiled step's HLO beside the profile."""
     from freetoken_jax.bench.compare import Bench
     from freetoken_jax.memory.kv_cache import init_cache
     from freetoken_jax.memory.slot_cache import init_slot_cache
     from freetoken_jax.runtime.experts import Offload
+    from freetoken_jax.runtime.routing import SyntheticRouting
     from freetoken_jax.runtime.steps import PrefillBatch, on_device, prefill_step_buffered
 
     T = args.prefill_tokens
@@ -228,7 +230,7 @@ def prefill_chunk(args) -> list:
     for impl in args.variants:
         step = jax.jit(lambda *a: prefill_step_buffered(*a), donate_argnums=(1, 3))  # a fresh trace per implementation
         t = time.perf_counter()
-        backend = dataclasses.replace(experts, compute=named(impl))
+        backend = SyntheticRouting(dataclasses.replace(experts, compute=named(impl)), jnp.float32(args.routing_skew))
         compiled = step.lower(weights, box[0], batch, box[1], backend).compile()
         compile_s = time.perf_counter() - t
         with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}.hlo.txt"), "w") as f:
@@ -256,7 +258,7 @@ def main() -> int:
     ap.add_argument("--variants", nargs="+", default=["auto"])
     ap.add_argument("--strategies", nargs="+", default=None, choices=["offload", "hybrid", "naive", "cpu"])
     ap.add_argument("--slots-gb", type=float, default=16.0)
-    ap.add_argument("--routing-skew", type=float, default=0.0)
+    ap.add_argument("--routing-skew", type=float, default=0.0, help="Zipf exponent of the synthetic routing (0: uniform)")
     ap.add_argument("--warm", type=int, default=16, help="steps before timing (host-bank strategies)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--expert-format", default=None, help="the experts' format (bf16, q4_0, ...)")
