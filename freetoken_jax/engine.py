@@ -23,13 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
-from freetoken_jax.memory.budget import GB, choose_prefill_chunk, device_memory_bytes, host_memory_available, pinned_host_limit, plan_memory
+from freetoken_jax.memory.budget import (
+    GB,
+    choose_prefill_chunk,
+    choose_prefill_load,
+    device_memory_bytes,
+    host_memory_available,
+    pinned_host_limit,
+    plan_memory,
+)
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.quant.banks import quantize_params, quantizing
 from freetoken_jax.runtime.choice import probe_key, remember_probe, resolve_auto
 from freetoken_jax.runtime.experts import ExpertBackend, make_backend
-from freetoken_jax.runtime.offload import host_bank_placer, to_host_banks
+from freetoken_jax.runtime.offload import host_bank_placer, host_memory_kind, to_host_banks
 from freetoken_jax.runtime.runner import ModelRunner
 from freetoken_jax.runtime.sampling import GenerationParams, RequestError
 from freetoken_jax.runtime.steps import Weights
@@ -105,6 +113,10 @@ class FreeTokenEngine:
                 chosen, why = ecfg.replace(prefill_chunk=ecfg.chunk), "the default: the rings of a larger chunk would not fit"
             ecfg = chosen
             log.info("prefill chunk %d: %s", ecfg.prefill_chunk, why)
+        prefill_load, why = choose_prefill_load(cfg, ecfg, plan, host_memory_kind() is not None)
+        if prefill_load != ecfg.prefill_load:
+            ecfg = ecfg.replace(prefill_load=prefill_load)
+            log.info("prefill load %s: %s", prefill_load, why)
         log.info("memory plan: %s", plan.describe())
         host = ecfg.moe_strategy.experts_on_host
         place = None

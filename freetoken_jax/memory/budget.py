@@ -142,11 +142,43 @@ ACTIVATION_SHARE = 0.5
 
 def prefill_activation_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, tokens: int) -> int:
     """An upper estimate of one prefill chunk's activations in float32: the residual stream and
-    its projections, each attention layer's scores over the whole gathered context (with its
-    softmax), and the routed experts' gate, up and activation per token."""
+    its projections, each attention layer's scores over one block of the gathered context (with
+    its softmax; `kv_cache.ATTN_BLOCK` positions, or the whole context where it is shorter), and
+    the routed experts' gate, up and activation per token."""
+    from freetoken_jax.memory.kv_cache import ATTN_BLOCK
+
     context = ecfg.pages_per_sequence * ecfg.page_size
-    per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * context + 3 * cfg.top_k * cfg.intermediate_dim
+    block = context if context <= ATTN_BLOCK else -(-ATTN_BLOCK // ecfg.page_size) * ecfg.page_size
+    per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * block + 3 * cfg.top_k * cfg.intermediate_dim
     return 4 * tokens * ecfg.max_batch * per_token
+
+
+def plan_free_bytes(ecfg: EngineConfig, plan: MemoryPlan) -> int:
+    """Device bytes the plan leaves to XLA's own buffers (prefill's activations among them)."""
+    reserved = int((ecfg.reserved_vram_gb or 0.0) * GB)
+    return plan.budget_bytes - reserved - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
+
+
+def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan, gpu: bool) -> tuple[str, str]:
+    """(prefill_load, why) for an `ecfg` whose chunk is settled: "auto" becomes "copy" on a GPU
+    when one layer's bank fits beside the chunk's activations in `ACTIVATION_SHARE` of what the
+    plan leaves free (the copy of the next layer is a device buffer of its own while the layer
+    before computes), else "fetch" (into the borrowed buffers; nothing more). Unchanged where it
+    was given, off a GPU, or without a budget (the executor's own rule: `runtime/offload.py`)."""
+    if ecfg.prefill_load != "auto" or not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None or not gpu:
+        return ecfg.prefill_load, "as given, or the executor's rule"
+    bank = cfg.num_experts * plan.expert_bytes
+    need = prefill_activation_bytes(cfg, ecfg, ecfg.chunk) + bank
+    free = plan_free_bytes(ecfg, plan)
+    if need <= ACTIVATION_SHARE * free:
+        return (
+            "copy",
+            f"a layer's bank ({bank / GB:.2f} GiB) and the chunk's activations fit half of the {free / GB:.1f} GiB the plan leaves free",
+        )
+    return (
+        "fetch",
+        f"a layer's bank ({bank / GB:.2f} GiB) and the chunk's activations do not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",
+    )
 
 
 def choose_prefill_chunk(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan) -> tuple[int, str]:
@@ -158,8 +190,7 @@ def choose_prefill_chunk(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPl
     default = ecfg.chunk
     if not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None:
         return default, "the default (larger chunks pay under offload / hybrid, where each chunk streams the experts)"
-    reserved = int((ecfg.reserved_vram_gb or 0.0) * GB)
-    free = plan.budget_bytes - reserved - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
+    free = plan_free_bytes(ecfg, plan)
     for t in PREFILL_CHUNKS:
         if t <= ecfg.max_context and prefill_activation_bytes(cfg, ecfg, t) <= ACTIVATION_SHARE * free:
             return (

@@ -23,6 +23,9 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import EngineConfig, MoEModelConfig
 
+# Key positions per block of a many-token step's attention (`models.layers.attend_paged`).
+ATTN_BLOCK = 1024
+
 # Positions a sequence may write past its last token while the host reads its tokens behind the
 # device (`batcher.LENGTH_ONLY_AHEAD` steps, and one more): pages a ring keeps intact for them.
 RUN_AHEAD = 4

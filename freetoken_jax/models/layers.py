@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from freetoken_jax.config import ACTIVATIONS, MoEModelConfig
+from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.quant.layout import ExpertLayout
 
@@ -155,21 +156,17 @@ def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float, sinks_H=None) -> jax.
     return o.reshape(B, T, H, -1).astype(q_BTHd.dtype)
 
 
-# Key positions per block of a many-token step's attention (`attend_paged`).
-ATTN_BLOCK = 1024
-
-
 def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None) -> jax.Array:
     """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor), keys
     and values made by `kv_of(gathered)` -> (k_BSKd, v_BSKe). A step of one token per row, or a
-    page table of at most ATTN_BLOCK positions, gathers everything and calls `attend`. A step of
-    many tokens (prefill) goes through the table in blocks of ATTN_BLOCK positions with a running
+    page table of at most `kv_cache.ATTN_BLOCK` positions, gathers everything and calls `attend`.
+    A step of many tokens (prefill) goes through the table in blocks of that many positions with a running
     softmax and stops after the last block that any of its queries may read, so that its cost
     follows the positions it reads rather than `max_context` (a 2048-token chunk in an 8192-token
     context reads a quarter of the table)."""
     B, T = q_BTHd.shape[:2]
     P, page = view.page_table_BP.shape[1], pages[0].shape[1]
-    bp = max(1, ATTN_BLOCK // page)  # pages per block
+    bp = max(1, kv_cache.ATTN_BLOCK // page)  # pages per block
     if T == 1 or P <= bp:
         k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
         return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)

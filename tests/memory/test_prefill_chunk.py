@@ -1,12 +1,21 @@
 """The prefill chunk left to the engine: under offload / hybrid the largest candidate whose
 estimated activations fit half of what the memory plan leaves free, else the default; a given
-chunk is kept. Checked against a plain restatement of the rule over made-up budgets."""
+chunk is kept. Then how a layer comes in: whole-bank copies on a GPU where a layer's bank fits
+beside the activations, else the fetch. Checked against plain restatements of the rules over
+made-up budgets."""
 
 import pytest
 
 from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
 from freetoken_jax.config import DEFAULT_PREFILL_CHUNK
-from freetoken_jax.memory.budget import GB, PREFILL_CHUNKS, choose_prefill_chunk, plan_memory, prefill_activation_bytes
+from freetoken_jax.memory.budget import (
+    GB,
+    PREFILL_CHUNKS,
+    choose_prefill_chunk,
+    choose_prefill_load,
+    plan_memory,
+    prefill_activation_bytes,
+)
 
 CFG = MoEModelConfig(vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=2, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 
@@ -49,3 +58,31 @@ def test_the_engine_runs_with_the_chunk_it_chose():
     ref = FreeTokenEngine(CFG, ecfg.replace(prefill_chunk=16))
     prompt = list(range(1, 60))
     assert list(eng.generate(prompt, max_new_tokens=4, ignore_eos=True)) == list(ref.generate(prompt, max_new_tokens=4, ignore_eos=True))
+
+
+def test_attention_scores_are_estimated_over_one_block():
+    """Many-token attention reads the context in blocks of ATTN_BLOCK positions: past one block,
+    a longer context adds nothing to a chunk's activations."""
+    from freetoken_jax.memory.kv_cache import ATTN_BLOCK
+
+    def est(max_context):
+        return prefill_activation_bytes(CFG, EngineConfig(dtype="float32", max_context=max_context, max_batch=1, page_size=16), 512)
+
+    assert est(ATTN_BLOCK // 2) < est(ATTN_BLOCK) == est(4 * ATTN_BLOCK) == est(16 * ATTN_BLOCK)
+    per_token = 8 * CFG.hidden_dim + 2 * CFG.num_heads * ATTN_BLOCK + 3 * CFG.top_k * CFG.intermediate_dim
+    assert est(16 * ATTN_BLOCK) == 4 * 512 * per_token
+
+
+@pytest.mark.parametrize("budget_gb", [0.0002, 0.0005, 0.001, 0.01, 1.0])
+def test_whole_bank_copies_where_a_layer_fits_beside_the_activations(budget_gb):
+    ecfg = EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_context=64, max_batch=1, total_vram_gb=budget_gb,
+                        prefill_chunk=16)  # fmt: skip
+    plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
+    free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
+    fits = prefill_activation_bytes(CFG, ecfg, 16) + CFG.num_experts * plan.expert_bytes <= 0.5 * free
+    assert choose_prefill_load(CFG, ecfg, plan, gpu=True)[0] == ("copy" if fits else "fetch")
+    assert choose_prefill_load(CFG, ecfg, plan, gpu=False)[0] == "auto"  # the CPU backend: the executor's rule
+    for given in ("copy", "fetch"):
+        assert choose_prefill_load(CFG, ecfg.replace(prefill_load=given), plan, gpu=True)[0] == given
+    unknown = plan_memory(CFG, ecfg.replace(total_vram_gb=None), 10_000, 20_000, 4, None)
+    assert choose_prefill_load(CFG, ecfg.replace(total_vram_gb=None), unknown, gpu=True)[0] == "auto"

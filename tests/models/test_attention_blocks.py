@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages
-from freetoken_jax.models import layers
 from freetoken_jax.models.layers import attend, attend_paged
 
 PAGE = 4
@@ -39,7 +39,7 @@ def _case(rng, B, T, K, G, P, start, valid_len):
     ],
 )
 def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sinks, monkeypatch):
-    monkeypatch.setattr(layers, "ATTN_BLOCK", 4 * PAGE)  # 4 pages a block
+    monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 4 * PAGE)  # 4 pages a block
     rng = np.random.default_rng(B * 100 + T + start)
     q, k_pool, v_pool, view = _case(rng, B, T, K, G, P, start, valid_len)
     sinks_H = jnp.asarray(rng.standard_normal(K * G), jnp.float32) if sinks else None
@@ -53,7 +53,7 @@ def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sin
 def test_blocks_after_the_last_position_read_are_not_read(monkeypatch):
     """NaN in every page after the block holding the chunk's last position: the reference reads
     them (0 × NaN in its weighted sum), the blocked attention stops before them."""
-    monkeypatch.setattr(layers, "ATTN_BLOCK", 4 * PAGE)
+    monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 4 * PAGE)
     rng = np.random.default_rng(3)
     q, k_pool, v_pool, view = _case(rng, 1, 6, 2, 2, 16, 2, 6)  # positions 2..7: block 0 only
     later = view.page_table_BP[0, 4:]
@@ -65,7 +65,7 @@ def test_blocks_after_the_last_position_read_are_not_read(monkeypatch):
 
 
 def test_one_token_steps_and_short_tables_take_the_reference_path(monkeypatch):
-    monkeypatch.setattr(layers, "ATTN_BLOCK", 4 * PAGE)
+    monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 4 * PAGE)
     rng = np.random.default_rng(4)
     for T, P in ((1, 16), (6, 4)):
         q, k_pool, v_pool, view = _case(rng, 1, T, 2, 2, P, 3, T)
@@ -83,7 +83,7 @@ def test_long_prefill_in_blocks_matches_transformers(name, ckpt_root, monkeypatc
 
     from freetoken_jax import EngineConfig, FreeTokenEngine
 
-    monkeypatch.setattr(layers, "ATTN_BLOCK", 8)
+    monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 8)
     path = make_checkpoint(name, ckpt_root)
     engine = FreeTokenEngine.from_pretrained(
         path, EngineConfig(dtype="float32", max_context=96, max_batch=2, page_size=4, prefill_chunk=16)
