@@ -151,10 +151,14 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     """Chooses least-recently-used victims for the fetched misses among the slots this layer does
     not need and updates the maps and clocks. Returns the new cache, each entry's slot [T, k] (0
     for entries on the CPU), the fetch plan and the layer's `LayerStats` (for `record_stats`)."""
+    # The per-slot updates are comparisons of every slot with the layer's N entries ([S, N]) and
+    # selects, not scatters: elementwise work XLA fuses with its neighbours instead of one
+    # scatter kernel each.
     N, S = T * K, c.num_slots
     flat, valid, slot, miss = m.flat, m.valid, m.slot, m.miss
     resident = slot >= 0
-    in_use = jnp.zeros((S,), bool).at[jnp.where(valid & resident, slot, S)].set(True, mode="drop")
+    s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
+    in_use = jnp.any((slot[None, :] == s_S1) & (valid & resident)[None, :], axis=1)
     # Victims: the N least recently used slots not in use (empty slots first; ties by index).
     _, order = jax.lax.top_k(-jnp.where(in_use, _NEVER, c.last_use), N)
     rank = jnp.clip(jnp.cumsum(miss) - 1, 0, N - 1)
@@ -165,10 +169,12 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     slot_for_id = c.slot_for_id.at[jnp.concatenate([jnp.where(evicted >= 0, evicted, oob), jnp.where(miss, flat, oob)])].set(
         jnp.concatenate([jnp.full((N,), -1, jnp.int32), victim.astype(jnp.int32)]), mode="drop"
     )
-    id_of_slot = c.id_of_slot.at[victim].set(flat, mode="drop")
+    filled = victim[None, :] == s_S1  # [S, N]: slot s takes entry n's expert (victims are distinct)
+    id_of_slot = jnp.where(jnp.any(filled, axis=1), jnp.sum(jnp.where(filled, flat[None, :], 0), axis=1), c.id_of_slot)
     on_gpu = valid & ~m.on_cpu
     slots_TK = jnp.where(on_gpu, slot_for_id[flat], 0).reshape(T, K)
-    last_use = c.last_use.at[jnp.where(on_gpu, slots_TK.reshape(N), S)].set(c.clock, mode="drop")
+    used = jnp.any((slots_TK.reshape(1, N) == s_S1) & on_gpu[None, :], axis=1)
+    last_use = jnp.where(used, c.clock, c.last_use)
     counts = jnp.stack([jnp.sum(m.first & resident), jnp.sum(miss), jnp.sum(m.to_cpu)]).astype(jnp.int32)
     stats = LayerStats(moe_layer, c.clock, counts, flat, valid)
     new = c.with_(slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1)
