@@ -25,9 +25,9 @@ for what in "$@"; do
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
     pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens 2048 --variants dense grouped --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
-    overlap) timeout 240 python3 benchmarks/stream_overlap.py --layers 8 --reps 40 2>&1 | tail -14
+    overlap) timeout 240 python3 benchmarks/stream_overlap.py --layers 4 --reps 40 2>&1 | tail -14
       echo "== without xla_gpu_experimental_stream_annotation"
-      timeout 120 python3 benchmarks/stream_overlap.py --layers 8 --reps 40 --no-annotate --variants load compute stream1 inplace1 2>&1 | tail -6 ;;
+      timeout 120 python3 benchmarks/stream_overlap.py --layers 4 --reps 10 --no-annotate --variants load compute stream1 inplace1 2>&1 | tail -6 ;;
     stacks) $P --strategies ${STACKS:-cpu hybrid offload} --stacks 300 2>&1 | grep -v "it/s\]" | cut -c1-220 ;;
     sync) for s in default kernel host_function; do
         echo "== FREETOKEN_HANDOFF_SYNC=$s"

@@ -130,7 +130,8 @@ def main() -> int:
         "inplace": pipeline_inplace(jax.jit(fetch_into, donate_argnums=1)),
         "inplace1": pipeline_inplace(on_stream(jax.jit(fetch_into, donate_argnums=1), 1)),
     }
-    rows, first = [], None
+    first = None
+    print(f"\n{'variant':>8} {'ms':>8} {'GB/s of loads':>14} {'second stream':>14} {'same result':>12}", flush=True)
     for name in args.variants:
         try:
             lowered = jax.jit(variants[name]).lower(x0, banks)
@@ -147,12 +148,10 @@ def main() -> int:
             if name not in ("load", "compute"):  # the pipelines compute the same thing
                 first = out if first is None else first
                 same = str(bool(jnp.array_equal(out, first)))
-            rows.append((name, ms, "call-start" in text, same))
+            # each row as it is measured: a run cut short by a time limit keeps what it measured
+            print(f"{name:>8} {ms:8.2f} {L * layer_gb / ms * 1e3:14.1f} {str('call-start' in text):>14} {same:>12}", flush=True)
         except Exception as e:  # a variant the backend refuses: say why and go on
-            print(f"{name}: {type(e).__name__}: {str(e)[:300]}")
-    print(f"\n{'variant':>8} {'ms':>8} {'GB/s of loads':>14} {'second stream':>14} {'same result':>12}")
-    for name, ms, streamed, same in rows:
-        print(f"{name:>8} {ms:8.2f} {L * layer_gb / ms * 1e3:14.1f} {str(streamed):>14} {same:>12}")
+            print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return 0
 
 
