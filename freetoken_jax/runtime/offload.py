@@ -96,7 +96,8 @@ class OffloadExecutor:
 
     def _copies_bank(self, m: int) -> bool:
         """Whether layer m's whole bank comes in by one in-jit `device_put` ("copy") rather than
-        the Pallas fetch of its missing experts. "auto": always on a GPU, where XLA runs the
+        the Pallas fetch of its missing experts. "auto" (the engine resolves it from its memory
+        plan first: `memory.budget.choose_prefill_load`): always on a GPU, where XLA runs the
         copy on its own stream beside the compute while the fetch kernel runs on the compute
         stream, in series with it (H200: a 2048-token q4_0 chunk 316 against 381 ms); on the
         CPU backend for rows under 256 KB."""
