@@ -59,6 +59,7 @@ from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
 PREFILL_VARIANTS = ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token", "cpu", "fused")
+SLOT_PREFILLS = ("offload", "offload-copy", "offload-fetch", "hybrid", "per-token")  # prefill through a slot cache
 
 
 @jax.tree_util.register_dataclass
@@ -334,7 +335,7 @@ class Bench:
         if wx is None:
             return None
         slots, chunk = None, chunk or self.ecfg.chunk
-        if variant in ("offload", "offload-copy", "offload-fetch", "hybrid", "per-token"):
+        if variant in SLOT_PREFILLS:
             slots = self.slots_for(slots_gb, self.ecfg.max_batch)
             if variant == "per-token":  # the largest chunk whose routed experts fit the slots (slots >= top_k: `slots_for`)
                 chunk = min(chunk, 1 << (slots // cfg.top_k).bit_length() - 1)
@@ -355,11 +356,7 @@ class Bench:
             runner.close()
         chunks = -(-prompt_len // chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = (
-            chunks * all_experts / self.bp
-            if variant in ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token")
-            else None
-        )
+        bound = chunks * all_experts / self.bp if variant in SLOT_PREFILLS or variant == "stream" else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None, routing_skew=skew,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
+from freetoken_jax.memory.kv_cache import ATTN_BLOCK, attention_block_pages
 from freetoken_jax.quant.layout import expert_bytes
 
 GB = 1 << 30
@@ -145,10 +146,8 @@ def prefill_activation_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, tokens: in
     its projections, each attention layer's scores over one block of the gathered context (with
     its softmax; `kv_cache.ATTN_BLOCK` positions, or the whole context where it is shorter), and
     the routed experts' gate, up and activation per token."""
-    from freetoken_jax.memory.kv_cache import ATTN_BLOCK
-
     context = ecfg.pages_per_sequence * ecfg.page_size
-    block = context if context <= ATTN_BLOCK else -(-ATTN_BLOCK // ecfg.page_size) * ecfg.page_size
+    block = context if context <= ATTN_BLOCK else attention_block_pages(ecfg.page_size) * ecfg.page_size
     per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * block + 3 * cfg.top_k * cfg.intermediate_dim
     return 4 * tokens * ecfg.max_batch * per_token
 

@@ -26,6 +26,12 @@ from freetoken_jax.config import EngineConfig, MoEModelConfig
 # Key positions per block of a many-token step's attention (`models.layers.attend_paged`).
 ATTN_BLOCK = 1024
 
+
+def attention_block_pages(page_size: int) -> int:
+    """Whole pages in one block of a many-token step's attention (at least one)."""
+    return max(1, ATTN_BLOCK // page_size)
+
+
 # Positions a sequence may write past its last token while the host reads its tokens behind the
 # device (`batcher.LENGTH_ONLY_AHEAD` steps, and one more): pages a ring keeps intact for them.
 RUN_AHEAD = 4

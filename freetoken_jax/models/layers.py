@@ -166,7 +166,7 @@ def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
     context reads a quarter of the table)."""
     B, T = q_BTHd.shape[:2]
     P, page = view.page_table_BP.shape[1], pages[0].shape[1]
-    bp = max(1, kv_cache.ATTN_BLOCK // page)  # pages per block
+    bp = kv_cache.attention_block_pages(page)
     if T == 1 or P <= bp:
         k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
         return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)
@@ -185,24 +185,23 @@ def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
         m = jax.lax.dynamic_slice_in_dim(mask, i * W, W, axis=2)
         return jnp.where(m[:, None, None], sc, -1e30), v
 
-    def update(carry, i):
+    def fold(carry, sc, v):
         mx, den, acc = carry  # running max and denominator [B, K, G, T], numerator [B, T, K, G, e]
-        sc, v = block(i)
         new = jnp.maximum(mx, jnp.max(sc, axis=-1))
         p = jnp.exp(sc - new[..., None])
         corr = jnp.exp(mx - new)
         pv = jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return new, den * corr + jnp.sum(p, axis=-1), acc * jnp.moveaxis(corr, 3, 1)[..., None] + pv
 
-    sc, v = block(0)
+    sc, v = block(0)  # outside the loop: its shapes start the carry
     K, G = sc.shape[1:3]
     # a sink (gpt-oss) is one more key of value 0: it starts the running max and denominator
-    sink = jnp.full((1, K, G, 1), -1e30, jnp.float32) if sinks_H is None else sinks_H.astype(jnp.float32).reshape(1, K, G, 1)
-    mx = jnp.maximum(jnp.max(sc, axis=-1), sink)
-    p = jnp.exp(sc - mx[..., None])
-    den = jnp.sum(p, axis=-1) + (0.0 if sinks_H is None else jnp.exp(sink - mx))
-    acc = jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    mx, den, acc = jax.lax.fori_loop(1, blocks, lambda i, c: update(c, i), (mx, den, acc))
+    sink = -1e30 if sinks_H is None else sinks_H.astype(jnp.float32).reshape(1, K, G, 1)
+    mx = jnp.broadcast_to(jnp.asarray(sink, jnp.float32), sc.shape[:-1])
+    den = jnp.full(sc.shape[:-1], 0.0 if sinks_H is None else 1.0, jnp.float32)
+    acc = jnp.zeros((B, T, K, G, v.shape[-1]), jnp.float32)
+    carry = fold((mx, den, acc), sc, v)
+    mx, den, acc = jax.lax.fori_loop(1, blocks, lambda i, c: fold(c, *block(i)), carry)
     o = acc / jnp.moveaxis(den, 3, 1)[..., None]
     return o.reshape(B, T, K * G, -1).astype(q_BTHd.dtype)
 
