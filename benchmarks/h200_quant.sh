@@ -5,12 +5,19 @@
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
 # lcpp-build|lcpp|ik-build|ik|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
-# and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min; lcpp: its Q4_0 rows in the same lease; ik-build / ik:
+# and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file).
 source benchmarks/h200_install.sh
+# A finished build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
+# 15 MiB); copied into .llamacpp/ here, later leases unpack them instead of building (the same image and CPUs).
+pack() { local b=/tmp/$1/build; [ -x $b/bin/llama-bench ] || return 0
+  (cd $b && XZ_OPT="-6 -T0" tar cJf - bin $(find . -name "*.so*" -not -path "./bin/*")) | split -b 15M - "$OUT/$1-bin.tar.xz."; ls -la "$OUT"/$1-bin.*; }
+unpack() { ls .llamacpp/$1-bin.tar.xz.* > /dev/null 2>&1 || return 1
+  mkdir -p /tmp/$1/build && cat .llamacpp/$1-bin.tar.xz.* | tar xJf - -C /tmp/$1/build && ! ldd /tmp/$1/build/bin/llama-bench | grep -q "not found" &&
+    echo "$1: llama-bench unpacked from .llamacpp/$1-bin.tar.xz.*"; }
 SHAPE="--preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode"
 for what in "$@"; do
   case $what in
@@ -25,10 +32,12 @@ for what in "$@"; do
                  [ -z "$Q4_ONLY" ] || exit 0
                  python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1;
                  python3 ../benchmarks/gen_gguf.py --out /tmp/q4km.gguf --layers 24 --experts q4_k_m >> /tmp/genk.log 2>&1) &
-      mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
-      (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-        -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
-        timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?)
+      unpack lcpp || {
+        mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
+        (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+          -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
+          timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?)
+        pack lcpp; }
       wait; tail -1 /tmp/gen.log; tail -2 /tmp/genk.log; ls -la /tmp/q4*.gguf ;;
     gguf-*) f=/tmp/${what#gguf-}.gguf
       # slots for 847 of 3072 experts (the share -ncmoe 17 keeps on the GPU): q4_0 and q4_k 2 654 208 bytes an expert,
@@ -42,7 +51,7 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         --compile-workers 3 --json "$OUT/$(basename $f .gguf)_decode.json" > "$OUT/$(basename $f .gguf).log" 2>&1
       echo "rc=$?"; grep -v "it/s\]" "$OUT/$(basename $f .gguf).log" | tail -12
       /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
-    ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;  # ≈ 11 min on 16 cores: twice, back to back (ninja resumes)
+    ik-build) unpack ik || { BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh; pack ik; } ;;  # ≈ 11 min on 16 cores: twice, back to back (ninja resumes)
     ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
