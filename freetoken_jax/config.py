@@ -333,7 +333,7 @@ class EngineConfig:
     # Strategies "offload" / "hybrid": how prefill brings a layer's experts into its borrowed
     # buffer: "fetch" (the Pallas kernel, per missing expert; resident experts are not copied),
     # "copy" (the whole bank in one in-jit device_put, which XLA runs on its own stream beside
-    # the compute) or "auto": on a GPU, copy where one layer's bank fits beside the chunk's
+    # the compute) or "auto": on a GPU, copy where two layers' banks fit beside the chunk's
     # activations in half of the device memory the plan leaves free, else fetch
     # (`memory.budget.choose_prefill_load`; the log says which); on the CPU backend copy when an
     # expert row is under 256 KB, else fetch.

@@ -145,10 +145,11 @@ def prefill_activation_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, tokens: in
     """An upper estimate of one prefill chunk's activations in float32: the residual stream and
     its projections, each attention layer's scores over one block of the gathered context (with
     its softmax; `kv_cache.ATTN_BLOCK` positions, or the whole context where it is shorter), and
-    the routed experts' gate, up and activation per token."""
+    the routed experts' gate, up and activation per token and each pair's output before its
+    token sums them."""
     context = ecfg.pages_per_sequence * ecfg.page_size
     block = context if context <= ATTN_BLOCK else attention_block_pages(ecfg.page_size) * ecfg.page_size
-    per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * block + 3 * cfg.top_k * cfg.intermediate_dim
+    per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * block + cfg.top_k * (3 * cfg.intermediate_dim + cfg.hidden_dim)
     return 4 * tokens * ecfg.max_batch * per_token
 
 
@@ -160,23 +161,23 @@ def plan_free_bytes(ecfg: EngineConfig, plan: MemoryPlan) -> int:
 
 def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan, gpu: bool) -> tuple[str, str]:
     """(prefill_load, why) for an `ecfg` whose chunk is settled: "auto" becomes "copy" on a GPU
-    when one layer's bank fits beside the chunk's activations in `ACTIVATION_SHARE` of what the
-    plan leaves free (the copy of the next layer is a device buffer of its own while the layer
-    before computes), else "fetch" (into the borrowed buffers; nothing more). Unchanged where it
+    when two layers' banks fit beside the chunk's activations in `ACTIVATION_SHARE` of what the
+    plan leaves free (a layer computes from its copied bank while the next layer's copy lands in
+    a device buffer of its own), else "fetch" (into the borrowed buffers; nothing more). Unchanged where it
     was given, off a GPU, or without a budget (the executor's own rule: `runtime/offload.py`)."""
     if ecfg.prefill_load != "auto" or not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None or not gpu:
         return ecfg.prefill_load, "as given, or the executor's rule"
     bank = cfg.num_experts * plan.expert_bytes
-    need = prefill_activation_bytes(cfg, ecfg, ecfg.chunk) + bank
+    need = prefill_activation_bytes(cfg, ecfg, ecfg.chunk) + 2 * bank
     free = plan_free_bytes(ecfg, plan)
     if need <= ACTIVATION_SHARE * free:
         return (
             "copy",
-            f"a layer's bank ({bank / GB:.2f} GiB) and the chunk's activations fit half of the {free / GB:.1f} GiB the plan leaves free",
+            f"two layers' banks ({2 * bank / GB:.2f} GiB) and the chunk's activations fit half of the {free / GB:.1f} GiB the plan leaves free",
         )
     return (
         "fetch",
-        f"a layer's bank ({bank / GB:.2f} GiB) and the chunk's activations do not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",
+        f"two layers' banks ({2 * bank / GB:.2f} GiB) and the chunk's activations do not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",
     )
 
 

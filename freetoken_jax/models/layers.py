@@ -385,22 +385,24 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
       the chosen experts, dequantizing what it gathers — only the chosen experts' stored bytes
       are read;
-    - "dense" (many pairs: prefill): every token through every expert, weighted by its routing
-      weights (0 where not routed): E/K times the work of the pairs, but plain batched matmuls
-      over the bank (dequantized once into a scratch of the activations' dtype). On the H200 a
-      512-token chunk's experts took 2.2 ms per layer dense against 8.2 ms through
-      `ragged_dot_general` (benchmarks/RESULTS.md);
-    - "grouped" (many pairs): the pairs sorted by expert into a batch of C rows per expert
-      (C: twice the mean rows an expert gets, rounded up to a power of two, or twice that where
-      an expert gets more), then the same batched matmuls as "dense" over E·C rows instead of
-      E·T: E / 2K times less work (8 × for 128 experts, top-8). Where an expert gets more than
-      the larger C (skewed routing), the layer runs "dense" (`lax.switch` on the counts);
-    - "auto": gather when T·k ≤ E, else dense.
+    - "dense" (many pairs): every token through every expert, weighted by its routing weights
+      (0 where not routed): E/K times the work of the pairs, but plain batched matmuls over the
+      bank (dequantized once into a scratch of the activations' dtype). On the H200 a 512-token
+      chunk's experts took 2.2 ms per layer dense against 8.2 ms through `ragged_dot_general`
+      (benchmarks/RESULTS.md);
+    - "grouped" (many pairs: prefill): the pairs sorted by expert into a batch of C rows per
+      expert (C: twice the mean rows an expert gets, rounded up to a power of two, or twice that
+      where an expert gets more), then the same batched matmuls as "dense" over E·C rows instead
+      of E·T: E / 2K times less work (8 × for 128 experts, top-8). Where an expert gets more
+      than the larger C (skewed routing), the layer runs "dense" (`lax.switch` on the counts).
+      On the H200 under spread routing a 2048-token q4_0 chunk of 24 Qwen3-30B-A3B layers took
+      236 ms against 329 ms dense (benchmarks/RESULTS.md);
+    - "auto": gather when T·k ≤ E, else grouped.
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
     if impl == "auto":
-        impl = "gather" if T * K <= E else "dense"
+        impl = "gather" if T * K <= E else "grouped"
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl not in ("dense", "grouped"):
@@ -468,8 +470,11 @@ def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
 def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, counts, capacity: int) -> jax.Array:
     # Pair p (token t, k) sorted by expert goes to row `rank` of its expert's group of
     # `capacity` rows (every group fits: `routed_experts` checked `counts`, the pairs per
-    # expert); empty rows carry zeros and weight 0. Experts go through in slices whose float32
-    # activations [e, C, F] stay within DENSE_SLICE_BYTES.
+    # expert); empty rows carry zeros and weight 0. Rows are filled and results collected by
+    # gathers (only the pair <-> row maps are scattered, as int32), and each token sums its K
+    # results in order: no float scatter-add, so the result does not depend on the order in
+    # which a GPU's atomics land. Experts go through in slices whose float32 activations
+    # [e, C, F] stay within DENSE_SLICE_BYTES.
     T, K = ids_TK.shape
     gate_EFD, up_EFD, down_EDF = mats
     E, C, D = gate_EFD.shape[0], capacity, x_TD.shape[1]
@@ -478,12 +483,17 @@ def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, counts, capac
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
     rank = jnp.arange(T * K, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
-    row = e_sorted * C + rank
-    tok = order // K
-    place = lambda v: jnp.zeros((E * C, *v.shape[1:]), v.dtype).at[row].set(v).reshape(E, C, *v.shape[1:])  # noqa: E731
-    x_ECD = place(x_TD[tok])
-    w_EC = place(w_TK.reshape(-1)[order].astype(jnp.float32))
-    b = None if bias is None else tuple(place(v.reshape(T * K, -1)[order]) for v in bias)
+    row = e_sorted * C + rank  # the row of the i-th pair in expert order
+    pair_of_row = jnp.full((E * C,), T * K, jnp.int32).at[row].set(order.astype(jnp.int32))  # T·K: empty
+    filled = pair_of_row < T * K
+    pair = jnp.where(filled, pair_of_row, 0)
+
+    def place(v, at):  # rows `at` of v in the filled rows, zeros in the empty ones, as [E, C, ...]
+        return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0).reshape(E, C, *v.shape[1:])
+
+    x_ECD = place(x_TD, pair // K)
+    w_EC = place(w_TK.reshape(-1).astype(jnp.float32), pair)
+    b = None if bias is None else tuple(place(v.reshape(T * K, -1), pair) for v in bias)
     step = max(1, DENSE_SLICE_BYTES // (2 * 4 * C * layout.F))
 
     def grouped(e0, e1):
@@ -497,7 +507,8 @@ def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, counts, capac
         return y if b is None else y + jnp.where(w != 0, b[2][e0:e1] * w, 0.0)
 
     y_ECD = jnp.concatenate([grouped(e, min(E, e + step)) for e in range(0, E, step)])
-    return jnp.zeros((T, D), jnp.float32).at[tok].add(y_ECD.reshape(E * C, D)[row]).astype(dt)
+    row_of_pair = jnp.zeros((T * K,), jnp.int32).at[order].set(row)
+    return y_ECD.reshape(E * C, D)[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
 
 
 # fn(x_TD, ids_TK, w_TK, bias) -> y_TD; `bias`: the layer's per-expert biases (`Experts.biases`) or None.

@@ -11,8 +11,8 @@ them): layer L+1 is loaded into one while layer L computes; experts already resi
 cache are used where they are (not sent again, not even copied) and the rest fetched from the
 host bank into the buffer by the Pallas kernel, or (`prefill_load`, on a GPU by default) the
 whole bank moves as one in-jit copy, which XLA runs on its own stream beside layer L's compute,
-and is written into the buffer after it. At the end the last two layers' experts stay resident
-in their buffers (`keep_buffer`).
+and layer L+1 computes from that copy as it is. At the end the last two layers' experts stay
+resident in their buffers (`keep_buffer`; a copied bank of theirs is written into its buffer).
 Without 2E slots each layer's whole bank is copied to the device, used and dropped, and the
 slot cache is left as it was.
 
@@ -79,7 +79,8 @@ class OffloadExecutor:
         self.layouts = [ExpertLayout.of(cfg, m) for m in range(cfg.num_moe_layers)]
         if prefill and cache is not None:
             self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
-            self.layer_slots: dict = {}
+            self.layer_slots: dict = {}  # MoE layer -> the slot of each of its experts
+            self.layer_banks: dict = {}  # MoE layer -> its bank copied to the device, computed from as it is
         self.banks = [
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
@@ -124,16 +125,29 @@ class OffloadExecutor:
         self.cache = c.with_(gate_SR=out[0], up_SR=out[1], down_SR=out[2])
         self.layer_slots[m] = buf
 
+    def _take_copy(self, m: int, copied) -> None:
+        """Layer m's bank, copied to the device whole, is computed from as it is; only the last two
+        layers', which stay resident after the prefill (`keep_buffer`), are written into their
+        buffers (a bank's scatter into the slot arrays and the gather back out cost as much as a
+        third of a 2048-token chunk's compute on the H200)."""
+        if m >= len(self.banks) - 2:
+            self._place_copy(m, copied)
+        else:
+            self.layer_banks[m] = tuple(copied)
+
     def _buffered_prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK, bias=None):
             n = len(self.banks)
             if m == 0:
                 if self._copies_bank(0):
-                    self._place_copy(0, [self._on_device(b) for b in self.banks[0]])
+                    self._take_copy(0, [self._on_device(b) for b in self.banks[0]])
                 else:
                     self._fetch_layer(0)
-            c, slots = self.cache, self.layer_slots.pop(m)
-            layer = [a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR)]
+            if m in self.layer_banks:
+                layer = self.layer_banks.pop(m)
+            else:
+                c, slots = self.cache, self.layer_slots.pop(m)
+                layer = tuple(a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR))
             copied = None
             if m + 1 < n:
                 # Layer m+1's load is issued once layer m's input and weights exist, and before
@@ -147,13 +161,13 @@ class OffloadExecutor:
                     copied = [self._on_device(b) for b in nxt]
                 else:
                     self._fetch_layer(m + 1)
-            out = self.compute(x_TD, ids_TK, w_TK, tuple(layer), self.layouts[m], bias=pair_biases(bias, ids_TK))
+            out = self.compute(x_TD, ids_TK, w_TK, layer, self.layouts[m], bias=pair_biases(bias, ids_TK))
             if copied is not None:
-                # A copied bank is written into its buffer only after this layer's output exists,
-                # so that nothing on the compute stream waits for the copy before then.
+                # A copied bank is taken up only after this layer's output exists, so that
+                # nothing on the compute stream waits for the copy before then.
                 out, copied = jax.lax.optimization_barrier((out, copied))
-                self._place_copy(m + 1, copied)
-            if m == n - 1:  # the last two layers' fetched experts stay resident
+                self._take_copy(m + 1, copied)
+            if m == n - 1:  # the last two layers' experts stay resident
                 for last in range(max(0, n - 2), n):
                     self.cache = keep_buffer(self.cache, self.buffers[last % 2], last)
             return out

@@ -69,7 +69,7 @@ def test_attention_scores_are_estimated_over_one_block():
         return prefill_activation_bytes(CFG, EngineConfig(dtype="float32", max_context=max_context, max_batch=1, page_size=16), 512)
 
     assert est(ATTN_BLOCK // 2) < est(ATTN_BLOCK) == est(4 * ATTN_BLOCK) == est(16 * ATTN_BLOCK)
-    per_token = 8 * CFG.hidden_dim + 2 * CFG.num_heads * ATTN_BLOCK + 3 * CFG.top_k * CFG.intermediate_dim
+    per_token = 8 * CFG.hidden_dim + 2 * CFG.num_heads * ATTN_BLOCK + CFG.top_k * (3 * CFG.intermediate_dim + CFG.hidden_dim)
     assert est(16 * ATTN_BLOCK) == 4 * 512 * per_token
 
 
@@ -79,7 +79,7 @@ def test_whole_bank_copies_where_a_layer_fits_beside_the_activations(budget_gb):
                         prefill_chunk=16)  # fmt: skip
     plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
     free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
-    fits = prefill_activation_bytes(CFG, ecfg, 16) + CFG.num_experts * plan.expert_bytes <= 0.5 * free
+    fits = prefill_activation_bytes(CFG, ecfg, 16) + 2 * CFG.num_experts * plan.expert_bytes <= 0.5 * free  # two banks
     assert choose_prefill_load(CFG, ecfg, plan, gpu=True)[0] == ("copy" if fits else "fetch")
     assert choose_prefill_load(CFG, ecfg, plan, gpu=False)[0] == "auto"  # the CPU backend: the executor's rule
     for given in ("copy", "fetch"):

@@ -105,8 +105,31 @@ def test_grouped_takes_the_branch_its_counts_allow(monkeypatch):
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
     used = []
     monkeypatch.setattr(layers, "_grouped", lambda x, *a: jnp.full(x.shape, float(a[-1]), x.dtype))  # a[-1]: the capacity
-    for share in (0.0, 0.4, 0.9):
-        ids = jnp.asarray(skewed_ids(rng, T, K, E, hot=3, share=share))
-        out = routed_experts(jnp.ones((T, D)), ids, jnp.ones((T, K)), bank, layout, impl="grouped")
-        used.append(float(out[0, 0]))
-    assert used[:2] == [32.0, 64.0] and used[2] not in (32.0, 64.0)
+    for impl in ("grouped", "auto"):  # "auto" groups many pairs
+        for share in (0.0, 0.4, 0.9):
+            ids = jnp.asarray(skewed_ids(rng, T, K, E, hot=3, share=share))
+            out = routed_experts(jnp.ones((T, D)), ids, jnp.ones((T, K)), bank, layout, impl=impl)
+            used.append(float(out[0, 0]))
+    assert used[:2] == used[3:5] == [32.0, 64.0] and used[2] not in (32.0, 64.0) and used[5] not in (32.0, 64.0)
+
+
+def test_grouped_scatters_no_floats():
+    """ "grouped" fills its rows and collects its results by gathers: the only scatters are of
+    its int32 pair <-> row maps, so no result depends on the order of a GPU's atomic adds."""
+    import re
+
+    import jax
+
+    from freetoken_jax.models import layers
+
+    T, K, E, D, F = 64, 2, 8, 16, 8
+    bank = (jnp.ones((E, F, D)), jnp.ones((E, F, D)), jnp.ones((E, D, F)))
+    layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
+    counts = jnp.zeros((E,), jnp.int32)
+    text = (
+        jax.jit(lambda x, i, w: layers._grouped(x, i, w, bank, layout, None, counts, 32))
+        .lower(jnp.ones((T, D)), jnp.zeros((T, K), jnp.int32), jnp.ones((T, K)))
+        .as_text()
+    )
+    scatters = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<([^>]*)>', text, re.S)  # the result types
+    assert len(scatters) == 2 and all(s.endswith("xi32") for s in scatters), scatters
