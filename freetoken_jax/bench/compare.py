@@ -344,14 +344,26 @@ class Bench:
         prompt = [int(t) for t in np.random.default_rng(3).integers(0, cfg.vocab_size, prompt_len)]
         try:
             # The first pass compiles: a prompt of one full chunk and the same last chunk suffices.
-            for p in (prompt[: min(prompt_len, chunk + prompt_len % chunk)], prompt):
+            # Under the model's router an untimed last pass asks for the first token's
+            # log-probability and the runner-up's (`first_margin`): rows whose first tokens differ
+            # can be told apart from a near tie. (Asking for log-probabilities sends a prompt's
+            # last token through the decode step, where synthetic routing draws other experts.)
+            passes = [(prompt[: min(prompt_len, chunk + prompt_len % chunk)], None), (prompt, None)] + [(prompt, 2)] * (skew is None)
+            margin = None
+            for p, lp in passes:
                 t0 = time.perf_counter()
-                h = RequestHandle(p, GenerationParams(max_new_tokens=1))
+                h = RequestHandle(p, GenerationParams(max_new_tokens=1, logprobs=lp))
                 batcher.submit(h)
                 while not h.finished:
                     batcher.step()
-                ttft = time.perf_counter() - t0
-            first = h.generated[0]
+                if lp is None:
+                    ttft, first = time.perf_counter() - t0, h.generated[0]
+            if skew is None:
+                events = []
+                while not h.queue.empty():
+                    events.append(h.queue.get_nowait())
+                token = next(ev for ev in events if ev.kind == "token")
+                margin = first_margin(token.token, token.logprobs) if token.token == first else None
         finally:
             runner.close()
         chunks = -(-prompt_len // chunk)  # the bound is the buffered path's, at the chosen chunk size
@@ -359,8 +371,15 @@ class Bench:
         bound = chunks * all_experts / self.bp if variant in SLOT_PREFILLS or variant == "stream" else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None, routing_skew=skew,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
-                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first,
+                    ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first, first_margin=margin,
                     pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
+
+
+def first_margin(token: int, logprobs) -> float | None:
+    """`token`'s log-probability less the most likely other token's, from its token event's
+    `logprobs` (its own, [(token, log-probability)] most likely first); None without another."""
+    own, top = logprobs
+    return next((own - lp for t, lp in top if t != token), None)
 
 
 def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
@@ -493,7 +512,8 @@ def run(args) -> dict:
                             keep(bench.prefill(s, n, split, args.slots_gb[0], chunk, skew))
         cols = [("strategy", "strategy", ""), ("routing_skew", "skew", "g"), ("prompt_len", "prompt", "d"), ("chunk", "chunk", "d"), ("chunks", "chunks", "d"),
                 ("tokens_per_s", "tok/s", ".0f"),
-                ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f")]  # fmt: skip
+                ("ttft_ms", "TTFT ms", ".0f"), ("pcie_bound_ms", "bound ms", ".0f"), ("ratio_to_bound", "of bound", ".2f"),
+                ("first_token", "first", "d"), ("first_margin", "margin", ".3f")]  # fmt: skip
     print(table(out["rows"], cols))
     if getattr(args, "plot", None):
         plot(out["rows"], args.plot, plot_title(out))

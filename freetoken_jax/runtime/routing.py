@@ -5,8 +5,9 @@ distribution instead of what the (random) router of a benchmark model gives.
 Expert popularity in a layer is p_e ∝ 1 / rank_e^s, the ranks a fixed random permutation per
 layer (the hot experts differ between layers); s = 0 is uniform, trained routers look like s ≈ 1.
 Each token draws its top-k without replacement (Gumbel top-k) from a key folded from the layer,
-its position and its row, so a step's routing is fixed by the sequence and reproducible, but
-changes from step to step. The router's weights are kept (only the ids change).
+its position and its row in the step (a decode step's batch row, a prefill chunk's token index),
+so a step's routing is reproducible but changes from step to step. A prompt's last token drawn
+in a prefill chunk and the same token sent through the decode step get different experts. The router's weights are kept (only the ids change).
 """
 
 from __future__ import annotations

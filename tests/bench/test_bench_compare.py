@@ -107,6 +107,9 @@ def test_prefill(tmp_path):
     ]
     assert rows[0]["pcie_bound_ms"] > 0 and rows[4]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
     assert len({r["first_token"] for r in rows}) == 1  # every load path prefills the same prompt to the same token
+    # ... with the same lead over the runner-up (greedy: the first token is the most likely one)
+    margins = [r["first_margin"] for r in rows]
+    assert margins[0] > 0 and max(margins) - min(margins) < 1e-4, margins
 
 
 def test_prefill_under_synthetic_routing(tmp_path):
