@@ -163,8 +163,9 @@ def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPla
     """(prefill_load, why) for an `ecfg` whose chunk is settled: "auto" becomes "copy" on a GPU
     when two layers' banks fit beside the chunk's activations in `ACTIVATION_SHARE` of what the
     plan leaves free (a layer computes from its copied bank while the next layer's copy lands in
-    a device buffer of its own), else "fetch" (into the borrowed buffers; nothing more). Unchanged where it
-    was given, off a GPU, or without a budget (the executor's own rule: `runtime/offload.py`)."""
+    a device buffer of its own), else "fetch" (into the borrowed buffers; nothing more).
+    Unchanged where it was given, off a GPU, or without a budget (the executor's own rule:
+    `runtime/offload.py`)."""
     if ecfg.prefill_load != "auto" or not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None or not gpu:
         return ecfg.prefill_load, "as given, or the executor's rule"
     bank = cfg.num_experts * plan.expert_bytes

@@ -7,7 +7,8 @@ layer (the hot experts differ between layers); s = 0 is uniform, trained routers
 Each token draws its top-k without replacement (Gumbel top-k) from a key folded from the layer,
 its position and its row in the step (a decode step's batch row, a prefill chunk's token index),
 so a step's routing is reproducible but changes from step to step. A prompt's last token drawn
-in a prefill chunk and the same token sent through the decode step get different experts. The router's weights are kept (only the ids change).
+in a prefill chunk and the same token sent through the decode step get different experts. The
+router's weights are kept (only the ids change).
 """
 
 from __future__ import annotations
