@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|overlap|stacks]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -13,6 +13,10 @@
 #            loaded by whole-bank copies (the default on a GPU) and by the Pallas fetch;
 #   pprofile: one 2048-token q4_0 prefill chunk through the two layer buffers, dense and grouped,
 #            uniform synthetic routing, under the kernel profiler (profile_step --prefill-tokens);
+#   pflags:  the grouped 2048-token chunk of pprofile with XLA's default command buffers and with
+#            conditionals and while loops recorded into them too (the attention's block loop and
+#            grouped's capacity switch, whose predicates read on the host are the likely source of
+#            the per-layer device-to-host copies and idle gaps in the profile);
 #   overlap: whether a layer's load from pinned host memory runs beside compute in one jitted
 #            program, on one stream or under compute_on("gpu_stream:1") (benchmarks/stream_overlap.py);
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native
@@ -25,6 +29,10 @@ for what in "$@"; do
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
     pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens 2048 --variants dense grouped --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
+    pflags) for f in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"; do
+        echo "== XLA_FLAGS=$f"
+        XLA_FLAGS="$f" timeout 200 ${P/--no-profile/} --prefill-tokens 2048 --variants grouped --top 6 2>&1 | grep -v "it/s\]" | cut -c1-200 | tail -12
+      done ;;
     overlap) timeout 240 python3 benchmarks/stream_overlap.py --layers 4 --reps 40 2>&1 | tail -14
       echo "== without xla_gpu_experimental_stream_annotation"
       timeout 120 python3 benchmarks/stream_overlap.py --layers 4 --reps 10 --no-annotate --variants load compute stream1 inplace1 2>&1 | tail -6 ;;
