@@ -19,6 +19,7 @@ from flax import nnx
 from freetoken_jax.config import ACTIVATIONS, MoEModelConfig
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
+from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
 
 _INIT = nnx.initializers.normal(0.02)
@@ -390,15 +391,17 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       bank (dequantized once into a scratch of the activations' dtype). On the H200 a 512-token
       chunk's experts took 2.2 ms per layer dense against 8.2 ms through `ragged_dot_general`
       (benchmarks/RESULTS.md);
-    - "grouped" (many pairs: prefill): the pairs sorted by expert into a batch of C rows per
-      expert (C: twice the mean rows an expert gets, rounded up to a power of two, or twice that
-      where an expert gets more), then the same batched matmuls as "dense" over E·C rows instead
-      of E·T: E / 2K times less work (8 × for 128 experts, top-8). Where an expert gets more
-      than the larger C (skewed routing), the layer runs "dense" (`lax.switch` on the counts):
-      at 2048 tokens, 128 experts and top-8 (C = 256, 512) synthetic Zipf routing crowds one
-      expert past 512 pairs from an exponent of about 0.5 (trained routers are nearer 1).
-      On the H200 under spread routing a 2048-token q4_0 chunk of 24 Qwen3-30B-A3B layers took
-      236 ms against 329 ms dense (benchmarks/RESULTS.md);
+    - "grouped" (many pairs: prefill): the pairs sorted by expert into groups of rows, then the
+      same batched matmuls as "dense" over the groups' rows instead of E·T (`group_plans`): C
+      rows per expert (C: twice the mean pairs an expert gets, rounded up to a power of two; E /
+      2K times less work than dense, 8 × for 128 experts, top-8) where no expert gets more, or
+      2C; else, ranking the experts by their pairs, T rows for the busiest E/32, T/2 for the
+      next E/16 and 2C for the rest (3.5 × less work than dense at 128 experts, top-8), which
+      holds skewed routing (at 128 experts, top-8: synthetic Zipf routing up to an exponent of
+      about 1.5; trained routers are nearer 1). Where no plan holds, the layer runs "dense"
+      (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
+      24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
+      ranked plan is not measured there yet);
     - "auto": gather when T·k ≤ E, else grouped.
     """
     T, K = ids_TK.shape
@@ -409,18 +412,17 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl not in ("dense", "grouped"):
         raise ValueError(f"unknown expert implementation {impl!r}: auto, gather, dense or grouped")
-    mats = layout.matrices(banks, x_TD.dtype)
     if impl == "dense":
-        return _dense(x_TD, ids_TK, w_TK, mats, layout, bias)
-    c = max(8, 1 << max(0, -(-2 * T * K // E) - 1).bit_length())  # a power of two ≥ 2·T·K / E
-    caps = [cap for cap in (c, 2 * c) if cap < T]
-    if not caps:  # so few tokens that a group is as large as the chunk
-        return _dense(x_TD, ids_TK, w_TK, mats, layout, bias)
+        return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
+    plans = group_plans(T, K, E)
+    if not plans:  # so few tokens that a group is as large as the chunk
+        return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
     counts = jnp.zeros((E,), jnp.int32).at[ids_TK.reshape(-1)].add(1)  # pairs per expert
-    which = jnp.sum(jnp.max(counts) > jnp.asarray(caps, jnp.int32))  # the first capacity that holds every group
-    grouped = [lambda x, i, w, m, b, n, cap=cap: _grouped(x, i, w, m, layout, b, n, cap) for cap in caps]
-    dense = lambda x, i, w, m, b, n: _dense(x, i, w, m, layout, b)  # noqa: E731
-    return jax.lax.switch(which, [*grouped, dense], x_TD, ids_TK, w_TK, mats, bias, counts)
+    fits = jnp.stack([plan.fits(counts) for plan in plans])
+    which = jnp.where(fits.any(), jnp.argmax(fits), len(plans))  # the first plan that holds every group, else dense
+    grouped = [lambda x, i, w, bk, b, n, plan=plan: _grouped(x, i, w, bk, layout, b, n, plan) for plan in plans]
+    dense = lambda x, i, w, bk, b, n: _dense(x, i, w, layout.matrices(bk, x.dtype), layout, b)  # noqa: E731
+    return jax.lax.switch(which, [*grouped, dense], x_TD, ids_TK, w_TK, tuple(banks), bias, counts)
 
 
 def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
@@ -469,48 +471,63 @@ def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
     return jnp.concatenate([dense(t, min(T, t + step)) for t in range(0, T, step)])
 
 
-def _grouped(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias, counts, capacity: int) -> jax.Array:
-    # Pair p (token t, k) sorted by expert goes to row `rank` of its expert's group of
-    # `capacity` rows (every group fits: `routed_experts` checked `counts`, the pairs per
-    # expert); empty rows carry zeros and weight 0. Rows are filled and results collected by
-    # gathers (only the pair <-> row maps are scattered, as int32), and each token sums its K
-    # results in order: no float scatter-add, so the result does not depend on the order in
-    # which a GPU's atomics land. Experts go through in slices whose float32 activations
-    # [e, C, F] stay within DENSE_SLICE_BYTES.
+def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan: GroupPlan) -> jax.Array:
+    # Pair p (token t, k) sorted by expert goes to row `rank` of its expert's group (every group
+    # fits: `routed_experts` checked `counts`, the pairs per expert, against the plan); empty rows
+    # carry zeros and weight 0. Rows are filled and results collected by gathers (only int32
+    # maps are scattered), and each token sums its K results in order: no float scatter-add, so
+    # the result does not depend on the order in which a GPU's atomics land. A tier's experts
+    # go through in slices whose float32 activations [e, C, F] stay within DENSE_SLICE_BYTES;
+    # a ranked plan dequantizes each slice's experts as it gathers them from the banks.
     T, K = ids_TK.shape
-    gate_EFD, up_EFD, down_EDF = mats
-    E, C, D = gate_EFD.shape[0], capacity, x_TD.shape[1]
+    E, D, R = counts.shape[0], x_TD.shape[1], plan.rows
     f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
+    order_E = plan.order(counts)  # expert at each place of the plan
+    place_of = jnp.zeros((E,), jnp.int32).at[order_E].set(jnp.arange(E, dtype=jnp.int32)) if plan.ranked else None
+    start_E = jnp.asarray(plan.starts())[place_of] if plan.ranked else jnp.asarray(plan.starts())  # first row of each expert
     flat = ids_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
     rank = jnp.arange(T * K, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
-    row = e_sorted * C + rank  # the row of the i-th pair in expert order
-    pair_of_row = jnp.full((E * C,), T * K, jnp.int32).at[row].set(order.astype(jnp.int32))  # T·K: empty
+    row = start_E[e_sorted] + rank  # the row of the i-th pair in expert order
+    pair_of_row = jnp.full((R,), T * K, jnp.int32).at[row].set(order.astype(jnp.int32))  # T·K: empty
     filled = pair_of_row < T * K
     pair = jnp.where(filled, pair_of_row, 0)
 
-    def place(v, at):  # rows `at` of v in the filled rows, zeros in the empty ones, as [E, C, ...]
-        return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0).reshape(E, C, *v.shape[1:])
+    def place(v, at):  # rows `at` of v in the filled rows, zeros in the empty ones, as [R, ...]
+        return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0)
 
-    x_ECD = place(x_TD, pair // K)
-    w_EC = place(w_TK.reshape(-1).astype(jnp.float32), pair)
+    x_RD = place(x_TD, pair // K)
+    w_R = place(w_TK.reshape(-1).astype(jnp.float32), pair)
     b = None if bias is None else tuple(place(v.reshape(T * K, -1), pair) for v in bias)
-    step = max(1, DENSE_SLICE_BYTES // (2 * 4 * C * layout.F))
+    mats = None if plan.ranked else layout.matrices(banks, dt)
 
-    def grouped(e0, e1):
-        x, w = x_ECD[e0:e1], w_EC[e0:e1, :, None]
-        g, u = jnp.einsum("ecd,efd->ecf", x, gate_EFD[e0:e1], **mm), jnp.einsum("ecd,efd->ecf", x, up_EFD[e0:e1], **mm)
+    def group(r0, e0, n, C):  # experts e0 .. e0+n of the plan's order, C rows each from row r0
+        if plan.ranked:
+            gate_EFD, up_EFD, down_EDF = layout.matrices(tuple(bk[order_E[e0 : e0 + n]] for bk in banks), dt)
+        else:
+            gate_EFD, up_EFD, down_EDF = (m[e0 : e0 + n] for m in mats)
+        rows = slice(r0, r0 + n * C)
+        x, w = x_RD[rows].reshape(n, C, D), w_R[rows].reshape(n, C, 1)
+        g, u = jnp.einsum("ecd,efd->ecf", x, gate_EFD, **mm), jnp.einsum("ecd,efd->ecf", x, up_EFD, **mm)
         if b is not None:
-            g, u = g + b[0][e0:e1], u + b[1][e0:e1]
+            g, u = g + b[0][rows].reshape(n, C, -1), u + b[1][rows].reshape(n, C, -1)
         h = f(g, u)
         h = jnp.where(w != 0, h * w, 0.0)  # an unrouted pair (and an empty row) adds exactly 0
-        y = jnp.einsum("ecf,edf->ecd", h.astype(dt), down_EDF[e0:e1], **mm)
-        return y if b is None else y + jnp.where(w != 0, b[2][e0:e1] * w, 0.0)
+        y = jnp.einsum("ecf,edf->ecd", h.astype(dt), down_EDF, **mm)
+        y = y if b is None else y + jnp.where(w != 0, b[2][rows].reshape(n, C, -1) * w, 0.0)
+        return y.reshape(n * C, D)
 
-    y_ECD = jnp.concatenate([grouped(e, min(E, e + step)) for e in range(0, E, step)])
+    parts, r0, e0 = [], 0, 0
+    for n, C in plan.tiers:
+        step = max(1, DENSE_SLICE_BYTES // (2 * 4 * C * layout.F))
+        for e in range(0, n, step):
+            m = min(step, n - e)
+            parts.append(group(r0 + e * C, e0 + e, m, C))
+        r0, e0 = r0 + n * C, e0 + n
+    y_RD = jnp.concatenate(parts)
     row_of_pair = jnp.zeros((T * K,), jnp.int32).at[order].set(row)
-    return y_ECD.reshape(E * C, D)[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
+    return y_RD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
 
 
 # fn(x_TD, ids_TK, w_TK, bias) -> y_TD; `bias`: the layer's per-expert biases (`Experts.biases`) or None.

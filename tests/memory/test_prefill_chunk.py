@@ -16,6 +16,7 @@ from freetoken_jax.memory.budget import (
     plan_memory,
     prefill_activation_bytes,
 )
+from freetoken_jax.models.grouping import group_plans
 
 CFG = MoEModelConfig(vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=2, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2)
 
@@ -70,7 +71,8 @@ def test_attention_scores_are_estimated_over_one_block():
 
     assert est(ATTN_BLOCK // 2) < est(ATTN_BLOCK) == est(4 * ATTN_BLOCK) == est(16 * ATTN_BLOCK)
     per_token = 8 * CFG.hidden_dim + 2 * CFG.num_heads * ATTN_BLOCK + CFG.top_k * (3 * CFG.intermediate_dim + CFG.hidden_dim)
-    assert est(16 * ATTN_BLOCK) == 4 * 512 * per_token
+    rows = max(p.rows for p in group_plans(512, CFG.top_k, CFG.num_experts))  # the grouped experts' largest plan
+    assert est(16 * ATTN_BLOCK) == 4 * (512 * per_token + 2 * rows * CFG.hidden_dim)
 
 
 @pytest.mark.parametrize("budget_gb", [0.0002, 0.0005, 0.001, 0.01, 1.0])

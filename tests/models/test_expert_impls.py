@@ -66,25 +66,24 @@ def skewed_ids(rng, T, K, E, hot: int, share: float) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
-@pytest.mark.parametrize("share", [0.0, 0.4, 0.9])  # every group in C rows, in 2C, neither (the dense path)
-def test_grouped_matches_reference_at_every_capacity(share, monkeypatch):
-    """ "grouped" over T·K ≫ E pairs, uniform and skewed, with per-expert biases, unrouted pairs
-    (weight 0), and experts in slices; the most-chosen expert's count picks the branch."""
+@pytest.mark.parametrize("T,K,E", [(96, 2, 12), (128, 2, 32)])
+@pytest.mark.parametrize("routing", range(4))  # `routings`: each plan of `group_plans`, and dense
+def test_grouped_matches_reference_in_every_plan(T, K, E, routing, monkeypatch):
+    """ "grouped" over T·K ≫ E pairs, spread and skewed, with per-expert biases, unrouted pairs
+    (weight 0), and experts in slices (within each tier of a ranked plan)."""
     from freetoken_jax.models import layers
 
-    rng = np.random.default_rng(int(share * 10))
-    T, K, E, D, F = 96, 2, 12, 16, 8  # 2·T·K / E = 32: groups of C = 32 rows, then 64, then dense
+    D, F = 16, 8
+    rng = np.random.default_rng(routing)
     x = rng.standard_normal((T, D)).astype(np.float32)
     gate, up = (rng.standard_normal((E, F, D)).astype(np.float32) * 0.3 for _ in range(2))
     down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
     bias = (rng.standard_normal((E, F)) * 0.1, rng.standard_normal((E, F)) * 0.1, rng.standard_normal((E, D)) * 0.1)
-    ids = skewed_ids(rng, T, K, E, hot=3, share=share)
-    most = np.bincount(ids.reshape(-1), minlength=E).max()
-    assert (most <= 32, 32 < most <= 64, most > 64) == (share == 0.0, share == 0.4, share == 0.9)
+    ids = routings(np.random.default_rng(1), T, K, E)[routing]  # the draws of test_grouped_takes_the_first_plan_that_holds
     w = rng.random((T, K)).astype(np.float32)
     w[::7, 1] = 0.0  # pairs another strategy computes
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * 32 * F * 5)  # five experts per slice at C = 32: 3 slices
+    monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * 32 * F * 5)  # five experts per slice of 32 rows, one of 128
     args = (jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
     pair = layers.pair_biases(tuple(jnp.asarray(b, jnp.float32) for b in bias), jnp.asarray(ids))
     got = routed_experts(*args, impl="grouped", bias=pair)
@@ -94,23 +93,54 @@ def test_grouped_matches_reference_at_every_capacity(share, monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-5)
 
 
-def test_grouped_takes_the_branch_its_counts_allow(monkeypatch):
-    """The capacities' branches run "grouped" (marked here by a poisoned stand-in) until an
-    expert's count exceeds the larger one; then the layer runs "dense"."""
-    from freetoken_jax.models import layers
+def crowded_ids(rng, T, K, E, hot: int) -> np.ndarray:
+    """Top-K of E for T tokens, each token's experts drawn from the first `hot` (≥ K) alone."""
+    return np.stack([rng.choice(hot, K, replace=False) for _ in range(T)]).astype(np.int32)
 
+
+def routings(rng, T, K, E):
+    """Spread, one expert chosen by 40 % of the tokens, by 90 %, and K experts taking every pair:
+    at T, K, E = 96, 2, 12 the plans C = 32, 2C = 64, dense and dense; at 128, 2, 32 the plans
+    C = 16, ranked, ranked and dense (test_group_plans)."""
+    return [skewed_ids(rng, T, K, E, hot=3, share=s) for s in (0.0, 0.4, 0.9)] + [crowded_ids(rng, T, K, E, hot=K)]
+
+
+@pytest.mark.parametrize("T,K,E,want", [(96, 2, 12, [0, 1, 2, 2]), (128, 2, 32, [0, 2, 2, 3])])  # len(plans): dense
+def test_grouped_takes_the_first_plan_that_holds(T, K, E, want, monkeypatch):
+    """Each routing runs the first of `group_plans` whose groups hold its counts (marked here by
+    a poisoned stand-in), else "dense"; "auto" groups many pairs the same way."""
+    from freetoken_jax.models import grouping, layers
+
+    D, F = 16, 8
+    plans = grouping.group_plans(T, K, E)
     rng = np.random.default_rng(1)
-    T, K, E, D, F = 96, 2, 12, 16, 8
     bank = (jnp.ones((E, F, D)), jnp.ones((E, F, D)), jnp.ones((E, D, F)))
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    used = []
-    monkeypatch.setattr(layers, "_grouped", lambda x, *a: jnp.full(x.shape, float(a[-1]), x.dtype))  # a[-1]: the capacity
-    for impl in ("grouped", "auto"):  # "auto" groups many pairs
-        for share in (0.0, 0.4, 0.9):
-            ids = jnp.asarray(skewed_ids(rng, T, K, E, hot=3, share=share))
-            out = routed_experts(jnp.ones((T, D)), ids, jnp.ones((T, K)), bank, layout, impl=impl)
-            used.append(float(out[0, 0]))
-    assert used[:2] == used[3:5] == [32.0, 64.0] and used[2] not in (32.0, 64.0) and used[5] not in (32.0, 64.0)
+    monkeypatch.setattr(layers, "_grouped", lambda x, *a: jnp.full(x.shape, float(plans.index(a[-1])), x.dtype))  # a[-1]: the plan
+    for ids, i in zip(routings(rng, T, K, E), want):
+        for impl in ("grouped", "auto"):
+            out = routed_experts(jnp.ones((T, D)), jnp.asarray(ids), jnp.ones((T, K)), bank, layout, impl=impl)
+            got = float(out[0, 0])  # dense over ones: far from every plan's index
+            assert got == i if i < len(plans) else got not in range(len(plans)), (impl, i, got)
+
+
+def test_group_plans():
+    """The plans' rows, and which plan holds which routing, restated."""
+    from freetoken_jax.models.grouping import GroupPlan, group_plans
+
+    assert group_plans(96, 2, 12) == [GroupPlan(((12, 32),), False), GroupPlan(((12, 64),), False)]  # ranked: over half of dense
+    assert group_plans(128, 2, 32) == [GroupPlan(((32, 16),), False), GroupPlan(((32, 32),), False),
+                                       GroupPlan(((1, 128), (2, 64), (29, 32)), True)]  # fmt: skip
+    assert group_plans(2048, 8, 128)[-1] == GroupPlan(((4, 2048), (8, 1024), (116, 512)), True)
+    assert group_plans(16, 8, 128) == [GroupPlan(((128, 8),), False)] and group_plans(8, 8, 128) == []
+    for (T, K, E), want in (((96, 2, 12), [0, 1, None, None]), ((128, 2, 32), [0, 2, 2, None])):
+        plans = group_plans(T, K, E)
+        for ids, i in zip(routings(np.random.default_rng(1), T, K, E), want):  # the draws of the test above
+            counts = np.bincount(ids.reshape(-1), minlength=E)
+            ranked = np.sort(counts)[::-1]
+            holds = [bool(((ranked if p.ranked else counts) <= p.caps()).all()) for p in plans]
+            assert [bool(p.fits(jnp.asarray(counts))) for p in plans] == holds
+            assert next((j for j, h in enumerate(holds) if h), None) == i, (T, K, E, holds)
 
 
 def test_grouped_scatters_no_floats():
@@ -120,16 +150,33 @@ def test_grouped_scatters_no_floats():
 
     import jax
 
-    from freetoken_jax.models import layers
+    from freetoken_jax.models import grouping, layers
 
     T, K, E, D, F = 64, 2, 8, 16, 8
     bank = (jnp.ones((E, F, D)), jnp.ones((E, F, D)), jnp.ones((E, D, F)))
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
     counts = jnp.zeros((E,), jnp.int32)
-    text = (
-        jax.jit(lambda x, i, w: layers._grouped(x, i, w, bank, layout, None, counts, 32))
-        .lower(jnp.ones((T, D)), jnp.zeros((T, K), jnp.int32), jnp.ones((T, K)))
-        .as_text()
-    )
-    scatters = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<([^>]*)>', text, re.S)  # the result types
-    assert len(scatters) == 2 and all(s.endswith("xi32") for s in scatters), scatters
+    for plan, n in ((grouping.GroupPlan(((E, 32),), False), 2), (grouping.GroupPlan(((2, 64), (6, 32)), True), 3)):
+        text = (
+            jax.jit(lambda x, i, w, plan=plan: layers._grouped(x, i, w, bank, layout, None, counts, plan))
+            .lower(jnp.ones((T, D)), jnp.zeros((T, K), jnp.int32), jnp.ones((T, K)))
+            .as_text()
+        )
+        scatters = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<([^>]*)>', text, re.S)  # the result types
+        assert len(scatters) == n and all(s.endswith("xi32") for s in scatters), scatters
+
+
+def test_grouped_plans_hold_zipf_routing():
+    """At 128 experts, top-8, 512 tokens: spread routing fits the first plan, and synthetic Zipf
+    routing up to exponent 1 (trained routers' skew) fits one of the plans, not dense."""
+    from freetoken_jax.models.grouping import group_plans
+    from freetoken_jax.runtime.routing import synthetic_ids
+
+    T, K, E = 512, 8, 128
+    plans = group_plans(T, K, E)
+    for skew in (0.0, 0.5, 1.0):
+        for layer in range(3):
+            ids = synthetic_ids(jnp.zeros((T, K), jnp.int32), jnp.arange(T), layer, E, skew)
+            counts = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(1)
+            fits = [bool(p.fits(counts)) for p in plans]
+            assert fits[0] if skew == 0 else any(fits), (skew, layer, fits)

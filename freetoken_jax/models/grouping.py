@@ -1,0 +1,65 @@
+"""How "grouped" routed experts (`models.layers.routed_experts`) lay out a layer's token-expert
+pairs: each expert gets a group of rows, and the experts' matmuls run over the groups' rows
+instead of every token. A plan is static (one executable holds every plan of a chunk size and
+picks by the counts at run time); the memory plan reads the largest one's rows."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupPlan:
+    """How "grouped" lays out a layer's pairs: `tiers` of (experts, rows each), in order, E
+    experts in all. Unranked: expert e is the e-th (one tier). Ranked: the experts in order of
+    their pairs, most first (ties by id), so the busiest get the tiers of most rows."""
+
+    tiers: tuple[tuple[int, int], ...]
+    ranked: bool
+
+    @property
+    def rows(self) -> int:
+        return sum(n * c for n, c in self.tiers)
+
+    def caps(self) -> np.ndarray:
+        """Rows of the i-th expert (in the plan's order), [E]."""
+        return np.concatenate([np.full(n, c, np.int32) for n, c in self.tiers])
+
+    def starts(self) -> np.ndarray:
+        """First row of the i-th expert (in the plan's order), [E]."""
+        caps = self.caps()
+        return np.concatenate([[0], np.cumsum(caps)[:-1]]).astype(np.int32)
+
+    def order(self, counts_E: jax.Array) -> jax.Array:
+        """The experts in the plan's order."""
+        E = counts_E.shape[0]
+        return jnp.argsort(-counts_E, stable=True).astype(jnp.int32) if self.ranked else jnp.arange(E, dtype=jnp.int32)
+
+    def fits(self, counts_E: jax.Array) -> jax.Array:
+        """Whether every expert's pairs fit its rows."""
+        return jnp.all(counts_E[self.order(counts_E)] <= jnp.asarray(self.caps()))
+
+
+def group_plans(T: int, K: int, E: int) -> list[GroupPlan]:
+    """The layouts "grouped" tries in turn for T tokens, top-K of E experts: C rows per expert (C:
+    a power of two ≥ 2·T·K / E), 2C rows per expert (each under T), then by rank T rows for the
+    busiest E/32 (at least one), max(T/2, 2C) for the next E/16 and 2C for the rest (where that
+    is under half of dense's E·T rows); none where a group would be as large as the chunk."""
+    c = max(8, 1 << max(0, -(-2 * T * K // E) - 1).bit_length())  # a power of two ≥ 2·T·K / E
+    plans = [GroupPlan(((E, cap),), ranked=False) for cap in (c, 2 * c) if cap < T]
+    a = max(1, E // 32)
+    caps = [T] * a + [min(T, max(T // 2, 2 * c))] * min(2 * a, E - a) + [min(T, 2 * c)] * max(0, E - 3 * a)
+    tiers: list[list[int]] = []
+    for cap in caps[:E]:
+        if tiers and tiers[-1][1] == cap:
+            tiers[-1][0] += 1
+        else:
+            tiers.append([1, cap])
+    ranked = GroupPlan(tuple((n, cap) for n, cap in tiers), ranked=True)
+    if 2 * ranked.rows < E * T:
+        plans.append(ranked)
+    return plans
