@@ -24,8 +24,9 @@ for what in "$@"; do
     check) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_0 2>&1 | tail -8 ;;
     bw) $B bw --json "$OUT/bw.json" 2>&1 | tail -40 ;;
     decode) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
+    # prefill: uniform routing as the kit's GGUF routes (the rows set beside llama.cpp), and Zipf 1 as a trained router skews
     prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
-               --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
+               --routing-skew 0 1 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
     lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1
