@@ -180,3 +180,25 @@ def test_grouped_plans_hold_zipf_routing():
             counts = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(1)
             fits = [bool(p.fits(counts)) for p in plans]
             assert fits[0] if skew == 0 else any(fits), (skew, layer, fits)
+
+
+@pytest.mark.parametrize("T,K,E", [(100, 3, 40), (257, 4, 64), (64, 1, 7), (130, 2, 96), (33, 8, 64)])
+@pytest.mark.parametrize("skew", [0.0, 1.0, 3.0])
+def test_grouped_matches_reference_on_odd_shapes(T, K, E, skew):
+    """Chunk sizes and expert counts that are not powers of two, under Zipf routing of several
+    skews (whichever plan, or dense, each one takes)."""
+    from freetoken_jax.runtime.routing import synthetic_ids
+
+    D, F = 8, 8
+    rng = np.random.default_rng(T + E)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    gate, up = (rng.standard_normal((E, F, D)).astype(np.float32) * 0.3 for _ in range(2))
+    down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
+    ids = np.asarray(synthetic_ids(jnp.zeros((T, K), jnp.int32), jnp.arange(T), 0, E, skew))
+    w = rng.random((T, K)).astype(np.float32)
+    layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
+    got = routed_experts(
+        jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout, impl="grouped"
+    )
+    ref = reference(x, ids, w, gate, up, down)
+    assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
