@@ -19,28 +19,51 @@ from freetoken_jax.runtime.steps import PrefillBatch, Sampling, forward
 BASE = dict(dtype="float32", max_context=40, max_batch=2, page_size=4, prefill_chunk=8)
 
 
-def buffered_logits(eng, prompt, slots=None):
-    """Logits at every prompt position, computed chunk by chunk through the buffered prefill on a
-    KV cache of the test's own and the slot cache `slots` (default: the engine's); returns
-    (logits, slot cache after)."""
+@jax.jit
+def buffered_step(weights, experts, cache, batch, slots):
+    b = batch
+    h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True)
+    return weights.model().logits(h), cache, slots
+
+
+def buffered_args(eng):
+    """A KV cache of the test's own and a one-row page table over it."""
     ecfg = eng.engine_config
-    cache = init_cache(eng.model_config, ecfg, jnp.float32)
     table = np.zeros((1, ecfg.pages_per_sequence), np.int32)
     table[0] = np.arange(1, ecfg.pages_per_sequence + 1)
+    return init_cache(eng.model_config, ecfg, jnp.float32), table
 
-    @jax.jit
-    def f(weights, experts, cache, batch, slots):
-        b = batch
-        h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True)
-        return weights.model().logits(h), cache, slots
 
+def buffered_logits(eng, prompt, slots=None):
+    """Logits at every prompt position, computed chunk by chunk through the buffered prefill
+    (`buffered_step`) and the slot cache `slots` (default: the engine's); returns (logits, slot
+    cache after)."""
+    ecfg = eng.engine_config
+    cache, table = buffered_args(eng)
     slots, out = eng.runner.slots if slots is None else slots, []
     for start in range(0, len(prompt), ecfg.prefill_chunk):
         seg = prompt[start : start + ecfg.prefill_chunk]
         batch = PrefillBatch.chunk([seg], [start], table, ecfg.prefill_chunk, Sampling.greedy(1))
-        lg, cache, slots = f(eng.weights, eng.experts, cache, batch, slots)
+        lg, cache, slots = buffered_step(eng.weights, eng.experts, cache, batch, slots)
         out.append(np.asarray(lg[0, : len(seg)]))
     return np.concatenate(out), slots
+
+
+def test_copied_banks_go_into_buffers_for_the_last_two_layers_only(ckpt_root):
+    """Under whole-bank copies a layer computes from its copied bank: the only writes of whole
+    banks into the slot arrays are the last two layers' (which stay resident)."""
+    import re
+
+    path = make_checkpoint("mixtral", ckpt_root)  # three MoE layers
+    eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=8 * 3, prefill_load="copy"))
+    L = eng.model_config.num_moe_layers
+    cache, table = buffered_args(eng)
+    batch = PrefillBatch.chunk([[3, 4, 5]], [0], table, eng.engine_config.prefill_chunk, Sampling.greedy(1))
+    text = buffered_step.lower(eng.weights, eng.experts, cache, batch, eng.runner.slots).as_text()
+    s = eng.runner.slots
+    arrays = {"x".join(map(str, a.shape)) + "xf32" for a in (s.gate_SR, s.up_SR, s.down_SR)}
+    results = re.findall(r'"stablehlo.scatter".*?\}\) : \([^)]*\) -> tensor<([^>]*)>', text, re.S)
+    assert L == 3 and sum(r in arrays for r in results) == 2 * 3, results
 
 
 def check_maps(c):
