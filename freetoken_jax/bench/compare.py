@@ -359,10 +359,7 @@ class Bench:
                 if lp is None:
                     ttft, first = time.perf_counter() - t0, h.generated[0]
             if skew is None:
-                events = []
-                while not h.queue.empty():
-                    events.append(h.queue.get_nowait())
-                token = next(ev for ev in events if ev.kind == "token")
+                token = next(ev for ev in h.events() if ev.kind == "token")
                 margin = first_margin(token.token, token.logprobs) if token.token == first else None
         finally:
             runner.close()

@@ -6,6 +6,7 @@ picks by the counts at run time); the memory plan reads the largest one's rows."
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -53,13 +54,7 @@ def group_plans(T: int, K: int, E: int) -> list[GroupPlan]:
     plans = [GroupPlan(((E, cap),), ranked=False) for cap in (c, 2 * c) if cap < T]
     a = max(1, E // 32)
     caps = [T] * a + [min(T, max(T // 2, 2 * c))] * min(2 * a, E - a) + [min(T, 2 * c)] * max(0, E - 3 * a)
-    tiers: list[list[int]] = []
-    for cap in caps[:E]:
-        if tiers and tiers[-1][1] == cap:
-            tiers[-1][0] += 1
-        else:
-            tiers.append([1, cap])
-    ranked = GroupPlan(tuple((n, cap) for n, cap in tiers), ranked=True)
+    ranked = GroupPlan(tuple((len(list(run)), cap) for cap, run in itertools.groupby(caps)), ranked=True)
     if 2 * ranked.rows < E * T:
         plans.append(ranked)
     return plans

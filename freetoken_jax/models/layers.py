@@ -483,8 +483,8 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
     E, D, R = counts.shape[0], x_TD.shape[1], plan.rows
     f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
     order_E = plan.order(counts)  # expert at each place of the plan
-    place_of = jnp.zeros((E,), jnp.int32).at[order_E].set(jnp.arange(E, dtype=jnp.int32)) if plan.ranked else None
-    start_E = jnp.asarray(plan.starts())[place_of] if plan.ranked else jnp.asarray(plan.starts())  # first row of each expert
+    starts = jnp.asarray(plan.starts())
+    start_E = jnp.zeros((E,), jnp.int32).at[order_E].set(starts) if plan.ranked else starts  # first row of each expert
     flat = ids_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True)
     e_sorted = flat[order]
