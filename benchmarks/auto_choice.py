@@ -8,7 +8,6 @@ for comparison with `bench decode`'s rows of the same lease. Prints one JSON lin
 """
 
 import argparse
-import dataclasses
 import json
 import time
 
@@ -30,11 +29,7 @@ def main() -> None:
     ap.add_argument("--max-context", type=int, default=512)
     ap.add_argument("--routing-skew", type=float, default=0.0, help="Zipf exponent of the synthetic routing (bench decode's; 0: uniform)")
     a = ap.parse_args()
-    cfg = preset_config(a.preset)
-    if a.layers:
-        cfg = dataclasses.replace(
-            cfg, num_layers=a.layers, moe_layers=cfg.moe_layers[: a.layers], sliding_layers=cfg.sliding_layers[: a.layers]
-        )
+    cfg = preset_config(a.preset, a.layers or None)
     vram = a.vram_gb if a.vram_gb is not None else a.slots_gb + 4
     ecfg = EngineConfig(dtype="bfloat16", moe_strategy=a.strategy, expert_slots_gb=a.slots_gb, total_vram_gb=vram, max_batch=1,
                         max_context=max(a.max_context, a.prompt_len + a.gen_len + 16), prefix_cache=False)  # fmt: skip

@@ -26,10 +26,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--down-format", default=None, help="the down projections of every other MoE layer in this format (per-layer formats)")
     args = ap.parse_args()
-    cfg = preset_config(args.preset)
-    cfg = dataclasses.replace(
-        cfg, num_layers=args.layers, moe_layers=cfg.moe_layers[: args.layers], sliding_layers=cfg.sliding_layers[: args.layers]
-    )
+    cfg = preset_config(args.preset, args.layers)
     if args.down_format:
         f, d = args.expert_format, args.down_format
         cfg = dataclasses.replace(

@@ -283,9 +283,9 @@ def main() -> int:
         for B, v, wall, nk, ksum in summary:
             print(f"{B:>3} {v:>14} {wall:8.3f} {nk:8.0f} {ksum:8.3f}")
         return 0
-    cfg = preset_config(args.preset)
+    cfg = preset_config(args.preset, args.layers)
     Bmax = max(args.batch)
-    ecfg = EngineConfig(dtype=args.dtype, max_context=256, max_batch=Bmax, page_size=16)
+    ecfg = EngineConfig(dtype=args.dtype, max_context=256, max_batch=Bmax, page_size=16, expert_format=args.expert_format)
     engine = FreeTokenEngine(cfg, ecfg)
     engine.runner.close()  # the profile runs on a state of its own
     summary = []

@@ -101,11 +101,7 @@ class Bench:
                                  prefill_chunk=prefill_chunk, prefix_cache=False, expert_format=expert_format)  # fmt: skip
         t0 = time.perf_counter()
         if model in PRESETS:
-            cfg = preset_config(model)
-            if layers is not None:
-                cfg = dataclasses.replace(
-                    cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers], sliding_layers=cfg.sliding_layers[:layers]
-                )
+            cfg = preset_config(model, layers)
             self.engine = FreeTokenEngine(cfg, self.ecfg.replace(expert_slots=max_batch * cfg.top_k))
         else:
             self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))

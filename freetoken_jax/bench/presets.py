@@ -3,6 +3,8 @@ the real architecture's shape: no checkpoint needed). "demo" is the shape of the
 
 from __future__ import annotations
 
+import dataclasses
+
 from freetoken_jax.config import MoEModelConfig
 
 # gpt-oss's shape and numerics (the 120b and 20b differ in depth and experts; layers 0, 2, ... slide);
@@ -49,11 +51,16 @@ PRESETS: dict[str, MoEModelConfig | None] = {
 }  # fmt: skip
 
 
-def preset_config(name: str) -> MoEModelConfig:
+def preset_config(name: str, layers: int | None = None) -> MoEModelConfig:
+    """The preset's shape; `layers`: only its first layers (a quick check of the full width)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     if PRESETS[name] is None:
         from freetoken_jax.demo import DEMO_CONFIG
 
-        return DEMO_CONFIG
-    return PRESETS[name]
+        cfg = DEMO_CONFIG
+    else:
+        cfg = PRESETS[name]
+    if layers is None:
+        return cfg
+    return dataclasses.replace(cfg, num_layers=layers, moe_layers=cfg.moe_layers[:layers], sliding_layers=cfg.sliding_layers[:layers])
