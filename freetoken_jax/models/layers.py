@@ -431,15 +431,11 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     # read once, in place.
     T, K = ids_TK.shape
     f, dt = activation(layout.act), x_TD.dtype
-
-    def matvec(v_TKI, w_TKOI):
-        return jnp.sum(v_TKI[:, :, None, :].astype(jnp.float32) * w_TKOI, axis=-1)
-
-    g, u, d = layout.matrices(tuple(b[ids_TK] for b in banks), jnp.float32)
+    g, u, d = (b[ids_TK] for b in banks)
     bg, bu, bd = bias or (0.0, 0.0, 0.0)
     xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
-    h = f(matvec(xk, g) + bg, matvec(xk, u) + bu).astype(dt)
-    y = jnp.where((w_TK != 0)[..., None], matvec(h, d) + bd, 0.0)  # an unrouted pair adds exactly 0
+    h = f(layout.matvec(0, g, xk) + bg, layout.matvec(1, u, xk) + bu).astype(dt)
+    y = jnp.where((w_TK != 0)[..., None], layout.matvec(2, d, h) + bd, 0.0)  # an unrouted pair adds exactly 0
     return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
 
 

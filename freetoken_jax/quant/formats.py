@@ -83,6 +83,28 @@ class Format:
         w = _DEQUANTIZE[self.name](self, rows, b[..., O * self.row_bytes(I) :])
         return w.reshape(*lead, O, self.blocks(I) * self.block)[..., :I].astype(dtype)
 
+    def matvec(self, b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
+        """Σ_i W[o, i]·x[i] in float32: uint8 [..., nbytes(O, I)] and x [..., I] → [..., O].
+        q4_0, mxfp4 and nvfp4 never form W: each byte's two codes meet their two inputs (a byte
+        holds weights j and j + n/2 of its n-weight (sub-)block) and the scales multiply inside
+        the same sum, one reduction over the stored bytes; other formats sum x times
+        `dequantize`."""
+        nib = _NIBBLES.get(self.name)
+        if nib is None:
+            return jnp.sum(x[..., None, :].astype(jnp.float32) * self.dequantize(b, O, I), axis=-1)
+        head, subs, scales, code = nib
+        lead, nb, n = b.shape[:-1], self.blocks(I), self.block // subs
+        rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, nb, self.block_bytes)
+        sub = (subs,) if subs > 1 else ()  # (a unit axis here made XLA's CPU reduction 5 x slower)
+        q = rows[..., head:].reshape(*lead, O, nb, *sub, n // 2)
+        xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, *sub, 2, n // 2)
+        v = code(q & 15) * xb[..., 0, :] + code(q >> 4) * xb[..., 1, :]
+        s = scales(rows[..., :head]).reshape(*lead, O, nb, *sub, 1)
+        y = jnp.sum(s * v, axis=tuple(range(-2 - len(sub), 0)))
+        if self.trailer:  # nvfp4: the tensor's float32 scale
+            y = y * _from_bytes(b[..., O * self.row_bytes(I) :], jnp.float32)[..., None]
+        return y
+
     # numpy references ----------------------------------------------------------------------------
     def quantize_ref(self, w: np.ndarray) -> np.ndarray:
         O, I = w.shape
@@ -124,10 +146,19 @@ def _as_bytes(x: jax.Array) -> jax.Array:
 
 
 def _from_bytes(b: jax.Array, dtype) -> jax.Array:
-    """[..., itemsize] bytes → [...] of `dtype`."""
-    if jnp.dtype(dtype).itemsize == 1:
+    """[..., itemsize] bytes → [...] of `dtype`. A multi-byte value is first composed as an
+    unsigned integer of its width (little-endian), then bitcast element for element: a bitcast
+    that folds an axis of bytes needs those bytes contiguous, and on the GPU XLA copied a gathered
+    expert's scale bytes out of its blocks in a kernel of their own before every dequantizing
+    reduction; composed so, the scales are read inside that reduction."""
+    n = jnp.dtype(dtype).itemsize
+    if n == 1:
         return jax.lax.bitcast_convert_type(b[..., 0], dtype)
-    return jax.lax.bitcast_convert_type(b, dtype)
+    uint = {2: jnp.uint16, 4: jnp.uint32}[n]
+    v = b[..., 0].astype(uint)
+    for i in range(1, n):
+        v = v | (b[..., i].astype(uint) << (8 * i))
+    return jax.lax.bitcast_convert_type(v, dtype)
 
 
 def _blocks(w: jax.Array, block: int) -> jax.Array:
@@ -376,6 +407,15 @@ def _kdq(f, rows, trailer):
     i8 = lambda b: _from_bytes(b[..., None], jnp.int8)  # noqa: E731
     return _kdequant(jnp, rows, f.name, f16, jnp.float32, i8)
 
+
+# Formats whose blocks are `head` bytes of scales and then, for each of `subs` sub-blocks of n
+# weights, n/2 bytes of 4-bit codes (low nibbles the sub-block's first n/2 weights): (head, subs,
+# the scales [..., subs] from the head bytes, the codes' values) for `Format.matvec`.
+_NIBBLES = {
+    "q4_0": (2, 1, lambda h: _from_bytes(h, jnp.float16).astype(jnp.float32), lambda c: c.astype(jnp.float32) - 8.0),
+    "mxfp4": (1, 1, lambda h: 2 * _e8m0_half(h[..., 0]), _e2m1),
+    "nvfp4": (4, 4, lambda h: _from_bytes(h[..., None], jnp.float8_e4m3fn).astype(jnp.float32), _e2m1),
+}
 
 _QUANTIZE = {"q8_0": _q8_0_q, "q4_0": _q4_0_q, "mxfp4": _mxfp4_q, "nvfp4": _nvfp4_q, "fp8": _fp8_q, "q4_k": _kq, "q5_k": _kq, "q6_k": _kq}
 _DEQUANTIZE = {"q8_0": _q8_0_dq, "q4_0": _q4_0_dq, "mxfp4": _mxfp4_dq, "nvfp4": _nvfp4_dq, "fp8": _fp8_dq, "q4_k": _kdq, "q5_k": _kdq,

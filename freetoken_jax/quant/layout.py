@@ -63,14 +63,24 @@ class ExpertLayout:
 
     def matrices(self, banks, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Gate, up, down of the experts in `banks` as [..., out, in] in `dtype` (dequantized)."""
+        return tuple(self.matrix(k, b, dtype) for k, b in enumerate(banks))
+
+    def matrix(self, k: int, bank: jax.Array, dtype) -> jax.Array:
+        """Projection k (an index into PROJECTIONS) of the experts in `bank` as [..., out, in]."""
+        (o, i), n = self.shapes()[k], self.row_sizes()[k]
         if not self.quantized:  # stacks [..., out, in] or rows [..., out·in]
-            return tuple((b if b.shape[-2:] == (o, i) else b.reshape(*b.shape[:-1], o, i)).astype(dtype)
-                         for b, (o, i) in zip(banks, self.shapes()))  # fmt: skip
-        out = []
-        for b, f, (o, i), n in zip(banks, self.fmts, self.shapes(), self.row_sizes()):
-            w = get_format(f).dequantize(b if b.shape[-1] == n else b[..., :n], o, i, dtype)
-            out.append(jnp.where(jnp.isfinite(w), w, 0) if self.mixed else w)
-        return tuple(out)
+            return (bank if bank.shape[-2:] == (o, i) else bank.reshape(*bank.shape[:-1], o, i)).astype(dtype)
+        w = get_format(self.fmts[k]).dequantize(bank if bank.shape[-1] == n else bank[..., :n], o, i, dtype)
+        return jnp.where(jnp.isfinite(w), w, 0) if self.mixed else w
+
+    def matvec(self, k: int, bank: jax.Array, v: jax.Array) -> jax.Array:
+        """Projection k's rows of `bank` ([..., row]) times `v` ([..., in]), in float32 [..., out]:
+        a quantized bank is read as stored (`Format.matvec`), never as a dequantized copy (a mixed
+        model's banks are, so that their non-finite values read as 0, as in `matrix`)."""
+        (o, i), n = self.shapes()[k], self.row_sizes()[k]
+        if self.quantized and not self.mixed:
+            return get_format(self.fmts[k]).matvec(bank if bank.shape[-1] == n else bank[..., :n], v, o, i)
+        return jnp.sum(v[..., None, :].astype(jnp.float32) * self.matrix(k, bank, jnp.float32), axis=-1)
 
     def expert_bytes(self, itemsize: int) -> int:
         """Stored bytes of one expert (its three projections); `itemsize` of the model dtype."""

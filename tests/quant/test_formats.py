@@ -2,6 +2,7 @@
 dequantizer equal the references, q8_0 / q4_0 / mxfp4 bytes equal the `gguf` package's."""
 
 import gguf
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -55,6 +56,42 @@ def test_jnp_quantizer_and_dequantizer_equal_the_references(name):
         deq = np.asarray(f.dequantize(jnp.asarray(ref), O, I))
         assert deq.shape == (2, O, I)
         np.testing.assert_array_equal(deq, np.stack([f.dequantize_ref(x, O, I) for x in ref]).astype(np.float32))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_matvec_equals_float64_on_the_dequantized_weights(name):
+    """`Format.matvec` (what a decode step's gathered experts compute) against float64: the
+    reference dequantization times x, over a leading [tokens, experts] shape and the format's
+    shapes (inputs that are not a multiple of the block where the format pads)."""
+    f = get_format(name)
+    rng = np.random.default_rng(1)
+    for O, I in shapes(name)[: 2 if f.block == 256 else None]:
+        b = np.stack([f.quantize_ref(weights(O, I, s)) for s in range(6)]).reshape(2, 3, -1)
+        x = rng.standard_normal((2, 3, I)).astype(np.float32)
+        got = np.asarray(f.matvec(jnp.asarray(b), jnp.asarray(x), O, I))
+        want = np.einsum(
+            "tkoi,tki->tko", np.stack([f.dequantize_ref(r, O, I) for r in b.reshape(6, -1)]).reshape(2, 3, O, I), x.astype(np.float64)
+        )
+        scale = np.abs(np.stack([f.dequantize_ref(r, O, I) for r in b.reshape(6, -1)])).reshape(2, 3, O, I) @ np.abs(x)[..., None]
+        assert got.shape == (2, 3, O)
+        np.testing.assert_array_less(np.abs(got - want), 1e-5 * scale[..., 0] + 1e-30)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "mxfp4", "nvfp4"])
+def test_nibble_matvec_reads_the_bytes_in_place(name):
+    """q4_0, mxfp4 and nvfp4 rows meet x without a dequantized matrix: no concatenation of the low and
+    high codes, and every bitcast keeps its element width (one that folds an axis of bytes into
+    a wider value needs those bytes contiguous, and XLA copied them out of each gathered expert
+    in a kernel of their own)."""
+    f = get_format(name)
+    O, I = 8, 4 * f.block
+    jaxpr = jax.make_jaxpr(lambda b, x: f.matvec(b, x, O, I))(jnp.zeros((3, f.nbytes(O, I)), jnp.uint8), jnp.zeros((3, I)))
+    prims = [e for e in jaxpr.jaxpr.eqns]
+    assert not [e for e in prims if e.primitive.name == "concatenate"]
+    for e in prims:
+        if e.primitive.name == "bitcast_convert_type":
+            assert e.invars[0].aval.shape == e.outvars[0].aval.shape, e
+    assert any(e.primitive.name == "reduce_sum" for e in prims)
 
 
 GGUF = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0, "mxfp4": gguf.GGMLQuantizationType.MXFP4}
