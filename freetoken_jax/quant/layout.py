@@ -75,8 +75,8 @@ class ExpertLayout:
 
     def matvec(self, k: int, bank: jax.Array, v: jax.Array) -> jax.Array:
         """Projection k's rows of `bank` ([..., row]) times `v` ([..., in]), in float32 [..., out]:
-        a quantized bank is read as stored (`Format.matvec`), never as a dequantized copy (a mixed
-        model's banks are, so that their non-finite values read as 0, as in `matrix`)."""
+        a quantized bank is read as stored (`Format.matvec`), never as a dequantized copy, except
+        in a mixed model, whose dequantized non-finite values must read as 0 (`matrix`)."""
         (o, i), n = self.shapes()[k], self.row_sizes()[k]
         if self.quantized and not self.mixed:
             return get_format(self.fmts[k]).matvec(bank if bank.shape[-1] == n else bank[..., :n], v, o, i)
