@@ -11,7 +11,7 @@
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file).
 source benchmarks/h200_install.sh
-# A finished build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
+# A finished llama.cpp build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
 # 15 MiB); copied into .llamacpp/ here, later leases unpack them instead of building (the same image and CPUs).
 pack() { local b=/tmp/$1/build; [ -x $b/bin/llama-bench ] || return 0
   (cd $b && XZ_OPT="-6 -T0" tar cJf - bin $(find . -name "*.so*" -not -path "./bin/*")) | split -b 15M - "$OUT/$1-bin.tar.xz."; ls -la "$OUT"/$1-bin.*; }
@@ -52,7 +52,9 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         --compile-workers 3 --json "$OUT/$(basename $f .gguf)_decode.json" > "$OUT/$(basename $f .gguf).log" 2>&1
       echo "rc=$?"; grep -v "it/s\]" "$OUT/$(basename $f .gguf).log" | tail -12
       /tmp/lcpp/build/bin/llama-bench -m $f -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
-    ik-build) unpack ik || { BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh; pack ik; } ;;  # ≈ 11 min on 16 cores: twice, back to back (ninja resumes)
+    # ≈ 11-14 min on 16 cores: two or three calls back to back (ninja resumes). Not packed: its libraries come to
+    # 196 MB as xz, over the 64 MiB a call returns or carries, so every lease that runs `ik` builds it.
+    ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;
     ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
