@@ -87,14 +87,18 @@ class Format:
         """Σ_i W[o, i]·x[i] in float32: uint8 [..., nbytes(O, I)] and x [..., I] → [..., O].
         q4_0, mxfp4 and nvfp4 never form W: each byte's two codes meet their two inputs (a byte
         holds weights j and j + n/2 of its n-weight (sub-)block) and the scales multiply inside
-        the same sum, one reduction over the stored bytes; other formats sum x times
-        `dequantize`."""
+        the same sum, one reduction over the stored bytes. Other formats dequantize block by
+        block inside one reduction over (block, weight), x zero-padded to whole blocks, never
+        reshaped to [O, I] and sliced (on the CPU backend about 4 x faster for q8_0, 1.6 x for fp8)."""
+        lead, nb = b.shape[:-1], self.blocks(I)
+        rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, nb, self.block_bytes)
         nib = _NIBBLES.get(self.name)
         if nib is None:
-            return jnp.sum(x[..., None, :].astype(jnp.float32) * self.dequantize(b, O, I), axis=-1)
+            w = _DEQUANTIZE[self.name](self, rows, b[..., O * self.row_bytes(I) :]).reshape(*lead, O, nb, self.block)
+            xb = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, nb * self.block - I)])
+            return jnp.sum(w * xb.reshape(*x.shape[:-1], 1, nb, self.block), axis=(-2, -1))
         head, subs, scales, code = nib
-        lead, nb, n = b.shape[:-1], self.blocks(I), self.block // subs
-        rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, nb, self.block_bytes)
+        n = self.block // subs
         sub = (subs,) if subs > 1 else ()  # (a unit axis here made XLA's CPU reduction 5 x slower)
         q = rows[..., head:].reshape(*lead, O, nb, *sub, n // 2)
         xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, *sub, 2, n // 2)
