@@ -77,9 +77,23 @@ def test_matvec_equals_float64_on_the_dequantized_weights(name):
         np.testing.assert_array_less(np.abs(got - want), 1e-5 * scale[..., 0] + 1e-30)
 
 
-@pytest.mark.parametrize("name", ["q4_0", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
+def test_k_quant_matvec_on_random_bytes(name):
+    """Every bit of the K-quants' packed 6-bit scales and mins set at random (as in GGUF files
+    that ggml quantized), not only the values our quantizer writes."""
+    f = get_format(name)
+    rng = np.random.default_rng(2)
+    O, I = 5, 512
+    b = np.stack([random_blocks(name, O, I, rng) for _ in range(4)]).reshape(4, -1)
+    x = rng.standard_normal((4, I)).astype(np.float32)
+    w = np.stack([f.dequantize_ref(r, O, I) for r in b])
+    got = np.asarray(f.matvec(jnp.asarray(b), jnp.asarray(x), O, I))
+    np.testing.assert_array_less(np.abs(got - np.einsum("koi,ki->ko", w, x)), 1e-5 * (np.abs(w) @ np.abs(x)[..., None])[..., 0] + 1e-30)
+
+
+@pytest.mark.parametrize("name", ["q4_0", "mxfp4", "nvfp4", "q4_k"])
 def test_nibble_matvec_reads_the_bytes_in_place(name):
-    """q4_0, mxfp4 and nvfp4 rows meet x without a dequantized matrix: no concatenation of the low and
+    """q4_0, mxfp4, nvfp4 and q4_k rows meet x without a dequantized matrix: no concatenation of the low and
     high codes, and every bitcast keeps its element width (one that folds an axis of bytes into
     a wider value needs those bytes contiguous, and XLA copied them out of each gathered expert
     in a kernel of their own)."""
