@@ -75,10 +75,12 @@ class ExpertLayout:
 
     def matvec(self, k: int, bank: jax.Array, v: jax.Array) -> jax.Array:
         """Projection k's rows of `bank` ([..., row]) times `v` ([..., in]), in float32 [..., out]:
-        a quantized bank is read as stored (`Format.matvec`), never as a dequantized copy, except
-        in a mixed model, whose dequantized non-finite values must read as 0 (`matrix`)."""
+        a quantized bank is read as stored (`Format.matvec`), never as a dequantized copy. Rows
+        of a mixed model's slot that holds another layer's bytes can come out non-finite: the
+        caller masks the results of the pairs that index such slots (weight 0), as
+        `models/layers._gathered` does; each pair's result depends on its own rows only."""
         (o, i), n = self.shapes()[k], self.row_sizes()[k]
-        if self.quantized and not self.mixed:
+        if self.quantized:
             return get_format(self.fmts[k]).matvec(bank if bank.shape[-1] == n else bank[..., :n], v, o, i)
         return jnp.sum(v[..., None, :].astype(jnp.float32) * self.matrix(k, bank, jnp.float32), axis=-1)
 

@@ -202,3 +202,31 @@ def test_grouped_matches_reference_on_odd_shapes(T, K, E, skew):
     )
     ref = reference(x, ids, w, gate, up, down)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "nvfp4", "q4_k"])
+def test_gather_masks_a_foreign_slot_with_weight_0(fmt):
+    """In a model whose layers differ in format, a step may index a slot holding another layer's
+    bytes with weight 0 (hybrid's pairs left to the CPU point at slot 0): read under this layer's
+    format they can decode to inf or NaN. The pair's result is masked, so the output equals the
+    same computation without it."""
+    from freetoken_jax.quant.formats import get_format
+
+    f = get_format(fmt)
+    rng = np.random.default_rng(7)
+    E, D, F = 4, 256, 256
+    layout = ExpertLayout((fmt,) * 3, F, D, "silu", mixed=True)
+    banks = [
+        np.stack([f.quantize_ref(rng.standard_normal(s).astype(np.float32) * 0.1) for _ in range(E)]) for s in ((F, D), (F, D), (D, F))
+    ]
+    for b in banks:
+        b[0] = 0xFF  # expert 0: every byte 0xFF (f16 and f32 scales NaN, fp8 codes NaN)
+    x = rng.standard_normal((2, D)).astype(np.float32)
+    ids = np.asarray([[0, 1, 2], [3, 0, 1]], np.int32)
+    w = np.asarray([[0.0, 0.5, 0.25], [0.7, 0.0, 0.3]], np.float32)
+    got = routed_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), tuple(jnp.asarray(b) for b in banks), layout, impl="gather")
+    # expert 0 never weighs in: zeros in the reference
+    deq = [np.stack([np.zeros(s)] + [f.dequantize_ref(e, *s) for e in b[1:]]) for b, s in zip(banks, ((F, D), (F, D), (D, F)))]
+    ref = reference(x, ids, w, *deq)
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
