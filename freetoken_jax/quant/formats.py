@@ -87,9 +87,10 @@ class Format:
         """Σ_i W[o, i]·x[i] in float32: uint8 [..., nbytes(O, I)] and x [..., I] → [..., O].
         q4_0, mxfp4, nvfp4 and q4_k never form W: each byte's two codes meet their two inputs
         (a byte of a group holds weights j and j + n/2 of the group's n) and the scales (and
-        q4_k's mins) apply inside the same sum, one reduction over the stored bytes. Other formats dequantize block by
-        block inside one reduction over (block, weight), x zero-padded to whole blocks, never
-        reshaped to [O, I] and sliced (on the CPU backend about 4 x faster for q8_0, 1.6 x for fp8)."""
+        q4_k's mins) apply inside the same sum, one reduction over the stored bytes. Other
+        formats dequantize block by block inside one reduction over (block, weight), x
+        zero-padded to whole blocks, never reshaped to [O, I] and sliced (on the CPU backend
+        about 4 x faster for q8_0, 1.6 x for fp8)."""
         lead, nb = b.shape[:-1], self.blocks(I)
         rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, nb, self.block_bytes)
         nib = _NIBBLES.get(self.name)

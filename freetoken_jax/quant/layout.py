@@ -24,8 +24,9 @@ class ExpertLayout:
 
     `mixed`: the model's layers differ in format, so a slot may hold another layer's bytes when
     it is read under this layer's format (a step computes every slot it indexes, unrouted ones
-    with weight 0): dequantized values that are not finite are read as 0, so that such a slot
-    contributes exactly nothing."""
+    with weight 0), so that such a slot contributes exactly nothing: `matrix` reads dequantized
+    values that are not finite as 0 (a dense matmul sums them with the others), `matvec` leaves
+    each pair's result to its own rows for the caller to mask."""
 
     fmts: tuple[str, str, str]
     F: int
