@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|kernels]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -20,7 +20,10 @@
 #   overlap: whether a layer's load from pinned host memory runs beside compute in one jitted
 #            program, on one stream or under compute_on("gpu_stream:1") (benchmarks/stream_overlap.py);
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native
-#            stack sampled over 300 steps (profile_step --stacks).
+#            stack sampled over 300 steps (profile_step --stacks);
+#   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
+#            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
+#            (the profile names kernels; the HLO says what each one computes).
 source benchmarks/h200_install.sh
 P="python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --out $OUT --no-profile --warm 8"
 for what in "$@"; do
@@ -36,6 +39,10 @@ for what in "$@"; do
     overlap) timeout 240 python3 benchmarks/stream_overlap.py --layers 4 --reps 40 2>&1 | tail -14
       echo "== without xla_gpu_experimental_stream_annotation"
       timeout 120 python3 benchmarks/stream_overlap.py --layers 4 --reps 10 --no-annotate --variants load compute stream1 inplace1 2>&1 | tail -6 ;;
+    kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
+      timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
+      timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
+      gzip -f "$OUT"/*.hlo.txt ;;
     stacks) $P --strategies ${STACKS:-cpu hybrid offload} --stacks 300 2>&1 | grep -v "it/s\]" | cut -c1-220 ;;
     sync) for s in default kernel host_function; do
         echo "== FREETOKEN_HANDOFF_SYNC=$s"
