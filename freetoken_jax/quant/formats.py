@@ -76,12 +76,16 @@ class Format:
 
     def dequantize(self, b: jax.Array, O: int, I: int, dtype=jnp.float32) -> jax.Array:
         """uint8 [..., nbytes(O, I)] → [..., O, I] in `dtype` (scales applied in float32)."""
-        lead = b.shape[:-1]
+        rows, trailer = self._split(b, O, I)
+        w = _DEQUANTIZE[self.name](self, rows, trailer)
+        return w.reshape(*b.shape[:-1], O, self.blocks(I) * self.block)[..., :I].astype(dtype)
+
+    def _split(self, b: jax.Array, O: int, I: int) -> tuple[jax.Array, jax.Array]:
+        """uint8 [..., nbytes(O, I)] → its blocks [..., O, blocks, block_bytes] and trailer."""
         if b.shape[-1] != self.nbytes(O, I):
             raise ValueError(f"{self.name} [{O}, {I}] is {self.nbytes(O, I)} bytes, got rows of {b.shape[-1]}")
-        rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, self.blocks(I), self.block_bytes)
-        w = _DEQUANTIZE[self.name](self, rows, b[..., O * self.row_bytes(I) :])
-        return w.reshape(*lead, O, self.blocks(I) * self.block)[..., :I].astype(dtype)
+        at = O * self.row_bytes(I)
+        return b[..., :at].reshape(*b.shape[:-1], O, self.blocks(I), self.block_bytes), b[..., at:]
 
     def matvec(self, b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
         """Σ_i W[o, i]·x[i] in float32: uint8 [..., nbytes(O, I)] and x [..., I] → [..., O].
@@ -92,10 +96,10 @@ class Format:
         zero-padded to whole blocks, never reshaped to [O, I] and sliced (on the CPU backend
         about 4 x faster for q8_0, 1.6 x for fp8)."""
         lead, nb = b.shape[:-1], self.blocks(I)
-        rows = b[..., : O * self.row_bytes(I)].reshape(*lead, O, nb, self.block_bytes)
+        rows, trailer = self._split(b, O, I)
         nib = _NIBBLES.get(self.name)
         if nib is None:
-            w = _DEQUANTIZE[self.name](self, rows, b[..., O * self.row_bytes(I) :]).reshape(*lead, O, nb, self.block)
+            w = _DEQUANTIZE[self.name](self, rows, trailer).reshape(*lead, O, nb, self.block)
             xb = jnp.pad(x.astype(jnp.float32), [(0, 0)] * (x.ndim - 1) + [(0, nb * self.block - I)])
             return jnp.sum(w * xb.reshape(*x.shape[:-1], 1, nb, self.block), axis=(-2, -1))
         head, groups, params, code = nib
@@ -109,7 +113,7 @@ class Format:
             v = v - m_lo * xb[..., 0, :] - m_hi * xb[..., 1, :]
         y = jnp.sum(v, axis=tuple(range(-2 - len(grp), 0)))
         if self.trailer:  # nvfp4: the tensor's float32 scale
-            y = y * _from_bytes(b[..., O * self.row_bytes(I) :], jnp.float32)[..., None]
+            y = y * _from_bytes(trailer, jnp.float32)[..., None]
         return y
 
     # numpy references ----------------------------------------------------------------------------

@@ -68,10 +68,10 @@ class ExpertLayout:
 
     def matrix(self, k: int, bank: jax.Array, dtype) -> jax.Array:
         """Projection k (an index into PROJECTIONS) of the experts in `bank` as [..., out, in]."""
-        (o, i), n = self.shapes()[k], self.row_sizes()[k]
+        o, i = self.shapes()[k]
         if not self.quantized:  # stacks [..., out, in] or rows [..., out·in]
             return (bank if bank.shape[-2:] == (o, i) else bank.reshape(*bank.shape[:-1], o, i)).astype(dtype)
-        w = get_format(self.fmts[k]).dequantize(bank if bank.shape[-1] == n else bank[..., :n], o, i, dtype)
+        w = get_format(self.fmts[k]).dequantize(self._own(k, bank), o, i, dtype)
         return jnp.where(jnp.isfinite(w), w, 0) if self.mixed else w
 
     def matvec(self, k: int, bank: jax.Array, v: jax.Array) -> jax.Array:
@@ -80,10 +80,14 @@ class ExpertLayout:
         of a mixed model's slot that holds another layer's bytes can come out non-finite: the
         caller masks the results of the pairs that index such slots (weight 0), as
         `models/layers._gathered` does; each pair's result depends on its own rows only."""
-        (o, i), n = self.shapes()[k], self.row_sizes()[k]
         if self.quantized:
-            return get_format(self.fmts[k]).matvec(bank if bank.shape[-1] == n else bank[..., :n], v, o, i)
+            return get_format(self.fmts[k]).matvec(self._own(k, bank), v, *self.shapes()[k])
         return jnp.sum(v[..., None, :].astype(jnp.float32) * self.matrix(k, bank, jnp.float32), axis=-1)
+
+    def _own(self, k: int, bank: jax.Array) -> jax.Array:
+        """Projection k's bytes of quantized rows that may be wider (slots: `slot_row_sizes`)."""
+        n = self.row_sizes()[k]
+        return bank if bank.shape[-1] == n else bank[..., :n]
 
     def expert_bytes(self, itemsize: int) -> int:
         """Stored bytes of one expert (its three projections); `itemsize` of the model dtype."""
