@@ -10,15 +10,15 @@ banks are in the default memory kind. `fetch_rows_ref` is the jnp reference.
 Grid: (expert i, chunk j of `block` contiguous elements of one bank's row; the banks' chunks
 follow one another along j); each program moves one chunk, so a fetch of N experts runs
 N × ΣR / block programs in parallel, and the kinds of weight of a layer (gate, up, down) move
-in one launch instead of three. Blocks are powers of two (the GPU lowering needs them) dividing
-every bank's row length.
+in one launch instead of three. Blocks are powers of two (the GPU lowering needs them) no longer
+than the shortest row; a row whose length the block does not divide (nvfp4's float32 trailer, fp8's
+scale tiles) ends in one chunk placed at its last `block` elements, overlapping the one before
+with the same values, so that every row moves in full-size chunks whatever its length.
 """
 
 from __future__ import annotations
 
 import functools
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -36,24 +36,31 @@ def fetch_rows_ref(bank_ER, slots_SR, src_N, dst_N, valid_N):
 
 
 def block_size(R: int, target: int) -> int:
-    """Largest power of two dividing R and at most `target`."""
+    """Largest power of two at most R and at most `target`."""
     b = 1
-    while R % (2 * b) == 0 and 2 * b <= target:
+    while 2 * b <= min(R, target):
         b *= 2
     return b
 
 
-def _kernel(src_ref, dst_ref, valid_ref, *refs, block: int, chunks: tuple[int, ...]):
-    K = len(chunks)
+def _kernel(src_ref, dst_ref, valid_ref, *refs, block: int, rows: tuple[int, ...]):
+    K = len(rows)
     banks, outs = refs[:K], refs[2 * K :]  # refs[K:2K]: the slot inputs, aliased to outs
     i, j = pl.program_id(0), pl.program_id(1)
+    valid = valid_ref[i] != 0
     start = 0
-    for k, c in enumerate(chunks):
+    for k, R in enumerate(rows):
+        c = -(-R // block)  # chunks 0 .. c-2 at multiples of block, chunk c-1 at R - block
 
-        @pl.when((valid_ref[i] != 0) & (j >= start) & (j < start + c))
+        @pl.when(valid & (j >= start) & (j < start + c - 1))
         def _(k=k, start=start):
             s, d, off = src_ref[i], dst_ref[i], (j - start) * block
             outs[k][d, pl.ds(off, block)] = banks[k][s, pl.ds(off, block)]
+
+        @pl.when(valid & (j == start + c - 1))
+        def _(k=k, R=R):
+            s, d = src_ref[i], dst_ref[i]
+            outs[k][d, pl.ds(R - block, block)] = banks[k][s, pl.ds(R - block, block)]
 
         start += c
 
@@ -84,8 +91,9 @@ def fetch_rows_many(banks, slots, src_N, dst_N, valid_N, *, interpret: bool = Fa
         raise ValueError("src, dst and valid must be vectors of one length")
     K, N = len(banks), src_N.shape[0]
     # Blocks cover each bank row (a row narrower than its slot fills the slot row's start).
-    block = block_size(math.gcd(*(b.shape[1] for b in banks)), block_elems)
-    chunks = tuple(b.shape[1] // block for b in banks)
+    rows = tuple(b.shape[1] for b in banks)
+    block = block_size(min(rows), block_elems)
+    chunks = sum(-(-R // block) for R in rows)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     params = {}
     if not interpret:
@@ -94,8 +102,8 @@ def fetch_rows_many(banks, slots, src_N, dst_N, valid_N, *, interpret: bool = Fa
         params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps)
     return tuple(
         pl.pallas_call(
-            functools.partial(_kernel, block=block, chunks=chunks),
-            grid=(N, sum(chunks)),
+            functools.partial(_kernel, block=block, rows=rows),
+            grid=(N, chunks),
             in_specs=[any_spec] * (3 + 2 * K),
             out_specs=[any_spec] * K,
             out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slots],
