@@ -19,6 +19,7 @@ with the same values, so that every row moves in full-size chunks whatever its l
 from __future__ import annotations
 
 import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
