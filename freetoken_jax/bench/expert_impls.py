@@ -1,7 +1,7 @@
 """Routed-expert implementations that benchmarks compare with the engine's (`--expert-impl`).
 
 `named(impl)` is the `compute` a backend takes (`runtime/experts.py`): None for the engine's
-choice ("auto"), `routed_experts` pinned to "gather", "dense" or "grouped", or one of the two below, kept
+choice ("auto"), `routed_experts` pinned to "kernel", "gather", "dense" or "grouped", or one of the two below, kept
 out of the engine because they lost on the H200 (benchmarks/RESULTS.md):
 
 - "slices": one dynamic slice per (token, expert) pair, each feeding its own matvec (no gathered
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from freetoken_jax.models.layers import activation, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 
-IMPLS = ("auto", "gather", "dense", "grouped", "slices", "ragged")
+IMPLS = ("auto", "kernel", "gather", "dense", "grouped", "slices", "ragged")
 
 
 def _no_bias(bias, name: str) -> None:
@@ -70,6 +70,6 @@ def named(impl: str):
         raise ValueError(f"unknown expert implementation {impl!r}; choose from {IMPLS}")
     if impl == "auto":
         return None
-    if impl in ("gather", "dense", "grouped"):
+    if impl in ("kernel", "gather", "dense", "grouped"):
         return functools.partial(routed_experts, impl=impl)
     return {"slices": slices, "ragged": ragged}[impl]

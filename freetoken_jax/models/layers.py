@@ -21,6 +21,7 @@ from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
+from pallas_kernels import gathered_experts
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -402,16 +403,27 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
       24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
       ranked plan is not measured there yet);
+    - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
+      `pallas_kernels/gathered_experts.py` (q4_0 experts without biases; `kernel_fits` says
+      which layers): each gathered block's scale and codes read together;
     - "auto": gather when T·k ≤ E, else grouped.
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
+    if impl == "kernel":
+        if not kernel_fits(layout, bias):
+            raise ValueError(f"the 'kernel' expert implementation takes q4_0 experts without biases, not {layout.fmts} "
+                             f"{layout.act}{' with biases' if bias is not None else ''}")  # fmt: skip
+        if T * K <= E:
+            return gathered_experts.q4_0_experts(x_TD, ids_TK, w_TK, *banks, F=layout.F, D=layout.D, act=activation(layout.act),
+                                                 interpret=jax.default_backend() == "cpu")  # fmt: skip
+        impl = "grouped"
     if impl == "auto":
         impl = "gather" if T * K <= E else "grouped"
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl not in ("dense", "grouped"):
-        raise ValueError(f"unknown expert implementation {impl!r}: auto, gather, dense or grouped")
+        raise ValueError(f"unknown expert implementation {impl!r}: auto, kernel, gather, dense or grouped")
     if impl == "dense":
         return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
     plans = group_plans(T, K, E)
@@ -423,6 +435,13 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     grouped = [lambda x, i, w, bk, b, n, plan=plan: _grouped(x, i, w, bk, layout, b, n, plan) for plan in plans]
     dense = lambda x, i, w, bk, b, n: _dense(x, i, w, layout.matrices(bk, x.dtype), layout, b)  # noqa: E731
     return jax.lax.switch(which, [*grouped, dense], x_TD, ids_TK, w_TK, tuple(banks), bias, counts)
+
+
+def kernel_fits(layout: ExpertLayout, bias=None) -> bool:
+    """Whether the "kernel" implementation computes this layer's experts: q4_0 gate, up and down
+    in one format, no biases, an activation the kernels lower (not exact-erf "gelu")."""
+    return (layout.fmts == ("q4_0",) * 3 and not layout.mixed and bias is None and layout.act in gathered_experts.ACTS
+            and not layout.F % gathered_experts.BLOCK_ROWS and not layout.D % gathered_experts.BLOCK_ROWS)  # fmt: skip
 
 
 def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:

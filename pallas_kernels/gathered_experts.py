@@ -1,0 +1,138 @@
+"""Decode's routed experts over q4_0 slots in two kernels that read each chosen expert's bytes once.
+
+`q4_0_experts(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, F=, D=, act=)` computes
+Σ_k w[t,k] · down(act(gate x_t, up x_t)) over the slots `ids_TK` picks, for q4_0 rows as the
+banks store them (GGUF's blocks of 18 bytes: an f16 scale, then 16 bytes whose low nibbles are
+weights 0-15 and high nibbles 16-31, each code minus 8):
+
+- `_gate_up`: grid (pair, block of `block_rows` rows of F): the pair's gate and up rows against
+  x_t, the activation, rounded to x's dtype → h [T·K, F];
+- `_down`: grid (token, block of rows of D): each of the token's K pairs' down rows against its
+  h, times its routing weight (a pair of weight 0 adds exactly 0, whatever its slot holds),
+  summed in float32 → [T, D] in x's dtype.
+
+Each program loads its rows' scales and codes as two gathers of the same bytes, so the codes and
+the scales come from memory together (XLA's fusion of the same computation reads every block's
+scale in a kernel of its own first: benchmarks/RESULTS.md). Blocks past a row's end (a row of
+24 blocks is read as 32) repeat its last block against zeros. `q4_0_experts_ref` is the jnp
+reference: every slot dequantized to float32, the same rounding of h.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # config.ACTIVATIONS that lower to Triton (exact gelu's erfc does not)
+BLOCK_ROWS = 16
+NUM_WARPS = 4
+_QB = 18  # bytes of a q4_0 block of 32 weights
+
+
+def _rows_dot(w_ref, s, rows, v_ref, vrow, nb: int, nbp: int):
+    """float32 [rows] · v: q4_0 rows `rows` of slot `s` in `w_ref` against row `vrow` of `v_ref`
+    (nb blocks a row, read as nbp: a power of two)."""
+    b = jnp.minimum(jnp.arange(nbp, dtype=jnp.int32), nb - 1)
+    j = jnp.arange(16, dtype=jnp.int32)
+    blk = rows[:, None] * (nb * _QB) + b[None, :] * _QB  # [R, nbp]: each block's first byte
+    codes = w_ref[s, blk[:, :, None] + 2 + j[None, None, :]].astype(jnp.int32)  # [R, nbp, 16]
+    half = w_ref[s, blk].astype(jnp.int32) | (w_ref[s, blk + 1].astype(jnp.int32) << 8)
+    scale = jax.lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+    keep = (jnp.arange(nbp, dtype=jnp.int32) < nb).astype(jnp.float32)[:, None]
+    vi = b[:, None] * 32 + j[None, :]
+    lo = v_ref[vrow, vi].astype(jnp.float32) * keep  # weights 0-15 of each block
+    hi = v_ref[vrow, vi + 16].astype(jnp.float32) * keep  # 16-31
+    part = jnp.sum(((codes & 15) - 8).astype(jnp.float32) * lo[None] + ((codes >> 4) - 8).astype(jnp.float32) * hi[None], axis=2)
+    return jnp.sum(part * scale, axis=1)
+
+
+def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, K: int, R: int, nb: int, nbp: int, act):
+    p, r = pl.program_id(0), pl.program_id(1)
+    s, t = ids_ref[p], p // K
+    rows = r * R + jnp.arange(R, dtype=jnp.int32)
+    g = _rows_dot(g_ref, s, rows, x_ref, t, nb, nbp)
+    u = _rows_dot(u_ref, s, rows, x_ref, t, nb, nbp)
+    h_ref[p, rows] = act(g, u).astype(h_ref.dtype)
+
+
+def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, K: int, R: int, nb: int, nbp: int):
+    t, r = pl.program_id(0), pl.program_id(1)
+    rows = r * R + jnp.arange(R, dtype=jnp.int32)
+    acc = jnp.zeros((R,), jnp.float32)
+    for k in range(K):
+        p = t * K + k
+        w = w_ref[p]
+        acc = acc + jnp.where(w != 0, w * _rows_dot(d_ref, ids_ref[p], rows, h_ref, p, nb, nbp), 0.0)
+    y_ref[t, rows] = acc.astype(y_ref.dtype)
+
+
+def _params(interpret: bool, num_warps: int) -> dict:
+    if interpret:
+        return {"interpret": True}
+    from jax.experimental.pallas import triton as pltriton
+
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps)}
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def check_shapes(F: int, D: int, block_rows: int) -> None:
+    """Raises ValueError unless q4_0 experts of FFN width F and hidden size D fit the kernels."""
+    if F % 32 or D % 32:
+        raise ValueError(f"q4_0 rows are whole blocks of 32: F={F}, D={D}")
+    if block_rows & (block_rows - 1) or F % block_rows or D % block_rows:
+        raise ValueError(f"block_rows={block_rows} must be a power of two dividing F={F} and D={D}")
+
+
+def q4_0_experts(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int, act, interpret: bool = False,
+                 block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> jax.Array:  # fmt: skip
+    """The routed experts' output [T, D] in x's dtype (module docstring). Slot rows may be wider
+    than a projection's bytes (the first bytes are its matrix); `act(g, u)` in float32."""
+    T, K = ids_TK.shape
+    check_shapes(F, D, block_rows)
+    if x_TD.shape != (T, D):
+        raise ValueError(f"x {x_TD.shape} is not [{T}, {D}]")
+    nbytes = (F * D // 32 * _QB,) * 3
+    for a, n in zip((gate_SR, up_SR, down_SR), nbytes):
+        if a.ndim != 2 or a.dtype != jnp.uint8 or a.shape[1] < n:
+            raise ValueError(f"slots {a.shape} {a.dtype} cannot hold q4_0 [{F}, {D}] rows of {n} bytes")
+    ids = ids_TK.reshape(-1).astype(jnp.int32)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    R = block_rows
+    h = pl.pallas_call(
+        functools.partial(_gate_up, K=K, R=R, nb=D // 32, nbp=_pow2(D // 32), act=act),
+        grid=(T * K, F // R),
+        in_specs=[any_spec] * 4,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((T * K, F), x_TD.dtype),
+        name="q4_0_gate_up",
+        **_params(interpret, num_warps),
+    )(ids, x_TD, gate_SR, up_SR)
+    return pl.pallas_call(
+        functools.partial(_down, K=K, R=R, nb=F // 32, nbp=_pow2(F // 32)),
+        grid=(T, D // R),
+        in_specs=[any_spec] * 4,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((T, D), x_TD.dtype),
+        name="q4_0_down",
+        **_params(interpret, num_warps),
+    )(ids, w_TK.reshape(-1).astype(jnp.float32), h, down_SR)
+
+
+def q4_0_experts_ref(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int, act) -> jax.Array:
+    """Reference: the chosen slots dequantized to float32 [F, D] / [D, F] and multiplied in jnp."""
+    from freetoken_jax.quant.formats import get_format
+
+    q = get_format("q4_0")
+    n = F * D // 32 * _QB
+    g, u, d = (q.dequantize(a[ids_TK][..., :n], *shape) for a, shape in zip((gate_SR, up_SR, down_SR), ((F, D), (F, D), (D, F))))
+    x = x_TD.astype(jnp.float32)
+    h = act(jnp.einsum("tkfd,td->tkf", g, x), jnp.einsum("tkfd,td->tkf", u, x)).astype(x_TD.dtype).astype(jnp.float32)
+    y = jnp.einsum("tkdf,tkf->tkd", d, h)
+    w = w_TK.astype(jnp.float32)[..., None]
+    return jnp.sum(jnp.where(w != 0, w * y, 0.0), axis=1).astype(x_TD.dtype)

@@ -1,0 +1,111 @@
+"""Decode's q4_0 expert kernels (interpret mode) against float64 and their jnp reference, over
+shapes; their lowering to Triton for the GPU (checked here, without one); and the engine's
+"kernel" expert implementation against "gather"."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from freetoken_jax.config import ACTIVATIONS
+from freetoken_jax.models.layers import kernel_fits, routed_experts
+from freetoken_jax.quant.formats import get_format
+from freetoken_jax.quant.layout import ExpertLayout
+from pallas_kernels.gathered_experts import ACTS, q4_0_experts, q4_0_experts_ref
+
+Q = get_format("q4_0")
+
+
+def _slots(rng, S, F, D, extra=0):
+    """gate, up, down slots of S q4_0 experts (rows `extra` bytes wider than the matrices) and
+    their dequantized float64 matrices."""
+    out, mats = [], []
+    for o, i in ((F, D), (F, D), (D, F)):
+        b = np.asarray(Q.quantize(jnp.asarray(rng.standard_normal((S, o, i)).astype(np.float32) * 0.3)))
+        mats.append(np.asarray(Q.dequantize(jnp.asarray(b), o, i), np.float64))
+        out.append(np.concatenate([b, rng.integers(0, 256, (S, extra), dtype=np.uint8)], axis=1))
+    return out, mats
+
+
+def _float64(x, ids, w, mats, act):
+    g, u, d = (m[ids] for m in mats)
+    x = np.asarray(x, np.float64)
+    gx, ux = np.einsum("tkfd,td->tkf", g, x), np.einsum("tkfd,td->tkf", u, x)
+    h = np.asarray(act(jnp.asarray(gx, jnp.float32), jnp.asarray(ux, jnp.float32)), np.float64)
+    return np.einsum("tkdf,tkf,tk->td", d, h, np.asarray(w, np.float64))
+
+
+@pytest.mark.parametrize("S,F,D,T,K", [(5, 64, 96, 1, 3), (7, 96, 64, 2, 2), (4, 32, 256, 3, 1), (9, 128, 768, 1, 4)])
+@pytest.mark.parametrize("act", ACTS)
+def test_kernels_match_float64_and_reference(S, F, D, T, K, act):
+    rng = np.random.default_rng(S * F + D + T * K)
+    (g, u, d), mats = _slots(rng, S, F, D, extra=5)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    ids = rng.integers(0, S, (T, K)).astype(np.int32)
+    w = rng.random((T, K)).astype(np.float32)
+    f = ACTIVATIONS[act]
+    got = np.asarray(q4_0_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=F, D=D, act=f, interpret=True))
+    want = _float64(x, ids, w, mats, f)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    ref = np.asarray(q4_0_experts_ref(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=F, D=D, act=f))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_bf16_hidden_rounded_as_the_reference_and_weight_zero_pairs_add_nothing():
+    """h is rounded to x's dtype (bf16) as the XLA path rounds it; a pair of weight 0 whose slot
+    holds bytes that decode to non-finite values (0xFF: NaN scales) adds nothing: the output is
+    finite and equals the reference without those pairs (to bf16's rounding of the sum)."""
+    rng = np.random.default_rng(3)
+    S, F, D, T = 6, 64, 128, 2
+    (g, u, d), _ = _slots(rng, S, F, D)
+    for a in (g, u, d):
+        a[5] = 0xFF
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    ids = jnp.asarray([[0, 5, 2], [5, 1, 3]], jnp.int32)
+    w = jnp.asarray([[0.5, 0.0, 0.25], [0.0, 0.7, 0.3]], jnp.float32)
+    f = ACTIVATIONS["silu"]
+    got = q4_0_experts(x, ids, w, g, u, d, F=F, D=D, act=f, interpret=True)
+    assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
+    keep = jnp.asarray([[0, 2], [1, 3]], jnp.int32), jnp.asarray([[0.5, 0.25], [0.7, 0.3]], jnp.float32)
+    want = q4_0_experts_ref(x, *keep, g, u, d, F=F, D=D, act=f)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_kernels_lower_to_triton_for_the_gpu(act):
+    """The Pallas → Triton lowering runs here without a GPU (the GPU compiles the Triton IR)."""
+    sds = jax.ShapeDtypeStruct
+    args = (sds((1, 2048), jnp.bfloat16), sds((1, 8), jnp.int32), sds((1, 8), jnp.float32)) + (sds((100, 884736), jnp.uint8),) * 3
+    exp = export.export(jax.jit(lambda *a: q4_0_experts(*a, F=768, D=2048, act=ACTIVATIONS[act])), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)  # fmt: skip
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 2 and "q4_0_gate_up" in text and "q4_0_down" in text
+
+
+def test_bad_shapes_raise():
+    z = jnp.zeros((4, 2000), jnp.uint8)
+    f = ACTIVATIONS["silu"]
+    with pytest.raises(ValueError, match="whole blocks"):
+        q4_0_experts(jnp.zeros((1, 48)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=48, act=f, interpret=True)
+    with pytest.raises(ValueError, match="cannot hold"):
+        q4_0_experts(jnp.zeros((1, 128)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=128, act=f, interpret=True)
+
+
+def test_engine_kernel_impl_equals_gather_and_refuses_what_it_cannot_compute():
+    rng = np.random.default_rng(11)
+    S, F, D = 12, 64, 96
+    (g, u, d), _ = _slots(rng, S, F, D)
+    layout = ExpertLayout(("q4_0",) * 3, F, D, "silu")
+    x = jnp.asarray(rng.standard_normal((2, D)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, S, (2, 4)), jnp.int32)
+    w = jnp.asarray(rng.random((2, 4)), jnp.float32)
+    banks = tuple(jnp.asarray(a) for a in (g, u, d))
+    got = routed_experts(x, ids, w, banks, layout, impl="kernel")
+    want = routed_experts(x, ids, w, banks, layout, impl="gather")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+    assert not kernel_fits(ExpertLayout(("q8_0",) * 3, F, D, "silu"))
+    assert not kernel_fits(ExpertLayout(("q4_0",) * 3, F, D, "gelu"))
+    assert not kernel_fits(layout, bias=(0.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="q4_0 experts without biases"):
+        routed_experts(x, ids, w, banks, ExpertLayout(("q4_0",) * 3, F, D, "gelu"), impl="kernel")
