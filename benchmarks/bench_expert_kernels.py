@@ -3,6 +3,7 @@
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts.
 
     python benchmarks/bench_expert_kernels.py [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
+        [--rows 1 2 4 8] [--warps 2 4 8]
 
 Each variant runs `steps` layers in one jitted loop, every layer's output feeding the next
 layer's input and its experts the next 8 of the bank (so that the slots read, 2.65 MB an expert
@@ -34,7 +35,7 @@ def main() -> None:
     ap.add_argument("--ffn", type=int, default=768)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     a = ap.parse_args()
     E, K, F, D = a.experts, a.k, a.ffn, a.hidden

@@ -109,3 +109,16 @@ def test_engine_kernel_impl_equals_gather_and_refuses_what_it_cannot_compute():
     assert not kernel_fits(layout, bias=(0.0, 0.0, 0.0))
     with pytest.raises(ValueError, match="q4_0 experts without biases"):
         routed_experts(x, ids, w, banks, ExpertLayout(("q4_0",) * 3, F, D, "gelu"), impl="kernel")
+
+
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 2), (16, 8)])
+def test_rows_per_program_do_not_change_the_result(block_rows, num_warps):
+    rng = np.random.default_rng(block_rows)
+    (g, u, d), mats = _slots(rng, 5, 32, 64)
+    x = rng.standard_normal((1, 64)).astype(np.float32)
+    ids, w = np.array([[4, 1, 4]], np.int32), np.array([[0.2, 0.5, 0.3]], np.float32)
+    f = ACTIVATIONS["silu"]
+    got = np.asarray(q4_0_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=32, D=64, act=f, interpret=True,
+                                  block_rows=block_rows, num_warps=num_warps))  # fmt: skip
+    want = _float64(x, ids, w, mats, f)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
