@@ -13,8 +13,8 @@ weights 0-15 and high nibbles 16-31, each code minus 8):
 
 Each program loads its rows' scales and codes as two gathers of the same bytes, so the codes and
 the scales come from memory together (XLA's fusion of the same computation reads every block's
-scale in a kernel of its own first: benchmarks/RESULTS.md). Blocks past a row's end (a row of
-24 blocks is read as 32) repeat its last block against zeros. `q4_0_experts_ref` is the jnp
+scale in a kernel of its own first: benchmarks/RESULTS.md). A row of blocks that is not a power
+of two is read in power-of-two runs (24 blocks: 16, then 8). `q4_0_experts_ref` is the jnp
 reference: every slot dequantized to float32, the same rounding of h.
 """
 
@@ -34,40 +34,53 @@ NUM_WARPS = 4
 _QB = 18  # bytes of a q4_0 block of 32 weights
 
 
-def _rows_dot(w_ref, s, rows, v_ref, vrow, nb: int, nbp: int):
-    """float32 [rows] · v: q4_0 rows `rows` of slot `s` in `w_ref` against row `vrow` of `v_ref`
-    (nb blocks a row, read as nbp: a power of two)."""
-    b = jnp.minimum(jnp.arange(nbp, dtype=jnp.int32), nb - 1)
+def _pieces(nb: int) -> list[tuple[int, int]]:
+    """(first block, blocks) of the powers of two that make up nb blocks, largest first (Triton's
+    arrays have power-of-two sizes): 24 → (0, 16), (16, 8)."""
+    out, start = [], 0
+    for bit in reversed(range(nb.bit_length())):
+        if nb >> bit & 1:
+            out.append((start, 1 << bit))
+            start += 1 << bit
+    return out
+
+
+def _rows_dot(w_ref, s, rows, v_ref, vrow, nb: int):
+    """float32 [rows] · v: q4_0 rows `rows` (nb blocks each) of slot `s` in `w_ref` against row
+    `vrow` of `v_ref`, a power-of-two run of blocks at a time."""
     j = jnp.arange(16, dtype=jnp.int32)
-    blk = rows[:, None] * (nb * _QB) + b[None, :] * _QB  # [R, nbp]: each block's first byte
-    codes = w_ref[s, blk[:, :, None] + 2 + j[None, None, :]].astype(jnp.int32)  # [R, nbp, 16]
-    half = w_ref[s, blk].astype(jnp.int32) | (w_ref[s, blk + 1].astype(jnp.int32) << 8)
-    scale = jax.lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-    keep = (jnp.arange(nbp, dtype=jnp.int32) < nb).astype(jnp.float32)[:, None]
-    vi = b[:, None] * 32 + j[None, :]
-    lo = v_ref[vrow, vi].astype(jnp.float32) * keep  # weights 0-15 of each block
-    hi = v_ref[vrow, vi + 16].astype(jnp.float32) * keep  # 16-31
-    part = jnp.sum(((codes & 15) - 8).astype(jnp.float32) * lo[None] + ((codes >> 4) - 8).astype(jnp.float32) * hi[None], axis=2)
-    return jnp.sum(part * scale, axis=1)
+    acc = jnp.zeros(rows.shape, jnp.float32)
+    for b0, n in _pieces(nb):
+        b = b0 + jnp.arange(n, dtype=jnp.int32)
+        blk = rows[:, None] * (nb * _QB) + b[None, :] * _QB  # [R, n]: each block's first byte
+        codes = w_ref[s, blk[:, :, None] + 2 + j[None, None, :]].astype(jnp.int32)  # [R, n, 16]
+        half = w_ref[s, blk].astype(jnp.int32) | (w_ref[s, blk + 1].astype(jnp.int32) << 8)
+        scale = jax.lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+        vi = b[:, None] * 32 + j[None, :]
+        lo = v_ref[vrow, vi].astype(jnp.float32)  # weights 0-15 of each block
+        hi = v_ref[vrow, vi + 16].astype(jnp.float32)  # 16-31
+        part = jnp.sum(((codes & 15) - 8).astype(jnp.float32) * lo[None] + ((codes >> 4) - 8).astype(jnp.float32) * hi[None], axis=2)
+        acc = acc + jnp.sum(part * scale, axis=1)
+    return acc
 
 
-def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, K: int, R: int, nb: int, nbp: int, act):
+def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, K: int, R: int, nb: int, act):
     p, r = pl.program_id(0), pl.program_id(1)
     s, t = ids_ref[p], p // K
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
-    g = _rows_dot(g_ref, s, rows, x_ref, t, nb, nbp)
-    u = _rows_dot(u_ref, s, rows, x_ref, t, nb, nbp)
+    g = _rows_dot(g_ref, s, rows, x_ref, t, nb)
+    u = _rows_dot(u_ref, s, rows, x_ref, t, nb)
     h_ref[p, rows] = act(g, u).astype(h_ref.dtype)
 
 
-def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, K: int, R: int, nb: int, nbp: int):
+def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, K: int, R: int, nb: int):
     t, r = pl.program_id(0), pl.program_id(1)
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
     acc = jnp.zeros((R,), jnp.float32)
     for k in range(K):
         p = t * K + k
         w = w_ref[p]
-        acc = acc + jnp.where(w != 0, w * _rows_dot(d_ref, ids_ref[p], rows, h_ref, p, nb, nbp), 0.0)
+        acc = acc + jnp.where(w != 0, w * _rows_dot(d_ref, ids_ref[p], rows, h_ref, p, nb), 0.0)
     y_ref[t, rows] = acc.astype(y_ref.dtype)
 
 
@@ -77,10 +90,6 @@ def _params(interpret: bool, num_warps: int) -> dict:
     from jax.experimental.pallas import triton as pltriton
 
     return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps)}
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def check_shapes(F: int, D: int, block_rows: int) -> None:
@@ -107,7 +116,7 @@ def q4_0_experts(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int,
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     R = block_rows
     h = pl.pallas_call(
-        functools.partial(_gate_up, K=K, R=R, nb=D // 32, nbp=_pow2(D // 32), act=act),
+        functools.partial(_gate_up, K=K, R=R, nb=D // 32, act=act),
         grid=(T * K, F // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
@@ -116,7 +125,7 @@ def q4_0_experts(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int,
         **_params(interpret, num_warps),
     )(ids, x_TD, gate_SR, up_SR)
     return pl.pallas_call(
-        functools.partial(_down, K=K, R=R, nb=F // 32, nbp=_pow2(F // 32)),
+        functools.partial(_down, K=K, R=R, nb=F // 32),
         grid=(T, D // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,

@@ -12,7 +12,7 @@ from freetoken_jax.config import ACTIVATIONS
 from freetoken_jax.models.layers import kernel_fits, routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels.gathered_experts import ACTS, q4_0_experts, q4_0_experts_ref
+from pallas_kernels.gathered_experts import ACTS, _pieces, q4_0_experts, q4_0_experts_ref
 
 Q = get_format("q4_0")
 
@@ -122,3 +122,10 @@ def test_rows_per_program_do_not_change_the_result(block_rows, num_warps):
                                   block_rows=block_rows, num_warps=num_warps))  # fmt: skip
     want = _float64(x, ids, w, mats, f)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_pieces_cover_the_blocks_in_powers_of_two():
+    for nb in (1, 3, 24, 48, 64, 96, 100):
+        got = _pieces(nb)
+        assert sum(n for _, n in got) == nb and all(n & (n - 1) == 0 for _, n in got)
+        assert [b for b, _ in got] == [sum(n for _, n in got[:i]) for i in range(len(got))]
