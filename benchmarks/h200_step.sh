@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|kernels]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|ekernels|kernels]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -21,6 +21,9 @@
 #            program, on one stream or under compute_on("gpu_stream:1") (benchmarks/stream_overlap.py);
 #   stacks:  where the thread that launches cpu, hybrid and offload steps spends its time: its native
 #            stack sampled over 300 steps (profile_step --stacks);
+#   ekernels: decode's q4_0 experts through the Pallas kernels of pallas_kernels/gathered_experts.py
+#            beside XLA's fusion (benchmarks/bench_expert_kernels.py), then fused and hybrid decode
+#            with each (--expert-impl kernel / auto);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes).
@@ -39,6 +42,15 @@ for what in "$@"; do
     overlap) timeout 240 python3 benchmarks/stream_overlap.py --layers 4 --reps 40 2>&1 | tail -14
       echo "== without xla_gpu_experimental_stream_annotation"
       timeout 120 python3 benchmarks/stream_overlap.py --layers 4 --reps 10 --no-annotate --variants load compute stream1 inplace1 2>&1 | tail -6 ;;
+    # ekernels: the q4_0 decode kernels beside XLA's fusion (one layer in a loop), then decode with
+    # each (fused and hybrid, the same machine)
+    ekernels) timeout 150 python3 benchmarks/bench_expert_kernels.py 2>&1 | grep -v Warning | tail -16
+      for impl in kernel auto; do
+        timeout 170 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
+          --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --compile-workers 2 --expert-impl $impl \
+          --json "$OUT/dec_$impl.json" > "$OUT/dec_$impl.log" 2>&1
+        echo "== --expert-impl $impl rc=$?"; grep -v "it/s\]" "$OUT/dec_$impl.log" | tail -3
+      done ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
       timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
