@@ -1,13 +1,13 @@
-"""Time one decode layer's routed experts on q4_0 slots: XLA's fused gather-and-reduce
+"""Time one decode layer's routed experts on 4-bit slots (q4_0 by default): XLA's fused gather-and-reduce
 (`routed_experts(impl="gather")`, the default) against the Pallas kernels of
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts.
 
-    python benchmarks/bench_expert_kernels.py [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
+    python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8]
 
 Each variant runs `steps` layers in one jitted loop, every layer's output feeding the next
 layer's input and its experts the next 8 of the bank (so that the slots read, 2.65 MB an expert
-at the default shape, come from HBM and not from L2). Prints µs a layer and the q4_0 bytes read
+at the default shape, come from HBM and not from L2). Prints µs a layer and the stored bytes read
 per second; on a GPU the bound is the device copy bandwidth (`bench decode` prints it).
 """
 
@@ -30,6 +30,7 @@ from pallas_kernels import gathered_experts
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--format", default="q4_0", choices=sorted(gathered_experts.FORMATS))
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--ffn", type=int, default=768)
@@ -39,9 +40,9 @@ def main() -> None:
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     a = ap.parse_args()
     E, K, F, D = a.experts, a.k, a.ffn, a.hidden
-    q, rng = get_format("q4_0"), np.random.default_rng(0)
+    q, rng = get_format(a.format), np.random.default_rng(0)
     banks = tuple(q.quantize(jnp.asarray(rng.standard_normal((E, o, i)).astype(np.float32) * 0.03)) for o, i in ((F, D), (F, D), (D, F)))
-    layout = ExpertLayout(("q4_0",) * 3, F, D, "silu")
+    layout = ExpertLayout((a.format,) * 3, F, D, "silu")
     x0 = jnp.asarray(rng.standard_normal((1, D)), jnp.bfloat16)
     w = jnp.full((1, K), 1.0 / K, jnp.float32)
     interpret = jax.default_backend() == "cpu"
@@ -50,7 +51,7 @@ def main() -> None:
         return routed_experts(x, ids, w, banks, layout, impl="gather")
 
     def kernel(x, ids, rows, warps):
-        return gathered_experts.q4_0_experts(x, ids, w, *banks, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
+        return gathered_experts.experts(a.format, x, ids, w, *banks, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
                                              block_rows=rows, num_warps=warps)  # fmt: skip
 
     def looped(fn):
@@ -68,7 +69,7 @@ def main() -> None:
     nbytes = K * sum(b.shape[1] for b in banks)
     one = jnp.asarray(rng.integers(0, E, (1, K)), jnp.int32)
     ref = np.asarray(xla(x0, one), np.float32)
-    print(f"{jax.devices()[0].device_kind}: q4_0 experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call")
+    print(f"{jax.devices()[0].device_kind}: {a.format} experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call")
     print(f"{'variant':>22} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
     variants = [("xla gather", xla)] + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps

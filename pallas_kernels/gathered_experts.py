@@ -1,9 +1,10 @@
-"""Decode's routed experts over q4_0 slots in two kernels that read each chosen expert's bytes once.
+"""Decode's routed experts over 4-bit slots in two kernels that read each chosen expert's bytes once.
 
-`q4_0_experts(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, F=, D=, act=)` computes
-Σ_k w[t,k] · down(act(gate x_t, up x_t)) over the slots `ids_TK` picks, for q4_0 rows as the
-banks store them (GGUF's blocks of 18 bytes: an f16 scale, then 16 bytes whose low nibbles are
-weights 0-15 and high nibbles 16-31, each code minus 8):
+`experts(fmt, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, F=, D=, act=)` computes
+Σ_k w[t,k] · down(act(gate x_t, up x_t)) over the slots `ids_TK` picks, for rows as the banks
+store them in the formats whose blocks of 32 weights are a scale, then 16 bytes whose low
+nibbles are weights 0-15 and high nibbles 16-31 (`FORMATS`; docs/FORMATS.md): q4_0 (an f16
+scale, each code minus 8) and mxfp4 (an e8m0 scale, e2m1 codes):
 
 - `_gate_up`: grid (pair, block of `block_rows` rows of F): the pair's gate and up rows against
   x_t, the activation, rounded to x's dtype → h [T·K, F];
@@ -14,24 +15,50 @@ weights 0-15 and high nibbles 16-31, each code minus 8):
 Each program loads its rows' scales and codes as two gathers of the same bytes, so the codes and
 the scales come from memory together (XLA's fusion of the same computation reads every block's
 scale in a kernel of its own first: benchmarks/RESULTS.md). A row of blocks that is not a power
-of two is read in power-of-two runs (24 blocks: 16, then 8). `q4_0_experts_ref` is the jnp
+of two is read in power-of-two runs (24 blocks: 16, then 8). `experts_ref` is the jnp
 reference: every slot dequantized to float32, the same rounding of h.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+from freetoken_jax.quant.formats import e2m1_values, e8m0_half, get_format
 
 ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # config.ACTIVATIONS that lower to Triton (exact gelu's erfc does not)
 # On the H200 (benchmarks/bench_expert_kernels.py, 8 of 128 experts [768, 2048]): 4 rows a
 # program and 4 warps 29.8 µs a layer, against 38.4 at 8 rows and 57.9 at 16 (XLA's fusion 36.9).
 BLOCK_ROWS = 4
 NUM_WARPS = 4
-_QB = 18  # bytes of a q4_0 block of 32 weights
+
+
+@dataclasses.dataclass(frozen=True)
+class _Nibbles:
+    """A format of 32-weight blocks: `scale_bytes` bytes of scale, then 16 bytes of codes."""
+
+    scale_bytes: int
+    scale: Callable  # (the scale bytes, int32 [..., scale_bytes]) → float32 [...]
+    value: Callable  # (codes, int32 < 16) → float32
+
+    @property
+    def block(self) -> int:
+        return self.scale_bytes + 16
+
+
+def _f16(b):
+    return jax.lax.bitcast_convert_type((b[0] | (b[1] << 8)).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+
+
+FORMATS = {
+    "q4_0": _Nibbles(2, _f16, lambda c: (c - 8).astype(jnp.float32)),
+    "mxfp4": _Nibbles(1, lambda b: 2 * e8m0_half(b[0]), e2m1_values),
+}
 
 
 def _pieces(nb: int) -> list[tuple[int, int]]:
@@ -45,42 +72,41 @@ def _pieces(nb: int) -> list[tuple[int, int]]:
     return out
 
 
-def _rows_dot(w_ref, s, rows, v_ref, vrow, nb: int):
-    """float32 [rows] · v: q4_0 rows `rows` (nb blocks each) of slot `s` in `w_ref` against row
-    `vrow` of `v_ref`, a power-of-two run of blocks at a time."""
+def _rows_dot(fmt: _Nibbles, w_ref, s, rows, v_ref, vrow, nb: int):
+    """float32 [rows] · v: rows `rows` (nb blocks each) of slot `s` in `w_ref` against row `vrow`
+    of `v_ref`, a power-of-two run of blocks at a time."""
     j = jnp.arange(16, dtype=jnp.int32)
     acc = jnp.zeros(rows.shape, jnp.float32)
     for b0, n in _pieces(nb):
         b = b0 + jnp.arange(n, dtype=jnp.int32)
-        blk = rows[:, None] * (nb * _QB) + b[None, :] * _QB  # [R, n]: each block's first byte
-        codes = w_ref[s, blk[:, :, None] + 2 + j[None, None, :]].astype(jnp.int32)  # [R, n, 16]
-        half = w_ref[s, blk].astype(jnp.int32) | (w_ref[s, blk + 1].astype(jnp.int32) << 8)
-        scale = jax.lax.bitcast_convert_type(half.astype(jnp.uint16), jnp.float16).astype(jnp.float32)
+        blk = rows[:, None] * (nb * fmt.block) + b[None, :] * fmt.block  # [R, n]: each block's first byte
+        codes = w_ref[s, blk[:, :, None] + fmt.scale_bytes + j[None, None, :]].astype(jnp.int32)  # [R, n, 16]
+        scale = fmt.scale([w_ref[s, blk + i].astype(jnp.int32) for i in range(fmt.scale_bytes)])
         vi = b[:, None] * 32 + j[None, :]
         lo = v_ref[vrow, vi].astype(jnp.float32)  # weights 0-15 of each block
         hi = v_ref[vrow, vi + 16].astype(jnp.float32)  # 16-31
-        part = jnp.sum(((codes & 15) - 8).astype(jnp.float32) * lo[None] + ((codes >> 4) - 8).astype(jnp.float32) * hi[None], axis=2)
+        part = jnp.sum(fmt.value(codes & 15) * lo[None] + fmt.value(codes >> 4) * hi[None], axis=2)
         acc = acc + jnp.sum(part * scale, axis=1)
     return acc
 
 
-def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, K: int, R: int, nb: int, act):
+def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, fmt: _Nibbles, K: int, R: int, nb: int, act):
     p, r = pl.program_id(0), pl.program_id(1)
     s, t = ids_ref[p], p // K
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
-    g = _rows_dot(g_ref, s, rows, x_ref, t, nb)
-    u = _rows_dot(u_ref, s, rows, x_ref, t, nb)
+    g = _rows_dot(fmt, g_ref, s, rows, x_ref, t, nb)
+    u = _rows_dot(fmt, u_ref, s, rows, x_ref, t, nb)
     h_ref[p, rows] = act(g, u).astype(h_ref.dtype)
 
 
-def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, K: int, R: int, nb: int):
+def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, fmt: _Nibbles, K: int, R: int, nb: int):
     t, r = pl.program_id(0), pl.program_id(1)
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
     acc = jnp.zeros((R,), jnp.float32)
     for k in range(K):
         p = t * K + k
         w = w_ref[p]
-        acc = acc + jnp.where(w != 0, w * _rows_dot(d_ref, ids_ref[p], rows, h_ref, p, nb), 0.0)
+        acc = acc + jnp.where(w != 0, w * _rows_dot(fmt, d_ref, ids_ref[p], rows, h_ref, p, nb), 0.0)
     y_ref[t, rows] = acc.astype(y_ref.dtype)
 
 
@@ -93,54 +119,57 @@ def _params(interpret: bool, num_warps: int) -> dict:
 
 
 def check_shapes(F: int, D: int, block_rows: int) -> None:
-    """Raises ValueError unless q4_0 experts of FFN width F and hidden size D fit the kernels."""
+    """Raises ValueError unless experts of FFN width F and hidden size D fit the kernels."""
     if F % 32 or D % 32:
-        raise ValueError(f"q4_0 rows are whole blocks of 32: F={F}, D={D}")
+        raise ValueError(f"rows are whole blocks of 32: F={F}, D={D}")
     if block_rows & (block_rows - 1) or F % block_rows or D % block_rows:
         raise ValueError(f"block_rows={block_rows} must be a power of two dividing F={F} and D={D}")
 
 
-def q4_0_experts(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int, act, interpret: bool = False,
-                 block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> jax.Array:  # fmt: skip
-    """The routed experts' output [T, D] in x's dtype (module docstring). Slot rows may be wider
-    than a projection's bytes (the first bytes are its matrix); `act(g, u)` in float32."""
+def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int, act, interpret: bool = False,
+            block_rows: int = BLOCK_ROWS, num_warps: int = NUM_WARPS) -> jax.Array:  # fmt: skip
+    """The routed experts' output [T, D] in x's dtype (module docstring) for experts in `fmt` (a
+    name in FORMATS). Slot rows may be wider than a projection's bytes (the first bytes are its
+    matrix); `act(g, u)` in float32."""
+    if fmt not in FORMATS:
+        raise ValueError(f"no expert kernels for format {fmt!r}; they take {tuple(FORMATS)}")
+    f = FORMATS[fmt]
     T, K = ids_TK.shape
     check_shapes(F, D, block_rows)
     if x_TD.shape != (T, D):
         raise ValueError(f"x {x_TD.shape} is not [{T}, {D}]")
-    nbytes = (F * D // 32 * _QB,) * 3
-    for a, n in zip((gate_SR, up_SR, down_SR), nbytes):
+    n = F * D // 32 * f.block
+    for a in (gate_SR, up_SR, down_SR):
         if a.ndim != 2 or a.dtype != jnp.uint8 or a.shape[1] < n:
-            raise ValueError(f"slots {a.shape} {a.dtype} cannot hold q4_0 [{F}, {D}] rows of {n} bytes")
+            raise ValueError(f"slots {a.shape} {a.dtype} cannot hold {fmt} [{F}, {D}] rows of {n} bytes")
     ids = ids_TK.reshape(-1).astype(jnp.int32)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     R = block_rows
     h = pl.pallas_call(
-        functools.partial(_gate_up, K=K, R=R, nb=D // 32, act=act),
+        functools.partial(_gate_up, fmt=f, K=K, R=R, nb=D // 32, act=act),
         grid=(T * K, F // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((T * K, F), x_TD.dtype),
-        name="q4_0_gate_up",
+        name=f"{fmt}_gate_up",
         **_params(interpret, num_warps),
     )(ids, x_TD, gate_SR, up_SR)
     return pl.pallas_call(
-        functools.partial(_down, K=K, R=R, nb=F // 32),
+        functools.partial(_down, fmt=f, K=K, R=R, nb=F // 32),
         grid=(T, D // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((T, D), x_TD.dtype),
-        name="q4_0_down",
+        name=f"{fmt}_down",
         **_params(interpret, num_warps),
     )(ids, w_TK.reshape(-1).astype(jnp.float32), h, down_SR)
 
 
-def q4_0_experts_ref(x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int, act) -> jax.Array:
-    """Reference: the chosen slots dequantized to float32 [F, D] / [D, F] and multiplied in jnp."""
-    from freetoken_jax.quant.formats import get_format
-
-    q = get_format("q4_0")
-    n = F * D // 32 * _QB
+def experts_ref(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D: int, act) -> jax.Array:
+    """Reference: the chosen slots dequantized to float32 [F, D] / [D, F] (`Format.dequantize`)
+    and multiplied in jnp."""
+    q = get_format(fmt)
+    n = q.nbytes(F, D)
     g, u, d = (q.dequantize(a[ids_TK][..., :n], *shape) for a, shape in zip((gate_SR, up_SR, down_SR), ((F, D), (F, D), (D, F))))
     x = x_TD.astype(jnp.float32)
     h = act(jnp.einsum("tkfd,td->tkf", g, x), jnp.einsum("tkfd,td->tkf", u, x)).astype(x_TD.dtype).astype(jnp.float32)

@@ -404,19 +404,19 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
       ranked plan is not measured there yet);
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
-      `pallas_kernels/gathered_experts.py` (q4_0 experts without biases; `kernel_fits` says
-      which layers): each gathered block's scale and codes read together;
+      `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
+      says which layers): each gathered block's scale and codes read together;
     - "auto": gather when T·k ≤ E, else grouped.
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
     if impl == "kernel":
         if not kernel_fits(layout, bias):
-            raise ValueError(f"the 'kernel' expert implementation takes q4_0 experts without biases, not {layout.fmts} "
-                             f"{layout.act}{' with biases' if bias is not None else ''}")  # fmt: skip
+            raise ValueError(f"the 'kernel' expert implementation takes {'/'.join(gathered_experts.FORMATS)} experts without "
+                             f"biases, not {layout.fmts} {layout.act}{' with biases' if bias is not None else ''}")  # fmt: skip
         if T * K <= E:
-            return gathered_experts.q4_0_experts(x_TD, ids_TK, w_TK, *banks, F=layout.F, D=layout.D, act=activation(layout.act),
-                                                 interpret=jax.default_backend() == "cpu")  # fmt: skip
+            return gathered_experts.experts(layout.fmt, x_TD, ids_TK, w_TK, *banks, F=layout.F, D=layout.D, act=activation(layout.act),
+                                            interpret=jax.default_backend() == "cpu")  # fmt: skip
         impl = "grouped"
     if impl == "auto":
         impl = "gather" if T * K <= E else "grouped"
@@ -438,9 +438,10 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
 
 
 def kernel_fits(layout: ExpertLayout, bias=None) -> bool:
-    """Whether the "kernel" implementation computes this layer's experts: q4_0 gate, up and down
-    in one format, no biases, an activation the kernels lower (not exact-erf "gelu")."""
-    return (layout.fmts == ("q4_0",) * 3 and not layout.mixed and bias is None and layout.act in gathered_experts.ACTS
+    """Whether the "kernel" implementation computes this layer's experts: gate, up and down in one
+    format of `gathered_experts.FORMATS`, no biases, an activation the kernels lower (not exact-erf
+    "gelu")."""
+    return (layout.fmt in gathered_experts.FORMATS and layout.fmts == (layout.fmt,) * 3 and not layout.mixed and bias is None and layout.act in gathered_experts.ACTS
             and not layout.F % gathered_experts.BLOCK_ROWS and not layout.D % gathered_experts.BLOCK_ROWS)  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Decode's q4_0 expert kernels (interpret mode) against float64 and their jnp reference, over
+"""Decode's 4-bit expert kernels (interpret mode) against float64 and their jnp reference, over
 shapes; their lowering to Triton for the GPU (checked here, without one); and the engine's
 "kernel" expert implementation against "gather"."""
 
@@ -12,14 +12,13 @@ from freetoken_jax.config import ACTIVATIONS
 from freetoken_jax.models.layers import kernel_fits, routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels.gathered_experts import ACTS, _pieces, q4_0_experts, q4_0_experts_ref
-
-Q = get_format("q4_0")
+from pallas_kernels.gathered_experts import ACTS, FORMATS, _pieces, experts, experts_ref
 
 
-def _slots(rng, S, F, D, extra=0):
-    """gate, up, down slots of S q4_0 experts (rows `extra` bytes wider than the matrices) and
-    their dequantized float64 matrices."""
+def _slots(rng, S, F, D, extra=0, fmt="q4_0"):
+    """gate, up, down slots of S experts in `fmt` (rows `extra` bytes wider than the matrices)
+    and their dequantized float64 matrices."""
+    Q = get_format(fmt)
     out, mats = [], []
     for o, i in ((F, D), (F, D), (D, F)):
         b = np.asarray(Q.quantize(jnp.asarray(rng.standard_normal((S, o, i)).astype(np.float32) * 0.3)))
@@ -36,19 +35,26 @@ def _float64(x, ids, w, mats, act):
     return np.einsum("tkdf,tkf,tk->td", d, h, np.asarray(w, np.float64))
 
 
-@pytest.mark.parametrize("S,F,D,T,K", [(5, 64, 96, 1, 3), (7, 96, 64, 2, 2), (4, 32, 256, 3, 1), (9, 128, 768, 1, 4)])
-@pytest.mark.parametrize("act", ACTS)
-def test_kernels_match_float64_and_reference(S, F, D, T, K, act):
+SHAPES = [(5, 64, 96, 1, 3), (7, 96, 64, 2, 2), (4, 32, 256, 3, 1), (9, 128, 768, 1, 4)]  # S, F, D, T, K
+# every format on every shape with silu, and on the first shape with every activation
+CASES = [(f, s, a) for f in FORMATS for s in SHAPES for a in ACTS if a == "silu" or s == SHAPES[0]]
+
+
+@pytest.mark.parametrize("fmt,shape,act", CASES)
+def test_kernels_match_float64_and_reference(fmt, shape, act):
+    S, F, D, T, K = shape
     rng = np.random.default_rng(S * F + D + T * K)
-    (g, u, d), mats = _slots(rng, S, F, D, extra=5)
+    (g, u, d), mats = _slots(rng, S, F, D, extra=5, fmt=fmt)
     x = rng.standard_normal((T, D)).astype(np.float32)
     ids = rng.integers(0, S, (T, K)).astype(np.int32)
     w = rng.random((T, K)).astype(np.float32)
     f = ACTIVATIONS[act]
-    got = np.asarray(q4_0_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=F, D=D, act=f, interpret=True))
+    # 16 rows a program (interpret mode runs programs one by one); other counts: test_rows_per_program_...
+    got = np.asarray(experts(fmt, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=F, D=D, act=f, interpret=True,
+                             block_rows=16))  # fmt: skip
     want = _float64(x, ids, w, mats, f)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    ref = np.asarray(q4_0_experts_ref(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=F, D=D, act=f))
+    ref = np.asarray(experts_ref(fmt, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=F, D=D, act=f))
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
@@ -65,31 +71,33 @@ def test_bf16_hidden_rounded_as_the_reference_and_weight_zero_pairs_add_nothing(
     ids = jnp.asarray([[0, 5, 2], [5, 1, 3]], jnp.int32)
     w = jnp.asarray([[0.5, 0.0, 0.25], [0.0, 0.7, 0.3]], jnp.float32)
     f = ACTIVATIONS["silu"]
-    got = q4_0_experts(x, ids, w, g, u, d, F=F, D=D, act=f, interpret=True)
+    got = experts("q4_0", x, ids, w, g, u, d, F=F, D=D, act=f, interpret=True)
     assert got.dtype == jnp.bfloat16 and np.isfinite(np.asarray(got, np.float32)).all()
     keep = jnp.asarray([[0, 2], [1, 3]], jnp.int32), jnp.asarray([[0.5, 0.25], [0.7, 0.3]], jnp.float32)
-    want = q4_0_experts_ref(x, *keep, g, u, d, F=F, D=D, act=f)
+    want = experts_ref("q4_0", x, *keep, g, u, d, F=F, D=D, act=f)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("act", ACTS)
-def test_kernels_lower_to_triton_for_the_gpu(act):
+@pytest.mark.parametrize("fmt,act", [("q4_0", a) for a in ACTS] + [("mxfp4", "silu")])
+def test_kernels_lower_to_triton_for_the_gpu(fmt, act):
     """The Pallas → Triton lowering runs here without a GPU (the GPU compiles the Triton IR)."""
     sds = jax.ShapeDtypeStruct
     args = (sds((1, 2048), jnp.bfloat16), sds((1, 8), jnp.int32), sds((1, 8), jnp.float32)) + (sds((100, 884736), jnp.uint8),) * 3
-    exp = export.export(jax.jit(lambda *a: q4_0_experts(*a, F=768, D=2048, act=ACTIVATIONS[act])), platforms=["cuda"],
+    exp = export.export(jax.jit(lambda *a: experts(fmt, *a, F=768, D=2048, act=ACTIVATIONS[act])), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)  # fmt: skip
     text = exp.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 2 and "q4_0_gate_up" in text and "q4_0_down" in text
+    assert text.count("__gpu$xla.gpu.triton") == 2 and f"{fmt}_gate_up" in text and f"{fmt}_down" in text
 
 
 def test_bad_shapes_raise():
     z = jnp.zeros((4, 2000), jnp.uint8)
     f = ACTIVATIONS["silu"]
+    with pytest.raises(ValueError, match="no expert kernels for format 'q8_0'"):
+        experts("q8_0", jnp.zeros((1, 64)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=64, act=f, interpret=True)
     with pytest.raises(ValueError, match="whole blocks"):
-        q4_0_experts(jnp.zeros((1, 48)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=48, act=f, interpret=True)
+        experts("q4_0", jnp.zeros((1, 48)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=48, act=f, interpret=True)
     with pytest.raises(ValueError, match="cannot hold"):
-        q4_0_experts(jnp.zeros((1, 128)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=128, act=f, interpret=True)
+        experts("q4_0", jnp.zeros((1, 128)), jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 2)), z, z, z, F=64, D=128, act=f, interpret=True)
 
 
 def test_engine_kernel_impl_equals_gather_and_refuses_what_it_cannot_compute():
@@ -107,7 +115,8 @@ def test_engine_kernel_impl_equals_gather_and_refuses_what_it_cannot_compute():
     assert not kernel_fits(ExpertLayout(("q8_0",) * 3, F, D, "silu"))
     assert not kernel_fits(ExpertLayout(("q4_0",) * 3, F, D, "gelu"))
     assert not kernel_fits(layout, bias=(0.0, 0.0, 0.0))
-    with pytest.raises(ValueError, match="q4_0 experts without biases"):
+    assert kernel_fits(ExpertLayout(("mxfp4",) * 3, F, D, "silu"))
+    with pytest.raises(ValueError, match="experts without biases"):
         routed_experts(x, ids, w, banks, ExpertLayout(("q4_0",) * 3, F, D, "gelu"), impl="kernel")
 
 
@@ -118,7 +127,7 @@ def test_rows_per_program_do_not_change_the_result(block_rows, num_warps):
     x = rng.standard_normal((1, 64)).astype(np.float32)
     ids, w = np.array([[4, 1, 4]], np.int32), np.array([[0.2, 0.5, 0.3]], np.float32)
     f = ACTIVATIONS["silu"]
-    got = np.asarray(q4_0_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=32, D=64, act=f, interpret=True,
+    got = np.asarray(experts("q4_0", jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), g, u, d, F=32, D=64, act=f, interpret=True,
                                   block_rows=block_rows, num_warps=num_warps))  # fmt: skip
     want = _float64(x, ids, w, mats, f)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
