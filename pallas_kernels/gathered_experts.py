@@ -43,7 +43,7 @@ class _Nibbles:
     """A format of 32-weight blocks: `scale_bytes` bytes of scale, then 16 bytes of codes."""
 
     scale_bytes: int
-    scale: Callable  # (the scale bytes, int32 [..., scale_bytes]) → float32 [...]
+    scale: Callable  # (its bytes: one int32 array per scale byte) → float32
     value: Callable  # (codes, int32 < 16) → float32
 
     @property
