@@ -21,15 +21,13 @@ reference: every slot dequantized to float32, the same rounding of h.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from freetoken_jax.quant.formats import e2m1_values, e8m0_half, get_format
+from freetoken_jax.quant.formats import get_format, nibble_codec
 
 ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # config.ACTIVATIONS that lower to Triton (exact gelu's erfc does not)
 # On the H200 (benchmarks/bench_expert_kernels.py, 8 of 128 experts [768, 2048]): 4 rows a
@@ -38,27 +36,10 @@ BLOCK_ROWS = 4
 NUM_WARPS = 4
 
 
-@dataclasses.dataclass(frozen=True)
-class _Nibbles:
-    """A format of 32-weight blocks: `scale_bytes` bytes of scale, then 16 bytes of codes."""
-
-    scale_bytes: int
-    scale: Callable  # (its bytes: one int32 array per scale byte) → float32
-    value: Callable  # (codes, int32 < 16) → float32
-
-    @property
-    def block(self) -> int:
-        return self.scale_bytes + 16
-
-
-def _f16(b):
-    return jax.lax.bitcast_convert_type((b[0] | (b[1] << 8)).astype(jnp.uint16), jnp.float16).astype(jnp.float32)
-
-
-FORMATS = {
-    "q4_0": _Nibbles(2, _f16, lambda c: (c - 8).astype(jnp.float32)),
-    "mxfp4": _Nibbles(1, lambda b: 2 * e8m0_half(b[0]), e2m1_values),
-}
+# The formats of 32-weight blocks whose head (the scale) is followed by 16 bytes of nibbles,
+# decoded as `Format.matvec` decodes them (`formats.nibble_codec`: scale from the head bytes, and
+# the codes' values).
+FORMATS = ("q4_0", "mxfp4")
 
 
 def _pieces(nb: int) -> list[tuple[int, int]]:
@@ -72,25 +53,38 @@ def _pieces(nb: int) -> list[tuple[int, int]]:
     return out
 
 
-def _rows_dot(fmt: _Nibbles, w_ref, s, rows, v_ref, vrow, nb: int):
+class _Head:
+    """A block's head bytes as the scale decoders index them (`h[..., i]`), each gathered from the
+    slot where it is used (Triton lowers no slice of a loaded array)."""
+
+    def __init__(self, load):
+        self._load = load
+
+    def __getitem__(self, index):
+        return self._load(index[-1])
+
+
+def _rows_dot(fmt: str, w_ref, s, rows, v_ref, vrow, nb: int):
     """float32 [rows] · v: rows `rows` (nb blocks each) of slot `s` in `w_ref` against row `vrow`
     of `v_ref`, a power-of-two run of blocks at a time."""
+    head, scale_of, value = nibble_codec(fmt)
+    block = head + 16
     j = jnp.arange(16, dtype=jnp.int32)
     acc = jnp.zeros(rows.shape, jnp.float32)
     for b0, n in _pieces(nb):
         b = b0 + jnp.arange(n, dtype=jnp.int32)
-        blk = rows[:, None] * (nb * fmt.block) + b[None, :] * fmt.block  # [R, n]: each block's first byte
-        codes = w_ref[s, blk[:, :, None] + fmt.scale_bytes + j[None, None, :]].astype(jnp.int32)  # [R, n, 16]
-        scale = fmt.scale([w_ref[s, blk + i].astype(jnp.int32) for i in range(fmt.scale_bytes)])
+        blk = rows[:, None] * (nb * block) + b[None, :] * block  # [R, n]: each block's first byte
+        codes = w_ref[s, blk[:, :, None] + head + j[None, None, :]].astype(jnp.int32)  # [R, n, 16]
+        scale = scale_of(_Head(lambda i, blk=blk: w_ref[s, blk + i]))  # [R, n]
         vi = b[:, None] * 32 + j[None, :]
         lo = v_ref[vrow, vi].astype(jnp.float32)  # weights 0-15 of each block
         hi = v_ref[vrow, vi + 16].astype(jnp.float32)  # 16-31
-        part = jnp.sum(fmt.value(codes & 15) * lo[None] + fmt.value(codes >> 4) * hi[None], axis=2)
+        part = jnp.sum(value(codes & 15) * lo[None] + value(codes >> 4) * hi[None], axis=2)
         acc = acc + jnp.sum(part * scale, axis=1)
     return acc
 
 
-def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, fmt: _Nibbles, K: int, R: int, nb: int, act):
+def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, fmt: str, K: int, R: int, nb: int, act):
     p, r = pl.program_id(0), pl.program_id(1)
     s, t = ids_ref[p], p // K
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
@@ -99,7 +93,7 @@ def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, fmt: _Nibbles, K: int, R: i
     h_ref[p, rows] = act(g, u).astype(h_ref.dtype)
 
 
-def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, fmt: _Nibbles, K: int, R: int, nb: int):
+def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, fmt: str, K: int, R: int, nb: int):
     t, r = pl.program_id(0), pl.program_id(1)
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
     acc = jnp.zeros((R,), jnp.float32)
@@ -133,12 +127,11 @@ def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D:
     matrix); `act(g, u)` in float32."""
     if fmt not in FORMATS:
         raise ValueError(f"no expert kernels for format {fmt!r}; they take {tuple(FORMATS)}")
-    f = FORMATS[fmt]
     T, K = ids_TK.shape
     check_shapes(F, D, block_rows)
     if x_TD.shape != (T, D):
         raise ValueError(f"x {x_TD.shape} is not [{T}, {D}]")
-    n = F * D // 32 * f.block
+    n = get_format(fmt).nbytes(F, D)
     for a in (gate_SR, up_SR, down_SR):
         if a.ndim != 2 or a.dtype != jnp.uint8 or a.shape[1] < n:
             raise ValueError(f"slots {a.shape} {a.dtype} cannot hold {fmt} [{F}, {D}] rows of {n} bytes")
@@ -146,7 +139,7 @@ def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D:
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     R = block_rows
     h = pl.pallas_call(
-        functools.partial(_gate_up, fmt=f, K=K, R=R, nb=D // 32, act=act),
+        functools.partial(_gate_up, fmt=fmt, K=K, R=R, nb=D // 32, act=act),
         grid=(T * K, F // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
@@ -155,7 +148,7 @@ def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D:
         **_params(interpret, num_warps),
     )(ids, x_TD, gate_SR, up_SR)
     return pl.pallas_call(
-        functools.partial(_down, fmt=f, K=K, R=R, nb=F // 32),
+        functools.partial(_down, fmt=fmt, K=K, R=R, nb=F // 32),
         grid=(T, D // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,

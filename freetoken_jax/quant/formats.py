@@ -202,7 +202,7 @@ def _unpack_halves(b: jax.Array) -> jax.Array:
     return jnp.concatenate([b & 15, b >> 4], axis=-1)
 
 
-def e2m1_values(code: jax.Array) -> jax.Array:
+def _e2m1(code: jax.Array) -> jax.Array:
     """e2m1 codes (uint8 < 16) → float32, computed (no table lookup: it fuses)."""
     c = code.astype(jnp.int32)
     e, m = (c >> 1) & 3, (c & 1).astype(jnp.float32)
@@ -216,7 +216,7 @@ def _nearest_e2m1(x: jax.Array, scale: jax.Array) -> jax.Array:
     return jnp.argmin(err, axis=-1).astype(jnp.uint8)
 
 
-def e8m0_half(e):
+def _e8m0_half(e):
     """2^(e − 128) as float32 (ggml_e8m0_to_fp32_half)."""
     e = e.astype(jnp.uint32)
     bits = jnp.where(e < 2, jnp.uint32(0x00200000) << e, (e - 1) << 23)
@@ -257,13 +257,13 @@ def _mxfp4_q(f, w):
     amax = jnp.max(jnp.abs(b), axis=-1)
     exp = ((jax.lax.bitcast_convert_type(amax, jnp.uint32) >> 23) & 255).astype(jnp.int32) - 127  # ⌊log2 amax⌋
     e = jnp.where(amax > 0, jnp.clip(exp - 2 + 127, 0, 254), 0).astype(jnp.uint8)
-    q = _nearest_e2m1(b, 2 * e8m0_half(e)[..., None])
+    q = _nearest_e2m1(b, 2 * _e8m0_half(e)[..., None])
     return jnp.concatenate([e[..., None], _pack_halves(q)], axis=-1)
 
 
 def _mxfp4_dq(f, rows, trailer):
-    scale = 2 * e8m0_half(rows[..., 0])
-    return e2m1_values(_unpack_halves(rows[..., 1:])) * scale[..., None]
+    scale = 2 * _e8m0_half(rows[..., 0])
+    return _e2m1(_unpack_halves(rows[..., 1:])) * scale[..., None]
 
 
 # nvfp4 --------------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def _nvfp4_dq(f, rows, trailer):
     g = _from_bytes(trailer, jnp.float32)
     s = _from_bytes(rows[..., 0:4, None], jnp.float8_e4m3fn).astype(jnp.float32)  # [..., O, nb, 4]
     q = rows[..., 4:].reshape(*rows.shape[:-1], 4, 8)
-    v = e2m1_values(_unpack_halves(q)) * s[..., None]  # [..., O, nb, 4, 16]
+    v = _e2m1(_unpack_halves(q)) * s[..., None]  # [..., O, nb, 4, 16]
     return v.reshape(*rows.shape[:-1], 64) * g[..., None, None, None]
 
 
@@ -443,10 +443,21 @@ def _q4_k_params(h):
 
 _NIBBLES = {
     "q4_0": (2, 1, lambda h: _same(_from_bytes(h, jnp.float16).astype(jnp.float32)), lambda c: c.astype(jnp.float32) - 8.0),
-    "mxfp4": (1, 1, lambda h: _same(2 * e8m0_half(h[..., 0])), e2m1_values),
-    "nvfp4": (4, 4, lambda h: _same(_from_bytes(h[..., None], jnp.float8_e4m3fn).astype(jnp.float32)), e2m1_values),
+    "mxfp4": (1, 1, lambda h: _same(2 * _e8m0_half(h[..., 0])), _e2m1),
+    "nvfp4": (4, 4, lambda h: _same(_from_bytes(h[..., None], jnp.float8_e4m3fn).astype(jnp.float32)), _e2m1),
     "q4_k": (16, 4, _q4_k_params, lambda c: c.astype(jnp.float32)),
 }
+
+
+def nibble_codec(name: str):
+    """(head bytes, the scale from the head [..., head] → [...], the codes' values) of a format
+    whose 32-weight blocks are a head and then 16 bytes of nibbles (q4_0, mxfp4), as
+    `Format.matvec` reads them; for kernels that decode the same bytes."""
+    head, groups, params, code = _NIBBLES[name]
+    if groups != 1:  # (one group: one scale, no mins)
+        raise ValueError(f"{name} blocks are not a scale and 16 bytes of nibbles")
+    return head, lambda h: params(h)[0], code
+
 
 _QUANTIZE = {"q8_0": _q8_0_q, "q4_0": _q4_0_q, "mxfp4": _mxfp4_q, "nvfp4": _nvfp4_q, "fp8": _fp8_q, "q4_k": _kq, "q5_k": _kq, "q6_k": _kq}
 _DEQUANTIZE = {"q8_0": _q8_0_dq, "q4_0": _q4_0_dq, "mxfp4": _mxfp4_dq, "nvfp4": _nvfp4_dq, "fp8": _fp8_dq, "q4_k": _kdq, "q5_k": _kdq,
