@@ -5,7 +5,8 @@
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8]
 
-Each variant runs `steps` layers in one jitted loop, every layer's output feeding the next
+Each variant runs `steps` layers in one jitted function (the loop unrolled: as a GPU loop each
+iteration cost about 20-40 µs whatever it read, benchmarks/RESULTS.md), every layer's output feeding the next
 layer's input and its experts the next 8 of the bank (so that the slots read, 2.65 MB an expert
 at the default shape, come from HBM and not from L2). Prints µs a layer and the stored bytes read
 per second; on a GPU the bound is the device copy bandwidth (`bench decode` prints it).
@@ -62,7 +63,7 @@ def main() -> None:
                 y = fn(x, ids).astype(jnp.float32)
                 return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
 
-            return jax.lax.fori_loop(0, a.steps, body, x)
+            return jax.lax.fori_loop(0, a.steps, body, x, unroll=True)  # straight-line, as the decode step's layers are
 
         return run
 

@@ -6,7 +6,8 @@ One projection of the Qwen3-30B-A3B shape by default: 8 experts gathered from a 
 
     python benchmarks/bench_matvec.py [--formats q4_0 q8_0 ...] [--out 768] [--in 2048] [--reps 20] [--loop 64]
 
-Each call runs `loop` matvecs in one jitted loop, each on the next 8 experts of the bank and the
+Each call runs `loop` matvecs in one jitted function (the loop unrolled: as a GPU loop each
+iteration cost 23-38 µs whatever it read, benchmarks/RESULTS.md), each on the next 8 experts of the bank and the
 previous one's output folded into its input (one launch per call would time the launch on a GPU:
 0.05-0.1 ms whatever the format). Prints ms per matvec and the stored bytes' rate for each; on a
 GPU the rate's bound is the device copy bandwidth (`bench decode` prints it).
@@ -47,7 +48,7 @@ def looped(matvec, k: int, experts: int, n: int):
             cols = min(y.shape[-1], x.shape[-1])
             return x.at[:, :cols].add(1e-3 * y[:, :cols]), acc + jnp.sum(y)
 
-        return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)))[1]
+        return jax.lax.fori_loop(0, n, body, (x, jnp.float32(0)), unroll=True)[1]
 
     return run
 
