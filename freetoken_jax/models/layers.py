@@ -9,6 +9,7 @@ routing are computed in float32 whatever the parameter dtype.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 
 import jax
@@ -21,7 +22,7 @@ from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import gathered_experts
+from pallas_kernels import decode_attention, gathered_experts
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -235,8 +236,24 @@ class Attention(nnx.Module):
         q, k = (rope(a) if rd == cfg.head_dim else jnp.concatenate([rope(a[..., :rd]), a[..., rd:]], axis=-1) for a in (q, k))
         k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
         sinks = None if self.sinks is None else self.sinks[...]
-        o = attend_paged(q, (k_pages, v_pages), view, view.mask(self.window), softmax_scale(cfg), lambda kv: kv, sinks)
+        mask = view.mask(self.window)
+        if T == 1 and decode_attention_kernel(cfg):
+            o = decode_attention.attention(q[:, 0], k_pages, v_pages, view.page_table_BP, mask[:, 0], scale=softmax_scale(cfg), sinks_H=sinks,
+                                           interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
+        else:
+            o = attend_paged(q, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks)
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
+
+
+def decode_attention_kernel(cfg: MoEModelConfig) -> bool:
+    """Whether a step of one token per row attends through `pallas_kernels/decode_attention.py`
+    (one kernel a layer) instead of XLA's gather, matmuls and softmax (six): with
+    FREETOKEN_DECODE_ATTENTION=kernel, where the kernel takes the model's heads; "xla" or unset:
+    XLA's (the default until the kernel is measured on the GPU)."""
+    how = os.environ.get("FREETOKEN_DECODE_ATTENTION", "xla")
+    if how not in ("xla", "kernel"):
+        raise ValueError(f"FREETOKEN_DECODE_ATTENTION={how!r}: use xla or kernel")
+    return how == "kernel" and decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
 
 
 class MLAttention(nnx.Module):

@@ -1,0 +1,156 @@
+"""Decode's attention kernel (interpret mode) against float64 and its jnp reference over shapes,
+masks (prefixes, sliding windows, ring-ordered tables, rows with nothing to read) and spans; its
+lowering to Triton for the GPU (checked here, without one); and the models' one-token steps
+through it against transformers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+
+from pallas_kernels import decode_attention
+from pallas_kernels.decode_attention import attention, attention_ref, fits, limits
+
+
+def _case(rng, B, H, K, hd, dv, page, P, kind):
+    N = B * P + 1
+    k = rng.standard_normal((N, page, K, hd)).astype(np.float32)
+    v = rng.standard_normal((N, page, K, dv)).astype(np.float32)
+    q = rng.standard_normal((B, H, hd)).astype(np.float32)
+    table = rng.permutation(np.arange(1, N))[: B * P].reshape(B, P).astype(np.int32)
+    S = P * page
+    s = np.arange(S)[None]
+    pos = rng.integers(0, S, (B, 1))
+    if kind == "prefix":  # positions 0..pos
+        mask = s <= pos
+    elif kind == "window":  # the last 7 positions up to pos
+        mask = (s <= pos) & (s > pos - 7)
+    elif kind == "scattered":  # a ring's order: any subset of entries
+        mask = rng.random((B, S)) < 0.4
+    else:  # "empty": row 0 reads nothing (a batch's idle row)
+        mask = s <= pos
+        mask[0] = False
+    return q, k, v, table, mask
+
+
+def _float64(q, k, v, table, mask, scale, sinks):
+    B, H, hd = q.shape
+    K = k.shape[2]
+    kg = k[table].reshape(B, -1, K, k.shape[3]).astype(np.float64)
+    vg = v[table].reshape(B, -1, K, v.shape[3]).astype(np.float64)
+    out = np.zeros((B, H, v.shape[3]))
+    for b in range(B):
+        for h in range(H):
+            sc = kg[b, :, h // (H // K)] @ q[b, h].astype(np.float64) * scale
+            sc = sc[mask[b]]
+            extra = [] if sinks is None else [float(sinks[h])]
+            top = max(list(sc) + extra) if len(sc) or extra else 0.0
+            e = np.exp(sc - top)
+            den = e.sum() + sum(np.exp(x - top) for x in extra)
+            if len(sc):
+                out[b, h] = e @ vg[b, mask[b], h // (H // K)] / den
+    return out
+
+
+CASES = [  # B, H, K, hd, dv, page, P, mask kind, sinks
+    (1, 8, 2, 64, 64, 16, 4, "prefix", False),  # one span, G = 4
+    (2, 32, 4, 128, 128, 16, 6, "window", True),  # Qwen3-30B-A3B's heads, gpt-oss's sinks
+    (3, 4, 4, 32, 16, 8, 5, "scattered", False),  # G = 1, values narrower than keys
+    (2, 16, 2, 32, 32, 4, 50, "prefix", True),  # 200 entries: four spans of 64 (SPAN patched below)
+    (2, 8, 1, 16, 16, 4, 40, "scattered", False),  # several spans, G = 8 on one kv head
+    (2, 8, 2, 32, 32, 8, 3, "empty", True),  # a row with nothing to read: zeros
+]
+
+
+@pytest.mark.parametrize("B,H,K,hd,dv,page,P,kind,sinks", CASES)
+def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, sinks, monkeypatch):
+    monkeypatch.setattr(decode_attention, "SPAN", 64)  # tables over 64 entries run the spans' combine
+    rng = np.random.default_rng(B * 1000 + H * 10 + P)
+    q, k, v, table, mask = _case(rng, B, H, K, hd, dv, page, P, kind)
+    sk = rng.standard_normal(H).astype(np.float32) if sinks else None
+    scale = hd**-0.5
+    args = [jnp.asarray(a) for a in (q, k, v, table, mask)]
+    sk_j = None if sk is None else jnp.asarray(sk)
+    got = np.asarray(attention(*args, scale=scale, sinks_H=sk_j, interpret=True))
+    want = _float64(q, k, v, table, mask, scale, sk)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    ref = np.asarray(attention_ref(*args, scale=scale, sinks_H=sk_j))
+    reads = mask.any(axis=1)  # the reference averages a row that reads nothing; the kernel gives 0
+    np.testing.assert_allclose(got[reads], ref[reads], atol=2e-5, rtol=2e-5)
+    assert (got[~reads] == 0).all()
+
+
+def test_bfloat16_within_its_rounding():
+    rng = np.random.default_rng(7)
+    q, k, v, table, mask = _case(rng, 2, 32, 4, 128, 128, 16, 40, "prefix")  # 640 entries: two spans of 512
+    args = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(table), jnp.asarray(mask)]
+    got = np.asarray(attention(*args, scale=0.088, interpret=True), np.float32)
+    want = _float64(*(np.asarray(a, np.float32) for a in args[:3]), table, mask, 0.088, None)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)  # probabilities and output in bfloat16
+
+
+def test_masked_entries_add_nothing():
+    """NaN in every entry after each row's last position (in the block the loop reads last, and
+    past it): they add nothing, whatever their pages hold."""
+    rng = np.random.default_rng(9)
+    q, k, v, table, mask = _case(rng, 2, 8, 2, 32, 32, 4, 12, "prefix")
+    kb, vb = k.copy(), v.copy()
+    for b in range(2):
+        last = int(np.flatnonzero(mask[b]).max())
+        for s in range(last + 1, 48):
+            kb[table[b, s // 4], s % 4], vb[table[b, s // 4], s % 4] = np.nan, np.nan
+    clean = np.asarray(attention(*map(jnp.asarray, (q, k, v, table, mask)), scale=0.2, interpret=True))
+    got = np.asarray(attention(*map(jnp.asarray, (q, kb, vb, table, mask)), scale=0.2, interpret=True))
+    np.testing.assert_array_equal(got, clean)
+    np.testing.assert_array_equal(np.asarray(limits(jnp.asarray(mask))), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1))
+
+
+@pytest.mark.parametrize("S,sinks", [(256, False), (2048, True)])
+def test_lowers_to_triton(S, sinks):
+    """The kernel lowers to one Triton call for CUDA (one span, and four with their combine)."""
+    B, H, K, hd, page = 1, 32, 4, 128, 16
+    P, N = S // page, S // page + 1
+    args = [jax.ShapeDtypeStruct((B, H, hd), jnp.bfloat16), jax.ShapeDtypeStruct((N, page, K, hd), jnp.bfloat16),
+            jax.ShapeDtypeStruct((N, page, K, hd), jnp.bfloat16), jax.ShapeDtypeStruct((B, P), jnp.int32),
+            jax.ShapeDtypeStruct((B, S), jnp.bool_)]  # fmt: skip
+    if sinks:
+        args.append(jax.ShapeDtypeStruct((H,), jnp.float32))
+    exp = export.export(jax.jit(lambda q, k, v, t, m, *s: attention(q, k, v, t, m, scale=0.1, sinks_H=s[0] if s else None)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)  # fmt: skip
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_attention" in text
+
+
+def test_bad_shapes_raise():
+    q = jnp.zeros((1, 8, 48))
+    pages = jnp.zeros((3, 4, 2, 48))
+    with pytest.raises(ValueError, match="no decode attention kernel"):
+        attention(q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 8), bool), scale=1.0, interpret=True)
+    q, pages = jnp.zeros((1, 8, 32)), jnp.zeros((3, 4, 2, 32))
+    with pytest.raises(ValueError, match="mask"):
+        attention(q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 9), bool), scale=1.0, interpret=True)
+    assert fits(32, 4, 128, 128) and not fits(32, 3, 128, 128) and not fits(8, 2, 96, 96)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_norm", "gpt_oss", "mixtral_swa", "glm4_moe"])
+def test_models_one_token_steps_match_transformers(name, ckpt_root, monkeypatch):
+    """Every position of a prompt through one-token steps whose attention is the kernel (spans of
+    32 entries over a 96-entry table: the combine too): GQA with q/k norms, sinks with sliding
+    windows, a sliding window without sinks, partial rotary with biases."""
+    import torch
+    from hf_models import load_hf, make_checkpoint
+
+    from freetoken_jax import EngineConfig, FreeTokenEngine
+
+    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "kernel")
+    monkeypatch.setattr(decode_attention, "SPAN", 32)
+    calls = []
+    monkeypatch.setattr(decode_attention, "attention", lambda *a, f=decode_attention.attention, **kw: calls.append(1) or f(*a, **kw))
+    path = make_checkpoint(name, ckpt_root)
+    engine = FreeTokenEngine.from_pretrained(path, EngineConfig(dtype="float32", max_context=96, max_batch=2, page_size=4, prefill_chunk=1))
+    prompt = [int(t) for t in np.random.default_rng(21).integers(0, 96, 40)]
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
+    assert calls  # traced through the kernel
