@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|ekernels|attn|kernels]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|ekernels|attn|aprofile|kernels]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -25,8 +25,8 @@
 #            beside XLA's fusion (benchmarks/bench_expert_kernels.py), then fused and hybrid decode
 #            with each (--expert-impl kernel / auto);
 #   attn:    decode with the attention kernel of pallas_kernels/decode_attention.py and with XLA's
-#            (FREETOKEN_DECODE_ATTENTION=kernel / xla; fused and hybrid, the same machine), then the
-#            fused step's kernels under the profiler with each;
+#            (FREETOKEN_DECODE_ATTENTION=kernel / xla; fused and hybrid, the same machine);
+#   aprofile: the fused step's kernels under the profiler with each;
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes).
@@ -59,8 +59,8 @@ for what in "$@"; do
           --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --compile-workers 2 \
           --json "$OUT/dec_attn_$impl.json" > "$OUT/dec_attn_$impl.log" 2>&1
         echo "== FREETOKEN_DECODE_ATTENTION=$impl rc=$?"; grep -v "it/s\]" "$OUT/dec_attn_$impl.log" | tail -3
-      done
-      for impl in kernel xla; do
+      done ;;
+    aprofile) for impl in kernel xla; do
         echo "== profile, FREETOKEN_DECODE_ATTENTION=$impl"
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;
