@@ -268,6 +268,21 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   std::vector<int64_t> weight1(2 * G);
   for (int64_t g = 0; g < 2 * G; ++g) weight1[g] = groups.size[g / 2];
   const std::vector<RowRun> runs1 = GuidedRuns(weight1, F, hrow, threads);
+  // hidden[i, f] = act(gate . x_t + bg, up . x_t + bu), and its prepared copy for the down rows:
+  // computed for a group's items by the thread that finishes the group's last run (no phase of
+  // its own: one wait for every thread less per job).
+  auto activate = [&](int64_t i) {
+    const int64_t e = expert_of[i];
+    const float *g = gu.data() + 2 * i * F, *u = g + F;
+    const float* bg = b.gate_bias ? b.gate_bias + e * F : nullptr;
+    const float* bu = b.up_bias ? b.up_bias + e * F : nullptr;
+    for (int64_t f = 0; f < F; ++f)
+      hidden[i * F + f] = Activate(scale[3 * i] * g[f] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f] + (bu ? bu[f] : 0.f), act);
+    if (ph) Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph);
+  };
+  std::vector<std::atomic<int64_t>> left1(static_cast<size_t>(G));  // runs of each group not yet done
+  for (auto& n : left1) n.store(0, std::memory_order_relaxed);
+  for (const RowRun& run : runs1) left1[run.stream / 2].fetch_add(1, std::memory_order_relaxed);
   pool_.Run(static_cast<int64_t>(runs1.size()), [&](int64_t task) {
     const RowRun& run = runs1[task];
     const int64_t g = run.stream / 2, m = run.stream % 2;
@@ -276,16 +291,9 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
       const int64_t i = groups.order[k], t = token_of[i];
       dots(ty, rows, hrow, run.r1 - run.r0, x + t * H, px ? xprep.data() + t * px : nullptr, H, gu.data() + (2 * i + m) * F + run.r0);
     }
-  });
-  // hidden[i, f] = act(gate . x_t + bg, up . x_t + bu), and its prepared copy for the down rows.
-  pool_.Run(items, [&](int64_t i) {
-    const int64_t e = expert_of[i];
-    const float *g = gu.data() + 2 * i * F, *u = g + F;
-    const float* bg = b.gate_bias ? b.gate_bias + e * F : nullptr;
-    const float* bu = b.up_bias ? b.up_bias + e * F : nullptr;
-    for (int64_t f = 0; f < F; ++f)
-      hidden[i * F + f] = Activate(scale[3 * i] * g[f] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f] + (bu ? bu[f] : 0.f), act);
-    if (ph) Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph);
+    // acq_rel: the last run's thread sees every other run's rows of the group
+    if (left1[g].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      for (int64_t k = groups.begin[g]; k < groups.begin[g + 1]; ++k) activate(groups.order[k]);
   });
   auto down_rows = [&](int64_t i, int64_t h0, int64_t h1, float* d) {
     dots(dty, BankRow(b.down, dty, expert_of[i], H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
@@ -300,7 +308,9 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   // another (its rows read from memory once). Few items (decode): each task one run of one
   // expert's down rows into its items' partial sums, added up per output block afterwards in item
   // order; many items: each task a block of output rows over every item (no partials held).
-  constexpr int64_t kPartialItems = 64, kAddRows = 256;
+  // (the sums of a few items' partials are added up on the calling thread: a phase of the pool
+  // costs every thread a wait, more than adding a few rows of H)
+  constexpr int64_t kPartialItems = 64, kAddRows = 256, kCallerAdds = 8;
   if (items <= kPartialItems) {
     std::vector<float> partial(static_cast<size_t>(items) * H);
     const std::vector<RowRun> runs2 = GuidedRuns(groups.size, H, frow, threads);
@@ -311,10 +321,15 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
         down_rows(i, run.r0, run.r1, partial.data() + i * H + run.r0);
       }
     });
-    pool_.Run((H + kAddRows - 1) / kAddRows, [&](int64_t task) {
+    auto add_block = [&](int64_t task) {
       const int64_t h0 = task * kAddRows, h1 = std::min(H, h0 + kAddRows);
       for (int64_t i = 0; i < items; ++i) add_down(i, h0, h1, partial.data() + i * H + h0);
-    });
+    };
+    const int64_t blocks = (H + kAddRows - 1) / kAddRows;
+    if (items <= kCallerAdds)
+      for (int64_t task = 0; task < blocks; ++task) add_block(task);
+    else
+      pool_.Run(blocks, add_block);
     return;
   }
   int64_t hchunk = std::min<int64_t>(kMaxChunk, std::max<int64_t>(16, (32768 / frow + 3) / 4 * 4));

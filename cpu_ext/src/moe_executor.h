@@ -8,7 +8,7 @@
 // bank row per expert. Work is split in two phases over a persistent thread pool, each task one
 // run of rows of one matrix (long runs first, short ones last, so that streams are long and
 // threads finish together): (1) every item's gate and up rows, then its hidden units and their
-// prepared copy; (2) the down rows: for a few items (decode) each item's into partial sums added
+// prepared copy (by the thread that ends its expert's last run); (2) the down rows: for a few items (decode) each item's into partial sums added
 // up per block of output rows afterwards, in item order; for many items each task a block of
 // output rows over every item. No two threads write the same output row, and the sums do not
 // depend on the thread count.
