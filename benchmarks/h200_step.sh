@@ -24,8 +24,9 @@
 #   ekernels: decode's q4_0 experts through the Pallas kernels of pallas_kernels/gathered_experts.py
 #            beside XLA's fusion (benchmarks/bench_expert_kernels.py), then fused and hybrid decode
 #            with each (--expert-impl kernel / auto);
-#   attn:    decode with the attention kernel of pallas_kernels/decode_attention.py and with XLA's
-#            (FREETOKEN_DECODE_ATTENTION=kernel / xla; fused and hybrid, the same machine);
+#   attn:    decode with the attention kernel of pallas_kernels/decode_attention.py (with the norms,
+#            rotation and page writes too, and without) and with XLA's (FREETOKEN_DECODE_ATTENTION=
+#            fused / kernel / xla, or those ATTN lists; fused and hybrid, the same machine);
 #   aprofile: the fused step's kernels under the profiler with each;
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
@@ -54,13 +55,13 @@ for what in "$@"; do
           --json "$OUT/dec_$impl.json" > "$OUT/dec_$impl.log" 2>&1
         echo "== --expert-impl $impl rc=$?"; grep -v "it/s\]" "$OUT/dec_$impl.log" | tail -3
       done ;;
-    attn) for impl in kernel xla; do
+    attn) for impl in ${ATTN:-fused kernel xla}; do
         FREETOKEN_DECODE_ATTENTION=$impl timeout 170 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 \
           --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --compile-workers 2 \
           --json "$OUT/dec_attn_$impl.json" > "$OUT/dec_attn_$impl.log" 2>&1
         echo "== FREETOKEN_DECODE_ATTENTION=$impl rc=$?"; grep -v "it/s\]" "$OUT/dec_attn_$impl.log" | tail -3
       done ;;
-    aprofile) for impl in kernel xla; do
+    aprofile) for impl in ${ATTN:-fused kernel xla}; do
         echo "== profile, FREETOKEN_DECODE_ATTENTION=$impl"
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;

@@ -23,6 +23,7 @@ probabilities cast to the values' dtype before their matmul (as `models.layers.a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -45,49 +46,95 @@ def fits(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> b
     return num_heads % num_kv_heads == 0 and _pow2(head_dim) and _pow2(v_head_dim) and head_dim >= 16 and v_head_dim >= 16
 
 
-def _kernel(table_ref, mask_ref, limit_ref, q_ref, k_ref, v_ref, sinks_ref, o_ref, m_ref, l_ref, *, page, S, K, G, Gp, scale, direct):
+def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
+    r = dict(zip(names, refs))
     b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_ref, v_ref = r["q"], r["v"]
     hd, dv = q_ref.shape[1], v_ref.shape[1]
     H = K * G
     g = jnp.minimum(jnp.arange(Gp, dtype=jnp.int32), G - 1)  # rows past G repeat the last head (never kept)
-    d, e = jnp.arange(hd, dtype=jnp.int32), jnp.arange(dv, dtype=jnp.int32)
-    q = q_ref[(b * H + h * G + g)[:, None], d[None, :]]  # [Gp, hd]
+    qrows = (b * H + h * G + g)[:, None]
+    e = jnp.arange(dv, dtype=jnp.int32)
+    if fresh is None:  # q as it is, against whole key rows
+        d = jnp.arange(hd, dtype=jnp.int32)
+        pieces = [(q_ref[qrows, d[None, :]], d)]  # (queries [Gp, n], the key columns they meet)
+    else:  # q and this step's key normed and rotated here: rotated halves meet the stored halves
+        half = jnp.arange(hd // 2, dtype=jnp.int32)
+        stored = (half, half + hd // 2)
+        raw = (2 * half, 2 * half + 1) if fresh == "interleave" else stored
+
+        def rotate(load, norm_ref):  # the two rotated halves of raw rows `load(columns)`, f32
+            x1, x2 = load(raw[0]).astype(jnp.float32), load(raw[1]).astype(jnp.float32)
+            if norm_ref is not None:  # RMSNorm over the whole head, rounded to the model's dtype, times its weight
+                dt = q_ref.dtype
+                inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1, keepdims=True) + jnp.sum(x2 * x2, axis=-1, keepdims=True)) / hd + eps)
+                x1 = (norm_ref[raw[0]] * (x1 * inv).astype(dt)).astype(jnp.float32)
+                x2 = (norm_ref[raw[1]] * (x2 * inv).astype(dt)).astype(jnp.float32)
+            cos, sin = r["cos"][b, half], r["sin"][b, half]
+            return (x1 * cos - x2 * sin).astype(q_ref.dtype), (x2 * cos + x1 * sin).astype(q_ref.dtype)
+
+        q1, q2 = rotate(lambda c: q_ref[qrows, c[None, :]], r.get("q_norm"))
+        pieces = [(q1, stored[0]), (q2, stored[1])]
+        kn = rotate(lambda c: r["k_new"][b * K + h, c], r.get("k_norm"))  # two [hd/2]
+        vn = r["v_new"][b * K + h, e]
+        wrow = (r["write_page"][b] * page + r["write_off"][b]) * K + h
+
+        @pl.when(j == 0)
+        def _():  # this step's entry into its page (no program reads it there: it is folded in below)
+            r["k_out"][wrow, stored[0]] = kn[0]
+            r["k_out"][wrow, stored[1]] = kn[1]
+            r["v_out"][wrow, e] = vn.astype(r["v_out"].dtype)
+
+        me = r["self"][b]  # the entry's place in the table's order (-1: none)
     lo = j * SPAN
-    hi = jnp.minimum(lo + SPAN, limit_ref[b])
+    hi = jnp.minimum(lo + SPAN, r["limit"][b])
     blocks = jnp.maximum(hi - lo + BLOCK - 1, 0) // BLOCK
-    if sinks_ref is None:
-        m0, l0 = jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32)
-    else:  # the sink joins the first span's denominator only
-        sink = sinks_ref[h * G + g].astype(jnp.float32)
-        first = jnp.full((Gp,), j, jnp.int32) == 0
-        m0 = jnp.where(first, sink, jnp.full((Gp,), NEG, jnp.float32))
-        l0 = jnp.where(first, jnp.ones((Gp,), jnp.float32), jnp.zeros((Gp,), jnp.float32))
+    first = jnp.full((Gp,), j, jnp.int32) == 0
+    m0, l0 = jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32)
+    if "sinks" in r:  # the sink joins the first span's denominator only
+        m0 = jnp.where(first, r["sinks"][h * G + g].astype(jnp.float32), m0)
+        l0 = jnp.where(first, jnp.ones((Gp,), jnp.float32), l0)
+    acc0 = jnp.zeros((Gp, dv), jnp.float32)
+    if fresh is not None:  # the first span folds in this step's entry
+        own = first & (me >= 0) & (r["mask"][b, jnp.maximum(me, 0)] != 0)
+        sc = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) for (q, _), k in zip(pieces, kn)) * scale
+        new = jnp.where(own, jnp.maximum(m0, sc), m0)
+        p = jnp.where(own, jnp.exp(sc - new), 0.0)
+        l0 = l0 * jnp.where(own, jnp.exp(m0 - new), 1.0) + p
+        acc0 = p.astype(vn.dtype).astype(jnp.float32)[:, None] * vn.astype(jnp.float32)[None, :]
+        m0 = new
 
     def body(i, carry):
         m, l, acc = carry
         s = lo + i * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
         sc = jnp.minimum(s, S - 1)
-        row = (table_ref[b, sc // page] * page + sc % page) * K + h  # each entry's row of the [pages·page·K, hd] pool
-        k = k_ref[row[:, None], d[None, :]]  # [BLOCK, hd]
+        row = (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [pages·page·K, hd] pool
+        ok = (s < hi) & (r["mask"][b, sc] != 0)
+        if fresh is not None:
+            ok = ok & (s != me)
         v = v_ref[row[:, None], e[None, :]]  # [BLOCK, dv]
-        ok = (s < hi) & (mask_ref[b, sc] != 0)
         v = jnp.where(ok[:, None], v, jnp.zeros_like(v))  # a masked entry adds 0, whatever its page holds
-        scores = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale  # [Gp, BLOCK]
-        scores = jnp.where(ok[None, :], scores, NEG)
+        scores = sum(
+            jax.lax.dot_general(q, r["k"][row[:, None], c[None, :]], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            for q, c in pieces
+        )  # [Gp, BLOCK]
+        scores = jnp.where(ok[None, :], scores * scale, NEG)
         new = jnp.maximum(m, jnp.max(scores, axis=1))
         p = jnp.exp(scores - new[:, None])
         corr = jnp.exp(m - new)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
 
-    m, l, acc = jax.lax.fori_loop(0, blocks, body, (m0, l0, jnp.zeros((Gp, dv), jnp.float32)))
+    m, l, acc = jax.lax.fori_loop(0, blocks, body, (m0, l0, acc0))
+    o_ref = r["o"]
     if direct:  # one span: the output itself (a row with nothing to read gets zeros)
-        o_ref[(b * H + h * G + g)[:, None], e[None, :]] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0).astype(o_ref.dtype)
+        o_ref[qrows, e[None, :]] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0).astype(o_ref.dtype)
     else:
         p = (b * K + h) * pl.num_programs(2) + j
-        o_ref[(p * Gp + jnp.arange(Gp, dtype=jnp.int32))[:, None], e[None, :]] = acc
-        m_ref[p * Gp + jnp.arange(Gp, dtype=jnp.int32)] = m
-        l_ref[p * Gp + jnp.arange(Gp, dtype=jnp.int32)] = l
+        rows = p * Gp + jnp.arange(Gp, dtype=jnp.int32)
+        o_ref[rows[:, None], e[None, :]] = acc
+        r["m"][rows] = m
+        r["l"][rows] = l
 
 
 def _params(interpret: bool, num_warps: int) -> dict:
@@ -104,17 +151,49 @@ def limits(mask_BS) -> jax.Array:
     return jnp.max(jnp.where(mask_BS, jnp.arange(1, S + 1, dtype=jnp.int32), 0), axis=1)
 
 
-def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, limit_B=None, interpret: bool = False,
-              num_warps: int = NUM_WARPS) -> jax.Array:  # fmt: skip
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """This step's token as its projections give it, for `attention` to norm and rotate its query
+    and key, store its key and value, and attend to it: k_BKd / v_BKe the raw keys and values;
+    the page and offset it is stored at (page 0 for a row that writes nothing); cos/sin [B, hd/2]
+    (`models.layers.rope_cos_sin`, the whole head rotated); q_norm / k_norm the per-head RMSNorm
+    weights [hd] (None: no norm)."""
+
+    k_BKd: jax.Array
+    v_BKe: jax.Array
+    write_page_B: jax.Array
+    write_off_B: jax.Array
+    cos_Bh: jax.Array
+    sin_Bh: jax.Array
+    q_norm: jax.Array | None = None
+    k_norm: jax.Array | None = None
+    eps: float = dataclasses.field(default=1e-6, metadata=dict(static=True))
+    interleave: bool = dataclasses.field(default=False, metadata=dict(static=True))
+
+
+def fresh_fits(head_dim: int, rope_dim: int) -> bool:
+    """Whether `attention` can take this step's token raw (`Fresh`): the whole head rotated, each
+    half at least 16 wide (the rows of Triton's matmuls)."""
+    return _pow2(head_dim) and head_dim >= 32 and rope_dim == head_dim
+
+
+def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, limit_B=None, fresh: Fresh | None = None,
+              interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
     """[B, H, dv] in q's dtype (module docstring). k_pages [N, page, K, hd], v_pages [N, page, K,
     dv]; table_BP int32 [B, P]; mask_BS bool [B, P·page]; `limit_B`: each row's entries to read
-    (`limits(mask_BS)` when None; a caller whose layers share a mask computes it once)."""
+    (`limits(mask_BS)` when None; a caller whose layers share a mask computes it once).
+
+    With `fresh`, q_BHd is the query as its projection gives it and the kernel also norms and
+    rotates it and this step's key, stores the key and value in the pages (the rows' entries there
+    are read from registers, not the pages) and returns (o, k_pages, v_pages) — XLA's four to six
+    kernels of norms, rotations and page writes before attention, in the same kernel."""
     B, H, hd = q_BHd.shape
     N, page, K, hd_k = k_pages.shape
     dv = v_pages.shape[3]
     P = table_BP.shape[1]
     S = P * page
-    if hd_k != hd or v_pages.shape[:3] != (N, page, K) or not fits(H, K, hd, dv):
+    if hd_k != hd or v_pages.shape[:3] != (N, page, K) or not fits(H, K, hd, dv) or (fresh is not None and not fresh_fits(hd, hd)):
         raise ValueError(f"no decode attention kernel for q {q_BHd.shape}, k pages {k_pages.shape}, v pages {v_pages.shape}")
     if mask_BS.shape != (B, S):
         raise ValueError(f"mask {mask_BS.shape} is not [{B}, {S}] (the table's entries)")
@@ -123,45 +202,88 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     NS = pl.cdiv(S, SPAN)
     direct = NS == 1
     limit = limits(mask_BS) if limit_B is None else limit_B.astype(jnp.int32)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    ins = dict(table=table_BP.astype(jnp.int32), mask=mask_BS.astype(jnp.int8), limit=limit, q=q_BHd.reshape(B * H, hd),
+               k=k_pages.reshape(N * page * K, hd), v=v_pages.reshape(N * page * K, dv))  # fmt: skip
+    if sinks_H is not None:
+        ins["sinks"] = sinks_H.astype(jnp.float32)
     if direct:
-        out_shape = [jax.ShapeDtypeStruct((B * H, dv), q_BHd.dtype)] + [jax.ShapeDtypeStruct((1,), jnp.float32)] * 2
+        outs = dict(
+            o=jax.ShapeDtypeStruct((B * H, dv), q_BHd.dtype),
+            m=jax.ShapeDtypeStruct((1,), jnp.float32),
+            l=jax.ShapeDtypeStruct((1,), jnp.float32),
+        )
     else:
         R = B * K * NS * Gp
-        out_shape = [
-            jax.ShapeDtypeStruct((R, dv), jnp.float32),
-            jax.ShapeDtypeStruct((R,), jnp.float32),
-            jax.ShapeDtypeStruct((R,), jnp.float32),
-        ]
-    args = [table_BP.astype(jnp.int32), mask_BS.astype(jnp.int8), limit, q_BHd.reshape(B * H, hd), k_pages.reshape(N * page * K, hd),
-            v_pages.reshape(N * page * K, dv)]  # fmt: skip
-    kernel = functools.partial(_kernel, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct)
-    if sinks_H is None:  # the kernel's sinks_ref is None
-        kernel = functools.partial(lambda *refs, kernel: kernel(*refs[:6], None, *refs[6:]), kernel=kernel)
-    else:
-        args.append(sinks_H.astype(jnp.float32))
-    o, m, l = pl.pallas_call(
+        outs = dict(
+            o=jax.ShapeDtypeStruct((R, dv), jnp.float32),
+            m=jax.ShapeDtypeStruct((R,), jnp.float32),
+            l=jax.ShapeDtypeStruct((R,), jnp.float32),
+        )
+    aliases = {}
+    if fresh is not None:
+        hit = table_BP == fresh.write_page_B[:, None]
+        own = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1) * page + fresh.write_off_B, -1)
+        ins.update(k_new=fresh.k_BKd.reshape(B * K, hd).astype(q_BHd.dtype), v_new=fresh.v_BKe.reshape(B * K, dv), self=own.astype(jnp.int32),
+                   write_page=fresh.write_page_B.astype(jnp.int32), write_off=fresh.write_off_B.astype(jnp.int32),
+                   cos=fresh.cos_Bh.astype(jnp.float32), sin=fresh.sin_Bh.astype(jnp.float32))  # fmt: skip
+        for name, w in (("q_norm", fresh.q_norm), ("k_norm", fresh.k_norm)):
+            if w is not None:
+                ins[name] = w
+        names = list(ins)
+        aliases = {names.index("k"): 3, names.index("v"): 4}
+        outs.update(k_out=jax.ShapeDtypeStruct(ins["k"].shape, k_pages.dtype), v_out=jax.ShapeDtypeStruct(ins["v"].shape, v_pages.dtype))
+    names = list(ins) + list(outs)
+    kernel = functools.partial(_kernel, names=names, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct,
+                               fresh=None if fresh is None else ("interleave" if fresh.interleave else "half"),
+                               eps=1e-6 if fresh is None else float(fresh.eps))  # fmt: skip
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    res = pl.pallas_call(
         kernel,
         grid=(B, K, NS),
-        in_specs=[any_spec] * len(args),
-        out_specs=[any_spec] * 3,
-        out_shape=out_shape,
+        in_specs=[any_spec] * len(ins),
+        out_specs=[any_spec] * len(outs),
+        out_shape=list(outs.values()),
+        input_output_aliases=aliases,
         name="decode_attention",
         **_params(interpret, num_warps),
-    )(*args)
-    if direct:
-        return o.reshape(B, H, dv)
-    o, m, l = o.reshape(B, K, NS, Gp, dv), m.reshape(B, K, NS, Gp), l.reshape(B, K, NS, Gp)
-    top = jnp.max(m, axis=2, keepdims=True)
-    w = jnp.exp(m - top)
-    den = jnp.sum(l * w, axis=2)
-    num = jnp.sum(o * w[..., None], axis=2)
-    out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-    return out[:, :, :G].reshape(B, H, dv).astype(q_BHd.dtype)
+    )(*ins.values())
+    o, m, l = res[:3]
+    if not direct:
+        o, m, l = o.reshape(B, K, NS, Gp, dv), m.reshape(B, K, NS, Gp), l.reshape(B, K, NS, Gp)
+        top = jnp.max(m, axis=2, keepdims=True)
+        w = jnp.exp(m - top)
+        den = jnp.sum(l * w, axis=2)
+        num = jnp.sum(o * w[..., None], axis=2)
+        o = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)[:, :, :G]
+    o = o.reshape(B, H, dv).astype(q_BHd.dtype)
+    if fresh is None:
+        return o
+    return o, res[3].reshape(k_pages.shape), res[4].reshape(v_pages.shape)
 
 
-def attention_ref(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None) -> jax.Array:
-    """Reference: every row's entries gathered from the pages, a float32 softmax over them."""
+def _norm_rotate_ref(x, w, f: Fresh):
+    """x [..., hd]: RMSNorm (float32, rounded to x's dtype, times w) and the rotation, as
+    `models.layers.RMSNorm` and `apply_rope` compute them."""
+    dt = x.dtype
+    if w is not None:
+        xf = x.astype(jnp.float32)
+        x = w * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + f.eps)).astype(dt)
+    x = x.astype(jnp.float32)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if f.interleave else jnp.split(x, 2, axis=-1)
+    cos, sin = f.cos_Bh[:, None, :], f.sin_Bh[:, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dt)
+
+
+def attention_ref(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, fresh: Fresh | None = None):
+    """Reference: every row's entries gathered from the pages, a float32 softmax over them. With
+    `fresh`: q and this step's key normed and rotated, key and value written to their pages
+    first; returns (o, k_pages, v_pages)."""
+    if fresh is not None:
+        q = _norm_rotate_ref(q_BHd, fresh.q_norm, fresh)
+        k = _norm_rotate_ref(fresh.k_BKd.astype(q_BHd.dtype), fresh.k_norm, fresh)
+        at = (fresh.write_page_B, fresh.write_off_B)
+        k_pages, v_pages = k_pages.at[at].set(k.astype(k_pages.dtype)), v_pages.at[at].set(fresh.v_BKe.astype(v_pages.dtype))
+        return attention_ref(q, k_pages, v_pages, table_BP, mask_BS, scale=scale, sinks_H=sinks_H), k_pages, v_pages
     B, H, hd = q_BHd.shape
     K = k_pages.shape[2]
     k, v = (p[table_BP].reshape(B, -1, *p.shape[2:]) for p in (k_pages, v_pages))  # [B, S, K, d]

@@ -229,15 +229,24 @@ class Attention(nnx.Module):
         q = self.q_proj(x_BTD).reshape(B, T, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        sinks = None if self.sinks is None else self.sinks[...]
+        how = decode_attention_kernel(cfg) if T == 1 else "xla"
+        if how == "fused":  # norms, rotation, page writes and attention in one kernel
+            fresh = decode_attention.Fresh(k[:, 0], v[:, 0], view.write_page_BT[:, 0], view.write_off_BT[:, 0], cos_sin[0][:, 0], cos_sin[1][:, 0],
+                                           None if self.q_norm is None else self.q_norm.weight[...],
+                                           None if self.k_norm is None else self.k_norm.weight[...], cfg.rms_norm_eps, cfg.rope_interleave)  # fmt: skip
+            o, k_pages, v_pages = decode_attention.attention(q[:, 0], kv[0], kv[1], view.page_table_BP, view.mask(self.window)[:, 0],
+                                                             scale=softmax_scale(cfg), sinks_H=sinks, fresh=fresh,
+                                                             interpret=jax.default_backend() == "cpu")  # fmt: skip
+            return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rd = cfg.rope_dim  # partial rotary: the rest of each head passes as it is
         rope = lambda x: apply_rope(x, *cos_sin, cfg.rope_interleave)  # noqa: E731
         q, k = (rope(a) if rd == cfg.head_dim else jnp.concatenate([rope(a[..., :rd]), a[..., rd:]], axis=-1) for a in (q, k))
         k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
-        sinks = None if self.sinks is None else self.sinks[...]
         mask = view.mask(self.window)
-        if T == 1 and decode_attention_kernel(cfg):
+        if how == "kernel":
             o = decode_attention.attention(q[:, 0], k_pages, v_pages, view.page_table_BP, mask[:, 0], scale=softmax_scale(cfg), sinks_H=sinks,
                                            interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
         else:
@@ -245,15 +254,19 @@ class Attention(nnx.Module):
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
 
 
-def decode_attention_kernel(cfg: MoEModelConfig) -> bool:
-    """Whether a step of one token per row attends through `pallas_kernels/decode_attention.py`
-    (one kernel a layer) instead of XLA's gather, matmuls and softmax (six): with
-    FREETOKEN_DECODE_ATTENTION=kernel, where the kernel takes the model's heads; "xla" or unset:
-    XLA's (the default until the kernel is measured on the GPU)."""
+def decode_attention_kernel(cfg: MoEModelConfig) -> str:
+    """How a step of one token per row attends (FREETOKEN_DECODE_ATTENTION): "xla" (unset: the
+    default until the kernels are measured on the GPU) — XLA's norms, rotations, page writes,
+    gather, matmuls and softmax, ten to twelve kernels a layer; "kernel" — the attention in one
+    kernel of `pallas_kernels/decode_attention.py`, where it takes the model's heads; "fused" —
+    norms, rotation and page writes in that kernel too, where the whole head is rotated (else
+    "kernel")."""
     how = os.environ.get("FREETOKEN_DECODE_ATTENTION", "xla")
-    if how not in ("xla", "kernel"):
-        raise ValueError(f"FREETOKEN_DECODE_ATTENTION={how!r}: use xla or kernel")
-    return how == "kernel" and decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+    if how not in ("xla", "kernel", "fused"):
+        raise ValueError(f"FREETOKEN_DECODE_ATTENTION={how!r}: use xla, kernel or fused")
+    if how == "xla" or not decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim):
+        return "xla"
+    return "fused" if how == "fused" and decode_attention.fresh_fits(cfg.head_dim, cfg.rope_dim) else "kernel"
 
 
 class MLAttention(nnx.Module):

@@ -10,7 +10,7 @@ import pytest
 from jax import export
 
 from pallas_kernels import decode_attention
-from pallas_kernels.decode_attention import attention, attention_ref, fits, limits
+from pallas_kernels.decode_attention import Fresh, attention, attention_ref, fits, fresh_fits, limits
 
 
 def _case(rng, B, H, K, hd, dv, page, P, kind):
@@ -81,6 +81,43 @@ def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, si
     assert (got[~reads] == 0).all()
 
 
+FRESH = [  # B, H, K, hd, page, P, sinks, interleave, norms, span, dtype
+    (2, 8, 2, 32, 4, 6, False, False, True, 512, "float32"),  # one span, q/k norms
+    (1, 32, 4, 128, 16, 40, True, True, False, 512, "float32"),  # Qwen3-30B-A3B's heads, interleaved pairs, two spans
+    (3, 16, 4, 64, 8, 12, True, False, True, 32, "float32"),  # three spans: the entry lands in any of them
+    (2, 16, 2, 64, 8, 6, False, False, True, 512, "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("B,H,K,hd,page,P,sinks,interleave,norms,span,dtype", FRESH)
+def test_fresh_token_normed_rotated_stored_and_attended(B, H, K, hd, page, P, sinks, interleave, norms, span, dtype, monkeypatch):
+    """`fresh`: the kernel norms and rotates q and this step's key, stores key and value, and
+    attends to them from registers — against the reference (norms, rotation and page writes in
+    jnp first). Row 1 (of several) writes nothing (page 0, and a mask without its own entry)."""
+    monkeypatch.setattr(decode_attention, "SPAN", span)
+    rng = np.random.default_rng(B * 7 + hd + P)
+    dt = jnp.dtype(dtype)
+    q, k, v, table, mask = _case(rng, B, H, K, hd, hd, page, P, "prefix")
+    pos = mask.sum(axis=1) - 1
+    wp, wo = table[np.arange(B), pos // page], pos % page
+    if B > 1:
+        wp[1] = 0
+        mask[1, pos[1]] = False
+    ang = rng.standard_normal((B, hd // 2))
+    fresh = Fresh(jnp.asarray(rng.standard_normal((B, K, hd)), dt), jnp.asarray(rng.standard_normal((B, K, hd)), dt), jnp.asarray(wp),
+                  jnp.asarray(wo), jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32),
+                  jnp.asarray(rng.standard_normal(hd), dt) if norms else None, jnp.asarray(rng.standard_normal(hd), dt) if norms else None,
+                  1e-5, interleave)  # fmt: skip
+    sk = jnp.asarray(rng.standard_normal(H), jnp.float32) if sinks else None
+    args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(table), jnp.asarray(mask)]
+    got = attention(*args, scale=hd**-0.5, sinks_H=sk, fresh=fresh, interpret=True)
+    want = attention_ref(*args, scale=hd**-0.5, sinks_H=sk, fresh=fresh)
+    tol = 2e-5 if dtype == "float32" else 3e-2  # bfloat16: a rounding of the norm's product may differ by one unit
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=tol, rtol=tol)
+    assert not np.array_equal(np.asarray(got[1]), np.asarray(args[1]))  # the key was stored
+
+
 def test_bfloat16_within_its_rounding():
     rng = np.random.default_rng(7)
     q, k, v, table, mask = _case(rng, 2, 32, 4, 128, 128, 16, 40, "prefix")  # 640 entries: two spans of 512
@@ -122,6 +159,23 @@ def test_lowers_to_triton(S, sinks):
     assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_attention" in text
 
 
+def test_fresh_lowers_to_triton():
+    B, H, K, hd, page, S = 2, 32, 4, 128, 16, 1024
+    P, N = S // page, 2 * S // page + 1
+    sd = jax.ShapeDtypeStruct
+    args = [sd((B, H, hd), jnp.bfloat16), sd((N, page, K, hd), jnp.bfloat16), sd((N, page, K, hd), jnp.bfloat16), sd((B, P), jnp.int32),
+            sd((B, S), jnp.bool_), sd((B, K, hd), jnp.bfloat16), sd((B, K, hd), jnp.bfloat16), sd((B,), jnp.int32), sd((B,), jnp.int32),
+            sd((B, hd // 2), jnp.float32), sd((B, hd // 2), jnp.float32), sd((hd,), jnp.bfloat16), sd((hd,), jnp.bfloat16)]  # fmt: skip
+
+    def f(q, k, v, t, m, *rest):
+        return attention(q, k, v, t, m, scale=0.1, fresh=Fresh(*rest, 1e-6, False))
+
+    exp = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        *args
+    )
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
+
+
 def test_bad_shapes_raise():
     q = jnp.zeros((1, 8, 48))
     pages = jnp.zeros((3, 4, 2, 48))
@@ -131,26 +185,33 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="mask"):
         attention(q, pages, pages, jnp.zeros((1, 2), jnp.int32), jnp.ones((1, 9), bool), scale=1.0, interpret=True)
     assert fits(32, 4, 128, 128) and not fits(32, 3, 128, 128) and not fits(8, 2, 96, 96)
+    assert fresh_fits(128, 128) and not fresh_fits(128, 64) and not fresh_fits(16, 16)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe_norm", "gpt_oss", "mixtral_swa", "glm4_moe"])
-def test_models_one_token_steps_match_transformers(name, ckpt_root, monkeypatch):
+@pytest.mark.parametrize(
+    "name,how",
+    [("qwen3_moe_norm", "kernel"), ("gpt_oss", "kernel"), ("mixtral_swa", "kernel"), ("glm4_moe", "fused"), ("qwen3_moe_k", "fused")],
+)
+def test_models_one_token_steps_match_transformers(name, how, ckpt_root, monkeypatch):
     """Every position of a prompt through one-token steps whose attention is the kernel (spans of
     32 entries over a 96-entry table: the combine too): GQA with q/k norms, sinks with sliding
-    windows, a sliding window without sinks, partial rotary with biases."""
+    windows, a sliding window without sinks, partial rotary with biases (which "fused" leaves to
+    XLA's norms and rotation), and "fused" norms, rotation and page writes (heads of 32)."""
     import torch
     from hf_models import load_hf, make_checkpoint
 
     from freetoken_jax import EngineConfig, FreeTokenEngine
 
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "kernel")
+    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", how)
     monkeypatch.setattr(decode_attention, "SPAN", 32)
     calls = []
-    monkeypatch.setattr(decode_attention, "attention", lambda *a, f=decode_attention.attention, **kw: calls.append(1) or f(*a, **kw))
+    monkeypatch.setattr(
+        decode_attention, "attention", lambda *a, f=decode_attention.attention, **kw: calls.append(kw.get("fresh")) or f(*a, **kw)
+    )
     path = make_checkpoint(name, ckpt_root)
     engine = FreeTokenEngine.from_pretrained(path, EngineConfig(dtype="float32", max_context=96, max_batch=2, page_size=4, prefill_chunk=1))
     prompt = [int(t) for t in np.random.default_rng(21).integers(0, 96, 40)]
     with torch.no_grad():
         ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
     np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
-    assert calls  # traced through the kernel
+    assert calls and all((c is not None) == (name == "qwen3_moe_k") for c in calls)  # traced through the kernel, fused where it fits
