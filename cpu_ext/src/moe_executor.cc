@@ -52,72 +52,76 @@ ThreadPool::ThreadPool(int threads, bool pin) : spin_(PoolSpin()) {
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   cv_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::Work(int) {
-  uint64_t seen = 0;
+int64_t ThreadPool::Take(uint32_t generation) {
+  int64_t done = 0;
+  uint64_t v = next_.load(std::memory_order_acquire);
   for (;;) {
-    const std::function<void(int64_t)>* fn;
-    int64_t n;
+    if (static_cast<uint32_t>(v >> 32) != generation) return done;
+    const int64_t t = static_cast<int64_t>(v & 0xffffffffu);
+    if (t >= n_.load(std::memory_order_acquire)) return done;  // (n of a later job only if v is stale: the swap fails)
+    if (next_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+      (*fn_.load(std::memory_order_acquire))(t);
+      ++done;
+      v = next_.load(std::memory_order_acquire);
+    }
+  }
+}
+
+void ThreadPool::Work(int) {
+  uint32_t seen = 0;
+  for (;;) {
     // A job's phases follow one another within microseconds, and a decode step's layers (one
     // job each) within about a millisecond: spin for up to `spin_` before sleeping, so that a
     // new job does not wait for sleeping threads to wake.
     const auto spin_from = std::chrono::steady_clock::now();
-    for (int i = 1; published_.load(std::memory_order_acquire) == seen; ++i) {
+    for (int i = 1; published_.load(std::memory_order_acquire) == seen && !stop_.load(std::memory_order_relaxed); ++i) {
 #ifdef FREETOKEN_X86
       _mm_pause();
 #endif
-      if ((i & 255) == 0 && std::chrono::steady_clock::now() - spin_from > spin_) break;
+      if ((i & 255) == 0 && std::chrono::steady_clock::now() - spin_from > spin_) {
+        std::unique_lock<std::mutex> l(mu_);
+        sleepers_.fetch_add(1);  // seq_cst with Run's publish and its read of sleepers_: a wake-up is never lost
+        cv_.wait(l, [&] { return stop_.load() || published_.load() != seen; });
+        sleepers_.fetch_sub(1);
+        break;
+      }
     }
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      // Only a job still running is joined: one that finished while this worker slept is gone
-      // (its function with it), and joining it would take the next job's tasks with its own.
-      cv_.wait(l, [&] { return stop_ || (running_ && generation_ != seen); });
-      if (stop_) return;
-      seen = generation_;
-      fn = fn_;
-      n = n_;
-      active_.fetch_add(1);  // Run cannot return while this worker may still call fn
-    }
-    int64_t done = 0;
-    for (int64_t t; (t = next_.fetch_add(1)) < n; ++done) (*fn)(t);
-    // Sequentially consistent with the caller's store of caller_sleeps_ and its loads of the
-    // counts: either the caller sees this worker gone, or this worker sees the caller asleep.
-    completed_.fetch_add(done);
-    active_.fetch_sub(1);
-    if (caller_sleeps_.load()) {
-      std::lock_guard<std::mutex> l(mu_);
-      done_cv_.notify_all();
+    if (stop_.load()) return;
+    seen = published_.load(std::memory_order_acquire);
+    const int64_t done = Take(seen);
+    if (done) {
+      completed_.fetch_add(done);  // seq_cst with the caller's caller_sleeps_ (below)
+      if (caller_sleeps_.load()) {
+        std::lock_guard<std::mutex> l(mu_);
+        done_cv_.notify_all();
+      }
     }
   }
 }
 
 void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
-  {
+  const uint32_t gen = ++generation_;
+  fn_.store(&fn, std::memory_order_relaxed);
+  n_.store(n, std::memory_order_relaxed);
+  completed_.store(0, std::memory_order_relaxed);
+  next_.store(static_cast<uint64_t>(gen) << 32, std::memory_order_release);
+  published_.store(gen);  // seq_cst: see Work's sleepers_
+  if (sleepers_.load()) {
     std::lock_guard<std::mutex> l(mu_);
-    fn_ = &fn;
-    n_ = n;
-    next_.store(0);
-    completed_.store(0);
-    running_ = true;
-    ++generation_;
-    published_.store(generation_, std::memory_order_release);
+    cv_.notify_all();
   }
-  cv_.notify_all();
-  int64_t done = 0;
-  for (int64_t t; (t = next_.fetch_add(1)) < n; ++done) fn(t);
-  completed_.fetch_add(done);
-  // Done when every task has run and no worker is inside fn: a worker that wakes late (busy
-  // cores) finds no task left and is not waited for. The last tasks end within microseconds of
-  // each other, so the caller spins (a sleeping caller would add a wake-up to every phase) and
-  // sleeps only when a worker is held up for long.
-  auto finished = [&] { return completed_.load() == n && active_.load() == 0; };
+  const int64_t mine = Take(gen);
+  if (mine) completed_.fetch_add(mine);
+  // The last tasks end within microseconds of each other, so the caller spins (a sleeping caller
+  // would add a wake-up to every phase) and sleeps only when a worker is held up for long.
+  auto finished = [&] { return completed_.load() == n; };
   const auto spin_from = std::chrono::steady_clock::now();
   for (int i = 1; !finished(); ++i) {
 #ifdef FREETOKEN_X86
@@ -125,11 +129,11 @@ void ThreadPool::Run(int64_t n, const std::function<void(int64_t)>& fn) {
 #endif
     if ((i & 63) == 0 && std::chrono::steady_clock::now() - spin_from > std::chrono::microseconds(500)) break;
   }
+  if (finished()) return;
   std::unique_lock<std::mutex> l(mu_);
   caller_sleeps_.store(true);
   done_cv_.wait(l, finished);
   caller_sleeps_.store(false);
-  running_ = false;  // under mu_: no worker joins from here on, and none is inside fn
 }
 
 // ---------------------------------------------------------------------------------------------

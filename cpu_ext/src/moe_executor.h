@@ -40,8 +40,12 @@ inline constexpr const char* kActNames[] = {"silu", "gelu", "gelu_tanh", "swiglu
 Act ParseAct(const std::string& name);
 
 // A pool of worker threads (optionally pinned one per core) that runs `fn(task)` for
-// task in [0, n); the calling thread takes tasks too. `Run` returns once every task has run and
-// no worker is inside `fn`; it does not wait for workers that have not woken up.
+// task in [0, n); the calling thread takes tasks too. `Run` returns once every task has run.
+// Joining a job takes no lock: the task counter carries the job's generation in its upper 32
+// bits and a thread takes a task by compare-and-swap only while the generation is its job's, so
+// a thread that comes late takes nothing of a later job (a job cannot end while one of its tasks
+// is taken and not yet counted, nor the next start before it ends). Idle workers spin for a while,
+// then sleep on a condition variable.
 class ThreadPool {
  public:
   ThreadPool(int threads, bool pin);
@@ -51,20 +55,20 @@ class ThreadPool {
 
  private:
   void Work(int index);
+  int64_t Take(uint32_t generation);  // runs tasks of that job while there are any; returns how many
   std::vector<std::thread> workers_;
-  std::mutex mu_;
+  std::mutex mu_;  // for sleeping only
   std::condition_variable cv_, done_cv_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  std::atomic<int64_t> next_{0};
-  int64_t n_ = 0;
-  uint64_t generation_ = 0;
-  std::atomic<uint64_t> published_{0};  // generation_, readable without the lock
-  std::atomic<int64_t> completed_{0};   // tasks of this generation that have run
-  std::atomic<int> active_{0};          // workers inside this generation's fn (joined under mu_)
+  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+  std::atomic<int64_t> n_{0};
+  std::atomic<uint64_t> next_{0};       // generation << 32 | next task
+  std::atomic<uint32_t> published_{0};  // the generation of the last job
+  uint32_t generation_ = 0;
+  std::atomic<int64_t> completed_{0};  // tasks of this generation that have run
+  std::atomic<int> sleepers_{0};       // workers asleep (or about to be) on cv_
   std::atomic<bool> caller_sleeps_{false};
+  std::atomic<bool> stop_{false};
   std::chrono::microseconds spin_;  // how long an idle worker spins before it sleeps
-  bool running_ = false;  // a Run is in progress (workers join only then)
-  bool stop_ = false;
 };
 
 struct Banks {
