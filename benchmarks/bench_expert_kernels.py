@@ -70,7 +70,9 @@ def main() -> None:
     nbytes = K * sum(b.shape[1] for b in banks)
     one = jnp.asarray(rng.integers(0, E, (1, K)), jnp.int32)
     ref = np.asarray(xla(x0, one), np.float32)
-    print(f"{jax.devices()[0].device_kind}: {a.format} experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call")
+    print(
+        f"{jax.devices()[0].device_kind}: {a.format} experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call"
+    )
     print(f"{'variant':>22} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
     variants = [("xla gather", xla)] + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps

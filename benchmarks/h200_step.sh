@@ -26,7 +26,7 @@
 #            with each (--expert-impl kernel / auto);
 #   attn:    decode with the attention kernel of pallas_kernels/decode_attention.py (with the norms,
 #            rotation and page writes too, and without) and with XLA's (FREETOKEN_DECODE_ATTENTION=
-#            fused / kernel / xla, or those ATTN lists; fused and hybrid, the same machine);
+#            fused / kernel / xla, or those ATTN lists; fused and hybrid at one q, Q or 0.45, the same machine);
 #   aprofile: the fused step's kernels under the profiler with each;
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
@@ -57,7 +57,7 @@ for what in "$@"; do
       done ;;
     attn) for impl in ${ATTN:-fused kernel xla}; do
         FREETOKEN_DECODE_ATTENTION=$impl timeout 170 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 \
-          --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --compile-workers 2 \
+          --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --q ${Q:-0.45} --compile-workers 2 \
           --json "$OUT/dec_attn_$impl.json" > "$OUT/dec_attn_$impl.log" 2>&1
         echo "== FREETOKEN_DECODE_ATTENTION=$impl rc=$?"; grep -v "it/s\]" "$OUT/dec_attn_$impl.log" | tail -3
       done ;;

@@ -255,18 +255,23 @@ class Attention(nnx.Module):
 
 
 def decode_attention_kernel(cfg: MoEModelConfig) -> str:
-    """How a step of one token per row attends (FREETOKEN_DECODE_ATTENTION): "xla" (unset: the
-    default until the kernels are measured on the GPU) — XLA's norms, rotations, page writes,
-    gather, matmuls and softmax, ten to twelve kernels a layer; "kernel" — the attention in one
-    kernel of `pallas_kernels/decode_attention.py`, where it takes the model's heads; "fused" —
-    norms, rotation and page writes in that kernel too, where the whole head is rotated (else
-    "kernel")."""
-    how = os.environ.get("FREETOKEN_DECODE_ATTENTION", "xla")
-    if how not in ("xla", "kernel", "fused"):
-        raise ValueError(f"FREETOKEN_DECODE_ATTENTION={how!r}: use xla, kernel or fused")
-    if how == "xla" or not decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim):
+    """How a step of one token per row attends (FREETOKEN_DECODE_ATTENTION): "xla" — XLA's
+    norms, rotations, page writes, gather, matmuls and softmax, ten to twelve kernels a layer;
+    "kernel" — the attention in one kernel of `pallas_kernels/decode_attention.py`, where it takes
+    the model's heads; "fused" — norms, rotation and page writes in that kernel too, where the
+    whole head is rotated (else "kernel"); "auto" (unset) — "fused" on a GPU where it fits (on the
+    H200 it took a 24-layer Qwen3-30B-A3B step from 2.74 to 2.54 ms: benchmarks/RESULTS.md), else
+    "xla"."""
+    how = os.environ.get("FREETOKEN_DECODE_ATTENTION", "auto")
+    if how not in ("auto", "xla", "kernel", "fused"):
+        raise ValueError(f"FREETOKEN_DECODE_ATTENTION={how!r}: use auto, xla, kernel or fused")
+    fits = decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
+    fresh = fits and decode_attention.fresh_fits(cfg.head_dim, cfg.rope_dim)
+    if how == "auto":
+        return "fused" if fresh and jax.default_backend() == "gpu" else "xla"
+    if how == "xla" or not fits:
         return "xla"
-    return "fused" if how == "fused" and decode_attention.fresh_fits(cfg.head_dim, cfg.rope_dim) else "kernel"
+    return "fused" if how == "fused" and fresh else "kernel"
 
 
 class MLAttention(nnx.Module):

@@ -215,3 +215,31 @@ def test_models_one_token_steps_match_transformers(name, how, ckpt_root, monkeyp
         ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
     np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
     assert calls and all((c is not None) == (name == "qwen3_moe_k") for c in calls)  # traced through the kernel, fused where it fits
+
+
+def test_how_one_token_steps_attend(monkeypatch):
+    """FREETOKEN_DECODE_ATTENTION: "auto" takes the fused kernel on a GPU where the whole head is
+    rotated and XLA's attention elsewhere; "kernel" / "fused" where the kernel fits; bad names raise."""
+    from freetoken_jax.config import MoEModelConfig
+    from freetoken_jax.models import layers
+
+    base = dict(vocab_size=64, hidden_dim=256, intermediate_dim=128, num_layers=2, num_experts=4, top_k=2, num_heads=8, num_kv_heads=2)
+    full, partial, odd = (
+        MoEModelConfig(**base, head_dim=64),
+        MoEModelConfig(**base, head_dim=64, rotary_dim=16),
+        MoEModelConfig(**base, head_dim=24),
+    )
+    want = {  # (setting, backend): full, partial rotary, a head the kernel does not take
+        ("auto", "gpu"): ("fused", "xla", "xla"),
+        ("auto", "cpu"): ("xla", "xla", "xla"),
+        ("xla", "gpu"): ("xla", "xla", "xla"),
+        ("kernel", "cpu"): ("kernel", "kernel", "xla"),
+        ("fused", "cpu"): ("fused", "kernel", "xla"),
+    }
+    for (how, backend), expect in want.items():
+        monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", how)
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert tuple(layers.decode_attention_kernel(c) for c in (full, partial, odd)) == expect, (how, backend)
+    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="use auto, xla, kernel or fused"):
+        layers.decode_attention_kernel(full)
