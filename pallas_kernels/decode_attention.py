@@ -17,6 +17,13 @@ in place, and stops after the row's last unmasked entry (`limit_B`), so that a s
 the positions it reads rather than the table's width. A table wider than one span gives each row
 several programs whose partial sums are combined in jnp.
 
+With `fresh` (`Fresh`: this step's raw key and value, where they are stored, the rotation's
+cos/sin and the q/k RMSNorm weights) q is the query as its projection gives it: each program
+norms and rotates its query heads and the step's key (as `models.layers.RMSNorm` and `apply_rope`
+do, rounding where they round), the first span's program stores key and value in their page and
+folds them into its softmax from registers, and no program reads that entry from the pages —
+XLA's four to six kernels of norms, rotations and page writes before attention, in this one.
+
 `attention_ref` is the jnp reference: the pages gathered, the scores and a float32 softmax, the
 probabilities cast to the values' dtype before their matmul (as `models.layers.attend`).
 """
