@@ -319,6 +319,10 @@ class EngineConfig:
     # Strategy "hybrid": q* = Bp / (Bp + Bh), the share of a layer's missed experts fetched over
     # PCIe; the rest are computed by the CPU where they lie. Measured values replace this default.
     hybrid_q: float = 0.35
+    # Strategy "hybrid" over the FFI handoff: q starts at hybrid_q and follows the handoff's timing
+    # every few decode steps, so that a layer's fetch side and CPU side end together
+    # (`runtime/balance.py`); False keeps q where it is set.
+    hybrid_balance: bool = True
     # How CPU expert work leaves the jitted step (strategies "cpu" and "hybrid"): "ffi" (split
     # XLA FFI submit/wait: the CPU job overlaps the layer's fetch and GPU experts; recorded into
     # XLA's CUDA graphs), "ffi_nograph" (the same, launched outside the graphs), "callback"

@@ -179,14 +179,14 @@ class FreeTokenEngine:
     def failed(self) -> str | None:
         return self.runner.failed
 
-    def use(self, experts: ExpertBackend, *, over_slots: bool = False) -> None:
+    def use(self, experts: ExpertBackend, *, over_slots: bool = False, balance: bool = True) -> None:
         """Computes routed experts with `experts` from now on (same slot geometry: hybrid at
-        another q, offload over hybrid's slots, a benchmark's synthetic routing; `over_slots`:
-        see `ModelRunner.use`); cached prefixes are dropped, their KV having been computed the
-        old way."""
+        another q, offload over hybrid's slots, a benchmark's synthetic routing; `over_slots`,
+        `balance`: see `ModelRunner.use`); cached prefixes are dropped, their KV having been
+        computed the old way."""
         if self.batcher.driver is not None or not self.batcher.idle():
             raise Busy("the engine is generating; change its expert backend when idle")
-        self.runner.use(experts, over_slots=over_slots)
+        self.runner.use(experts, over_slots=over_slots, balance=balance)
         self.batcher.drop_prefixes()
 
     def _decode_rate(self, steps: int) -> float:
@@ -211,7 +211,7 @@ class FreeTokenEngine:
         for d in (0.0, *self.engine_config.auto_probe_q_offsets):
             q = round(min(1.0, max(0.0, q0 + d)), 6)
             if q not in rates:
-                self.use(hybrid.with_q(q))
+                self.use(hybrid.with_q(q), balance=False)  # each probe at its own q
                 rates[q] = self._decode_rate(steps)
         q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
         hybrid = hybrid.with_q(q)

@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
         p.add_argument("--q", type=float, nargs="+", default=None,
-                       help="hybrid's share of misses fetched over PCIe, one hybrid row per value (default: q* = Bp / (Bp + Bh) measured in this run)")  # fmt: skip
+                       help="hybrid's share of misses fetched over PCIe, fixed, one hybrid row per value (default: from q* = Bp / (Bp + Bh) "
+                            "measured in this run, moved by the handoff's timing as the engine does; the row's q is where it ended)")  # fmt: skip
         p.add_argument("--json", default=None, help="write the figures here")
         p.add_argument("--layers", type=int, default=None, help="keep only a preset's first layers (the llama.cpp comparison uses 24)")
         p.add_argument("--expert-format", default=None, choices=list(EXPERT_FORMATS),

@@ -210,12 +210,15 @@ class Bench:
         experts=None,
         label=None,
         prompt_by_decode: bool = False,
+        balance: bool = True,
     ) -> dict | None:
         """One decode row: B requests of `prompt_len` random tokens, `steps` decode steps each,
         sampled at temperature 1 (random weights make greedy tokens repeat). With
         `prompt_by_decode` the prompt is fed through the decode step itself, one token per step,
         instead of a prefill (no prefill executable to compile; no time to first token). `experts`
-        replaces the variant's backend (a variant of it), `label` names the row."""
+        replaces the variant's backend (a variant of it), `label` names the row. `balance`:
+        hybrid's q starts at `q` and follows the handoff's timing (`runtime/balance.py`; the row
+        reports where it ended); False keeps it at `q`."""
         from tqdm import tqdm
 
         from freetoken_jax import _cpu_ext
@@ -226,7 +229,7 @@ class Bench:
             return None
         slots = self._decode_slots(variant, B, slots_gb)
         t_start = time.perf_counter()
-        runner = self._runner(*wx, B, slots)
+        runner = self._runner(*wx, B, slots, hybrid_balance=balance)
         batcher = Batcher(runner, prefix_cache=False, prefill_rows=B, prompt_by_decode=prompt_by_decode)
         rng = np.random.default_rng(7 + B)
         fed = prompt_len if prompt_by_decode else 0
@@ -308,7 +311,8 @@ class Bench:
             strategy=label or variant, batch=B, slots_gb=slots_gb if slots and variant in ("offload", "hybrid") else None, slots=slots,
             routing_skew=skew, ms_per_token=dt * 1e3, tokens_per_s=B / dt, ttft_ms=None if ttft is None else ttft * 1e3, hit_rate=float(hit),
             gb_fetched_per_token=fetched * self.expert_bytes / B / 1e9, experts_on_cpu_per_step=float(on_cpu),
-            q=float(q) if variant == "hybrid" else None, bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
+            q=float(runner.experts.q) if variant == "hybrid" else None, q_start=float(q) if variant == "hybrid" else None,
+            bound_ms=bound * 1e3, ratio_to_bound=bound / dt,
             host_thread_ms_per_step=host * 1e3,
         )  # fmt: skip
         if hs["count"]:  # FFI handoffs: per-layer timing from the C++ side (see cpu_ext/src/ffi_handoff.h)
@@ -488,7 +492,7 @@ def run(args) -> dict:
                 keep(transformers_decode(args.model, r["B"], args.prompt_len, args.gen_len, r["slots_gb"], args.dtype, bench.log))
             else:
                 by_decode = getattr(args, "prompt_by_decode", False) and r["variant"] != "layer"
-                keep(bench.decode(**r, prompt_by_decode=by_decode))
+                keep(bench.decode(**r, prompt_by_decode=by_decode, balance=args.q is None))  # a q asked for stays
         if add_speedups(out["rows"]):
             write()
         cols = [("strategy", "strategy", ""), ("batch", "B", "d"), ("slots_gb", "slots GB", "g"), ("routing_skew", "skew", "g"),

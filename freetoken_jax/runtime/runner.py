@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from freetoken_jax import _cpu_ext
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
 from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, init_cache, ring_layers, ring_pages, ring_pool_pages
@@ -38,6 +39,7 @@ from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.models import jnp_dtype
 from freetoken_jax.runtime import buckets
+from freetoken_jax.runtime.balance import QBalance
 from freetoken_jax.runtime.experts import ExpertBackend
 from freetoken_jax.runtime.sampling import Logprobs, prompt_counts
 from freetoken_jax.runtime.steps import (
@@ -58,6 +60,8 @@ from freetoken_jax.runtime.steps import (
 )
 
 log = logging.getLogger("freetoken_jax")
+
+BALANCE_STEPS = 8  # decode steps between moves of hybrid's q (24-layer steps: ~190 handoffs summed)
 
 
 class RebuildFailed(RuntimeError):
@@ -200,6 +204,7 @@ class ModelRunner:
             donate_argnums=(0,),
         )
         self._set_counts = jax.jit(lambda counts, rows, new: counts.at[rows].set(new, mode="drop"), donate_argnums=(0,))
+        self._balance, self._balance_steps = self._balancer(experts), 0
         self._copy_pages = jax.jit(copy_pages, static_argnums=(1,), donate_argnums=(0,))
 
     def _ring_pool(self, ecfg: EngineConfig) -> PageAllocator | None:
@@ -252,11 +257,12 @@ class ModelRunner:
         """The expert slot cache (offload / hybrid), else None."""
         return self.state.slots
 
-    def use(self, experts: ExpertBackend, *, over_slots: bool = False) -> None:
+    def use(self, experts: ExpertBackend, *, over_slots: bool = False, balance: bool = True) -> None:
         """Runs later steps with `experts` (same slot geometry: a hybrid backend at another q, or
         offload over the same slots); the engine config follows (strategy, hybrid's q).
         `over_slots`: any backend may run over a state that has slots (a backend without them
-        leaves them as they are: a measurement; `switch_to_slotless` frees them for good)."""
+        leaves them as they are: a measurement; `switch_to_slotless` frees them for good).
+        `balance=False`: hybrid's q stays as given (a probe of that q)."""
         if experts.uses_slots != self.experts.uses_slots and not (over_slots and self.state.slots is not None):
             raise ValueError(f"{experts.strategy} and {self.experts.strategy} differ in whether they keep a slot cache")
         self.experts = experts
@@ -264,6 +270,26 @@ class ModelRunner:
         if experts.strategy is Strategy.HYBRID:
             ecfg = ecfg.replace(hybrid_q=float(experts.q))
         self.engine_config = ecfg
+        self._balance = self._balancer(experts) if balance else None
+
+    def _balancer(self, experts: ExpertBackend) -> QBalance | None:
+        """Hybrid's q controller (`runtime/balance.py`) where the config asks for one."""
+        if experts.strategy is Strategy.HYBRID and self.engine_config.hybrid_balance:
+            return QBalance(float(experts.q))
+        return None
+
+    def _rebalance(self) -> None:
+        """Every BALANCE_STEPS decode steps, moves hybrid's q (the step takes it as a traced
+        argument: no new executable)."""
+        if self._balance is None:
+            return
+        self._balance_steps += 1
+        if self._balance_steps % BALANCE_STEPS:
+            return
+        q = self._balance.observe(_cpu_ext.handoff_stats(False))
+        if q is not None:
+            self.experts = self.experts.with_q(q)
+            self.engine_config = self.engine_config.replace(hybrid_q=q)
 
     def switch_to_slotless(self, experts: ExpertBackend) -> None:
         """Runs later steps with `experts`, a backend without slots (cpu), and frees the slot cache:
@@ -310,12 +336,14 @@ class ModelRunner:
         top-p; returns the tokens [rows]."""
         tok, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
         self.logprobs = None
+        self._rebalance()
         return tok
 
     def decode_logits(self, batch: DecodeBatch) -> jax.Array:
         """The model half of a decode step (`StepSet`): the logits [rows, V], on the device. The
         next call must be `sample`, which leaves the step's `logprobs`."""
         logits, self.state = self.steps.decode_logits(self.weights, self.state, batch, self.experts)
+        self._rebalance()
         return logits
 
     def sample(self, logits, batch: DecodeBatch, mask_BW, logprobs: bool = False) -> jax.Array:
