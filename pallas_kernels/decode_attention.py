@@ -37,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import call_params
+
 BLOCK = 64  # entries a step of a program's loop reads
 SPAN = 512  # entries a program covers at most
 NUM_WARPS = 4
@@ -144,14 +146,6 @@ def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
         r["l"][rows] = l
 
 
-def _params(interpret: bool, num_warps: int) -> dict:
-    if interpret:
-        return {"interpret": True}
-    from jax.experimental.pallas import triton as pltriton
-
-    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps)}
-
-
 def limits(mask_BS) -> jax.Array:
     """Each row's entries up to its last unmasked one (0 for a row with none): [B] int32."""
     S = mask_BS.shape[1]
@@ -252,7 +246,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
         out_shape=list(outs.values()),
         input_output_aliases=aliases,
         name="decode_attention",
-        **_params(interpret, num_warps),
+        **call_params(interpret, num_warps),
     )(*ins.values())
     o, m, l = res[:3]
     if not direct:

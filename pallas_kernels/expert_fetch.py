@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels import call_params
+
 BLOCK_ELEMS = 8192
 NUM_WARPS = 4
 
@@ -96,11 +98,6 @@ def fetch_rows_many(banks, slots, src_N, dst_N, valid_N, *, interpret: bool = Fa
     block = block_size(min(rows), block_elems)
     chunks = sum(-(-R // block) for R in rows)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as pltriton
-
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=num_warps)
     return tuple(
         pl.pallas_call(
             functools.partial(_kernel, block=block, rows=rows),
@@ -109,8 +106,7 @@ def fetch_rows_many(banks, slots, src_N, dst_N, valid_N, *, interpret: bool = Fa
             out_specs=[any_spec] * K,
             out_shape=[jax.ShapeDtypeStruct(s.shape, s.dtype) for s in slots],
             input_output_aliases={3 + K + k: k for k in range(K)},
-            interpret=interpret,
             name="expert_fetch",
-            **params,
+            **call_params(interpret, num_warps),
         )(src_N.astype(jnp.int32), dst_N.astype(jnp.int32), valid_N.astype(jnp.int32), *banks, *slots)
     )

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from freetoken_jax.quant.formats import get_format, nibble_codec
+from pallas_kernels import call_params
 
 ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # config.ACTIVATIONS that lower to Triton (exact gelu's erfc does not)
 # On the H200 (benchmarks/bench_expert_kernels.py, 8 of 128 experts [768, 2048]): 4 rows a
@@ -104,14 +105,6 @@ def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, fmt: str, K: int, R: int, nb: 
     y_ref[t, rows] = acc.astype(y_ref.dtype)
 
 
-def _params(interpret: bool, num_warps: int) -> dict:
-    if interpret:
-        return {"interpret": True}
-    from jax.experimental.pallas import triton as pltriton
-
-    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps)}
-
-
 def check_shapes(F: int, D: int, block_rows: int) -> None:
     """Raises ValueError unless experts of FFN width F and hidden size D fit the kernels."""
     if F % 32 or D % 32:
@@ -145,7 +138,7 @@ def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D:
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((T * K, F), x_TD.dtype),
         name=f"{fmt}_gate_up",
-        **_params(interpret, num_warps),
+        **call_params(interpret, num_warps),
     )(ids, x_TD, gate_SR, up_SR)
     return pl.pallas_call(
         functools.partial(_down, fmt=fmt, K=K, R=R, nb=F // 32),
@@ -154,7 +147,7 @@ def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D:
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((T, D), x_TD.dtype),
         name=f"{fmt}_down",
-        **_params(interpret, num_warps),
+        **call_params(interpret, num_warps),
     )(ids, w_TK.reshape(-1).astype(jnp.float32), h, down_SR)
 
 
