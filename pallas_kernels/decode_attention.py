@@ -13,7 +13,7 @@ layer (the pages gathered into a copy, the scores' matmul, the softmax's max and
 the values' matmul); here one program per (row, kv head, span of `SPAN` entries) walks its
 entries in blocks of `BLOCK` with a running softmax (the G query heads of a kv head at once, as
 rows of a [Gp, hd] matmul padded to Gp ≥ 16 rows), reads each key and value once from the pages
-in place, and stops after the row's last unmasked entry (`limit_B`), so that a step's cost follows
+in place, and stops after the row's last unmasked entry (`limits`), so that a step's cost follows
 the positions it reads rather than the table's width. A table wider than one span gives each row
 several programs whose partial sums are combined in jnp.
 
@@ -179,11 +179,10 @@ def fresh_fits(head_dim: int, rope_dim: int) -> bool:
     return _pow2(head_dim) and head_dim >= 32 and rope_dim == head_dim
 
 
-def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, limit_B=None, fresh: Fresh | None = None,
+def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, fresh: Fresh | None = None,
               interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
     """[B, H, dv] in q's dtype (module docstring). k_pages [N, page, K, hd], v_pages [N, page, K,
-    dv]; table_BP int32 [B, P]; mask_BS bool [B, P·page]; `limit_B`: each row's entries to read
-    (`limits(mask_BS)` when None; a caller whose layers share a mask computes it once).
+    dv]; table_BP int32 [B, P]; mask_BS bool [B, P·page].
 
     With `fresh`, q_BHd is the query as its projection gives it and the kernel also norms and
     rotates it and this step's key, stores the key and value in the pages (the rows' entries there
@@ -202,8 +201,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     Gp = max(16, pl.next_power_of_2(G))
     NS = pl.cdiv(S, SPAN)
     direct = NS == 1
-    limit = limits(mask_BS) if limit_B is None else limit_B.astype(jnp.int32)
-    ins = dict(table=table_BP.astype(jnp.int32), mask=mask_BS.astype(jnp.int8), limit=limit, q=q_BHd.reshape(B * H, hd),
+    ins = dict(table=table_BP.astype(jnp.int32), mask=mask_BS.astype(jnp.int8), limit=limits(mask_BS), q=q_BHd.reshape(B * H, hd),
                k=k_pages.reshape(N * page * K, hd), v=v_pages.reshape(N * page * K, dv))  # fmt: skip
     if sinks_H is not None:
         ins["sinks"] = sinks_H.astype(jnp.float32)
@@ -230,8 +228,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
         for name, w in (("q_norm", fresh.q_norm), ("k_norm", fresh.k_norm)):
             if w is not None:
                 ins[name] = w
-        names = list(ins)
-        aliases = {names.index("k"): 3, names.index("v"): 4}
+        aliases = {list(ins).index("k"): 3, list(ins).index("v"): 4}  # the pages, written in place
         outs.update(k_out=jax.ShapeDtypeStruct(ins["k"].shape, k_pages.dtype), v_out=jax.ShapeDtypeStruct(ins["v"].shape, v_pages.dtype))
     names = list(ins) + list(outs)
     kernel = functools.partial(_kernel, names=names, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct,

@@ -31,8 +31,9 @@ from freetoken_jax.quant.formats import get_format, nibble_codec
 from pallas_kernels import call_params
 
 ACTS = ("silu", "gelu_tanh", "swiglu_oai")  # config.ACTIVATIONS that lower to Triton (exact gelu's erfc does not)
-# On the H200 (benchmarks/bench_expert_kernels.py, 8 of 128 experts [768, 2048]): 4 rows a
-# program and 4 warps 29.8 µs a layer, against 38.4 at 8 rows and 57.9 at 16 (XLA's fusion 36.9).
+# On the H200, 16 rows a program ran 1.5-3.9 × slower than 4 in benchmarks/bench_expert_kernels.py's
+# loop (whose iterations cost 20-40 µs of their own); inside the decode step the kernels at 4 rows
+# still lost to XLA's fusion (benchmarks/RESULTS.md).
 BLOCK_ROWS = 4
 NUM_WARPS = 4
 
