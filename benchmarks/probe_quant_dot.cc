@@ -2,7 +2,11 @@
 // on one core and on all, against a STREAM-like read, and the executor itself at batch 1.
 //
 //   g++ -O3 -std=c++17 -pthread -Icpu_ext/src benchmarks/probe_quant_dot.cc cpu_ext/src/cpu_features.cc \
-//       cpu_ext/src/moe_executor.cc -o /tmp/probe && /tmp/probe [threads [executor]]
+//       cpu_ext/src/moe_executor.cc -o /tmp/probe && /tmp/probe [threads [executor|jobs]]
+//
+// "jobs" (built with -DFREETOKEN_TRACE_PHASES): a decode job's fixed cost taken apart — the pool's
+// round trip for no-op tasks, then one token's k q4_0 experts a call with the time to phase 1,
+// phase 1, phase 2, the caller's sums, and the activations (summed over items).
 //
 // Kernel variants (the shipped one first) are defined here beside it; each is checked against the
 // shipped kernel's sums before it is timed.
@@ -119,8 +123,59 @@ static void FillQ4(std::vector<uint8_t>& buf, int64_t row_bytes, uint32_t seed) 
     }
 }
 
+#ifdef FREETOKEN_TRACE_PHASES
+int Jobs(int threads) {
+  const std::vector<int> counts = {threads, std::max(1, threads * 3 / 4), std::max(1, threads / 2)};
+  for (int nt : counts) {
+    ThreadPool pool(nt, false);
+    for (int64_t n : {int64_t{1}, int64_t{nt}, int64_t{4 * nt}}) {
+      std::atomic<int64_t> sink{0};
+      for (int w = 0; w < 100; ++w) pool.Run(n, [&](int64_t t) { sink += t; });
+      const auto t0 = Clock::now();
+      const int reps = 2000;
+      for (int r = 0; r < reps; ++r) pool.Run(n, [&](int64_t t) { sink += t; });
+      std::printf("pool %2d threads, %3lld no-op tasks: %.2f us a Run\n", nt, (long long)n, Seconds(t0) / reps * 1e6);
+    }
+  }
+  const int64_t H = 2048, F = 768, E = 512;
+  const BankType type = BankType::kQ4_0;
+  std::vector<uint8_t> gate(E * MatrixBytes(type, F, H)), up(gate.size()), down(E * MatrixBytes(type, H, F));
+  FillQ4(gate, RowBytes(type, H), 1), FillQ4(up, RowBytes(type, H), 2), FillQ4(down, RowBytes(type, F), 3);
+  Banks b{gate.data(), up.data(), down.data(), type, E, H, F, type};
+  std::vector<float> x(H, 0.01f), out(H);
+  std::printf("executor tier %s\n", TierName(SupportedTiers().back()));
+  std::printf("%7s %3s %8s %8s %8s %8s %8s %8s\n", "threads", "k", "us/call", "setup", "phase1", "phase2", "sums", "activ");
+  for (int nt : {threads, std::max(1, threads - 3), std::max(1, threads / 2)}) {
+    MoeExecutor exe(nt, SupportedTiers().back(), false);
+    for (int k : {1, 2, 3, 4, 8}) {
+      std::vector<int32_t> tok(k, 0), ex(k);
+      std::vector<float> w(k, 1.f / k);
+      double m[5] = {0, 0, 0, 0, 0};
+      const int calls = 300, warm = 30;
+      for (int c = 0; c < calls + warm; ++c) {
+        for (int j = 0; j < k; ++j) ex[j] = static_cast<int32_t>((c * k + j) % E);
+        if (c == warm) trace_activate_ns = 0;
+        const auto t0 = TraceClock::now();
+        exe.Run(x.data(), 1, tok.data(), ex.data(), w.data(), k, b, Act::kSilu, out.data());
+        const auto t1 = TraceClock::now();
+        if (c < warm) continue;
+        auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+        m[0] += us(t0, t1), m[1] += us(t0, trace_marks[1]), m[2] += us(trace_marks[1], trace_marks[2]);
+        m[3] += us(trace_marks[2], trace_marks[3]), m[4] += us(trace_marks[3], trace_marks[4]);
+      }
+      std::printf("%7d %3d %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f\n", nt, k, m[0] / calls, m[1] / calls, m[2] / calls, m[3] / calls,
+                  m[4] / calls, trace_activate_ns.load() / 1e3 / calls);
+    }
+  }
+  return 0;
+}
+#endif
+
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : static_cast<int>(std::thread::hardware_concurrency());
+#ifdef FREETOKEN_TRACE_PHASES
+  if (argc > 2 && std::string(argv[2]) == "jobs") return Jobs(threads);  // on the CPU's best tier
+#endif
   const IsaTier tier = IsaTier::kAvx512Bf16;
   bool ok = false;
   for (auto t : SupportedTiers()) ok |= t == tier;
@@ -130,6 +185,7 @@ int main(int argc, char** argv) {
   }
   const bool kernels = argc <= 2 || std::string(argv[2]) != "executor";  // "executor": the executor lines alone
   std::printf("threads %d\n", threads);
+
   for (int64_t n : kernels ? std::vector<int64_t>{2048, 768} : std::vector<int64_t>{})  {
     const int64_t nb = n / 32, rb = nb * 18, chunk = std::max<int64_t>(16, (32768 / rb + 3) / 4 * 4);
     std::vector<float> x(n);

@@ -20,6 +20,14 @@
 
 namespace freetoken {
 
+#ifdef FREETOKEN_TRACE_PHASES  // benchmarks/probe_quant_dot.cc: where a job's time goes
+TraceClock::time_point trace_marks[kTraceMarks];
+std::atomic<int64_t> trace_activate_ns{0};
+#define FT_MARK(i) (trace_marks[i] = TraceClock::now())
+#else
+#define FT_MARK(i) ((void)0)
+#endif
+
 // ---------------------------------------------------------------------------------------------
 // Thread pool
 
@@ -236,6 +244,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
                       const Banks& b, Act act, float* out) {
   if (items == 0) return;
   std::lock_guard<std::mutex> lock(run_mu_);
+  FT_MARK(0);
   const int64_t H = b.hidden, F = b.ffn;
   const BankType ty = b.type, dty = b.down_type;
   const int threads = pool_.size();
@@ -276,6 +285,9 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   // computed for a group's items by the thread that finishes the group's last run (no phase of
   // its own: one wait for every thread less per job).
   auto activate = [&](int64_t i) {
+#ifdef FREETOKEN_TRACE_PHASES
+    const auto from = TraceClock::now();
+#endif
     const int64_t e = expert_of[i];
     const float *g = gu.data() + 2 * i * F, *u = g + F;
     const float* bg = b.gate_bias ? b.gate_bias + e * F : nullptr;
@@ -283,10 +295,14 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     for (int64_t f = 0; f < F; ++f)
       hidden[i * F + f] = Activate(scale[3 * i] * g[f] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f] + (bu ? bu[f] : 0.f), act);
     if (ph) Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph);
+#ifdef FREETOKEN_TRACE_PHASES
+    trace_activate_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(TraceClock::now() - from).count();
+#endif
   };
   std::vector<std::atomic<int64_t>> left1(static_cast<size_t>(G));  // runs of each group not yet done
   for (auto& n : left1) n.store(0, std::memory_order_relaxed);
   for (const RowRun& run : runs1) left1[run.stream / 2].fetch_add(1, std::memory_order_relaxed);
+  FT_MARK(1);
   pool_.Run(static_cast<int64_t>(runs1.size()), [&](int64_t task) {
     const RowRun& run = runs1[task];
     const int64_t g = run.stream / 2, m = run.stream % 2;
@@ -315,6 +331,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   // (the sums of a few items' partials are added up on the calling thread: a phase of the pool
   // costs every thread a wait, more than adding a few rows of H)
   constexpr int64_t kPartialItems = 64, kAddRows = 256, kCallerAdds = 8;
+  FT_MARK(2);
   if (items <= kPartialItems) {
     std::vector<float> partial(static_cast<size_t>(items) * H);
     const std::vector<RowRun> runs2 = GuidedRuns(groups.size, H, frow, threads);
@@ -325,6 +342,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
         down_rows(i, run.r0, run.r1, partial.data() + i * H + run.r0);
       }
     });
+    FT_MARK(3);
     auto add_block = [&](int64_t task) {
       const int64_t h0 = task * kAddRows, h1 = std::min(H, h0 + kAddRows);
       for (int64_t i = 0; i < items; ++i) add_down(i, h0, h1, partial.data() + i * H + h0);
@@ -334,6 +352,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
       for (int64_t task = 0; task < blocks; ++task) add_block(task);
     else
       pool_.Run(blocks, add_block);
+    FT_MARK(4);
     return;
   }
   int64_t hchunk = std::min<int64_t>(kMaxChunk, std::max<int64_t>(16, (32768 / frow + 3) / 4 * 4));

@@ -29,6 +29,16 @@
 
 namespace freetoken {
 
+#ifdef FREETOKEN_TRACE_PHASES
+// Built with FREETOKEN_TRACE_PHASES (benchmarks/probe_quant_dot.cc only), a decode-sized job
+// records when it started (0), began phase 1 (1), ended it (2), ended phase 2 (3) and returned
+// (4), and the time its items' activations took in all.
+using TraceClock = std::chrono::steady_clock;
+inline constexpr int kTraceMarks = 5;
+extern TraceClock::time_point trace_marks[kTraceMarks];
+extern std::atomic<int64_t> trace_activate_ns;
+#endif
+
 // The activations the executor computes, in enum order, by the names the Python side uses
 // (freetoken_jax/config.py ACTIVATIONS; the module exports this table and a test checks the two).
 // The gated activations h(g, u) of gate and up: act(g) * u for the first three; "swiglu_oai" is
