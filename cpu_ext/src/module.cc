@@ -105,6 +105,27 @@ NB_MODULE(_cpu_ext, m) {
       "format_nbytes", [](const std::string& format, int64_t rows, int64_t n) { return MatrixBytes(ParseBankType(format.c_str()), rows, n); },
       nb::arg("format"), nb::arg("rows"), nb::arg("n"), "Bytes of one [rows, n] matrix in `format` (the executor's table).");
   m.def(
+      "prepare",
+      [](nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu> x, const std::string& format, const std::string& tier,
+         bool reference) {
+        const BankType type = ParseBankType(format.c_str());
+        const IsaTier t = ParseTier(tier);
+        const int64_t n = static_cast<int64_t>(x.shape(0));
+        const auto tiers = SupportedTiers();
+        if (std::find(tiers.begin(), tiers.end(), t) == tiers.end()) throw std::invalid_argument("this CPU lacks tier " + tier);
+        const int64_t bytes = PrepBytes(t, type, n);
+        if (reference && (bytes == 0 || bytes != n / 32 * 72))
+          throw std::invalid_argument("the reference prepares int8 blocks only: " + format + " at tier " + tier + " reads none");
+        std::string out(static_cast<size_t>(bytes), '\0');
+        uint8_t* p = reinterpret_cast<uint8_t*>(out.data());
+        if (reference) PrepareInt8Reference(type, x.data(), n, p);
+        else Prepare(t, type, x.data(), n, p);
+        return nb::bytes(out.data(), out.size());
+      },
+      nb::arg("x"), nb::arg("format"), nb::arg("tier"), nb::arg("reference") = false,
+      "What the executor's kernels of (format, tier) read beside x (empty where they read x alone); "
+      "`reference`: the int8 blocks by the scalar loop.");
+  m.def(
       "stream_read",
       [](nb::ndarray<nb::ro, nb::ndim<1>, nb::c_contig, nb::device::cpu> a, int threads) {
         // STREAM-like read: every 64-bit word summed, split across threads (the sum defeats

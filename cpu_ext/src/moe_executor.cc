@@ -192,6 +192,13 @@ MoeExecutor::MoeExecutor(int threads, IsaTier max_tier, bool pin) : pool_(thread
     if (static_cast<int>(t) <= static_cast<int>(max_tier)) tier_ = t;
 }
 
+// v's storage for n elements, grown where it is short (never shrunk, not cleared).
+template <class T>
+T* Grow(std::vector<T>& v, int64_t n) {
+  if (v.size() < static_cast<size_t>(n)) v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
 constexpr int64_t kMaxChunk = 128;  // rows a task of the many-items path reads of one matrix, at most
 
 namespace {
@@ -240,23 +247,32 @@ Groups ByExpert(const int32_t* expert_of, int64_t items) {
 
 }  // namespace
 
+void MoeExecutor::Scratch::Trim() {
+  const size_t bytes = xprep.capacity() + hprep.capacity() + 4 * (scale.capacity() + gu.capacity() + hidden.capacity() + partial.capacity());
+  if (bytes > kKeepBytes) *this = Scratch();
+}
+
 void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, const int32_t* expert_of, const float* weight_of, int64_t items,
                       const Banks& b, Act act, float* out) {
   if (items == 0) return;
   std::lock_guard<std::mutex> lock(run_mu_);
+  struct TrimAtEnd {
+    Scratch& s;
+    ~TrimAtEnd() { s.Trim(); }
+  } trim{scratch_};
   FT_MARK(0);
   const int64_t H = b.hidden, F = b.ffn;
   const BankType ty = b.type, dty = b.down_type;
   const int threads = pool_.size();
   // Vectors prepared once for kernels that read them (bf16 copies, int8 blocks: quant_dot.h).
   const int64_t px = PrepBytes(tier_, ty, H), ph = PrepBytes(tier_, dty, F);
-  std::vector<uint8_t> xprep(static_cast<size_t>(tokens * px)), hprep(static_cast<size_t>(items * ph));
-  auto prepare_x = [&](int64_t t) { Prepare(tier_, ty, x + t * H, H, xprep.data() + t * px); };
+  uint8_t *xprep = Grow(scratch_.xprep, tokens * px), *hprep = Grow(scratch_.hprep, items * ph);
+  auto prepare_x = [&](int64_t t) { Prepare(tier_, ty, x + t * H, H, xprep + t * px); };
   if (px && tokens >= 8) pool_.Run(tokens, prepare_x);  // a prompt's chunk: on every thread
   else if (px)
     for (int64_t t = 0; t < tokens; ++t) prepare_x(t);  // decode rows: not worth waking the pool
   // Per-item matrix scales (nvfp4; 1 otherwise).
-  std::vector<float> scale(3 * items);
+  float* scale = Grow(scratch_.scale, 3 * items);
   for (int64_t i = 0; i < items; ++i) {
     scale[3 * i] = MatrixScale(b.gate, ty, expert_of[i], F, H);
     scale[3 * i + 1] = MatrixScale(b.up, ty, expert_of[i], F, H);
@@ -277,7 +293,7 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   // one expert, dotted with every item routed to it (the rows read from memory once).
   const Groups groups = ByExpert(expert_of, items);
   const int64_t G = static_cast<int64_t>(groups.size.size());
-  std::vector<float> gu(static_cast<size_t>(items) * 2 * F), hidden(static_cast<size_t>(items) * F);
+  float *gu = Grow(scratch_.gu, items * 2 * F), *hidden = Grow(scratch_.hidden, items * F);
   std::vector<int64_t> weight1(2 * G);
   for (int64_t g = 0; g < 2 * G; ++g) weight1[g] = groups.size[g / 2];
   const std::vector<RowRun> runs1 = GuidedRuns(weight1, F, hrow, threads);
@@ -289,12 +305,12 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     const auto from = TraceClock::now();
 #endif
     const int64_t e = expert_of[i];
-    const float *g = gu.data() + 2 * i * F, *u = g + F;
+    const float *g = gu + 2 * i * F, *u = g + F;
     const float* bg = b.gate_bias ? b.gate_bias + e * F : nullptr;
     const float* bu = b.up_bias ? b.up_bias + e * F : nullptr;
     for (int64_t f = 0; f < F; ++f)
       hidden[i * F + f] = Activate(scale[3 * i] * g[f] + (bg ? bg[f] : 0.f), scale[3 * i + 1] * u[f] + (bu ? bu[f] : 0.f), act);
-    if (ph) Prepare(tier_, dty, hidden.data() + i * F, F, hprep.data() + i * ph);
+    if (ph) Prepare(tier_, dty, hidden + i * F, F, hprep + i * ph);
 #ifdef FREETOKEN_TRACE_PHASES
     trace_activate_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(TraceClock::now() - from).count();
 #endif
@@ -309,14 +325,14 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
     const uint8_t* rows = BankRow(m ? b.up : b.gate, ty, expert_of[groups.order[groups.begin[g]]], F, H, run.r0);
     for (int64_t k = groups.begin[g]; k < groups.begin[g + 1]; ++k) {
       const int64_t i = groups.order[k], t = token_of[i];
-      dots(ty, rows, hrow, run.r1 - run.r0, x + t * H, px ? xprep.data() + t * px : nullptr, H, gu.data() + (2 * i + m) * F + run.r0);
+      dots(ty, rows, hrow, run.r1 - run.r0, x + t * H, px ? xprep + t * px : nullptr, H, gu + (2 * i + m) * F + run.r0);
     }
     // acq_rel: the last run's thread sees every other run's rows of the group
     if (left1[g].fetch_sub(1, std::memory_order_acq_rel) == 1)
       for (int64_t k = groups.begin[g]; k < groups.begin[g + 1]; ++k) activate(groups.order[k]);
   });
   auto down_rows = [&](int64_t i, int64_t h0, int64_t h1, float* d) {
-    dots(dty, BankRow(b.down, dty, expert_of[i], H, F, h0), frow, h1 - h0, hidden.data() + i * F, ph ? hprep.data() + i * ph : nullptr, F, d);
+    dots(dty, BankRow(b.down, dty, expert_of[i], H, F, h0), frow, h1 - h0, hidden + i * F, ph ? hprep + i * ph : nullptr, F, d);
   };
   auto add_down = [&](int64_t i, int64_t h0, int64_t h1, const float* d) {  // out[t, h0:h1] += w_i * (d + bd)
     const int64_t e = expert_of[i], t = token_of[i];
@@ -333,19 +349,19 @@ void MoeExecutor::Run(const float* x, int64_t tokens, const int32_t* token_of, c
   constexpr int64_t kPartialItems = 64, kAddRows = 256, kCallerAdds = 8;
   FT_MARK(2);
   if (items <= kPartialItems) {
-    std::vector<float> partial(static_cast<size_t>(items) * H);
+    float* partial = Grow(scratch_.partial, items * H);
     const std::vector<RowRun> runs2 = GuidedRuns(groups.size, H, frow, threads);
     pool_.Run(static_cast<int64_t>(runs2.size()), [&](int64_t task) {
       const RowRun& run = runs2[task];
       for (int64_t k = groups.begin[run.stream]; k < groups.begin[run.stream + 1]; ++k) {
         const int64_t i = groups.order[k];
-        down_rows(i, run.r0, run.r1, partial.data() + i * H + run.r0);
+        down_rows(i, run.r0, run.r1, partial + i * H + run.r0);
       }
     });
     FT_MARK(3);
     auto add_block = [&](int64_t task) {
       const int64_t h0 = task * kAddRows, h1 = std::min(H, h0 + kAddRows);
-      for (int64_t i = 0; i < items; ++i) add_down(i, h0, h1, partial.data() + i * H + h0);
+      for (int64_t i = 0; i < items; ++i) add_down(i, h0, h1, partial + i * H + h0);
     };
     const int64_t blocks = (H + kAddRows - 1) / kAddRows;
     if (items <= kCallerAdds)

@@ -114,6 +114,15 @@ class MoeExecutor {
   IsaTier tier_;
   ThreadPool pool_;
   std::mutex run_mu_;  // one Run at a time: the pool serves one caller
+  // What a job works in, kept from job to job (under run_mu_) up to kKeepBytes: a decode job
+  // allocates none of it, so its pages are not handed back to the system and faulted in again on
+  // every call; a prompt chunk's (up to hundreds of MB) is released when its job ends.
+  struct Scratch {
+    static constexpr size_t kKeepBytes = size_t{8} << 20;
+    std::vector<uint8_t> xprep, hprep;
+    std::vector<float> scale, gu, hidden, partial;
+    void Trim();
+  } scratch_;
 };
 
 }  // namespace freetoken
