@@ -4,6 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
+# (decode: the strategies STRATS lists, all four by default)
 # lcpp-build|lcpp|ik-build|ik|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
@@ -23,7 +24,7 @@ for what in "$@"; do
   case $what in
     check) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_0 2>&1 | tail -8 ;;
     bw) $B bw --json "$OUT/bw.json" 2>&1 | tail -40 ;;
-    decode) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid cpu offload fused --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
+    decode) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${STRATS:-hybrid cpu offload fused} --compile-workers 3 --json "$OUT/q4_decode.json" 2>&1 | grep -v "it/s\]" | tail -25 ;;
     # prefill: uniform routing as the kit's GGUF routes (the rows set beside llama.cpp), and Zipf 1 as a trained router skews
     prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
                --routing-skew 0 1 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;

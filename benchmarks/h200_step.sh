@@ -57,7 +57,7 @@ for what in "$@"; do
       done ;;
     attn) for impl in ${ATTN:-fused kernel xla}; do
         FREETOKEN_DECODE_ATTENTION=$impl timeout 170 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 \
-          --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --q ${Q:-0.45} --compile-workers 2 \
+          --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid fused --q ${Q:-0.45} --compile-workers 2 \
           --json "$OUT/dec_attn_$impl.json" > "$OUT/dec_attn_$impl.log" 2>&1
         echo "== FREETOKEN_DECODE_ATTENTION=$impl rc=$?"; grep -v "it/s\]" "$OUT/dec_attn_$impl.log" | tail -3
       done ;;
