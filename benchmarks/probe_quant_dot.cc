@@ -2,15 +2,21 @@
 // on one core and on all, against a STREAM-like read, and the executor itself at batch 1.
 //
 //   g++ -O3 -std=c++17 -pthread -Icpu_ext/src benchmarks/probe_quant_dot.cc cpu_ext/src/cpu_features.cc \
-//       cpu_ext/src/moe_executor.cc -o /tmp/probe && /tmp/probe [threads [executor|jobs]]
+//       cpu_ext/src/moe_executor.cc -o /tmp/probe -ldl && /tmp/probe [threads [executor|jobs]]
 //
-// "jobs" (built with -DFREETOKEN_TRACE_PHASES): a decode job's fixed cost taken apart — the pool's
-// round trip for no-op tasks, then one token's k q4_0 experts a call with the time to phase 1,
-// phase 1, phase 2, the caller's sums, and the activations (summed over items).
+// "jobs" (built with -DFREETOKEN_TRACE_PHASES): a decode job's fixed cost taken apart —
+// the pool's round trip for no-op tasks, then one token's k q4_0 experts a call with the time to
+// phase 1, phase 1, phase 2, the caller's sums, and the activations (summed over items), with the
+// banks in 4 KB pages, transparent huge pages and CUDA's pinned memory.
 //
 // Kernel variants (the shipped one first) are defined here beside it; each is checked against the
 // shipped kernel's sums before it is timed.
+#include <dlfcn.h>
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cstring>
+#include <string>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -113,15 +119,16 @@ const Variant kVariants[] = {
 static double Seconds(Clock::time_point a) { return std::chrono::duration<double>(Clock::now() - a).count(); }
 
 // Random q4_0 rows with sane f16 scales (no subnormals, no NaN).
-static void FillQ4(std::vector<uint8_t>& buf, int64_t row_bytes, uint32_t seed) {
+static void FillQ4(uint8_t* buf, size_t size, int64_t row_bytes, uint32_t seed) {
   std::mt19937 g(seed);
-  for (size_t i = 0; i < buf.size(); ++i) buf[i] = static_cast<uint8_t>(g());
-  for (size_t o = 0; o + row_bytes <= buf.size(); o += row_bytes)
+  for (size_t i = 0; i < size; ++i) buf[i] = static_cast<uint8_t>(g());
+  for (size_t o = 0; o + row_bytes <= size; o += row_bytes)
     for (int64_t b = 0; b < row_bytes / 18; ++b) {
       const uint16_t h = 0x2000 + (g() & 0x3ff);  // ≈ 0.0078 .. 0.0156
       std::memcpy(&buf[o + b * 18], &h, 2);
     }
 }
+static void FillQ4(std::vector<uint8_t>& buf, int64_t row_bytes, uint32_t seed) { FillQ4(buf.data(), buf.size(), row_bytes, seed); }
 
 #ifdef FREETOKEN_TRACE_PHASES
 int Jobs(int threads) {
@@ -137,35 +144,85 @@ int Jobs(int threads) {
       std::printf("pool %2d threads, %3lld no-op tasks: %.2f us a Run\n", nt, (long long)n, Seconds(t0) / reps * 1e6);
     }
   }
+  // The banks in three kinds of host memory: 4 KB pages (madvise NOHUGEPAGE), transparent huge
+  // pages (madvise HUGEPAGE), and CUDA's pinned memory (cuMemHostAlloc, as XLA's pinned_host
+  // banks are allocated) where libcuda loads; each kind's AnonHugePages share from smaps.
   const int64_t H = 2048, F = 768, E = 512;
   const BankType type = BankType::kQ4_0;
-  std::vector<uint8_t> gate(E * MatrixBytes(type, F, H)), up(gate.size()), down(E * MatrixBytes(type, H, F));
-  FillQ4(gate, RowBytes(type, H), 1), FillQ4(up, RowBytes(type, H), 2), FillQ4(down, RowBytes(type, F), 3);
-  Banks b{gate.data(), up.data(), down.data(), type, E, H, F, type};
-  std::vector<float> x(H, 0.01f), out(H);
+  const size_t gu_bytes = E * MatrixBytes(type, F, H), d_bytes = E * MatrixBytes(type, H, F), total = 2 * gu_bytes + d_bytes;
+  std::printf("transparent_hugepage: ");
+  if (FILE* f = std::fopen("/sys/kernel/mm/transparent_hugepage/enabled", "r")) {
+    char line[256] = {0};
+    if (std::fgets(line, sizeof line, f)) std::printf("%s", line);
+    std::fclose(f);
+  }
   std::printf("executor tier %s\n", TierName(SupportedTiers().back()));
-  std::printf("%7s %3s %8s %8s %8s %8s %8s %8s\n", "threads", "k", "us/call", "setup", "phase1", "phase2", "sums", "activ");
-  for (int nt : {threads, std::max(1, threads - 3), std::max(1, threads / 2)}) {
-    MoeExecutor exe(nt, SupportedTiers().back(), false);
-    for (int k : {1, 2, 3, 4, 8}) {
-      std::vector<int32_t> tok(k, 0), ex(k);
-      std::vector<float> w(k, 1.f / k);
-      double m[5] = {0, 0, 0, 0, 0};
-      const int calls = 300, warm = 30;
-      for (int c = 0; c < calls + warm; ++c) {
-        for (int j = 0; j < k; ++j) ex[j] = static_cast<int32_t>((c * k + j) % E);
-        if (c == warm) trace_activate_ns = 0;
-        const auto t0 = TraceClock::now();
-        exe.Run(x.data(), 1, tok.data(), ex.data(), w.data(), k, b, Act::kSilu, out.data());
-        const auto t1 = TraceClock::now();
-        if (c < warm) continue;
-        auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
-        m[0] += us(t0, t1), m[1] += us(t0, trace_marks[1]), m[2] += us(trace_marks[1], trace_marks[2]);
-        m[3] += us(trace_marks[2], trace_marks[3]), m[4] += us(trace_marks[3], trace_marks[4]);
+  for (const char* kind : {"4k", "thp", "cuda"}) {
+    uint8_t* base = nullptr;
+    if (std::string(kind) == "cuda") {
+      void* lib = dlopen("libcuda.so.1", RTLD_NOW);
+      if (!lib) { std::printf("cuda: libcuda.so.1 not loaded\n"); continue; }
+      auto init = reinterpret_cast<int (*)(unsigned)>(dlsym(lib, "cuInit"));
+      auto dev_get = reinterpret_cast<int (*)(int*, int)>(dlsym(lib, "cuDeviceGet"));
+      auto retain = reinterpret_cast<int (*)(void**, int)>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
+      auto set_ctx = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuCtxSetCurrent"));
+      auto host_alloc = reinterpret_cast<int (*)(void**, size_t, unsigned)>(dlsym(lib, "cuMemHostAlloc"));
+      int dev = 0;
+      void* ctx = nullptr;
+      void* p = nullptr;
+      if (!init || init(0) || dev_get(&dev, 0) || retain(&ctx, dev) || set_ctx(ctx) || host_alloc(&p, total, 0)) {
+        std::printf("cuda: cuMemHostAlloc failed\n");
+        continue;
       }
-      std::printf("%7d %3d %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f\n", nt, k, m[0] / calls, m[1] / calls, m[2] / calls, m[3] / calls,
-                  m[4] / calls, trace_activate_ns.load() / 1e3 / calls);
+      base = static_cast<uint8_t*>(p);
+    } else {
+      void* p = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) { std::printf("%s: mmap failed\n", kind); continue; }
+      madvise(p, total, std::string(kind) == "thp" ? MADV_HUGEPAGE : MADV_NOHUGEPAGE);
+      base = static_cast<uint8_t*>(p);
     }
+    uint8_t *gate = base, *up = base + gu_bytes, *down = base + 2 * gu_bytes;
+    FillQ4(gate, gu_bytes, RowBytes(type, H), 1), FillQ4(up, gu_bytes, RowBytes(type, H), 2), FillQ4(down, d_bytes, RowBytes(type, F), 3);
+    long huge_kb = 0;  // AnonHugePages of the mapping that holds the banks
+    if (FILE* f = std::fopen("/proc/self/smaps", "r")) {
+      char line[512];
+      bool in = false;
+      while (std::fgets(line, sizeof line, f)) {
+        unsigned long lo, hi;
+        if (std::sscanf(line, "%lx-%lx", &lo, &hi) == 2 && std::strchr(line, ' ') && std::strchr(line, '-') < std::strchr(line, ' '))
+          in = reinterpret_cast<uintptr_t>(base) >= lo && reinterpret_cast<uintptr_t>(base) < hi;
+        long kb;
+        if (in && std::sscanf(line, "AnonHugePages: %ld kB", &kb) == 1) huge_kb += kb;
+      }
+      std::fclose(f);
+    }
+    std::printf("\n%s pages: banks %.2f GB, %.0f%% in huge pages\n", kind, total / 1e9, 100.0 * huge_kb * 1024 / total);
+    Banks b{gate, up, down, type, E, H, F, type};
+    std::vector<float> x(H, 0.01f), out(H);
+    std::printf("%7s %3s %8s %8s %8s %8s %8s %8s\n", "threads", "k", "us/call", "setup", "phase1", "phase2", "sums", "activ");
+    for (int nt : {threads, std::max(1, threads - 3)}) {
+      MoeExecutor exe(nt, SupportedTiers().back(), false);
+      for (int k : {1, 3, 8}) {
+        std::vector<int32_t> tok(k, 0), ex(k);
+        std::vector<float> w(k, 1.f / k);
+        double m[5] = {0, 0, 0, 0, 0};
+        const int calls = 300, warm = 30;
+        for (int c = 0; c < calls + warm; ++c) {
+          for (int j = 0; j < k; ++j) ex[j] = static_cast<int32_t>((c * k + j) % E);
+          if (c == warm) trace_activate_ns = 0;
+          const auto t0 = TraceClock::now();
+          exe.Run(x.data(), 1, tok.data(), ex.data(), w.data(), k, b, Act::kSilu, out.data());
+          const auto t1 = TraceClock::now();
+          if (c < warm) continue;
+          auto us = [](auto a, auto b) { return std::chrono::duration<double, std::micro>(b - a).count(); };
+          m[0] += us(t0, t1), m[1] += us(t0, trace_marks[1]), m[2] += us(trace_marks[1], trace_marks[2]);
+          m[3] += us(trace_marks[2], trace_marks[3]), m[4] += us(trace_marks[3], trace_marks[4]);
+        }
+        std::printf("%7d %3d %8.1f %8.1f %8.1f %8.1f %8.1f %8.1f\n", nt, k, m[0] / calls, m[1] / calls, m[2] / calls, m[3] / calls,
+                    m[4] / calls, trace_activate_ns.load() / 1e3 / calls);
+      }
+    }
+    if (std::string(kind) != "cuda") munmap(base, total);  // (the pinned one stays: the process ends soon)
   }
   return 0;
 }
