@@ -36,7 +36,8 @@ def sched(demo_scheduler):
 
 def test_grow_and_shrink_keep_outputs(sched):
     want = outputs(sched)
-    for slots, pages in ((20, 40), (4, 12), (6, None), (None, 9)):
+    # (slots alone: tests/runtime/test_compile.py resizes a warmed-up server's slots)
+    for slots, pages in ((20, 40), (4, 12), (None, 9)):
         st = sched.rebuild_cache(slots, pages)
         if slots is not None:
             assert st["expert_slots"] == slots and sched.engine.runner.slots.num_slots == slots
