@@ -60,7 +60,9 @@ def test_strategies_agree_on_quantized_experts(family, fmt, ckpt_root, monkeypat
         if strategy == "hybrid":
             m = eng.get_metrics()
             assert m["experts_on_cpu"] > 0 and m["experts_fetched"] > 0
-    if vnni:  # the default tier: logits within the int8 rounding (5.4e-3 measured on q4_0)
+    # the default tier, int8 activations end to end on one format (each format's int8 kernels
+    # against the dequantized reference: tests/runtime/test_cpu_executor_formats.py)
+    if vnni and fmt == "q4_0":  # logits within the int8 rounding (5.4e-3 measured)
         monkeypatch.delenv("FREETOKEN_CPU_TIER")
         eng = engine(family, path, moe_strategy="cpu", expert_format=fmt)
         got = np.asarray(eng.logits(PROMPTS[0]))
