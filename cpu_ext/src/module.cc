@@ -113,10 +113,9 @@ NB_MODULE(_cpu_ext, m) {
         const int64_t n = static_cast<int64_t>(x.shape(0));
         const auto tiers = SupportedTiers();
         if (std::find(tiers.begin(), tiers.end(), t) == tiers.end()) throw std::invalid_argument("this CPU lacks tier " + tier);
-        const int64_t bytes = PrepBytes(t, type, n);
-        if (reference && (bytes == 0 || bytes != n / 32 * 72))
+        if (reference && !PreparesInt8(t, type))
           throw std::invalid_argument("the reference prepares int8 blocks only: " + format + " at tier " + tier + " reads none");
-        std::string out(static_cast<size_t>(bytes), '\0');
+        std::string out(static_cast<size_t>(PrepBytes(t, type, n)), '\0');
         uint8_t* p = reinterpret_cast<uint8_t*>(out.data());
         if (reference) PrepareInt8Reference(type, x.data(), n, p);
         else Prepare(t, type, x.data(), n, p);

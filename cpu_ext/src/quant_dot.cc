@@ -913,6 +913,15 @@ int64_t PrepBytes(IsaTier tier, BankType type, int64_t n) {
   return 0;
 }
 
+bool PreparesInt8(IsaTier tier, BankType type) {
+#ifdef FREETOKEN_X86
+  return UsesInt8(tier, type);
+#else
+  (void)tier, (void)type;
+  return false;
+#endif
+}
+
 void PrepareInt8Reference(BankType type, const float* x, int64_t n, uint8_t* out) {
   PrepareQ8Scalar(x, n, out, VnniOffset(type), type == BankType::kNvfp4);
 }

@@ -55,6 +55,8 @@ DotRowsFn DotRowsFor(IsaTier tier, BankType type);
 // kernel reads x alone.
 int64_t PrepBytes(IsaTier tier, BankType type, int64_t n);
 void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* out);
+// Whether Prepare makes int8 blocks for (tier, type): the kernels of the tier read them.
+bool PreparesInt8(IsaTier tier, BankType type);
 // The int8 blocks Prepare makes (VnniPrepBytes: codes, lane sums, scales), by the scalar loop
 // that its vector code is checked against.
 void PrepareInt8Reference(BankType type, const float* x, int64_t n, uint8_t* out);
