@@ -15,11 +15,10 @@
 #include <sys/mman.h>
 
 #include <algorithm>
-#include <cstring>
-#include <string>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <thread>
 #include <vector>
@@ -189,7 +188,7 @@ int Jobs(int threads) {
       bool in = false;
       while (std::fgets(line, sizeof line, f)) {
         unsigned long lo, hi;
-        if (std::sscanf(line, "%lx-%lx", &lo, &hi) == 2 && std::strchr(line, ' ') && std::strchr(line, '-') < std::strchr(line, ' '))
+        if (std::sscanf(line, "%lx-%lx", &lo, &hi) == 2)  // a mapping's first line (no field line parses so)
           in = reinterpret_cast<uintptr_t>(base) >= lo && reinterpret_cast<uintptr_t>(base) < hi;
         long kb;
         if (in && std::sscanf(line, "AnonHugePages: %ld kB", &kb) == 1) huge_kb += kb;
@@ -242,7 +241,6 @@ int main(int argc, char** argv) {
   }
   const bool kernels = argc <= 2 || std::string(argv[2]) != "executor";  // "executor": the executor lines alone
   std::printf("threads %d\n", threads);
-
   for (int64_t n : kernels ? std::vector<int64_t>{2048, 768} : std::vector<int64_t>{})  {
     const int64_t nb = n / 32, rb = nb * 18, chunk = std::max<int64_t>(16, (32768 / rb + 3) / 4 * 4);
     std::vector<float> x(n);
