@@ -335,22 +335,24 @@ AVX2_TARGET float DotNvfp4Avx2(const uint8_t* r, const float* x, const void*, in
   return Hsum256(acc);
 }
 
-// 8 e4m3 codes → float32 / 256, through float16 (exact, subnormals included).
-AVX2_TARGET inline __m256 E4m3x8(const uint8_t* q) {
-  const __m128i c = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
-  const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x7F)), 7), _mm_slli_epi16(_mm_and_si128(c, _mm_set1_epi16(0x80)), 8));
-  return _mm256_cvtph_ps(h);
-}
+// e4m3 codes, zero-extended to 16-bit lanes → the float16 of their value / 256 (exact, subnormals
+// included): magnitude bits to 7..13 and the sign to 15, by (c << 8) >> 1 (arithmetic) less bit 14.
+#define E4M3_TO_F16(op, w) op##_and_si##w(op##_srai_epi16(op##_slli_epi16(c, 8), 1), op##_set1_epi16(static_cast<short>(0xBFFF)))
 
 AVX2_TARGET float DotFp8Avx2(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   float tail = 0.f;
   for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
     const int64_t m = n - i0 < 128 ? n - i0 : 128;
-    __m256 s = _mm256_setzero_ps();
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t j = 0;
-    for (; j + 8 <= m; j += 8) s = _mm256_fmadd_ps(E4m3x8(r + 4 + j), _mm256_loadu_ps(x + i0 + j), s);
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(LoadF32(r) * 256.f), s, acc);
+    for (; j + 16 <= m; j += 16) {  // 16 codes a step, two chains
+      const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 4 + j)));
+      const __m256i h = E4M3_TO_F16(_mm256, 256);
+      s0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), _mm256_loadu_ps(x + i0 + j), s0);
+      s1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), _mm256_loadu_ps(x + i0 + j + 8), s1);
+    }
+    acc = _mm256_fmadd_ps(_mm256_set1_ps(LoadF32(r) * 256.f), _mm256_add_ps(s0, s1), acc);
     for (; j < m; ++j) tail += LoadF32(r) * kE4m3.v[r[4 + j]] * x[i0 + j];
   }
   return Hsum256(acc) + tail;
@@ -445,22 +447,20 @@ AVX512_TARGET float DotNvfp4Avx512(const uint8_t* r, const float* x, const void*
   return _mm512_reduce_add_ps(acc);
 }
 
-AVX512_TARGET inline __m512 E4m3x16(const uint8_t* q) {
-  const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  const __m512i h = _mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 7),
-                                    _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 8));
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(h));
-}
-
-AVX512_TARGET float DotFp8Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
+__attribute__((target("avx512f,avx512bw,fma,f16c"))) float DotFp8Avx512(const uint8_t* r, const float* x, const void*, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   float tail = 0.f;
   for (int64_t i0 = 0; i0 < n; i0 += 128, r += 132) {
     const int64_t m = n - i0 < 128 ? n - i0 : 128;
-    __m512 s = _mm512_setzero_ps();
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
     int64_t j = 0;
-    for (; j + 16 <= m; j += 16) s = _mm512_fmadd_ps(E4m3x16(r + 4 + j), _mm512_loadu_ps(x + i0 + j), s);
-    acc = _mm512_fmadd_ps(_mm512_set1_ps(LoadF32(r) * 256.f), s, acc);
+    for (; j + 32 <= m; j += 32) {  // 32 codes a step, two chains
+      const __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + 4 + j)));
+      const __m512i h = E4M3_TO_F16(_mm512, 512);
+      s0 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), _mm512_loadu_ps(x + i0 + j), s0);
+      s1 = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), _mm512_loadu_ps(x + i0 + j + 16), s1);
+    }
+    acc = _mm512_fmadd_ps(_mm512_set1_ps(LoadF32(r) * 256.f), _mm512_add_ps(s0, s1), acc);
     for (; j < m; ++j) tail += LoadF32(r) * kE4m3.v[r[4 + j]] * x[i0 + j];
   }
   return _mm512_reduce_add_ps(acc) + tail;

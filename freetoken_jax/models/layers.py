@@ -22,7 +22,7 @@ from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import decode_attention, gathered_experts
+from pallas_kernels import decode_attention, gathered_experts, route_topk
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -355,8 +355,29 @@ class Router(nnx.Module):
         return route(cfg, logits_TE, bias)
 
 
+ROUTER_KERNEL_ROWS = 64  # "auto" takes the router kernel for steps of up to this many rows (decode)
+
+
+def router_kernel(cfg: MoEModelConfig, T: int) -> str:
+    """How a step of T rows chooses its experts (FREETOKEN_ROUTER): "xla" — the softmax or
+    sigmoid, `lax.top_k` and the gather as XLA compiles them, four kernels a layer; "kernel" —
+    `pallas_kernels/route_topk.py`, one kernel, for greedy routers; "auto" (unset) — the kernel on
+    a GPU for steps of up to `ROUTER_KERNEL_ROWS` rows, else "xla"."""
+    how = os.environ.get("FREETOKEN_ROUTER", "auto")
+    if how not in ("auto", "xla", "kernel"):
+        raise ValueError(f"FREETOKEN_ROUTER={how!r}: use auto, xla or kernel")
+    if cfg.topk_method != "greedy" or how == "xla":
+        return "xla"
+    if how == "auto":
+        return "kernel" if jax.default_backend() == "gpu" and T <= ROUTER_KERNEL_ROWS else "xla"
+    return "kernel"
+
+
 def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = None):
     T, E = logits_TE.shape
+    if router_kernel(cfg, T) == "kernel":
+        return route_topk.route(logits_TE, cfg.top_k, scoring=cfg.router_scoring, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
+                                bias_E=bias_E, interpret=jax.default_backend() == "cpu")  # fmt: skip
     scores = jax.nn.sigmoid(logits_TE) if cfg.router_scoring == "sigmoid" else jax.nn.softmax(logits_TE, axis=-1)
     choice = scores if bias_E is None else scores + bias_E
     if cfg.topk_method != "greedy":
