@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
-# lcpp-build|lcpp|ik-build|ik|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -55,6 +55,12 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
     # ≈ 11-14 min on 16 cores: two or three calls back to back (ninja resumes). Not packed: its libraries come to
     # 196 MB as xz, over the 64 MiB a call returns or carries, so every lease that runs `ik` builds it.
     ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;
+    # ik-bg: the same build in its own process session, which outlives the call (the lease's later calls go on
+    # meanwhile: measure nothing on the CPU until it ends); ik-wait: waits up to WAIT_S seconds for it to end
+    ik-bg) (BUILD_S=${BUILD_S:-1500} setsid nohup bash .llamacpp/device_build_ik.sh > /tmp/ik-bg.log 2>&1 < /dev/null &)
+      echo "ik_llama.cpp build started in the background (/tmp/ik-bg.log)" ;;
+    ik-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q build_rc /tmp/ik-bg.log 2> /dev/null && break; sleep 1; done
+      tail -2 /tmp/ik-bg.log; tail -3 /tmp/ik-build.log ;;
     ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
