@@ -17,12 +17,14 @@ matrix), down as [D·F], or for a quantized expert format the matrix's bytes (ui
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.quant.layout import ExpertLayout, slot_row_sizes
+from pallas_kernels import route_topk
 
 _NEVER = jnp.iinfo(jnp.int32).max
 
@@ -147,6 +149,23 @@ class LayerStats:
     valid: jax.Array  # bool [N]
 
 
+def victim_kernel(n: int) -> bool:
+    """Whether a layer chooses its n victims by `pallas_kernels/route_topk.top_k` (one kernel)
+    rather than `lax.top_k`, which XLA compiles as a sort of every slot: FREETOKEN_VICTIM_TOPK=
+    "kernel" (for n up to its `TOP_K_MAX`); "xla" (the default)."""
+    how = os.environ.get("FREETOKEN_VICTIM_TOPK", "xla")
+    if how not in ("xla", "kernel"):
+        raise ValueError(f"FREETOKEN_VICTIM_TOPK={how!r}: use xla or kernel")
+    return how == "kernel" and n <= route_topk.TOP_K_MAX
+
+
+def _least_recent(last_use_S: jax.Array, n: int) -> jax.Array:
+    """The slots of the n smallest `last_use_S`, smallest first (ties: the lower slot)."""
+    if victim_kernel(n):
+        return route_topk.top_k(-last_use_S[None], n, interpret=jax.default_backend() == "cpu")[1][0]
+    return jax.lax.top_k(-last_use_S, n)[1]
+
+
 def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int):
     """Chooses least-recently-used victims for the fetched misses among the slots this layer does
     not need and updates the maps and clocks. Returns the new cache, each entry's slot [T, k] (0
@@ -160,7 +179,7 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
     in_use = jnp.any((slot[None, :] == s_S1) & (valid & resident)[None, :], axis=1)
     # Victims: the N least recently used slots not in use (empty slots first; ties by index).
-    _, order = jax.lax.top_k(-jnp.where(in_use, _NEVER, c.last_use), N)
+    order = _least_recent(jnp.where(in_use, _NEVER, c.last_use), N)
     rank = jnp.clip(jnp.cumsum(miss) - 1, 0, N - 1)
     victim = jnp.where(miss, order[rank], S)  # S: out of range, dropped
     evicted = jnp.where(miss, c.id_of_slot[jnp.clip(victim, 0, S - 1)], -1)

@@ -1,6 +1,7 @@
-"""The router's top-k kernel (interpret mode on the CPU backend, Triton on a GPU) against its jnp
-reference and float64 over shapes, scorings and options; its lowering to one Triton call; and
-how the models choose it."""
+"""The top-k kernels (interpret mode on the CPU backend, Triton on a GPU): the router's against its
+jnp reference and float64 over shapes, scorings and options, `top_k` against `lax.top_k` over
+shapes, dtypes and ties; their lowering to one Triton call each; and how the models choose the
+router's (the slot cache's victims by `top_k`: tests/runtime/test_hybrid.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from jax import export
 
-from pallas_kernels.route_topk import route, route_ref
+from pallas_kernels.route_topk import route, route_ref, top_k, top_k_ref
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -63,11 +64,33 @@ def test_ties_go_to_the_lower_index():
     np.testing.assert_allclose(np.asarray(w)[1], 0.25, rtol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "T,N,k,dtype", [(1, 847, 8, "int32"), (3, 8, 8, "int32"), (2, 1000, 16, "float32"), (1, 33, 5, "int32"), (4, 2048, 1, "float32")]
+)
+def test_top_k_matches_lax(T, N, k, dtype):
+    """Values and indices equal `lax.top_k`'s, ties (many: values from a short range) to the lower
+    index; the extremes of int32 (the slot cache's "never" and "in use") included."""
+    rng = np.random.default_rng(N + k)
+    if dtype == "int32":
+        x = rng.integers(-6, 6, (T, N)).astype(np.int32)
+        x[:, rng.integers(0, N, 3)] = np.iinfo(np.int32).max
+        x[:, rng.integers(0, N, 3)] = -np.iinfo(np.int32).max
+    else:
+        x = np.round(rng.standard_normal((T, N)), 1).astype(np.float32)
+    vals, ids = top_k(jnp.asarray(x), k, interpret=INTERPRET)
+    rvals, rids = top_k_ref(jnp.asarray(x), k)
+    assert vals.dtype == x.dtype and ids.dtype == jnp.int32 and ids.shape == (T, k)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(rids))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(rvals))
+
+
 def test_bad_arguments_raise():
     x = jnp.zeros((2, 8), jnp.float32)
     for kw, msg in [(dict(k=9), "top-9"), (dict(k=2, scoring="relu"), "scoring"), (dict(k=2, bias_E=jnp.zeros(7)), "bias")]:
         with pytest.raises(ValueError, match=msg):
             route(x, interpret=True, **kw)
+    with pytest.raises(ValueError, match="at most 16"):
+        top_k(jnp.zeros((1, 64)), 17, interpret=True)
 
 
 def test_lowers_to_one_triton_call():
@@ -78,6 +101,11 @@ def test_lowers_to_one_triton_call():
     )(jax.ShapeDtypeStruct((4, 128), jnp.float32))
     text = exp.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "route_topk" in text
+    exp = export.export(
+        jax.jit(lambda x: top_k(x, 8)), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    )(jax.ShapeDtypeStruct((1, 847), jnp.int32))
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "top_k" in text and "sort" not in text
 
 
 @pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe_norm", "gpt_oss"])

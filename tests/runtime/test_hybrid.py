@@ -2,6 +2,7 @@
 routed first) and the rest are computed by the CPU executor; tokens equal fused for any q*, with
 either CPU handoff (pure_callback or the split FFI submit/wait)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -84,6 +85,28 @@ def test_misses_found_before_placing_agree_with_the_placed_maps():
         np.testing.assert_array_equal(np.asarray(slots_TK).reshape(-1)[on_gpu], after[on_gpu])
         np.testing.assert_array_equal(np.asarray(new.id_of_slot)[after[on_gpu]], flat[on_gpu])
         assert set(np.asarray(plan.dst_N)[np.asarray(plan.valid_N)]) <= set(after[on_gpu])
+
+
+def test_victims_by_the_kernel_equal_xlas(monkeypatch):
+    """FREETOKEN_VICTIM_TOPK=kernel chooses the same victims (the least recently used slots not in
+    use, ties to the lower slot) as `lax.top_k`: every output of `place_misses` equal."""
+    rng = np.random.default_rng(5)
+    L, E, T, K = 3, 8, 3, 2
+    for trial in range(12):
+        c = _random_cache(rng, L, E, int(rng.integers(T * K, 16)), T * K)
+        layer = int(rng.integers(0, L))
+        ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)
+        m = find_misses(c, layer, ids, jnp.ones(T, jnp.int32), E, float(rng.choice([0.0, 0.5, 1.0])))
+        out = {}
+        for how in ("xla", "kernel"):
+            monkeypatch.setenv("FREETOKEN_VICTIM_TOPK", how)
+            new, slots_TK, plan, _ = place_misses(c, layer, m, E, T, K)
+            out[how] = jax.tree.leaves((new, slots_TK, plan))
+        for a, b in zip(out["xla"], out["kernel"]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(trial))
+    monkeypatch.setenv("FREETOKEN_VICTIM_TOPK", "sort")
+    with pytest.raises(ValueError, match="use xla or kernel"):
+        place_misses(c, layer, m, E, T, K)
 
 
 def test_a_steps_statistics_recorded_at_its_end_equal_each_layers_own():
