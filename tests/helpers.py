@@ -16,6 +16,21 @@ def wait_idle(sched, timeout: float = 30.0) -> bool:
     return False
 
 
+def check_kernel_choice(monkeypatch, env: str, want: dict, choose, bad: str) -> None:
+    """A kernel switch (environment variable `env`): for each (setting, backend) of `want`, what
+    `choose()` returns under them equals the value; the setting `bad` raises ValueError."""
+    import jax
+    import pytest
+
+    for (how, backend), expect in want.items():
+        monkeypatch.setenv(env, how)
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        assert choose() == expect, (how, backend)
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=f"{env}={bad!r}"):
+        choose()
+
+
 def gated_reference(act: str, g, u):
     """The gated activation h(g, u) of `act` in float64 (config.ACTIVATIONS's definitions)."""
     if act == "swiglu_oai":  # gpt-oss: alpha 1.702, limit 7

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_kernel_choice
 from jax import export
 
 from pallas_kernels import decode_attention
@@ -236,10 +237,10 @@ def test_how_one_token_steps_attend(monkeypatch):
         ("kernel", "cpu"): ("kernel", "kernel", "xla"),
         ("fused", "cpu"): ("fused", "kernel", "xla"),
     }
-    for (how, backend), expect in want.items():
-        monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", how)
-        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
-        assert tuple(layers.decode_attention_kernel(c) for c in (full, partial, odd)) == expect, (how, backend)
-    monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", "flash")
-    with pytest.raises(ValueError, match="use auto, xla, kernel or fused"):
-        layers.decode_attention_kernel(full)
+    check_kernel_choice(
+        monkeypatch,
+        "FREETOKEN_DECODE_ATTENTION",
+        want,
+        lambda: tuple(layers.decode_attention_kernel(c) for c in (full, partial, odd)),
+        "flash",
+    )

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_kernel_choice
 from jax import export
 
 from pallas_kernels.route_topk import route, route_ref, top_k, top_k_ref
@@ -146,11 +147,5 @@ def test_how_a_step_routes(monkeypatch):
         ("xla", "gpu"): ("xla", "xla", "xla"),
         ("kernel", "cpu"): ("kernel", "kernel", "xla"),
     }
-    for (how, backend), expect in want.items():
-        monkeypatch.setenv("FREETOKEN_ROUTER", how)
-        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
-        got = (layers.router_kernel(greedy, 1), layers.router_kernel(greedy, big), layers.router_kernel(grouped, 1))
-        assert got == expect, (how, backend)
-    monkeypatch.setenv("FREETOKEN_ROUTER", "fast")
-    with pytest.raises(ValueError, match="use auto, xla or kernel"):
-        layers.router_kernel(greedy, 1)
+    choose = lambda: (layers.router_kernel(greedy, 1), layers.router_kernel(greedy, big), layers.router_kernel(grouped, 1))  # noqa: E731
+    check_kernel_choice(monkeypatch, "FREETOKEN_ROUTER", want, choose, "fast")
