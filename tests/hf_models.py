@@ -150,3 +150,20 @@ def make_checkpoint(name: str, root: str) -> str:
 
 def load_hf(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def check_prompt_logits(name: str, root: str, seed: int, length: int, **engine_kw) -> None:
+    """The engine's logits for a random prompt (float32, pages of 4, 96 positions unless
+    `engine_kw` says otherwise) equal transformers' for checkpoint `name` within 1e-4."""
+    import numpy as np
+
+    from freetoken_jax import EngineConfig, FreeTokenEngine
+
+    path = make_checkpoint(name, root)
+    engine = FreeTokenEngine.from_pretrained(
+        path, EngineConfig(**{"dtype": "float32", "max_context": 96, "max_batch": 2, "page_size": 4, **engine_kw})
+    )
+    prompt = [int(t) for t in np.random.default_rng(seed).integers(0, 96, length)]
+    with torch.no_grad():
+        ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)

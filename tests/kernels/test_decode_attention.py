@@ -198,10 +198,7 @@ def test_models_one_token_steps_match_transformers(name, how, ckpt_root, monkeyp
     32 entries over a 96-entry table: the combine too): GQA with q/k norms, sinks with sliding
     windows, partial rotary with biases (which "fused" leaves to XLA's norms and rotation), and
     "fused" norms, rotation and page writes (heads of 32)."""
-    import torch
-    from hf_models import load_hf, make_checkpoint
-
-    from freetoken_jax import EngineConfig, FreeTokenEngine
+    from hf_models import check_prompt_logits
 
     monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", how)
     monkeypatch.setattr(decode_attention, "SPAN", 32)
@@ -209,12 +206,7 @@ def test_models_one_token_steps_match_transformers(name, how, ckpt_root, monkeyp
     monkeypatch.setattr(
         decode_attention, "attention", lambda *a, f=decode_attention.attention, **kw: calls.append(kw.get("fresh")) or f(*a, **kw)
     )
-    path = make_checkpoint(name, ckpt_root)
-    engine = FreeTokenEngine.from_pretrained(path, EngineConfig(dtype="float32", max_context=96, max_batch=2, page_size=4, prefill_chunk=1))
-    prompt = [int(t) for t in np.random.default_rng(21).integers(0, 96, 40)]
-    with torch.no_grad():
-        ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
+    check_prompt_logits(name, ckpt_root, 21, 40, prefill_chunk=1)
     assert calls and all((c is not None) == (name == "qwen3_moe_k") for c in calls)  # traced through the kernel, fused where it fits
 
 

@@ -114,21 +114,14 @@ def test_models_through_the_kernel_match_transformers(name, ckpt_root, monkeypat
     """A prompt's logits with every router step through the kernel (FREETOKEN_ROUTER=kernel):
     Mixtral's 6 experts (padded to 8), Qwen2-MoE's unnormalised weights beside a shared expert,
     Qwen3-MoE's renormalised ones, gpt-oss's router bias."""
-    import torch
-    from hf_models import load_hf, make_checkpoint
+    from hf_models import check_prompt_logits
 
-    from freetoken_jax import EngineConfig, FreeTokenEngine
     from pallas_kernels import route_topk
 
     monkeypatch.setenv("FREETOKEN_ROUTER", "kernel")
     calls = []
     monkeypatch.setattr(route_topk, "route", lambda *a, f=route_topk.route, **kw: calls.append(a[1]) or f(*a, **kw))
-    path = make_checkpoint(name, ckpt_root)
-    engine = FreeTokenEngine.from_pretrained(path, EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=4, prefill_chunk=8))
-    prompt = [int(t) for t in np.random.default_rng(22).integers(0, 96, 20)]
-    with torch.no_grad():
-        ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
+    check_prompt_logits(name, ckpt_root, 22, 20, max_context=64, prefill_chunk=8)
     assert calls  # traced through the kernel
 
 

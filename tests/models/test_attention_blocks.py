@@ -78,17 +78,7 @@ def test_one_token_steps_and_short_tables_take_the_reference_path(monkeypatch):
 def test_long_prefill_in_blocks_matches_transformers(name, ckpt_root, monkeypatch):
     """Blocks of 8 positions (2 pages) over a 96-position table: a 45-token prompt's chunks of 16
     read 2, 4 and 6 of its 12 blocks (GQA, MLA, sinks with sliding windows)."""
-    import torch
-    from hf_models import load_hf, make_checkpoint
-
-    from freetoken_jax import EngineConfig, FreeTokenEngine
+    from hf_models import check_prompt_logits
 
     monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 8)
-    path = make_checkpoint(name, ckpt_root)
-    engine = FreeTokenEngine.from_pretrained(
-        path, EngineConfig(dtype="float32", max_context=96, max_batch=2, page_size=4, prefill_chunk=16)
-    )
-    prompt = [int(t) for t in np.random.default_rng(45).integers(0, 96, 45)]
-    with torch.no_grad():
-        ref = load_hf(path)(torch.tensor([prompt])).logits[0].numpy()
-    np.testing.assert_allclose(engine.logits(prompt), ref, atol=1e-4, rtol=0, err_msg=name)
+    check_prompt_logits(name, ckpt_root, 45, 45, prefill_chunk=16)
