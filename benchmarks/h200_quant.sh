@@ -10,6 +10,10 @@
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file). decode runs the strategies STRATS lists (all four by default).
+if [ "$1" = ik-bg ]; then
+  (BUILD_S=${BUILD_S:-1500} setsid nohup bash .llamacpp/device_build_ik.sh > /tmp/ik-bg.log 2>&1 < /dev/null &)
+  echo "ik_llama.cpp build started in the background (/tmp/ik-bg.log)"; shift
+fi
 source benchmarks/h200_install.sh
 # A finished llama.cpp build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
 # 15 MiB); copied into .llamacpp/ here, later leases unpack them instead of building (the same image and CPUs).
@@ -55,10 +59,8 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
     # ≈ 11-14 min on 16 cores: two or three calls back to back (ninja resumes). Not packed: its libraries come to
     # 196 MB as xz, over the 64 MiB a call returns or carries, so every lease that runs `ik` builds it.
     ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;
-    # ik-bg: the same build in its own process session, which outlives the call (the lease's later calls go on
-    # meanwhile: measure nothing on the CPU until it ends); ik-wait: waits up to WAIT_S seconds for it to end
-    ik-bg) (BUILD_S=${BUILD_S:-1500} setsid nohup bash .llamacpp/device_build_ik.sh > /tmp/ik-bg.log 2>&1 < /dev/null &)
-      echo "ik_llama.cpp build started in the background (/tmp/ik-bg.log)" ;;
+    # ik-bg (first, before the install): the same build in its own process session, which outlives the call (the
+    # lease's later calls go on meanwhile: measure nothing on the CPU until it ends); ik-wait: waits up to WAIT_S s for it
     ik-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q build_rc /tmp/ik-bg.log 2> /dev/null && break; sleep 1; done
       tail -2 /tmp/ik-bg.log; tail -3 /tmp/ik-build.log ;;
     ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
