@@ -109,11 +109,11 @@ def test_lowers_to_one_triton_call():
     assert text.count("__gpu$xla.gpu.triton") == 1 and "top_k" in text and "sort" not in text
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe_norm", "gpt_oss"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
 def test_models_through_the_kernel_match_transformers(name, ckpt_root, monkeypatch):
     """A prompt's logits with every router step through the kernel (FREETOKEN_ROUTER=kernel):
-    Mixtral's 6 experts (padded to 8), Qwen2-MoE's unnormalised weights beside a shared expert,
-    Qwen3-MoE's renormalised ones, gpt-oss's router bias."""
+    Mixtral's 6 experts (padded to 8) and renormalised weights, Qwen2-MoE's unnormalised ones
+    beside a shared expert."""
     from hf_models import check_prompt_logits
 
     from pallas_kernels import route_topk
