@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
 from typing import Any
 
 import jax
@@ -73,6 +74,15 @@ class Strategy(enum.StrEnum):
 
 
 SUPPORTED_STRATEGIES = tuple(s.value for s in Strategy)
+
+
+def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:
+    """Environment variable `name` (`default` when unset), one of `choices`; else a ValueError
+    that names them (the kernel switches: FREETOKEN_DECODE_ATTENTION, FREETOKEN_ROUTER, ...)."""
+    how = os.environ.get(name, default)
+    if how not in choices:
+        raise ValueError(f"{name}={how!r}: use {', '.join(choices[:-1])} or {choices[-1]}")
+    return how
 
 
 class ConfigError(ValueError):

@@ -17,12 +17,11 @@ matrix), down as [D·F], or for a quantized expert format the matrix's bytes (ui
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
 
-from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.quant.layout import ExpertLayout, slot_row_sizes
 from pallas_kernels import route_topk
 
@@ -153,10 +152,7 @@ def victim_kernel(n: int) -> bool:
     """Whether a layer chooses its n victims by `pallas_kernels/route_topk.top_k` (one kernel)
     rather than `lax.top_k`, which XLA compiles as a sort of every slot: FREETOKEN_VICTIM_TOPK=
     "kernel" (for n up to its `TOP_K_MAX`); "xla" (the default)."""
-    how = os.environ.get("FREETOKEN_VICTIM_TOPK", "xla")
-    if how not in ("xla", "kernel"):
-        raise ValueError(f"FREETOKEN_VICTIM_TOPK={how!r}: use xla or kernel")
-    return how == "kernel" and n <= route_topk.TOP_K_MAX
+    return env_choice("FREETOKEN_VICTIM_TOPK", "xla", ("xla", "kernel")) == "kernel" and n <= route_topk.TOP_K_MAX
 
 
 def _least_recent(last_use_S: jax.Array, n: int) -> jax.Array:

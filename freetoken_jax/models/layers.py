@@ -9,7 +9,6 @@ routing are computed in float32 whatever the parameter dtype.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable
 
 import jax
@@ -17,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from freetoken_jax.config import ACTIVATIONS, MoEModelConfig
+from freetoken_jax.config import ACTIVATIONS, MoEModelConfig, env_choice
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
@@ -262,9 +261,7 @@ def decode_attention_kernel(cfg: MoEModelConfig) -> str:
     whole head is rotated (else "kernel"); "auto" (unset) — "fused" on a GPU where it fits (on the
     H200 it took a 24-layer Qwen3-30B-A3B step from 2.74 to 2.54 ms: benchmarks/RESULTS.md), else
     "xla"."""
-    how = os.environ.get("FREETOKEN_DECODE_ATTENTION", "auto")
-    if how not in ("auto", "xla", "kernel", "fused"):
-        raise ValueError(f"FREETOKEN_DECODE_ATTENTION={how!r}: use auto, xla, kernel or fused")
+    how = env_choice("FREETOKEN_DECODE_ATTENTION", "auto", ("auto", "xla", "kernel", "fused"))
     fits = decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
     fresh = fits and decode_attention.fresh_fits(cfg.head_dim, cfg.rope_dim)
     if how == "auto":
@@ -363,9 +360,7 @@ def router_kernel(cfg: MoEModelConfig, T: int) -> str:
     sigmoid, `lax.top_k` and the gather as XLA compiles them, four kernels a layer; "kernel" —
     `pallas_kernels/route_topk.py`, one kernel, for greedy routers; "auto" (unset) — the kernel on
     a GPU for steps of up to `ROUTER_KERNEL_ROWS` rows, else "xla"."""
-    how = os.environ.get("FREETOKEN_ROUTER", "auto")
-    if how not in ("auto", "xla", "kernel"):
-        raise ValueError(f"FREETOKEN_ROUTER={how!r}: use auto, xla or kernel")
+    how = env_choice("FREETOKEN_ROUTER", "auto", ("auto", "xla", "kernel"))
     if cfg.topk_method != "greedy" or how == "xla":
         return "xla"
     if how == "auto":
