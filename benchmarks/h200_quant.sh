@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|
-# lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -67,6 +67,14 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -p 2048 -b 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 | grep "^|" | tail -1 ;;
+    # ab: decode once per setting of AB, each in its own process with its strategies in the order given (a row that
+    # follows another strategy's row runs slower): AB="FREETOKEN_CPU_THREADS=16:cpu FREETOKEN_VICTIM_TOPK=kernel:hybrid,offload"
+    # (NAME=VALUE:STRATEGY[,STRATEGY...]; "-" for no variable)
+    ab) for s in $AB; do var=${s%%:*}; strats=${s#*:}; tag=$(echo "$s" | tr -c 'A-Za-z0-9_\n' _)
+          env ${var/#-/} timeout 240 $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${strats//,/ } --compile-workers 2 \
+            --json "$OUT/ab_$tag.json" > "$OUT/ab_$tag.log" 2>&1
+          echo "== $var: ${strats//,/ } rc=$?"; grep -v "it/s\]" "$OUT/ab_$tag.log" | tail -8
+        done ;;
     qsweep) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid --q 0.3 0.35 0.4 0.45 0.5 --json "$OUT/q4_qsweep.json" 2>&1 | grep -v "it/s\]" | tail -7 ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
