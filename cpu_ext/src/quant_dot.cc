@@ -594,11 +594,18 @@ struct Nvfp4Vnni {
   SHARED_AVX2 static __m256i Codes(const uint8_t* row, int64_t b) { return E2m1Codes(Nibbles(row + (b / 2) * 36 + 4 + 16 * (b % 2))); }
   template <int R>
   SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
-    const __m256 half_d = _mm256_set1_ps(0.5f * d);
+    // the R rows' scale pairs (A, B) in one register, converted at once as fp8's weights are:
+    // 16-bit lanes [A0 B0 A1 B1 ...] → float16 of value / 256 → float32 × 256 × d / 2
+    uint64_t pairs = 0;
     for (int i = 0; i < R; ++i) {
-      const uint8_t* sc = row + i * stride + (b / 2) * 36 + 2 * (b % 2);
-      s[i] = _mm256_mul_ps(_mm256_blend_ps(_mm256_set1_ps(kE4m3.v[sc[0]]), _mm256_set1_ps(kE4m3.v[sc[1]]), 0xCC), half_d);
+      uint16_t v;
+      std::memcpy(&v, row + i * stride + (b / 2) * 36 + 2 * (b % 2), 2);
+      pairs |= static_cast<uint64_t>(v) << (16 * i);
     }
+    const __m128i c = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(pairs)));
+    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(E4M3_TO_F16(_mm, 128)), _mm256_set1_ps(128.f * d));
+    for (int i = 0; i < R; ++i)
+      s[i] = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1));
   }
 };
 

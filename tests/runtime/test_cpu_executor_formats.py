@@ -66,6 +66,30 @@ def test_quantized_banks_match_the_dequantized_reference(tier, fmt):
             assert np.linalg.norm(got - plain) / np.linalg.norm(plain) < 2e-2
 
 
+@pytest.mark.parametrize("tier", supported_tiers())
+def test_nvfp4_scales_of_every_e4m3_code(tier):
+    """nvfp4's block scales are converted in registers: expert e's scales all one e4m3 code, every
+    finite code in turn (zero, subnormals, both signs), each expert's output against float64."""
+    f, ex = get_format("nvfp4"), CpuExecutor(threads=2, max_tier=tier)
+    T, H, F = 1, 128, 64
+    codes = [c for c in range(256) if c & 0x7F != 0x7F]  # 0x7f / 0xff are NaN
+    rng = np.random.default_rng(5)
+    banks, dense = quantized_banks("nvfp4", len(codes), F, H, rng)
+    for bank, d64, (O, I) in zip(banks, dense, ((F, H), (F, H), (H, F))):
+        for e, c in enumerate(codes):
+            bank[e, : O * f.row_bytes(I)].reshape(O, I // 64, 36)[..., :4] = c
+            d64[e] = f.dequantize_ref(bank[e], O, I).reshape(-1)
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    rnd = q8_round_trip if int8_activations(tier, "nvfp4") else None
+    for e, c in enumerate(codes):
+        got = ex.run(x, [0], [e], [1.0], *banks, "silu", "nvfp4")
+        ref = reference(x, [0], [e], [1.0], *dense, F, "silu", round_activations=rnd)
+        if c & 0x7F == 0:
+            assert not got.any() and not ref.any(), c
+        else:
+            assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-3 if rnd else 2e-5), (tier, hex(c))
+
+
 def test_the_executor_sizes_formats_as_python_does():
     for name, f in FORMATS.items():
         for O, I in ((3, 128), (64, 256), (7, 200 if f.pads else 192)):
