@@ -50,10 +50,10 @@ def test_jnp_quantizer_and_dequantizer_equal_the_references(name):
     f = get_format(name)
     for O, I in shapes(name)[: 2 if f.block == 256 else None]:  # the K-quants' 256-wide blocks: two shapes
         w = np.stack([weights(O, I, s) for s in range(2)])  # a leading expert axis
-        got = np.asarray(f.quantize(jnp.asarray(w)))
+        got = np.asarray(jax.jit(f.quantize)(jnp.asarray(w)))  # jitted as the engine calls them (one compile a shape)
         ref = np.stack([f.quantize_ref(x) for x in w])
         np.testing.assert_array_equal(got, ref)
-        deq = np.asarray(f.dequantize(jnp.asarray(ref), O, I))
+        deq = np.asarray(jax.jit(f.dequantize, static_argnums=(1, 2))(jnp.asarray(ref), O, I))
         assert deq.shape == (2, O, I)
         np.testing.assert_array_equal(deq, np.stack([f.dequantize_ref(x, O, I) for x in ref]).astype(np.float32))
 
@@ -68,7 +68,7 @@ def test_matvec_equals_float64_on_the_dequantized_weights(name):
     for O, I in shapes(name)[: 2 if f.block == 256 else None]:
         b = np.stack([f.quantize_ref(weights(O, I, s)) for s in range(6)]).reshape(2, 3, -1)
         x = rng.standard_normal((2, 3, I)).astype(np.float32)
-        got = np.asarray(f.matvec(jnp.asarray(b), jnp.asarray(x), O, I))
+        got = np.asarray(jax.jit(f.matvec, static_argnums=(2, 3))(jnp.asarray(b), jnp.asarray(x), O, I))
         want = np.einsum(
             "tkoi,tki->tko", np.stack([f.dequantize_ref(r, O, I) for r in b.reshape(6, -1)]).reshape(2, 3, O, I), x.astype(np.float64)
         )
