@@ -1,11 +1,18 @@
 """The ways of computing routed experts agree with a float64 numpy reference."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from freetoken_jax.bench.expert_impls import named
 from freetoken_jax.models.layers import ExpertLayout, routed_experts
+
+
+def jitted(compute, x, ids, w, banks, layout, **kw):
+    """`compute(x, ids, w, banks, layout, **kw)` jitted, as a step calls it (one compile instead of
+    one per eager op; traced afresh at each call, so module settings a test patches apply)."""
+    return jax.jit(lambda *a: compute(*a, layout, **kw))(x, ids, w, tuple(banks))
 
 
 def reference(x, ids, w, gate, up, down, bias=None):
@@ -32,7 +39,7 @@ def test_impls_match_reference(impl, T, K, E, D, F):
     w = rng.random((T, K)).astype(np.float32)
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
     compute = named(impl) or routed_experts
-    got = compute(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
+    got = jitted(compute, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
     ref = reference(x, ids, w, gate, up, down)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
 
@@ -48,9 +55,9 @@ def test_dense_in_token_slices_matches_one_piece(monkeypatch):
     ids = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
     w = jnp.asarray(rng.random((T, K)), jnp.float32)
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    whole = routed_experts(x, ids, w, (gate, up, down), layout, impl="dense")
+    whole = jitted(routed_experts, x, ids, w, (gate, up, down), layout, impl="dense")
     monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * E * F * 3)  # 3 tokens per slice: 4 slices, the last short
-    sliced = routed_experts(x, ids, w, (gate, up, down), layout, impl="dense")
+    sliced = jitted(routed_experts, x, ids, w, (gate, up, down), layout, impl="dense")
     np.testing.assert_allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-6, atol=1e-6)
     ref = reference(np.asarray(x), np.asarray(ids), np.asarray(w), np.asarray(gate), np.asarray(up), np.asarray(down))
     assert np.linalg.norm(np.asarray(sliced) - ref) / np.linalg.norm(ref) < 1e-5
@@ -86,10 +93,10 @@ def test_grouped_matches_reference_in_every_plan(T, K, E, routing, monkeypatch):
     monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * 32 * F * 5)  # five experts per slice of 32 rows, one of 128
     args = (jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
     pair = layers.pair_biases(tuple(jnp.asarray(b, jnp.float32) for b in bias), jnp.asarray(ids))
-    got = routed_experts(*args, impl="grouped", bias=pair)
+    got = jitted(routed_experts, *args, impl="grouped", bias=pair)
     ref = reference(x, ids, w, gate, up, down, bias)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
-    dense = routed_experts(*args, impl="dense", bias=pair)
+    dense = jitted(routed_experts, *args, impl="dense", bias=pair)
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense), rtol=1e-5, atol=1e-5)
 
 
@@ -197,9 +204,10 @@ def test_grouped_matches_reference_on_odd_shapes(T, K, E, skew):
     ids = np.asarray(synthetic_ids(jnp.zeros((T, K), jnp.int32), jnp.arange(T), 0, E, skew))
     w = rng.random((T, K)).astype(np.float32)
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    got = routed_experts(
-        jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout, impl="grouped"
-    )
+    got = jitted(
+        routed_experts, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout,
+        impl="grouped",
+    )  # fmt: skip
     ref = reference(x, ids, w, gate, up, down)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
 
@@ -224,7 +232,7 @@ def test_gather_masks_a_foreign_slot_with_weight_0(fmt):
     x = rng.standard_normal((2, D)).astype(np.float32)
     ids = np.asarray([[0, 1, 2], [3, 0, 1]], np.int32)
     w = np.asarray([[0.0, 0.5, 0.25], [0.7, 0.0, 0.3]], np.float32)
-    got = routed_experts(jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), tuple(jnp.asarray(b) for b in banks), layout, impl="gather")
+    got = jitted(routed_experts, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), [jnp.asarray(b) for b in banks], layout, impl="gather")
     # expert 0 never weighs in: zeros in the reference
     deq = [np.stack([np.zeros(s)] + [f.dequantize_ref(e, *s) for e in b[1:]]) for b, s in zip(banks, ((F, D), (F, D), (D, F)))]
     ref = reference(x, ids, w, *deq)
