@@ -3,7 +3,29 @@
 import contextlib
 import time
 
+import jax
 import numpy as np
+
+
+def jitted(fn, *args, **kw):
+    """`fn(*args, **kw)` jitted, as a step calls it: one compile instead of one per eager op. Array
+    arguments (and tuples or lists of arrays) are traced, the rest closed over; it is traced afresh
+    at each call, so module settings a test patches apply."""
+
+    def arrays(a) -> bool:
+        return isinstance(a, (jax.Array, np.ndarray)) or (
+            isinstance(a, (tuple, list)) and len(a) > 0 and all(isinstance(b, (jax.Array, np.ndarray)) for b in a)
+        )
+
+    traced = [i for i, a in enumerate(args) if arrays(a)]
+
+    def call(*values):
+        full = list(args)
+        for i, v in zip(traced, values):
+            full[i] = v
+        return fn(*full, **kw)
+
+    return jax.jit(call)(*(tuple(args[i]) if isinstance(args[i], list) else args[i] for i in traced))
 
 
 def wait_idle(sched, timeout: float = 30.0) -> bool:

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import check_kernel_choice
+from helpers import check_kernel_choice, jitted
 from jax import export
 
 from pallas_kernels import decode_attention
@@ -73,10 +73,10 @@ def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, si
     scale = hd**-0.5
     args = [jnp.asarray(a) for a in (q, k, v, table, mask)]
     sk_j = None if sk is None else jnp.asarray(sk)
-    got = np.asarray(attention(*args, scale=scale, sinks_H=sk_j, interpret=True))
+    got = np.asarray(jitted(attention, *args, scale=scale, sinks_H=sk_j, interpret=True))
     want = _float64(q, k, v, table, mask, scale, sk)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
-    ref = np.asarray(attention_ref(*args, scale=scale, sinks_H=sk_j))
+    ref = np.asarray(jitted(attention_ref, *args, scale=scale, sinks_H=sk_j))
     reads = mask.any(axis=1)  # the reference averages a row that reads nothing; the kernel gives 0
     np.testing.assert_allclose(got[reads], ref[reads], atol=2e-5, rtol=2e-5)
     assert (got[~reads] == 0).all()
@@ -111,8 +111,8 @@ def test_fresh_token_normed_rotated_stored_and_attended(B, H, K, hd, page, P, si
                   1e-5, interleave)  # fmt: skip
     sk = jnp.asarray(rng.standard_normal(H), jnp.float32) if sinks else None
     args = [jnp.asarray(q, dt), jnp.asarray(k, dt), jnp.asarray(v, dt), jnp.asarray(table), jnp.asarray(mask)]
-    got = attention(*args, scale=hd**-0.5, sinks_H=sk, fresh=fresh, interpret=True)
-    want = attention_ref(*args, scale=hd**-0.5, sinks_H=sk, fresh=fresh)
+    got = jitted(attention, *args, scale=hd**-0.5, sinks_H=sk, fresh=fresh, interpret=True)
+    want = jitted(attention_ref, *args, scale=hd**-0.5, sinks_H=sk, fresh=fresh)
     tol = 2e-5 if dtype == "float32" else 3e-2  # bfloat16: a rounding of the norm's product may differ by one unit
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=tol, rtol=tol)
@@ -123,7 +123,7 @@ def test_bfloat16_within_its_rounding():
     rng = np.random.default_rng(7)
     q, k, v, table, mask = _case(rng, 2, 32, 4, 128, 128, 16, 40, "prefix")  # 640 entries: two spans of 512
     args = [jnp.asarray(a, jnp.bfloat16) for a in (q, k, v)] + [jnp.asarray(table), jnp.asarray(mask)]
-    got = np.asarray(attention(*args, scale=0.088, interpret=True), np.float32)
+    got = np.asarray(jitted(attention, *args, scale=0.088, interpret=True), np.float32)
     want = _float64(*(np.asarray(a, np.float32) for a in args[:3]), table, mask, 0.088, None)
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)  # probabilities and output in bfloat16
 
@@ -138,8 +138,8 @@ def test_masked_entries_add_nothing():
         last = int(np.flatnonzero(mask[b]).max())
         for s in range(last + 1, 48):
             kb[table[b, s // 4], s % 4], vb[table[b, s // 4], s % 4] = np.nan, np.nan
-    clean = np.asarray(attention(*map(jnp.asarray, (q, k, v, table, mask)), scale=0.2, interpret=True))
-    got = np.asarray(attention(*map(jnp.asarray, (q, kb, vb, table, mask)), scale=0.2, interpret=True))
+    clean = np.asarray(jitted(attention, *map(jnp.asarray, (q, k, v, table, mask)), scale=0.2, interpret=True))
+    got = np.asarray(jitted(attention, *map(jnp.asarray, (q, kb, vb, table, mask)), scale=0.2, interpret=True))
     np.testing.assert_array_equal(got, clean)
     np.testing.assert_array_equal(np.asarray(limits(jnp.asarray(mask))), mask.shape[1] - np.argmax(mask[:, ::-1], axis=1))
 

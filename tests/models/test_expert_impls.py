@@ -1,18 +1,12 @@
 """The ways of computing routed experts agree with a float64 numpy reference."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import jitted
 
 from freetoken_jax.bench.expert_impls import named
 from freetoken_jax.models.layers import ExpertLayout, routed_experts
-
-
-def jitted(compute, x, ids, w, banks, layout, **kw):
-    """`compute(x, ids, w, banks, layout, **kw)` jitted, as a step calls it (one compile instead of
-    one per eager op; traced afresh at each call, so module settings a test patches apply)."""
-    return jax.jit(lambda *a: compute(*a, layout, **kw))(x, ids, w, tuple(banks))
 
 
 def reference(x, ids, w, gate, up, down, bias=None):
