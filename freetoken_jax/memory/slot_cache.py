@@ -151,7 +151,8 @@ class LayerStats:
 def victim_kernel(n: int) -> bool:
     """Whether a layer chooses its n victims by `pallas_kernels/route_topk.top_k` (one kernel)
     rather than `lax.top_k`, which XLA compiles as a sort of every slot: FREETOKEN_VICTIM_TOPK=
-    "kernel" (for n up to its `TOP_K_MAX`); "xla" (the default)."""
+    "kernel" (for n up to its `TOP_K_MAX`); "xla" (the default: on the H200 the kernel decoded
+    level with it within the rows' spread, benchmarks/RESULTS.md 2026-12-04)."""
     return env_choice("FREETOKEN_VICTIM_TOPK", "xla", ("xla", "kernel")) == "kernel" and n <= route_topk.TOP_K_MAX
 
 
