@@ -10,9 +10,19 @@
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
 # preset, as many layers as RAM holds; gguf-F: the GGUF file /tmp/F.gguf read raw, loaded and decoded by the engine
 # from the file itself, and by llama.cpp on the same file). decode runs the strategies STRATS lists (all four by default).
+# ik-bg (first, before the install): in its own process session, which outlives the call (the lease's later calls go on
+# meanwhile; measure nothing on the CPU until it ends): ik_llama.cpp's build and the kit's Q4_0 GGUF (/tmp/q4.gguf, needs
+# .llamacpp/gen_gguf.py and gguf-py), then ik_llama.cpp's decode rows on it (the `ik` rows less prefill) into /tmp/ik-rows.md
+# on a CPU that nothing else of this script uses; `ik-wait` waits up to WAIT_S s for all of it and prints the rows.
 if [ "$1" = ik-bg ]; then
-  (BUILD_S=${BUILD_S:-1500} setsid nohup bash .llamacpp/device_build_ik.sh > /tmp/ik-bg.log 2>&1 < /dev/null &)
-  echo "ik_llama.cpp build started in the background (/tmp/ik-bg.log)"; shift
+  (BUILD_S=${BUILD_S:-1500} setsid nohup bash -c '
+    (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1) &
+    bash .llamacpp/device_build_ik.sh; wait; tail -1 /tmp/gen.log
+    I=/tmp/ik/build/bin/llama-bench
+    [ -x $I ] && [ -f /tmp/q4.gguf ] && for n in 24 17; do
+      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe $n -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"; done > /tmp/ik-rows.md
+    echo ik_done' > /tmp/ik-bg.log 2>&1 < /dev/null &)
+  echo "ik_llama.cpp build, GGUF and rows started in the background (/tmp/ik-bg.log)"; shift
 fi
 source benchmarks/h200_install.sh
 # A finished llama.cpp build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
@@ -59,10 +69,8 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
     # ≈ 11-14 min on 16 cores: two or three calls back to back (ninja resumes). Not packed: its libraries come to
     # 196 MB as xz, over the 64 MiB a call returns or carries, so every lease that runs `ik` builds it.
     ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;
-    # ik-bg (first, before the install): the same build in its own process session, which outlives the call (the
-    # lease's later calls go on meanwhile: measure nothing on the CPU until it ends); ik-wait: waits up to WAIT_S s for it
-    ik-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q build_rc /tmp/ik-bg.log 2> /dev/null && break; sleep 1; done
-      tail -2 /tmp/ik-bg.log; tail -3 /tmp/ik-build.log ;;
+    ik-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q ik_done /tmp/ik-bg.log 2> /dev/null && break; sleep 1; done
+      cat /tmp/ik-bg.log; tail -2 /tmp/ik-build.log 2> /dev/null; cat /tmp/ik-rows.md 2> /dev/null ;;
     ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
