@@ -106,14 +106,15 @@ def test_lasting_needs_both_the_calls_and_the_time():
     assert not stop(2) and stop(3)
 
 
-def test_run_writes_profile(tmp_path):
+def test_run_writes_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_CPU_TIER", "scalar")  # measured at the tier the engine's executors would use
     prof = bw.run_bw(
         path=str(tmp_path / "p.json"), json_path=str(tmp_path / "copy.json"), working_set_gb=0.02, host_read_gb=0.05, hidden=128, ffn=64
     )
     for f in ("p.json", "copy.json"):
         d = json.loads((tmp_path / f).read_text())
         assert d["schema"] == bw.SCHEMA and d["device"] == bw.device_name() and d["cpu_model"] == bw.cpu_model()
-        assert d["figures"]["host_read_gb_s"] > 0 and d["figures"]["cpu_moe_gb_s"] > 0 and d["figures"]["cpu_tier"]
+        assert d["figures"]["host_read_gb_s"] > 0 and d["figures"]["cpu_moe_gb_s"] > 0 and d["figures"]["cpu_tier"] == "scalar"
         assert {"handoff_ffi_us", "handoff_callback_us"} <= set(d["figures"])
         assert d["recommendation"]["strategy"] in ("fused", "offload", "hybrid")
     assert choice.load_profile(str(tmp_path / "p.json"))["recommendation"] == prof["recommendation"]
