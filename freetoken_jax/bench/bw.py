@@ -55,7 +55,7 @@ def measure(
     import jax
     import ml_dtypes
 
-    from freetoken_jax.runtime.cpu_executor import CpuExecutor, max_tier
+    from freetoken_jax.runtime.cpu_executor import shared_executor
 
     def phase(what: str) -> None:  # the probes take seconds each: say which one runs
         print(f"bench bw: {what}", file=sys.stderr, flush=True)
@@ -69,7 +69,7 @@ def measure(
     rng = np.random.default_rng(0)
     banks = [(rng.standard_normal((E, ffn * hidden), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16) for _ in range(2)]
     banks.append((rng.standard_normal((E, hidden * ffn), dtype=np.float32) * 0.02).astype(ml_dtypes.bfloat16))
-    ex = CpuExecutor(threads, max_tier())  # the tier the engine's executors use (FREETOKEN_CPU_TIER caps it)
+    ex = shared_executor(threads)  # the engine's executor of this thread count, at its tier (FREETOKEN_CPU_TIER caps it)
     x = rng.standard_normal((1, hidden), dtype=np.float32)
     phase(f"CPU executor on {E} bf16 experts ({ex.tier})")
     cpu_pass, cpu_bytes = executor_pass(ex, [banks], x, top_k)  # the whole working set, batch 1
