@@ -14,13 +14,17 @@
 # meanwhile; measure nothing on the CPU until it ends): ik_llama.cpp's build and the kit's Q4_0 GGUF (/tmp/q4.gguf, needs
 # .llamacpp/gen_gguf.py and gguf-py), then ik_llama.cpp's decode rows on it (the `ik` rows less prefill) into /tmp/ik-rows.md
 # on a CPU that nothing else of this script uses; `ik-wait` waits up to WAIT_S s for all of it and prints the rows.
+# ik_llama.cpp's decode rows (run-time repacking, -rtr 1, needs -mmp 0; fused MoE: the kit's fastest setting), experts on the
+# CPU (--n-cpu-moe 24) and at the share of -ncmoe 17; used by `ik-bg` and `ik`
+ik_rows() { local I=/tmp/ik/build/bin/llama-bench
+  $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
+  $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1; }
+export -f ik_rows
 if [ "$1" = ik-bg ]; then
   (BUILD_S=${BUILD_S:-1500} setsid nohup bash -c '
     (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1) &
     bash .llamacpp/device_build_ik.sh; wait; tail -1 /tmp/gen.log
-    I=/tmp/ik/build/bin/llama-bench
-    [ -x $I ] && [ -f /tmp/q4.gguf ] && for n in 24 17; do
-      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe $n -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"; done > /tmp/ik-rows.md
+    [ -x /tmp/ik/build/bin/llama-bench ] && [ -f /tmp/q4.gguf ] && ik_rows > /tmp/ik-rows.md
     echo ik_done' > /tmp/ik-bg.log 2>&1 < /dev/null &)
   echo "ik_llama.cpp build, GGUF and rows started in the background (/tmp/ik-bg.log)"; shift
 fi
@@ -71,10 +75,9 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
     ik-build) BUILD_S=${BUILD_S:-540} bash .llamacpp/device_build_ik.sh ;;
     ik-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q ik_done /tmp/ik-bg.log 2> /dev/null && break; sleep 1; done
       cat /tmp/ik-bg.log; tail -2 /tmp/ik-build.log 2> /dev/null; cat /tmp/ik-rows.md 2> /dev/null ;;
-    ik) I=/tmp/ik/build/bin/llama-bench  # run-time repacking (-rtr 1, needs -mmp 0) and fused MoE: the kit's fastest setting
-      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
-      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1
-      $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -p 2048 -b 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 | grep "^|" | tail -1 ;;
+    ik) ik_rows
+      /tmp/ik/build/bin/llama-bench -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -p 2048 -b 2048 -ub 2048 -n 0 -r 2 -o md 2>&1 |
+        grep "^|" | tail -1 ;;
     # ab: decode once per setting of AB, each in its own process with its strategies in the order given (a row that
     # follows another strategy's row runs slower): AB="FREETOKEN_CPU_THREADS=16:cpu FREETOKEN_VICTIM_TOPK=kernel:hybrid,offload"
     # (NAME=VALUE:STRATEGY[,STRATEGY...]; "-" for no variable)
