@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|ekernels|attn|aprofile|kernels]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|ekernels|attn|aprofile|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -30,7 +30,10 @@
 #   aprofile: the fused step's kernels under the profiler with each;
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
-#            (the profile names kernels; the HLO says what each one computes).
+#            (the profile names kernels; the HLO says what each one computes);
+#   timeline: the fused, cpu and hybrid q4_0 steps under the kernel profiler with TL (120) events of
+#            each step's middle listed in time order (what runs between two handoff windows), their
+#            optimized HLO kept as $OUT/*.hlo.txt.gz.
 source benchmarks/h200_install.sh
 P="python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --out $OUT --no-profile --warm 8"
 for what in "$@"; do
@@ -68,6 +71,12 @@ for what in "$@"; do
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
       timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
+      gzip -f "$OUT"/*.hlo.txt ;;
+    timeline) for s in fused cpu hybrid; do
+        st=$([ $s = fused ] || echo "--strategies $s")
+        timeout 150 ${P/--no-profile/} $st --top 25 --timeline ${TL:-120} > "$OUT/timeline_$s.log" 2>&1
+        echo "== $s rc=$?"; grep -v "it/s\]" "$OUT/timeline_$s.log" | grep -E "==|handoff|returns" | cut -c1-200
+      done
       gzip -f "$OUT"/*.hlo.txt ;;
     stacks) $P --strategies ${STACKS:-cpu hybrid offload} --stacks 300 2>&1 | grep -v "it/s\]" | cut -c1-220 ;;
     sync) for s in default kernel host_function; do

@@ -42,6 +42,8 @@ from freetoken_jax.runtime.experts import Fused  # noqa: E402
 from freetoken_jax.runtime.runner import _traced  # noqa: E402
 from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
 
+TIMELINE = 0  # --timeline: how many events of the middle of the last profiled step to list in order
+
 
 def kernel_profile(run, n=5, top=8):
     import torch
@@ -55,6 +57,7 @@ def kernel_profile(run, n=5, top=8):
         agg.setdefault(e.name[:80], []).append(e.device_time)
     rows = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
     idle(events, n, top)
+    timeline(events, n)
     return len(events) / n, sum(e.device_time for e in events) / n / 1e3, [(sum(t) / n / 1e3, len(t) / n, k) for k, t in rows]
 
 
@@ -77,6 +80,24 @@ def idle(events, n: int, top: int, floor_us: float = 3.0) -> None:
     print(f"   idle: {total:.3f} ms per step of {span:.3f} ms spanned (gaps over {floor_us:g} us), heaviest after -> before:")
     for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"   {sum(g) / n / 1e3:7.3f} ms {len(g) / n:5.0f}x ({sum(g) / len(g):6.1f} us)  {a} -> {b}")
+
+
+def timeline(events, n: int) -> None:
+    """The last step's events from its middle on (`TIMELINE` of them), in time order: start
+    relative to the first listed, duration and the gap before each, in µs (names match the HLO)."""
+    if not TIMELINE:
+        return
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in events)
+    per = len(spans) // n
+    step = spans[(n - 1) * per : n * per]
+    part = step[per // 2 : per // 2 + TIMELINE]
+    if not part:
+        return
+    t0, end = part[0][0], part[0][0]
+    print(f"   timeline: {len(part)} events from the middle of the last step (start us, duration us, gap before us, name)")
+    for s, e, name in part:
+        print(f"   {s - t0:8.1f} {e - s:7.1f} {max(0.0, s - end):6.1f}  {name}")
+        end = max(end, e)
 
 
 def report(summary: list, B: int, name: str, wall: float, profile, compile_s: float) -> None:
@@ -274,9 +295,12 @@ def main() -> int:
                     help="host-bank strategies: sample the calling thread's native stack over N more steps (benchmarks/native_stacks.py)")  # fmt: skip
     ap.add_argument("--addresses", action="store_true", help="host-bank strategies: list the outputs whose address moves")
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
+    ap.add_argument("--timeline", type=int, default=0, metavar="N", help="list N events of the last profiled step's middle in time order")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
     ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy"])
     args = ap.parse_args()
+    global TIMELINE
+    TIMELINE = args.timeline
     if args.strategies or args.prefill_tokens:
         summary = prefill_chunk(args) if args.prefill_tokens else host_bank_strategies(args)
         print(f"\n{'B':>3} {'strategy':>14} {'wall ms':>8} {'kernels':>8} {'kern ms':>8}")
