@@ -4,9 +4,11 @@ distribution instead of what the (random) router of a benchmark model gives.
 
 Expert popularity in a layer is p_e ∝ 1 / rank_e^s, the ranks a fixed random permutation per
 layer (the hot experts differ between layers); s = 0 is uniform, trained routers look like s ≈ 1.
-Each token draws its top-k without replacement (Gumbel top-k) from a key folded from the layer,
+Each token draws its top-k without replacement (Gumbel top-k) with noise hashed from the layer,
 its position and its row in the step (a decode step's batch row, a prefill chunk's token index),
-so a step's routing is reproducible but changes from step to step. A prompt's last token drawn
+so a step's routing is reproducible but changes from step to step. A step draws every layer's
+experts at once, in two kernels: the draw is the benchmark's, not the engine's, and costs the
+step as little as it can. A prompt's last token drawn
 in a prefill chunk and the same token sent through the decode step get different experts. The
 router's weights are kept (only the ids change).
 """
@@ -21,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.runtime.experts import ExpertBackend
+from pallas_kernels import route_topk
 
 
 def log_ranks(num_experts: int, layer: int) -> np.ndarray:
@@ -33,28 +36,60 @@ def log_popularity(num_experts: int, skew: float, layer: int) -> np.ndarray:
     return (logp - np.logaddexp.reduce(logp)).astype(np.float32)
 
 
+def _mix(h):
+    """A 32-bit integer hash (uint32 in and out; lowbias32): every input bit reaches every output bit."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x7FEB352D)
+    h = (h ^ (h >> 15)) * jnp.uint32(0x846CA68B)
+    return h ^ (h >> 16)
+
+
+def _uniform(*keys):
+    """A uniform float32 in (0, 1) for each element of the broadcast integer `keys`, hashed
+    (elementwise ops that XLA fuses into one kernel with their consumers, where jax.random's
+    threefry takes several kernels for each draw)."""
+    h = jnp.uint32(0x9E3779B9)
+    for k in keys:
+        h = _mix(h ^ jnp.asarray(k).astype(jnp.uint32))
+    return ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def synthetic_ids_layers(T: int, K: int, positions_T: jax.Array, layers, num_experts: int, skew, seed: int = 0) -> jax.Array:
+    """Each token's K experts in each MoE layer of `layers`, [len(layers), T, K] int32: a Gumbel
+    top-K of the layer's log-popularity with noise hashed from the seed, the layer, the token's
+    position and its row in the step. One hash fusion and one top-k (the kernel of
+    `pallas_kernels/route_topk.py` on a GPU) for all the layers of a step. `skew` may be traced:
+    one executable serves every exponent (the draw needs the log-popularity only up to a
+    constant, so it is not normalized here)."""
+    layers = list(layers)
+    L, E = len(layers), num_experts
+    logp = -jnp.asarray(skew, jnp.float32) * jnp.asarray(np.stack([log_ranks(E, m) for m in layers]), jnp.float32)  # [L, E]
+    u = _uniform(seed, jnp.asarray(layers, jnp.int32)[:, None, None], positions_T.astype(jnp.int32)[None, :, None],
+                 jnp.arange(T, dtype=jnp.int32)[None, :, None], jnp.arange(E, dtype=jnp.int32)[None, None, :])  # fmt: skip
+    scores = (logp[:, None, :] - jnp.log(-jnp.log(u))).reshape(L * T, E)
+    if jax.default_backend() == "gpu" and K <= route_topk.TOP_K_MAX:
+        ids = route_topk.top_k(scores, K)[1]
+    else:
+        ids = jax.lax.top_k(scores, K)[1]
+    return ids.reshape(L, T, K)
+
+
 def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
-    """`skew` may be traced: one executable serves every exponent (the draw needs the
-    log-popularity only up to a constant, so it is not normalized here)."""
+    """One layer's draw of `synthetic_ids_layers`, shaped and typed as the router's `ids_TK`."""
     T, K = ids_TK.shape
-    logp = -jnp.asarray(skew, jnp.float32) * jnp.asarray(log_ranks(num_experts, layer), jnp.float32)
-    base = jax.random.fold_in(jax.random.PRNGKey(seed), layer)
-
-    def draw(pos, row):
-        key = jax.random.fold_in(jax.random.fold_in(base, pos), row)
-        return jax.lax.top_k(logp + jax.random.gumbel(key, (num_experts,)), K)[1]
-
-    return jax.vmap(draw)(positions_T.astype(jnp.uint32), jnp.arange(T, dtype=jnp.uint32)).astype(ids_TK.dtype)
+    return synthetic_ids_layers(T, K, positions_T, [layer], num_experts, skew, seed)[0].astype(ids_TK.dtype)
 
 
-def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew) -> list:
-    """Wraps each layer's expert function so that it computes the synthetic routing's experts."""
+def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew, top_k: int) -> list:
+    """Wraps each layer's expert function so that it computes the synthetic routing's experts,
+    drawn for every layer at once."""
+    layers = sum(fn is not None for fn in fns)
+    drawn = synthetic_ids_layers(positions_T.shape[0], top_k, positions_T, range(layers), num_experts, skew) if layers else None
     out, m = [], 0
     for fn in fns:
         if fn is None:
             out.append(None)
             continue
-        out.append(lambda x, ids, w, bias=None, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w, bias))
+        out.append(lambda x, ids, w, bias=None, fn=fn, m=m: fn(x, drawn[m].astype(ids.dtype), w, bias))
         m += 1
     return out
 
@@ -98,4 +133,4 @@ class SyntheticRouting(ExpertBackend):
         fns, after = self.inner.expert_fns(model, valid_T, positions_T, slots, buffered)
         if fns is None:
             fns = [layer.mlp.expert_fn() if layer.is_moe else None for layer in model.layers]
-        return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew), after
+        return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew, model.cfg.top_k), after
