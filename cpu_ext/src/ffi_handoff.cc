@@ -120,14 +120,125 @@ int SyncMode() {
   return m;
 }
 
-// The kernels of kSyncKernel, one thread each, in PTX (the module is built without CUDA; the
-// driver compiles it for the device when it is loaded):
+// The kernels of kSyncKernel, in PTX (the module is built without CUDA; the driver compiles it
+// for the device when it is loaded). Where a job's input and result are small (kKernelCopyBytes),
+// one kernel a side moves them too, through the staging buffers' mapped device addresses: one
+// node in the graph instead of a copy and one to three memory operations, each with a latency of
+// its own.
+//   ft_handoff_submit(src, dst, n, ready), one block: the n 32-bit words at device address src
+//     stored into the staging buffer dst; then, after every thread's system-scope fence and the
+//     block's barrier, ready = 1;
+//   ft_handoff_collect(arrived, done, src, dst, n), one block: thread 0 writes arrived = 1 and
+//     spins until done == 1; after the barrier every thread loads its share of the n result words
+//     from the staging buffer src (system-scope loads, four in flight a thread) into device
+//     address dst; thread 0 then writes done = 0;
+// and, one thread each, for larger jobs (whose data a copy moves on the stream before or after):
 //   ft_handoff_ready(ready): after a system-scope fence, ready = 1 (the stream's copy of the
 //     inputs precedes it in stream order);
 //   ft_handoff_wait(arrived, done): arrived = 1; spins until done == 1; done = 0.
 constexpr char kSignalPtx[] = R"(.version 7.0
 .target sm_70
 .address_size 64
+.visible .entry ft_handoff_submit(.param .u64 src, .param .u64 dst, .param .u64 n, .param .u64 ready)
+{
+  .reg .u64 %rd<10>;
+  .reg .u32 %r<5>;
+  .reg .pred %p<3>;
+  ld.param.u64 %rd1, [src];
+  ld.param.u64 %rd2, [dst];
+  ld.param.u64 %rd3, [n];
+  ld.param.u64 %rd4, [ready];
+  mov.u32 %r1, %tid.x;
+  mov.u32 %r2, %ntid.x;
+  cvt.u64.u32 %rd5, %r1;
+  cvt.u64.u32 %rd6, %r2;
+COPY:
+  setp.ge.u64 %p1, %rd5, %rd3;
+  @%p1 bra COPIED;
+  shl.b64 %rd7, %rd5, 2;
+  add.u64 %rd8, %rd1, %rd7;
+  ld.global.u32 %r3, [%rd8];
+  add.u64 %rd9, %rd2, %rd7;
+  st.global.u32 [%rd9], %r3;
+  add.u64 %rd5, %rd5, %rd6;
+  bra COPY;
+COPIED:
+  fence.sc.sys;
+  bar.sync 0;
+  setp.ne.u32 %p2, %r1, 0;
+  @%p2 bra END;
+  mov.u32 %r4, 1;
+  st.volatile.global.u32 [%rd4], %r4;
+  fence.sc.sys;
+END:
+  ret;
+}
+.visible .entry ft_handoff_collect(.param .u64 arrived, .param .u64 done, .param .u64 src, .param .u64 dst, .param .u64 n)
+{
+  .reg .u64 %rd<24>;
+  .reg .u32 %r<12>;
+  .reg .pred %p<8>;
+  ld.param.u64 %rd1, [arrived];
+  ld.param.u64 %rd2, [done];
+  ld.param.u64 %rd3, [src];
+  ld.param.u64 %rd4, [dst];
+  ld.param.u64 %rd5, [n];
+  mov.u32 %r1, %tid.x;
+  mov.u32 %r2, %ntid.x;
+  setp.ne.u32 %p1, %r1, 0;
+  @%p1 bra SYNCED;
+  mov.u32 %r3, 1;
+  st.volatile.global.u32 [%rd1], %r3;
+  fence.sc.sys;
+SPIN:
+  ld.volatile.global.u32 %r4, [%rd2];
+  setp.ne.u32 %p2, %r4, 1;
+  @%p2 nanosleep.u32 100;
+  @%p2 bra SPIN;
+  fence.sc.sys;
+SYNCED:
+  bar.sync 0;
+  cvt.u64.u32 %rd6, %r1;
+  cvt.u64.u32 %rd7, %r2;
+LOOP:
+  setp.ge.u64 %p3, %rd6, %rd5;
+  @%p3 bra COPIED;
+  add.u64 %rd8, %rd6, %rd7;
+  add.u64 %rd9, %rd8, %rd7;
+  add.u64 %rd10, %rd9, %rd7;
+  setp.lt.u64 %p4, %rd8, %rd5;
+  setp.lt.u64 %p5, %rd9, %rd5;
+  setp.lt.u64 %p6, %rd10, %rd5;
+  shl.b64 %rd11, %rd6, 2;
+  shl.b64 %rd12, %rd8, 2;
+  shl.b64 %rd13, %rd9, 2;
+  shl.b64 %rd14, %rd10, 2;
+  add.u64 %rd15, %rd3, %rd11;
+  add.u64 %rd16, %rd3, %rd12;
+  add.u64 %rd17, %rd3, %rd13;
+  add.u64 %rd18, %rd3, %rd14;
+  ld.relaxed.sys.global.u32 %r5, [%rd15];
+  @%p4 ld.relaxed.sys.global.u32 %r6, [%rd16];
+  @%p5 ld.relaxed.sys.global.u32 %r7, [%rd17];
+  @%p6 ld.relaxed.sys.global.u32 %r8, [%rd18];
+  add.u64 %rd15, %rd4, %rd11;
+  add.u64 %rd16, %rd4, %rd12;
+  add.u64 %rd17, %rd4, %rd13;
+  add.u64 %rd18, %rd4, %rd14;
+  st.global.u32 [%rd15], %r5;
+  @%p4 st.global.u32 [%rd16], %r6;
+  @%p5 st.global.u32 [%rd17], %r7;
+  @%p6 st.global.u32 [%rd18], %r8;
+  add.u64 %rd6, %rd10, %rd7;
+  bra LOOP;
+COPIED:
+  @%p1 bra END;
+  mov.u32 %r9, 0;
+  st.volatile.global.u32 [%rd2], %r9;
+  fence.sc.sys;
+END:
+  ret;
+}
 .visible .entry ft_handoff_ready(.param .u64 ready)
 {
   .reg .u64 %rd<2>;
@@ -164,7 +275,14 @@ SPIN:
 struct SignalKernels {
   void* ready = nullptr;
   void* wait = nullptr;
+  void* submit = nullptr;   // with the input's copy
+  void* collect = nullptr;  // with the result's copy
 };
+// Jobs whose input and result each take at most this many bytes move them in the signalling
+// kernels (kSyncKernel); larger ones by copies on the stream (a block's loads from host memory
+// take a PCIe round trip per four words a thread).
+constexpr int64_t kKernelCopyBytes = 64 << 10;
+constexpr unsigned kKernelCopyThreads = 512;
 std::mutex kernels_mu;
 std::map<void*, SignalKernels> kernels_of_context;  // loaded per CUDA context, never unloaded
 
@@ -179,7 +297,8 @@ std::string LoadSignalKernels() {
   void* module = nullptr;
   SignalKernels k;
   if (c.module_load_data(&module, kSignalPtx) || c.module_get_function(&k.ready, module, "ft_handoff_ready") ||
-      c.module_get_function(&k.wait, module, "ft_handoff_wait"))
+      c.module_get_function(&k.wait, module, "ft_handoff_wait") || c.module_get_function(&k.submit, module, "ft_handoff_submit") ||
+      c.module_get_function(&k.collect, module, "ft_handoff_collect"))
     return "loading the handoff's signalling kernels failed";
   kernels_of_context[ctx] = k;
   return "";
@@ -196,15 +315,15 @@ const SignalKernels* CurrentSignalKernels() {
   return kernels_of_context.size() == 1 ? &kernels_of_context.begin()->second : nullptr;
 }
 
-// Launches signalling kernel `which` (one thread) of the current context on `stream`.
-ffi::Error LaunchSignal(void* SignalKernels::*which, void* stream, std::initializer_list<uint64_t> args) {
+// Launches signalling kernel `which` of the current context on `stream`: one block of `threads`.
+ffi::Error LaunchSignal(void* SignalKernels::*which, void* stream, std::initializer_list<uint64_t> args, unsigned threads = 1) {
   const SignalKernels* k = CurrentSignalKernels();
   if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
-  uint64_t values[2] = {0, 0};
-  void* params[2] = {&values[0], &values[1]};
+  uint64_t values[5] = {0, 0, 0, 0, 0};
+  void* params[5] = {&values[0], &values[1], &values[2], &values[3], &values[4]};
   size_t i = 0;
   for (uint64_t a : args) values[i++] = a;
-  if (Driver().launch_kernel(k->*which, 1, 1, 1, 1, 1, 1, 0, stream, params, nullptr))
+  if (Driver().launch_kernel(k->*which, 1, 1, 1, threads, 1, 1, 0, stream, params, nullptr))
     return ffi::Error::Internal("launching the handoff's signalling kernel failed");
   return ffi::Error::Success();
 }
@@ -244,6 +363,7 @@ struct Job {
   float* out = nullptr;     // [T, H]
   Flags* flags = nullptr;
   uint64_t flags_device = 0;  // the flags' device address (CUDA)
+  uint64_t x_device = 0, out_device = 0;  // the staged input's and result's device addresses (CUDA)
   bool cuda = false;          // a CUDA job's errors can only be printed (its wait has returned)
   std::vector<int32_t> token_of, expert_of;
   std::vector<float> weight_of;
@@ -516,6 +636,8 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, in
   take(job->out, T * H);
   job->flags = new (static_cast<char*>(mem) + flags_at) Flags{0, 0, 0};
   job->flags_device = device ? device + flags_at : 0;
+  job->x_device = device;
+  job->out_device = device ? device + (reinterpret_cast<char*>(job->out) - static_cast<char*>(mem)) : 0;
   slot = std::move(job);
   *out = slot.get();
   job_list.push_back(*out);
@@ -524,6 +646,12 @@ ffi::Error GetJob(int64_t handle, int64_t T, int64_t K, bool cuda, Job** out, in
 }
 
 uint64_t FlagAddress(const Job* j, size_t offset) { return j->flags_device + offset; }
+
+// Whether a job's signalling kernels move its input and result themselves (kSyncKernel).
+bool KernelCopies(const Job* j) {
+  const int64_t H = j->layer->banks.hidden;
+  return j->x_device && 4 * j->T * std::max<int64_t>(H + 2 * j->K + 1, H) <= kKernelCopyBytes;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Handlers. `packed` is x [T*H], ids [T*K] (int32 bits), w [T*K], valid [T] (int32 bits), as
@@ -553,8 +681,17 @@ ffi::Error SubmitCuda(void* stream, ffi::Buffer<ffi::F32> packed, ffi::ResultBuf
   Job* j;
   if (auto e = GetJob(handle, T, K, true, &j, packed.element_count()); e.failure()) return e;
   const Cuda& c = Driver();
-  int rc = c.memcpy_dtoh(j->x, reinterpret_cast<uint64_t>(packed.untyped_data()), packed.size_bytes(), stream);
   const int mode = SyncMode();
+  if (mode == kSyncKernel && KernelCopies(j)) {
+    auto e = LaunchSignal(&SignalKernels::submit, stream,
+                          {reinterpret_cast<uint64_t>(packed.untyped_data()), j->x_device, static_cast<uint64_t>(packed.element_count()),
+                           FlagAddress(j, offsetof(Flags, ready))},
+                          kKernelCopyThreads);
+    if (e.failure()) return e;
+    Dispatcher::Get().Kick();
+    return ffi::Error::Success();
+  }
+  int rc = c.memcpy_dtoh(j->x, reinterpret_cast<uint64_t>(packed.untyped_data()), packed.size_bytes(), stream);
   if (mode == kSyncStreamMemOps) {
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, ready)), 1, 0);  // ordered after the copy, with a fence
   } else if (mode == kSyncKernel) {
@@ -573,6 +710,11 @@ ffi::Error WaitCuda(void* stream, ffi::Buffer<ffi::S32>, ffi::ResultBuffer<ffi::
   const Cuda& c = Driver();
   int rc = 0;
   const int mode = SyncMode();
+  if (mode == kSyncKernel && KernelCopies(j))
+    return LaunchSignal(&SignalKernels::collect, stream,
+                        {FlagAddress(j, offsetof(Flags, arrived)), FlagAddress(j, offsetof(Flags, done)), j->out_device,
+                         reinterpret_cast<uint64_t>(out->untyped_data()), static_cast<uint64_t>(out->element_count())},
+                        kKernelCopyThreads);
   if (mode == kSyncStreamMemOps) {
     rc |= c.write_value32(stream, FlagAddress(j, offsetof(Flags, arrived)), 1, 0);
     rc |= c.wait_value32(stream, FlagAddress(j, offsetof(Flags, done)), 1, /*CU_STREAM_WAIT_VALUE_EQ*/ 1);

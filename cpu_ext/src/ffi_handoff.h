@@ -47,7 +47,8 @@ struct HandoffStats {
 HandoffStats TakeHandoffStats(bool reset);
 
 // How CUDA handlers signal: stream memory operations (the default where the driver has them),
-// host functions, or one-thread signalling kernels. Switch only while no handoff is in flight;
+// host functions, or signalling kernels (which, for a job of up to 64 KB each way, also move its
+// input and result: one kernel a side). Switch only while no handoff is in flight;
 // graphs already recorded keep the operations they were recorded with (all work with the same
 // flags); kernels are loaded by `PrepareHandoffJob`, so switch to them before preparing jobs.
 enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1, kSyncKernel = 2 };
