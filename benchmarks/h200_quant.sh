@@ -80,9 +80,9 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         grep "^|" | tail -1 ;;
     # ab: decode once per setting of AB, each in its own process with its strategies in the order given (a row that
     # follows another strategy's row runs slower): AB="FREETOKEN_CPU_THREADS=16:cpu FREETOKEN_VICTIM_TOPK=kernel:hybrid,offload"
-    # (NAME=VALUE:STRATEGY[,STRATEGY...]; "-" for no variable)
+    # (NAME=VALUE[+NAME=VALUE...]:STRATEGY[,STRATEGY...]; "-" for no variable)
     ab) n=0; for s in $AB; do var=${s%%:*}; strats=${s#*:}; n=$((n + 1)); tag=${n}_$(echo "$s" | tr -c 'A-Za-z0-9_\n' _)
-          env ${var/#-/} timeout 240 $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${strats//,/ } --compile-workers 2 \
+          var=${var/#-/}; env ${var//+/ } timeout 240 $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${strats//,/ } --compile-workers 2 \
             --json "$OUT/ab_$tag.json" > "$OUT/ab_$tag.log" 2>&1
           echo "== $var: ${strats//,/ } rc=$?"; grep -v "it/s\]" "$OUT/ab_$tag.log" | tail -8
         done ;;

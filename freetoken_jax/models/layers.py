@@ -21,7 +21,7 @@ from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import decode_attention, gathered_experts, route_topk
+from pallas_kernels import decode_attention, gathered_experts, norm_matvec, route_topk
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -222,12 +222,22 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32)) if cfg.attention_sinks else None
         self.cfg, self.window = cfg, window
 
-    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView):
+    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None):
+        """`norm`: the layer's input norm, applied here (to x_BTD as given) so that a step of one
+        token a row may compute it with the projections in one kernel (`norm_matvec_kernel`)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
-        q = self.q_proj(x_BTD).reshape(B, T, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x_BTD).reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if norm is not None and use_norm_matvec(B, T, x_BTD.shape[2], [p.weight.shape[0] for p in projs]):
+            biases = [None if p.bias is None else p.bias[...] for p in projs]
+            q, k, v = normed_projections(norm, x_BTD[:, 0], [p.weight[...] for p in projs], biases)
+            q, k, v = (a[:, None] for a in (q, k, v))
+        else:
+            x_BTD = x_BTD if norm is None else norm(x_BTD)
+            q, k, v = (p(x_BTD) for p in projs)
+        q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
         sinks = None if self.sinks is None else self.sinks[...]
         how = decode_attention_kernel(cfg) if T == 1 else "xla"
         if how == "fused":  # norms, rotation, page writes and attention in one kernel
@@ -251,6 +261,26 @@ class Attention(nnx.Module):
         else:
             o = attend_paged(q, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks)
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
+
+
+def norm_matvec_kernel() -> str:
+    """Whether a step of one token a row computes an RMSNorm and the projections that read it
+    (the attention's q, k and v; the MoE router) in one kernel of `pallas_kernels/norm_matvec.py`
+    where it fits (FREETOKEN_NORM_MATVEC): "kernel", or "xla" (the default: two kernels for the
+    norm and one or two for the projections)."""
+    return env_choice("FREETOKEN_NORM_MATVEC", "xla", ("xla", "kernel"))
+
+
+def use_norm_matvec(B: int, T: int, D: int, F) -> bool:
+    return T == 1 and norm_matvec_kernel() == "kernel" and norm_matvec.fits(B, D, tuple(F))
+
+
+def normed_projections(norm: RMSNorm, x_BD, weights, biases=None, out_dtypes=None, keep_h: bool = False):
+    """`norm(x_BD)` times each of `weights` ([F_i, D], + its bias where given) in one kernel:
+    (their outputs [B, F_i], the normed rows where `keep_h`)."""
+    ys, h = norm_matvec.norm_matvec(x_BD, norm.weight[...], norm.eps, weights, biases, out_dtypes, keep_h,
+                                    interpret=jax.default_backend() == "cpu")  # fmt: skip
+    return (*ys, h) if keep_h else ys
 
 
 def decode_attention_kernel(cfg: MoEModelConfig) -> str:
@@ -344,12 +374,15 @@ class Router(nnx.Module):
         self.cfg = cfg
 
     def __call__(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
-        cfg = self.cfg
         logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight[...], precision=jax.lax.Precision.HIGHEST)
+        return self.choose(logits_TE)
+
+    def choose(self, logits_TE: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The routing of logits x·Wᵀ (float32 [T, E])."""
         if self.logit_bias is not None:
             logits_TE = logits_TE + self.logit_bias[...]
         bias = None if self.bias is None else self.bias[...]
-        return route(cfg, logits_TE, bias)
+        return route(self.cfg, logits_TE, bias)
 
 
 ROUTER_KERNEL_ROWS = 64  # "auto" takes the router kernel for steps of up to this many rows (decode)
@@ -621,10 +654,17 @@ class MoEBlock(nnx.Module):
             x, ids, w, (e.gate[...], e.up[...], e.down[...]), layout, bias=pair_biases(bias, ids)
         )
 
-    def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None, norm: RMSNorm | None = None) -> jax.Array:
+        """`norm`: the layer's post-attention norm, applied here (to x_BTD as given) so that a
+        step of one token a row may compute it with the router in one kernel (`norm_matvec_kernel`)."""
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
-        ids, w = self.gate(x_TD)
+        if norm is not None and use_norm_matvec(B, T, D, [self.gate.weight.shape[0]]):
+            logits, x_TD = normed_projections(norm, x_TD, [self.gate.weight[...]], out_dtypes=[jnp.float32], keep_h=True)
+            ids, w = self.gate.choose(logits)
+        else:
+            x_TD = x_TD if norm is None else norm(x_TD)
+            ids, w = self.gate(x_TD)
         out = (expert_fn or self.expert_fn())(x_TD, ids, w, self.experts.biases())
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)

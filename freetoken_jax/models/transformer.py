@@ -28,11 +28,16 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None):
         with jax.named_scope("attention"):
-            a, kv = self.self_attn(self.input_layernorm(x_BTD), cos_sin, kv, view)
+            if isinstance(self.self_attn, Attention):  # the norm may go into one kernel with the projections
+                a, kv = self.self_attn(x_BTD, cos_sin, kv, view, norm=self.input_layernorm)
+            else:
+                a, kv = self.self_attn(self.input_layernorm(x_BTD), cos_sin, kv, view)
         x_BTD = x_BTD + a
         with jax.named_scope("moe" if self.is_moe else "mlp"):
-            h = self.post_attention_layernorm(x_BTD)
-            m = self.mlp(h, expert_fn) if self.is_moe else self.mlp(h)
+            if self.is_moe:  # the norm may go into one kernel with the router
+                m = self.mlp(x_BTD, expert_fn, norm=self.post_attention_layernorm)
+            else:
+                m = self.mlp(self.post_attention_layernorm(x_BTD))
         return x_BTD + m, kv
 
 

@@ -1,0 +1,138 @@
+"""A decode step's RMSNorm and the projections that read its output, in one kernel.
+
+`norm_matvec(x_BD, norm_D, eps, weights, biases=None, out_dtypes=None, keep_h=False)` is, for
+each of a few rows b (one token each),
+
+    h[b] = norm ⊙ round(x[b] · rsqrt(mean(x[b]²) + eps))   (`layers.RMSNorm`: float32, rounded to x's dtype),
+    y_i[b] = h[b] · W_iᵀ (+ bias_i), accumulated in float32, stored as out_dtypes[i]
+
+for every weight W_i [F_i, D] (the checkpoints' [out, in] layout): the attention's q, k and v
+projections, or the MoE router. XLA compiles the same as two kernels for the norm (the sum of
+squares, then the scaling) and one reduction kernel per projection (q apart from k and v); here
+one launch does all of it. Program p computes R_i rows of one W_i (the programs of W_0 first,
+then W_1's, ...), each row against every b; each program normalises x itself (D values a row:
+cheaper than a launch), and program 0 writes h where `keep_h` asks for it (the router's input
+feeds the experts too). `norm_matvec_ref` is the jnp reference: `RMSNorm` then `Linear`'s einsum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels import call_params
+
+NUM_WARPS = 4
+TILE = 8192  # the most weight values a program holds: R_i · D ≤ TILE (R_i at most 8)
+MAX_ROWS = 8  # the most rows b a call takes (each a loop of its own in every program)
+
+
+def fits(B: int, D: int, F: tuple[int, ...]) -> bool:
+    """Whether B rows of width D and weights of F_i rows fit the kernel: D a power of two whose
+    rows fit a program (Triton's arrays are powers of two), B at most `MAX_ROWS`."""
+    return 0 < B <= MAX_ROWS and D & (D - 1) == 0 and 0 < D <= TILE and all(f > 0 for f in F)
+
+
+def _rows_per_program(F: int, D: int) -> int:
+    """The largest power of two R ≤ min(8, TILE / D) dividing F."""
+    R = max(1, min(MAX_ROWS, TILE // D))
+    while F % R:
+        R //= 2
+    return R
+
+
+def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool):
+    n = len(parts)
+    x_ref, g_ref, *rest = refs
+    w_refs, rest = rest[:n], rest[n:]
+    b_refs = []
+    for has in biases:
+        b_refs.append(rest.pop(0) if has else None)
+    y_refs, h_ref = rest[:n], (rest[n] if keep_h else None)
+    p = pl.program_id(0)
+    d = jnp.arange(D, dtype=jnp.int32)
+    g = g_ref[d]
+    hs = []
+    for b in range(B):
+        xb = x_ref[b, d]
+        xf = xb.astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.sum(xf * xf) / D + eps)
+        hs.append(g * (xf * inv).astype(xb.dtype))
+    for i, (start, blocks, R) in enumerate(parts):
+
+        @pl.when((p >= start) & (p < start + blocks))
+        def _(i=i, start=start, R=R):
+            rows = (p - start) * R + jnp.arange(R, dtype=jnp.int32)
+            w = w_refs[i][rows[:, None], d[None, :]].astype(jnp.float32)  # [R, D]
+            bias = None if b_refs[i] is None else b_refs[i][rows].astype(jnp.float32)
+            for b in range(B):
+                y = jnp.sum(w * hs[b].astype(jnp.float32)[None, :], axis=1)
+                if bias is not None:
+                    y = y + bias
+                y_refs[i][b, rows] = y.astype(y_refs[i].dtype)
+
+    if keep_h:
+
+        @pl.when(p == 0)
+        def _():
+            for b in range(B):
+                h_ref[b, d] = hs[b].astype(h_ref.dtype)
+
+
+def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, *, interpret: bool = False,
+                num_warps: int = NUM_WARPS):  # fmt: skip
+    """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None) (module docstring).
+    `biases`: per weight a [F_i] vector or None; `out_dtypes`: per weight (default x's dtype)."""
+    B, D = x_BD.shape
+    F = tuple(w.shape[0] for w in weights)
+    if norm_D.shape != (D,) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
+        raise ValueError(f"norm {norm_D.shape} and weights {[w.shape for w in weights]} do not match x {x_BD.shape}")
+    if not fits(B, D, F):
+        raise ValueError(f"{B} rows of width {D} do not fit the kernel (D a power of two ≤ {TILE}, at most {MAX_ROWS} rows)")
+    biases = list(biases or [None] * len(weights))
+    out_dtypes = list(out_dtypes or [x_BD.dtype] * len(weights))
+    for w, bias in zip(weights, biases):
+        if bias is not None and bias.shape != (w.shape[0],):
+            raise ValueError(f"bias {bias.shape} does not match weight {w.shape}")
+    parts, start = [], 0
+    for f in F:
+        R = _rows_per_program(f, D)
+        parts.append((start, f // R, R))
+        start += f // R
+    ins = [x_BD, norm_D, *weights, *[b for b in biases if b is not None]]
+    outs = [jax.ShapeDtypeStruct((B, f), dt) for f, dt in zip(F, out_dtypes)]
+    if keep_h:
+        outs.append(jax.ShapeDtypeStruct((B, D), x_BD.dtype))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_kernel, eps=float(eps), B=B, D=D, parts=tuple(parts), biases=tuple(b is not None for b in biases),
+                               keep_h=keep_h)  # fmt: skip
+    res = pl.pallas_call(
+        kernel,
+        grid=(start,),
+        in_specs=[any_spec] * len(ins),
+        out_specs=[any_spec] * len(outs),
+        out_shape=outs,
+        name="norm_matvec",
+        **call_params(interpret, num_warps),
+    )(*ins)
+    return tuple(res[: len(F)]), (res[-1] if keep_h else None)
+
+
+def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False):
+    """Reference: `layers.RMSNorm`, then each weight as `layers.Linear` computes it (the router's
+    float32 weight at full precision)."""
+    xf = x_BD.astype(jnp.float32)
+    h = norm_D * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x_BD.dtype)
+    biases = list(biases or [None] * len(weights))
+    out_dtypes = list(out_dtypes or [x_BD.dtype] * len(weights))
+    ys = []
+    for w, bias, dt in zip(weights, biases, out_dtypes):
+        y = jnp.einsum("bd,fd->bf", h.astype(jnp.promote_types(h.dtype, w.dtype)), w, preferred_element_type=jnp.float32,
+                       precision=jax.lax.Precision.HIGHEST)  # fmt: skip
+        if bias is not None:
+            y = y + bias
+        ys.append(y.astype(dt))
+    return tuple(ys), (h if keep_h else None)
