@@ -6,9 +6,9 @@ Expert popularity in a layer is p_e ∝ 1 / rank_e^s, the ranks a fixed random p
 layer (the hot experts differ between layers); s = 0 is uniform, trained routers look like s ≈ 1.
 Each token draws its top-k without replacement (Gumbel top-k) with noise hashed from the layer,
 its position and its row in the step (a decode step's batch row, a prefill chunk's token index),
-so a step's routing is reproducible but changes from step to step. A step draws every layer's
-experts at once, in two kernels: the draw is the benchmark's, not the engine's, and costs the
-step as little as it can. A prompt's last token drawn
+so a step's routing is reproducible but changes from step to step. A layer's draw is two
+kernels (the hashed noise, the top-k), where jax.random's threefry and a sort took five: the draw
+is the benchmark's, not the engine's, and costs the step as little as it can. A prompt's last token drawn
 in a prefill chunk and the same token sent through the decode step get different experts. The
 router's weights are kept (only the ids change).
 """
@@ -53,43 +53,36 @@ def _uniform(*keys):
     return ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def synthetic_ids_layers(T: int, K: int, positions_T: jax.Array, layers, num_experts: int, skew, seed: int = 0) -> jax.Array:
-    """Each token's K experts in each MoE layer of `layers`, [len(layers), T, K] int32: a Gumbel
-    top-K of the layer's log-popularity with noise hashed from the seed, the layer, the token's
-    position and its row in the step. One hash fusion and one top-k (the kernel of
-    `pallas_kernels/route_topk.py` on a GPU) for all the layers of a step. `skew` may be traced:
-    one executable serves every exponent (the draw needs the log-popularity only up to a
+def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
+    """The layer's draw in place of the router's `ids_TK` (same shape and dtype): each token's K
+    experts, a Gumbel top-K of the layer's log-popularity with noise hashed from the seed, the
+    layer, the token's position and its row in the step; the top-K is the kernel of
+    `pallas_kernels/route_topk.py` on a GPU. The draw is tied to the router's output by an
+    optimization barrier, so that it comes when a router's choice would: drawn from positions
+    alone, it could be computed for every layer at the step's start, and XLA would schedule the
+    work that depends only on the experts chosen out of its place in the layer. `skew` may be
+    traced: one executable serves every exponent (the draw needs the log-popularity only up to a
     constant, so it is not normalized here)."""
-    layers = list(layers)
-    L, E = len(layers), num_experts
-    logp = -jnp.asarray(skew, jnp.float32) * jnp.asarray(np.stack([log_ranks(E, m) for m in layers]), jnp.float32)  # [L, E]
-    u = _uniform(seed, jnp.asarray(layers, jnp.int32)[:, None, None], positions_T.astype(jnp.int32)[None, :, None],
-                 jnp.arange(T, dtype=jnp.int32)[None, :, None], jnp.arange(E, dtype=jnp.int32)[None, None, :])  # fmt: skip
-    scores = (logp[:, None, :] - jnp.log(-jnp.log(u))).reshape(L * T, E)
+    T, K = ids_TK.shape
+    logp = -jnp.asarray(skew, jnp.float32) * jnp.asarray(log_ranks(num_experts, layer), jnp.float32)
+    u = _uniform(seed, layer, positions_T.astype(jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[:, None],
+                 jnp.arange(num_experts, dtype=jnp.int32)[None, :])  # fmt: skip
+    scores, _ = jax.lax.optimization_barrier((logp[None, :] - jnp.log(-jnp.log(u)), ids_TK))
     if jax.default_backend() == "gpu" and K <= route_topk.TOP_K_MAX:
         ids = route_topk.top_k(scores, K)[1]
     else:
         ids = jax.lax.top_k(scores, K)[1]
-    return ids.reshape(L, T, K)
+    return ids.astype(ids_TK.dtype)
 
 
-def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
-    """One layer's draw of `synthetic_ids_layers`, shaped and typed as the router's `ids_TK`."""
-    T, K = ids_TK.shape
-    return synthetic_ids_layers(T, K, positions_T, [layer], num_experts, skew, seed)[0].astype(ids_TK.dtype)
-
-
-def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew, top_k: int) -> list:
-    """Wraps each layer's expert function so that it computes the synthetic routing's experts,
-    drawn for every layer at once."""
-    layers = sum(fn is not None for fn in fns)
-    drawn = synthetic_ids_layers(positions_T.shape[0], top_k, positions_T, range(layers), num_experts, skew) if layers else None
+def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew) -> list:
+    """Wraps each layer's expert function so that it computes the synthetic routing's experts."""
     out, m = [], 0
     for fn in fns:
         if fn is None:
             out.append(None)
             continue
-        out.append(lambda x, ids, w, bias=None, fn=fn, m=m: fn(x, drawn[m].astype(ids.dtype), w, bias))
+        out.append(lambda x, ids, w, bias=None, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w, bias))
         m += 1
     return out
 
@@ -133,4 +126,4 @@ class SyntheticRouting(ExpertBackend):
         fns, after = self.inner.expert_fns(model, valid_T, positions_T, slots, buffered)
         if fns is None:
             fns = [layer.mlp.expert_fn() if layer.is_moe else None for layer in model.layers]
-        return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew, model.cfg.top_k), after
+        return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew), after

@@ -45,3 +45,16 @@ def test_every_strategy_computes_the_same_synthetic_routing(ckpt_root):
         if plain is not None:
             assert out[strategy] != plain  # the override changes what is computed
     assert out["offload"] == out["fused"] and out["cpu"] == out["fused"]
+
+
+def test_the_draw_waits_for_the_router():
+    """A layer's draw is tied to the router's ids (an optimization barrier over both), so that XLA
+    cannot draw every layer's experts at the step's start and schedule what depends on them out
+    of the layer, as no router's choice would allow."""
+    ids = jnp.zeros((2, 4), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda i: synthetic_ids(i, jnp.arange(2), 1, 32, 0.0))(ids)
+    barriers = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+    assert barriers and any(jaxpr.jaxpr.invars[0] in e.invars for e in barriers)
+    out = barriers[0].outvars
+    top = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("top_k", "pallas_call")]
+    assert top and any(v in out for v in top[0].invars)  # the top-k reads the barrier's scores
