@@ -29,7 +29,11 @@ def test_cpu_matches_fused(family, ckpt_root):
 
 
 def test_host_view_is_the_bank_itself():
+    from freetoken_jax.runtime.offload import host_memory_kind
+
     bank = jax.numpy.arange(24, dtype=jax.numpy.float32).reshape(4, 6)
+    if host_memory_kind():  # a GPU: the banks live in pinned host memory
+        bank = jax.device_put(bank, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=host_memory_kind()))
     v = host_view(bank)
     assert v.ctypes.data == bank.unsafe_buffer_pointer()  # no copy: the executor reads the bank
     np.testing.assert_array_equal(v, np.arange(24).reshape(4, 6))
