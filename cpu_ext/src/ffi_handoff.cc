@@ -90,12 +90,13 @@ const Cuda& Driver() {
   return cuda;
 }
 
-// How a CUDA stream and the dispatcher signal each other: stream memory operations (the stream
-// writes a flag in mapped host memory and waits for one: no host thread in the loop; the default
-// where the driver has them), host functions launched on the stream
-// (FREETOKEN_HANDOFF_SYNC=host_function), or one-thread kernels that write the flag and spin on
-// it (FREETOKEN_HANDOFF_SYNC=kernel: the stream holds no memory operation, only kernels and
-// copies). All follow the same flag protocol, so graphs recorded in one mode stay correct after
+// How a CUDA stream and the dispatcher signal each other: kernels that write the flag and spin
+// on it, moving a decode-sized job's input and result too (the default where the driver loads
+// modules and launches kernels: on the H200 they took hybrid decode from 164.9 to 176.5 tok/s,
+// benchmarks/RESULTS.md 2026-12-04), stream memory operations (FREETOKEN_HANDOFF_SYNC=
+// stream_memops: the stream writes a flag in mapped host memory and waits for one, beside copies
+// on the stream), or host functions launched on the stream (FREETOKEN_HANDOFF_SYNC=host_function).
+// All follow the same flag protocol, so graphs recorded in one mode stay correct after
 // `SetHandoffSync` switches.
 std::atomic<int> sync_mode{-1};  // -1: not chosen yet
 
@@ -113,9 +114,11 @@ int SyncMode() {
   int m = sync_mode.load(std::memory_order_relaxed);
   if (m >= 0) return m;
   const std::string env = std::getenv("FREETOKEN_HANDOFF_SYNC") ? std::getenv("FREETOKEN_HANDOFF_SYNC") : "";
-  m = env == "kernel" && HasKernelLaunch() ? kSyncKernel
-      : env == "host_function" || !HasStreamMemOps() ? kSyncHostFunction
-                                                     : kSyncStreamMemOps;
+  m = env == "host_function"                          ? kSyncHostFunction
+      : env == "stream_memops" && HasStreamMemOps()    ? kSyncStreamMemOps
+      : HasKernelLaunch()                              ? kSyncKernel
+      : HasStreamMemOps()                              ? kSyncStreamMemOps
+                                                       : kSyncHostFunction;
   sync_mode.store(m, std::memory_order_relaxed);
   return m;
 }

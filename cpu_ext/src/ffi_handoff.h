@@ -14,10 +14,11 @@
 // on the layer's host banks with the MoE executor as soon as its inputs are staged. CUDA
 // handlers only enqueue work on XLA's stream, the same at every call, so XLA may record them into
 // its CUDA graphs: `submit` the device-to-host copy into pinned staging and `ready = 1`; `wait`
-// `arrived = 1`, a wait until `done == 1`, `done = 0` and the host-to-device copy. The flag
-// operations are stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32: no host
-// thread in the loop) where the driver has them, else, or with FREETOKEN_HANDOFF_SYNC=host_function,
-// host functions on the stream.
+// `arrived = 1`, a wait until `done == 1`, `done = 0` and the host-to-device copy. By default one
+// kernel a side does that (for a job of up to 64 KB each way, the copy included; a larger job's
+// data moves by copies on the stream); with FREETOKEN_HANDOFF_SYNC=stream_memops the flags are
+// stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32) beside the copies, with
+// FREETOKEN_HANDOFF_SYNC=host_function host functions on the stream.
 // FREETOKEN_HANDOFF_TRACE=N prints the dispatcher's first N events to stderr. The CUDA driver API
 // is reached through dlopen("libcuda.so.1"), so the module builds without CUDA and runs on any
 // machine. CPU handlers do the same with plain copies. Entries with w == 0 or valid == 0 are
@@ -46,9 +47,9 @@ struct HandoffStats {
 };
 HandoffStats TakeHandoffStats(bool reset);
 
-// How CUDA handlers signal: stream memory operations (the default where the driver has them),
-// host functions, or signalling kernels (which, for a job of up to 64 KB each way, also move its
-// input and result: one kernel a side). Switch only while no handoff is in flight;
+// How CUDA handlers signal: signalling kernels (the default where the driver launches them;
+// for a job of up to 64 KB each way they also move its input and result: one kernel a side),
+// stream memory operations, or host functions. Switch only while no handoff is in flight;
 // graphs already recorded keep the operations they were recorded with (all work with the same
 // flags); kernels are loaded by `PrepareHandoffJob`, so switch to them before preparing jobs.
 enum { kSyncStreamMemOps = 0, kSyncHostFunction = 1, kSyncKernel = 2 };

@@ -264,11 +264,15 @@ class Attention(nnx.Module):
 
 
 def norm_matvec_kernel() -> str:
-    """Whether a step of one token a row computes an RMSNorm and the projections that read it
-    (the attention's q, k and v; the MoE router) in one kernel of `pallas_kernels/norm_matvec.py`
-    where it fits (FREETOKEN_NORM_MATVEC): "kernel", or "xla" (the default: two kernels for the
-    norm and one or two for the projections)."""
-    return env_choice("FREETOKEN_NORM_MATVEC", "xla", ("xla", "kernel"))
+    """How a step of one token a row computes an RMSNorm and the projections that read it (the
+    attention's q, k and v; the MoE router), FREETOKEN_NORM_MATVEC: "kernel" — in one kernel of
+    `pallas_kernels/norm_matvec.py` where it fits; "xla" — two kernels for the norm and one or
+    two for the projections; "auto" (unset) — the kernel on a GPU (on the H200 it took q4_0
+    hybrid decode at the 30B shape from 164.9 to 171.3 tok/s: benchmarks/RESULTS.md), else XLA."""
+    how = env_choice("FREETOKEN_NORM_MATVEC", "auto", ("auto", "xla", "kernel"))
+    if how == "auto":
+        return "kernel" if jax.default_backend() == "gpu" else "xla"
+    return how
 
 
 def use_norm_matvec(B: int, T: int, D: int, F) -> bool:

@@ -8,11 +8,11 @@ computes.
 - "ffi": the XLA FFI targets `freetoken_moe_submit_graph` / `freetoken_moe_wait_graph` of the C++
   module. On a GPU, `submit` enqueues the device-to-host copy and the signal that the job's
   inputs are staged, and returns; `wait` holds XLA's stream until the job is done and copies the
-  result back (signals: stream memory operations; or kernels with FREETOKEN_HANDOFF_SYNC=kernel,
-  which for a decode-sized job also move its input and result, one kernel a side; or host
-  functions with FREETOKEN_HANDOFF_SYNC=host_function; see cpu_ext/src/ffi_handoff.h). What they
-  enqueue is the same at every call, so XLA records them into its CUDA graphs with the kernels
-  around them.
+  result back (by default one kernel a side that signals and, for a decode-sized job, moves its
+  input and result too; FREETOKEN_HANDOFF_SYNC=stream_memops: stream memory operations beside
+  copies; FREETOKEN_HANDOFF_SYNC=host_function: host functions; see cpu_ext/src/ffi_handoff.h).
+  What they enqueue is the same at every call, so XLA records them into its CUDA graphs with the
+  kernels around them.
   On the CPU backend the same targets run with plain copies.
 - "ffi_nograph": the same pair not recorded into graphs (XLA launches the graph pieces between
   them one by one).

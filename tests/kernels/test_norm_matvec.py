@@ -109,11 +109,13 @@ def test_models_one_token_steps_match_transformers(name, ckpt_root, monkeypatch)
 
 
 def test_how_a_step_normalises(monkeypatch):
-    """FREETOKEN_NORM_MATVEC: "xla" unless set to "kernel"; steps of more than one token a row and
-    rows the kernel does not fit stay with XLA's; bad names raise."""
+    """FREETOKEN_NORM_MATVEC: "auto" takes the kernel on a GPU; steps of more than one token a row
+    and rows the kernel does not fit stay with XLA's; bad names raise."""
     from freetoken_jax.models import layers
 
     want = {  # (setting, backend): one token a row, two tokens a row, a width that is not a power of two
+        ("auto", "gpu"): (True, False, False),
+        ("auto", "cpu"): (False, False, False),
         ("xla", "gpu"): (False, False, False),
         ("kernel", "cpu"): (True, False, False),
         ("kernel", "gpu"): (True, False, False),
