@@ -320,6 +320,8 @@ class Bench:
             r.update(handoff_window_us=hs["window_s"] / c * 1e6, handoff_gpu_side_us=hs["gpu_s"] / c * 1e6,
                      handoff_cpu_side_us=hs["cpu_s"] / c * 1e6, handoff_sync=_cpu_ext.handoff_sync(),
                      handoffs_per_step=c / n, handoff_arrivals_unseen=hs["unseen"])  # fmt: skip
+            # the step's time outside its handoff windows, per handoff (a layer): what no transfer hides
+            r["outside_windows_us_per_layer"] = (dt - hs["window_s"] / n) / (c / n) * 1e6
         return r
 
     def prefill(
@@ -499,6 +501,7 @@ def run(args) -> dict:
                 ("tokens_per_s", "tok/s", ".1f"), ("ms_per_token", "ms/tok", ".2f"), ("ttft_ms", "TTFT ms", ".0f"),
                 ("hit_rate", "hit", ".3f"), ("gb_fetched_per_token", "GB/tok", ".3f"), ("q", "q", ".2f"),
                 ("ratio_to_bound", "of bound", ".2f"), ("host_thread_ms_per_step", "host ms", ".2f"),
+                ("handoff_window_us", "window us", ".0f"), ("outside_windows_us_per_layer", "outside us/L", ".1f"),
                 ("x_naive", "x naive", ".2f")]  # fmt: skip
     else:
         for skew in args.routing_skew:

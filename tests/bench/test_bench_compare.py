@@ -27,7 +27,9 @@ def test_decode_side_by_side(tmp_path, capsys):
     assert set(rows) == {("offload", 0.0005), ("offload", 0.002), ("hybrid", 0.0005), ("hybrid", 0.002), ("naive", None), ("cpu", None)}
     for r in d["rows"]:
         assert ROW_KEYS <= set(r) and r["tokens_per_s"] > 0 and 0 <= r["hit_rate"] <= 1 and r["bound_ms"] > 0 and r["routing_skew"] == 0
-        assert 0 < r["host_thread_ms_per_step"] <= r["ms_per_token"] * 1.05  # the driving thread ran within the step
+        # the driving thread ran within the step (schedstat's run time of a running thread lags by up
+        # to a scheduler tick at each reading: a few ms over the few steps timed here)
+        assert 0 < r["host_thread_ms_per_step"] <= r["ms_per_token"] * 1.05 + 1.0
     assert rows[("naive", None)]["hit_rate"] == 0 and rows[("naive", None)]["gb_fetched_per_token"] > 0
     # more slots, no fewer hits (same seeded routing); the hybrid sends work to the CPU
     assert rows[("offload", 0.002)]["hit_rate"] >= rows[("offload", 0.0005)]["hit_rate"]
@@ -205,3 +207,20 @@ def test_user_errors_are_one_line_and_come_first(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(compare, "run", lambda args: (_ for _ in ()).throw(AssertionError("ran before checking --plot")))
     assert main(["decode", "--gen-len", "4", "--plot", str(tmp_path / "p.png")]) == 2
     assert "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_decode_rows_split_the_step_at_the_handoff_windows(tmp_path, monkeypatch):
+    """With the FFI handoff (the GPU's; its CPU handlers here), a cpu row reports the handoff's
+    window and the step's time outside the windows per layer, which together make up the step."""
+    from freetoken_jax.bench import compare
+
+    monkeypatch.setattr(compare, "resolve_mode", lambda mode: "ffi")
+    out = tmp_path / "d.json"
+    argv = ["decode", "--preset", "demo", "--strategy", "cpu", "--prompt-len", "8", "--gen-len", "12", "--routing-skew", "0",
+            "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    (r,) = json.loads(out.read_text())["rows"]
+    layers = r["handoffs_per_step"]
+    assert layers > 0 and r["handoff_window_us"] > 0 and r["outside_windows_us_per_layer"] > 0
+    whole = layers * (r["handoff_window_us"] + r["outside_windows_us_per_layer"]) / 1e3
+    assert whole == pytest.approx(r["ms_per_token"], rel=1e-6)
