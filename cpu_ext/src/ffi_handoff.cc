@@ -768,8 +768,17 @@ int64_t RegisterHandoffLayer(MoeExecutor* executor, const Banks& banks, Act act)
 void PrepareHandoffJob(int64_t handle, int64_t tokens, int64_t top_k, int cuda_ordinal) {
   ScopedContext ctx(cuda_ordinal);
   if (!ctx.error().empty()) throw std::runtime_error(ctx.error());
-  if (cuda_ordinal >= 0 && SyncMode() == kSyncKernel)
-    if (std::string e = LoadSignalKernels(); !e.empty()) throw std::runtime_error(e);
+  if (cuda_ordinal >= 0 && SyncMode() == kSyncKernel) {
+    if (std::string e = LoadSignalKernels(); !e.empty()) {
+      // Asked for by name, the kernels are required; as the default, the handoff falls back to the
+      // stream memory operations (or host functions) and says so.
+      const char* env = std::getenv("FREETOKEN_HANDOFF_SYNC");
+      if (env && std::string(env) == "kernel") throw std::runtime_error(e);
+      SetHandoffSync(kSyncStreamMemOps);
+      std::fprintf(stderr, "freetoken_jax: %s; the CPU handoff signals by %s instead\n", e.c_str(),
+                   SyncMode() == kSyncStreamMemOps ? "stream memory operations" : "host functions");
+    }
+  }
   Job* j;
   ffi::Error e = GetJob(handle, tokens, top_k, cuda_ordinal >= 0, &j);
   if (e.failure()) throw std::runtime_error(e.message());

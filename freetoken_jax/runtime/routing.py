@@ -7,10 +7,10 @@ layer (the hot experts differ between layers); s = 0 is uniform, trained routers
 Each token draws its top-k without replacement (Gumbel top-k) with noise hashed from the layer,
 its position and its row in the step (a decode step's batch row, a prefill chunk's token index),
 so a step's routing is reproducible but changes from step to step. A layer's draw is two
-kernels (the hashed noise, the top-k), where jax.random's threefry and a sort took five: the draw
-is the benchmark's, not the engine's, and costs the step as little as it can. A prompt's last token drawn
-in a prefill chunk and the same token sent through the decode step get different experts. The
-router's weights are kept (only the ids change).
+kernels (the hashed noise, the top-k), where jax.random's threefry and a sort took five: the
+draw is the benchmark's, not the engine's, and costs the step as little as it can. A prompt's
+last token drawn in a prefill chunk and the same token sent through the decode step get
+different experts. The router's weights are kept (only the ids change).
 """
 
 from __future__ import annotations
