@@ -53,37 +53,51 @@ def _uniform(*keys):
     return ((h >> 8).astype(jnp.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
-    """The layer's draw in place of the router's `ids_TK` (same shape and dtype): each token's K
-    experts, a Gumbel top-K of the layer's log-popularity with noise hashed from the seed, the
-    layer, the token's position and its row in the step; the top-K is the kernel of
-    `pallas_kernels/route_topk.py` on a GPU. The draw is tied to the router's output by an
-    optimization barrier, so that it comes when a router's choice would: drawn from positions
-    alone, it could be computed for every layer at the step's start, and XLA would schedule the
-    work that depends only on the experts chosen out of its place in the layer. `skew` may be
+def synthetic_scores(T: int, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
+    """[T, E] float32: the layer's log-popularity plus Gumbel noise hashed from the seed, the
+    layer, each token's position and its row in the step; its top-K is the draw. `skew` may be
     traced: one executable serves every exponent (the draw needs the log-popularity only up to a
     constant, so it is not normalized here)."""
-    T, K = ids_TK.shape
     logp = -jnp.asarray(skew, jnp.float32) * jnp.asarray(log_ranks(num_experts, layer), jnp.float32)
     u = _uniform(seed, layer, positions_T.astype(jnp.int32)[:, None], jnp.arange(T, dtype=jnp.int32)[:, None],
                  jnp.arange(num_experts, dtype=jnp.int32)[None, :])  # fmt: skip
-    scores, _ = jax.lax.optimization_barrier((logp[None, :] - jnp.log(-jnp.log(u)), ids_TK))
+    return logp[None, :] - jnp.log(-jnp.log(u))
+
+
+def _top(scores_TE: jax.Array, K: int) -> jax.Array:
+    """The K largest of each row, by the kernel of `pallas_kernels/route_topk.py` on a GPU."""
     if jax.default_backend() == "gpu" and K <= route_topk.TOP_K_MAX:
-        ids = route_topk.top_k(scores, K)[1]
-    else:
-        ids = jax.lax.top_k(scores, K)[1]
-    return ids.astype(ids_TK.dtype)
+        return route_topk.top_k(scores_TE, K)[1]
+    return jax.lax.top_k(scores_TE, K)[1]
+
+
+def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
+    """The layer's draw in place of the router's `ids_TK` (same shape and dtype): each token's K
+    experts, the top-K of `synthetic_scores`."""
+    T, K = ids_TK.shape
+    return _top(synthetic_scores(T, positions_T, layer, num_experts, skew, seed), K).astype(ids_TK.dtype)
 
 
 def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew) -> list:
-    """Wraps each layer's expert function so that it computes the synthetic routing's experts."""
+    """Wraps each layer's expert function so that it computes the synthetic routing's experts. A
+    layer's draw reads its router's weights (a row's scores go to −inf where its first weight is
+    NaN, which a working router never gives), so that it comes when a router's choice would:
+    drawn from positions alone, every layer's draw could be made at the step's start, and XLA
+    would schedule the work that depends only on the experts chosen out of its layer (an
+    optimization barrier does not hold that on every backend: the CPU's drops it first)."""
+
+    def layer(fn, m):
+        def draw(x, ids, w, bias=None):
+            scores = synthetic_scores(ids.shape[0], positions_T, m, num_experts, skew)
+            scores = jnp.where(jnp.isnan(w[:, :1]), -jnp.inf, scores)
+            return fn(x, _top(scores, ids.shape[1]).astype(ids.dtype), w, bias)
+
+        return draw
+
     out, m = [], 0
     for fn in fns:
-        if fn is None:
-            out.append(None)
-            continue
-        out.append(lambda x, ids, w, bias=None, fn=fn, m=m: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew), w, bias))
-        m += 1
+        out.append(None if fn is None else layer(fn, m))
+        m += fn is not None
     return out
 
 

@@ -48,13 +48,20 @@ def test_every_strategy_computes_the_same_synthetic_routing(ckpt_root):
 
 
 def test_the_draw_waits_for_the_router():
-    """A layer's draw is tied to the router's ids (an optimization barrier over both), so that XLA
-    cannot draw every layer's experts at the step's start and schedule what depends on them out
-    of the layer, as no router's choice would allow."""
+    """A layer's draw reads its router's weights (a data dependence, which no compiler pass
+    removes: an optimization barrier did not survive the CPU's), so that XLA cannot draw every
+    layer's experts at the step's start and schedule what depends on them out of the layer, as no
+    router's choice would allow; with working weights the draw equals `synthetic_ids`."""
+    from freetoken_jax.runtime.routing import with_synthetic_routing
+
+    seen = {}
+    (wrapped,) = with_synthetic_routing([lambda x, ids, w, bias=None: seen.update(ids=ids, w=w) or x], jnp.arange(2), 32, 0.0)
     ids = jnp.zeros((2, 4), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda i: synthetic_ids(i, jnp.arange(2), 1, 32, 0.0))(ids)
-    barriers = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-    assert barriers and any(jaxpr.jaxpr.invars[0] in e.invars for e in barriers)
-    out = barriers[0].outvars
-    top = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("top_k", "pallas_call")]
-    assert top and any(v in out for v in top[0].invars)  # the top-k reads the barrier's scores
+    step = jax.jit(lambda w: (wrapped(jnp.zeros((2, 8)), ids, w), seen["ids"], seen["w"])[1:])
+    got, w_out = step(jnp.full((2, 4), 0.25))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(synthetic_ids(ids, jnp.arange(2), 0, 32, 0.0)))
+    np.testing.assert_array_equal(np.asarray(w_out), 0.25)  # the weights pass on as they are
+    broken = jnp.full((2, 4), 0.25).at[1, 0].set(jnp.nan)  # the draw of row 1 follows its weights
+    got2, _ = step(broken)
+    np.testing.assert_array_equal(np.asarray(got2)[0], np.asarray(got)[0])
+    np.testing.assert_array_equal(np.asarray(got2)[1], np.arange(4))
