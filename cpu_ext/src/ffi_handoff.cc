@@ -652,8 +652,8 @@ uint64_t FlagAddress(const Job* j, size_t offset) { return j->flags_device + off
 
 // Whether a job's signalling kernels move its input and result themselves (kSyncKernel).
 bool KernelCopies(const Job* j) {
-  const int64_t H = j->layer->banks.hidden;
-  return j->x_device && 4 * j->T * std::max<int64_t>(H + 2 * j->K + 1, H) <= kKernelCopyBytes;
+  // the packed input (x, ids, w, valid) is the larger way: T · (H + 2K + 1) words against T · H
+  return j->x_device && 4 * j->T * (j->layer->banks.hidden + 2 * j->K + 1) <= kKernelCopyBytes;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -326,7 +326,9 @@ class MLAttention(nnx.Module):
         self.o_proj = linear(H * cfg.v_head_dim, D, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView):
+    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None):
+        """`norm`: the layer's input norm, applied to x_BTD first (as `Attention` takes it)."""
+        x_BTD = x_BTD if norm is None else norm(x_BTD)
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim

@@ -28,10 +28,8 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None):
         with jax.named_scope("attention"):
-            if isinstance(self.self_attn, Attention):  # the norm may go into one kernel with the projections
-                a, kv = self.self_attn(x_BTD, cos_sin, kv, view, norm=self.input_layernorm)
-            else:
-                a, kv = self.self_attn(self.input_layernorm(x_BTD), cos_sin, kv, view)
+            # the norm is the attention's to apply: it may go into one kernel with the projections
+            a, kv = self.self_attn(x_BTD, cos_sin, kv, view, norm=self.input_layernorm)
         x_BTD = x_BTD + a
         with jax.named_scope("moe" if self.is_moe else "mlp"):
             if self.is_moe:  # the norm may go into one kernel with the router
