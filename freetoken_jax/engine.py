@@ -149,7 +149,7 @@ class FreeTokenEngine:
             from freetoken_jax.runtime.routing import SyntheticRouting
 
             experts = SyntheticRouting(experts, float(routing_skew))
-        self.runner = ModelRunner(cfg, ecfg, Weights(params, graphdef), experts, plan)
+        self.runner = ModelRunner(cfg, ecfg, Weights.of(params, graphdef), experts, plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)
         if probe:
             self._check_hybrid_choice(ecfg.auto_probe_steps)

@@ -24,12 +24,29 @@ from freetoken_jax.runtime.sampling import Sampling, count_tokens, sample, sampl
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Weights:
-    """The model's parameters with its (static) NNX graph definition. Under the host-bank
-    strategies the routed experts' leaves are the host banks themselves (`runtime/offload.py`);
-    how they are computed is the step's `experts` backend (`runtime/experts.py`)."""
+    """The model's parameters with its (static) NNX graph definition; make one with
+    `Weights.of(params, graphdef)`. Under the host-bank strategies the routed experts' leaves are
+    the host banks themselves (`runtime/offload.py`); how they are computed is the step's
+    `experts` backend (`runtime/experts.py`).
 
-    params: Any
+    The parameters are kept as their flat list of arrays and the (static) tree structure of their
+    `nnx.State`: jit flattens its arguments at every call, and an `nnx.State` flattens through a
+    Python function per variable (about 0.3 ms a call for a 24-layer model, against microseconds
+    for a tuple of arrays)."""
+
+    leaves: tuple
+    treedef: Any = dataclasses.field(metadata=dict(static=True))
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
+
+    @classmethod
+    def of(cls, params, graphdef) -> Weights:
+        leaves, treedef = jax.tree.flatten(params)
+        return cls(tuple(leaves), treedef, graphdef)
+
+    @property
+    def params(self):
+        """The parameters as an `nnx.State` (the tree `nnx.split` gives)."""
+        return jax.tree.unflatten(self.treedef, self.leaves)
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)

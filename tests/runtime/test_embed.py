@@ -51,3 +51,21 @@ def test_decode_step_has_no_conditional(demo_engine):
     state = DecodeState(cache, jnp.zeros((2,), jnp.int32), jnp.ones((2,), jnp.int32))
     text = jax.jit(decode_step).lower(engine.weights, state, DecodeBatch(table, jnp.ones((2,), bool), Sampling.greedy(2))).as_text()
     assert "stablehlo.case" not in text and "stablehlo.if" not in text
+
+
+def test_weights_flatten_to_their_arrays(demo_engine):
+    """jit flattens a step's arguments at every call: the weights must be one tuple of arrays
+    (no per-variable nodes of an `nnx.State`), and `params` gives back the state they came from."""
+    from flax import nnx
+
+    from freetoken_jax import Weights
+
+    w = demo_engine.weights
+    leaves, treedef = jax.tree.flatten(w)
+    assert treedef.num_nodes == len(leaves) + 2  # the Weights node, its tuple, the arrays
+    assert all(isinstance(a, jax.Array) for a in leaves)
+    again = Weights.of(w.params, w.graphdef)
+    assert again.treedef == w.treedef and all(a is b for a, b in zip(again.leaves, w.leaves))
+    params = nnx.state(w.model())
+    assert jax.tree.structure(params) == w.treedef
+    assert all(a is b for a, b in zip(jax.tree.leaves(params), w.leaves))
