@@ -71,28 +71,29 @@ def _top(scores_TE: jax.Array, K: int) -> jax.Array:
     return jax.lax.top_k(scores_TE, K)[1]
 
 
-def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0) -> jax.Array:
+def synthetic_ids(ids_TK: jax.Array, positions_T: jax.Array, layer: int, num_experts: int, skew, seed: int = 0,
+                  w_TK: jax.Array | None = None) -> jax.Array:  # fmt: skip
     """The layer's draw in place of the router's `ids_TK` (same shape and dtype): each token's K
-    experts, the top-K of `synthetic_scores`."""
+    experts, the top-K of `synthetic_scores`. With the router's weights `w_TK`, a row's scores
+    go to −inf where its first weight is NaN (which a working router never gives): the draw then
+    depends on the router (`with_synthetic_routing` says why)."""
     T, K = ids_TK.shape
-    return _top(synthetic_scores(T, positions_T, layer, num_experts, skew, seed), K).astype(ids_TK.dtype)
+    scores = synthetic_scores(T, positions_T, layer, num_experts, skew, seed)
+    if w_TK is not None:
+        scores = jnp.where(jnp.isnan(w_TK[:, :1]), -jnp.inf, scores)
+    return _top(scores, K).astype(ids_TK.dtype)
 
 
 def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, skew) -> list:
     """Wraps each layer's expert function so that it computes the synthetic routing's experts. A
-    layer's draw reads its router's weights (a row's scores go to −inf where its first weight is
-    NaN, which a working router never gives), so that it comes when a router's choice would:
-    drawn from positions alone, every layer's draw could be made at the step's start, and XLA
-    would schedule the work that depends only on the experts chosen out of its layer (an
-    optimization barrier does not hold that on every backend: the CPU's drops it first)."""
+    layer's draw reads its router's weights (`synthetic_ids`' `w_TK`), so that it comes when a
+    router's choice would: drawn from positions alone, every layer's draw could be made at the
+    step's start, and XLA would schedule the work that depends only on the experts chosen out of
+    its layer (an optimization barrier does not hold that on every backend: the CPU's drops it
+    first)."""
 
     def layer(fn, m):
-        def draw(x, ids, w, bias=None):
-            scores = synthetic_scores(ids.shape[0], positions_T, m, num_experts, skew)
-            scores = jnp.where(jnp.isnan(w[:, :1]), -jnp.inf, scores)
-            return fn(x, _top(scores, ids.shape[1]).astype(ids.dtype), w, bias)
-
-        return draw
+        return lambda x, ids, w, bias=None: fn(x, synthetic_ids(ids, positions_T, m, num_experts, skew, w_TK=w), w, bias)
 
     out, m = [], 0
     for fn in fns:
