@@ -7,7 +7,9 @@ layer step that last used it; one global LRU over all layers (the clock advances
 layer per step). Every update has fixed shapes: a layer's needs are the B × k routed entries,
 misses padded with a mask, so the step compiles once per batch bucket. What no later layer of
 a step reads (the counters, `routed_LN`, `last_routed`) is written once for all the step's layers
-at its end (`record_stats`): fewer, larger updates than one per layer.
+at its end (`record_stats`): fewer, larger updates than one per layer. Where the cache has room
+the victims of a whole step come from one sort at its start (`StepVictims`), and `id_of_slot`
+and `last_use` are written at its end too.
 
 Each slot array holds one expert per row, flattened: gate and up as [F·D] (rows of the [F, D]
 matrix), down as [D·F], or for a quantized expert format the matrix's bytes (uint8,
@@ -146,6 +148,8 @@ class LayerStats:
     counts: jax.Array  # int32 [3]: distinct experts found resident, fetched, left to the CPU
     flat: jax.Array  # int32 [N]: its entries' flat ids
     valid: jax.Array  # bool [N]
+    victim: jax.Array | None = None  # int32 [N]: with `StepVictims`, the slot each entry was fetched into (S: none)
+    used: jax.Array | None = None  # int32 [N]: with `StepVictims`, the slot each entry was computed from (S: none)
 
 
 def victim_kernel(n: int) -> bool:
@@ -163,39 +167,77 @@ def _least_recent(last_use_S: jax.Array, n: int) -> jax.Array:
     return jax.lax.top_k(-last_use_S, n)[1]
 
 
-def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepVictims:
+    """A decode step's victims from one sort (`step_victims`) instead of one per layer. A slot a
+    layer uses gets the clock of that layer, later than every slot no layer of the step has used
+    yet (`keep_buffer` advances the clock too), so each layer's least recently used slots not in
+    use are the first slots of the step-start LRU order that no earlier layer used and this one
+    does not need. With W = (layers + 1)·N of them in that order, the layers never run out: the
+    earlier layers used at most (layers − 1)·N, this one needs at most N, and N more remain. As
+    the untouched slots keep their step-start ids and clocks, `id_of_slot` and `last_use` are
+    written once, at the step's end (`record_stats`)."""
+
+    slot_W: jax.Array  # int32 [W]: the W least recently used slots at the step's start, in order
+    fresh_W: jax.Array  # bool [W]: not used by an earlier layer of the step
+
+
+def step_victims(c: SlotCache, layers: int, N: int) -> StepVictims | None:
+    """The step's victim candidates for `layers` MoE layers of N routed entries each, or None
+    where the cache has fewer than (layers + 1)·N slots (each layer then sorts its own)."""
+    W = (layers + 1) * N
+    if c.num_slots < W:
+        return None
+    return StepVictims(_least_recent(c.last_use, W), jnp.ones((W,), bool))
+
+
+def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int, sv: StepVictims | None = None):
     """Chooses least-recently-used victims for the fetched misses among the slots this layer does
     not need and updates the maps and clocks. Returns the new cache, each entry's slot [T, k] (0
-    for entries on the CPU), the fetch plan and the layer's `LayerStats` (for `record_stats`)."""
+    for entries on the CPU), the fetch plan, the layer's `LayerStats` (for `record_stats`) and,
+    given the step's `StepVictims`, those left for the next layer (then `id_of_slot` and
+    `last_use` are left to `record_stats` as well)."""
     # The per-slot updates are comparisons of every slot with the layer's N entries ([S, N]) and
     # selects, not scatters: elementwise work XLA fuses with its neighbours instead of one
     # scatter kernel each.
     N, S = T * K, c.num_slots
     flat, valid, slot, miss = m.flat, m.valid, m.slot, m.miss
     resident = slot >= 0
-    s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
-    in_use = jnp.any((slot[None, :] == s_S1) & (valid & resident)[None, :], axis=1)
-    # Victims: the N least recently used slots not in use (empty slots first; ties by index).
-    order = _least_recent(jnp.where(in_use, _NEVER, c.last_use), N)
-    rank = jnp.clip(jnp.cumsum(miss) - 1, 0, N - 1)
-    victim = jnp.where(miss, order[rank], S)  # S: out of range, dropped
+    needed = (valid & resident)[None, :]
+    rank = jnp.cumsum(miss) - 1  # each fetched miss takes the rank-th victim
+    if sv is None:
+        # Victims: the N least recently used slots not in use (empty slots first; ties by index).
+        in_use = jnp.any((slot[None, :] == jnp.arange(S, dtype=jnp.int32)[:, None]) & needed, axis=1)
+        order = _least_recent(jnp.where(in_use, _NEVER, c.last_use), N)
+        victim = jnp.where(miss, order[jnp.clip(rank, 0, N - 1)], S)  # S: out of range, dropped
+    else:
+        free_W = sv.fresh_W & ~jnp.any((slot[None, :] == sv.slot_W[:, None]) & needed, axis=1)
+        at_W = jnp.cumsum(free_W) - 1  # the free candidates' ranks, in LRU order
+        take = free_W[None, :] & (at_W[None, :] == rank[:, None]) & miss[:, None]  # [N, W]
+        victim = jnp.where(miss, jnp.sum(jnp.where(take, sv.slot_W[None, :], 0), axis=1), S)
     evicted = jnp.where(miss, c.id_of_slot[jnp.clip(victim, 0, S - 1)], -1)
     oob = c.slot_for_id.shape[0]
     # One scatter: the evicted ids (resident) and the missed ones (not) never coincide.
     slot_for_id = c.slot_for_id.at[jnp.concatenate([jnp.where(evicted >= 0, evicted, oob), jnp.where(miss, flat, oob)])].set(
         jnp.concatenate([jnp.full((N,), -1, jnp.int32), victim.astype(jnp.int32)]), mode="drop"
     )
-    filled = victim[None, :] == s_S1  # [S, N]: slot s takes entry n's expert (victims are distinct)
-    id_of_slot = jnp.where(jnp.any(filled, axis=1), jnp.sum(jnp.where(filled, flat[None, :], 0), axis=1), c.id_of_slot)
     on_gpu = valid & ~m.on_cpu
     slots_TK = jnp.where(on_gpu, slot_for_id[flat], 0).reshape(T, K)
-    used = jnp.any((slots_TK.reshape(1, N) == s_S1) & on_gpu[None, :], axis=1)
-    last_use = jnp.where(used, c.clock, c.last_use)
+    used_N = jnp.where(on_gpu, slots_TK.reshape(N), S)  # S: none
     counts = jnp.stack([jnp.sum(m.first & resident), jnp.sum(miss), jnp.sum(m.to_cpu)]).astype(jnp.int32)
     stats = LayerStats(moe_layer, c.clock, counts, flat, valid)
-    new = c.with_(slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1)
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
-    return new, slots_TK, plan, stats
+    if sv is not None:
+        stats = dataclasses.replace(stats, victim=victim, used=used_N)
+        fresh_W = sv.fresh_W & ~jnp.any(sv.slot_W[:, None] == used_N[None, :], axis=1)
+        return c.with_(slot_for_id=slot_for_id, clock=c.clock + 1), slots_TK, plan, stats, StepVictims(sv.slot_W, fresh_W)
+    s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
+    filled = victim[None, :] == s_S1  # [S, N]: slot s takes entry n's expert (victims are distinct)
+    id_of_slot = jnp.where(jnp.any(filled, axis=1), jnp.sum(jnp.where(filled, flat[None, :], 0), axis=1), c.id_of_slot)
+    last_use = jnp.where(jnp.any(used_N[None, :] == s_S1, axis=1), c.clock, c.last_use)
+    new = c.with_(slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1)
+    return new, slots_TK, plan, stats, None
 
 
 def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:
@@ -211,12 +253,28 @@ def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:
     oob = c.last_routed.shape[0]
     ids = jnp.concatenate([jnp.where(s.valid, s.flat, oob) for s in stats])
     when = jnp.concatenate([jnp.broadcast_to(s.clock, s.flat.shape) for s in stats])
+    c = _write_slots(c, [s for s in stats if s.victim is not None])
     return c.with_(
         hits_L=c.hits_L.at[layers].add(counts[:, 0]),
         misses_L=c.misses_L.at[layers].add(counts[:, 1]),
         cpu_L=c.cpu_L.at[layers].add(counts[:, 2]),
         routed_LN=c.routed_LN.at[layers].set(routed),
         last_routed=c.last_routed.at[ids].set(when, mode="drop"),
+    )
+
+
+def _write_slots(c: SlotCache, stats: list[LayerStats]) -> SlotCache:
+    """`id_of_slot` and `last_use` after layers that chose victims from `StepVictims`: each slot
+    is a victim at most once a step, and a slot used by several layers keeps the latest clock."""
+    if not stats:
+        return c
+    victim = jnp.concatenate([s.victim for s in stats])
+    used = jnp.concatenate([s.used for s in stats])
+    when = jnp.concatenate([jnp.broadcast_to(s.clock, s.used.shape) for s in stats])
+    flat = jnp.concatenate([s.flat for s in stats])
+    return c.with_(
+        id_of_slot=c.id_of_slot.at[victim].set(flat, mode="drop"),
+        last_use=c.last_use.at[used].max(when, mode="drop"),
     )
 
 
@@ -247,4 +305,5 @@ def keep_buffer(c: SlotCache, buf_E: jax.Array, moe_layer: int) -> SlotCache:
         slot_for_id=c.slot_for_id.at[jnp.where(free, ids, oob)].set(buf_E, mode="drop"),
         id_of_slot=c.id_of_slot.at[jnp.where(free, buf_E, S)].set(ids, mode="drop"),
         last_use=c.last_use.at[jnp.where(free, buf_E, S)].set(c.clock, mode="drop"),
+        clock=c.clock + 1,  # later than the slots kept, as `StepVictims` needs
     )

@@ -28,7 +28,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.slot_cache import SlotCache, borrow_for_prefill, find_misses, keep_buffer, place_misses, record_stats
+from freetoken_jax.memory.slot_cache import (
+    SlotCache,
+    borrow_for_prefill,
+    find_misses,
+    keep_buffer,
+    place_misses,
+    record_stats,
+    step_victims,
+)
 from freetoken_jax.models.layers import pair_biases, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime.experts import moe_layer_fns
@@ -76,6 +84,9 @@ class OffloadExecutor:
         self.prefill, self.prefill_load = prefill, prefill_load
         self.compute = compute or routed_experts
         self.stats: list = []  # each decode layer's `LayerStats`, recorded by `result`
+        self.victims = None  # the step's `StepVictims`, left by each decode layer for the next
+        if cache is not None and not prefill:
+            self.victims = step_victims(cache, cfg.num_moe_layers, valid_T.shape[0] * cfg.top_k)
         self.layouts = [ExpertLayout.of(cfg, m) for m in range(cfg.num_moe_layers)]
         if prefill and cache is not None:
             self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
@@ -193,7 +204,7 @@ class OffloadExecutor:
             misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
 
             def gpu_side(c):
-                c, slots_TK, plan, stats = place_misses(c, m, misses, E, T, K)
+                c, slots_TK, plan, stats, self.victims = place_misses(c, m, misses, E, T, K, self.victims)
                 self.stats.append(stats)
                 arrays = (c.gate_SR, c.up_SR, c.down_SR)
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)

@@ -9,7 +9,16 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
-from freetoken_jax.memory.slot_cache import SlotCache, fetch_count, find_misses, place_misses, record_stats
+from freetoken_jax.memory.slot_cache import (
+    SlotCache,
+    borrow_for_prefill,
+    fetch_count,
+    find_misses,
+    keep_buffer,
+    place_misses,
+    record_stats,
+    step_victims,
+)
 
 # max_running: both rows decode together even with the fewest slots (one step's experts for max_batch rows)
 BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid",
@@ -73,7 +82,7 @@ def test_misses_found_before_placing_agree_with_the_placed_maps():
         valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
         q = float(rng.choice([0.0, 0.3, 0.5, 1.0]))
         m = find_misses(c, layer, ids, valid, E, q)
-        new, slots_TK, plan, _ = place_misses(c, layer, m, E, T, K)
+        new, slots_TK, plan, *_ = place_misses(c, layer, m, E, T, K)
         flat = layer * E + np.asarray(ids).reshape(-1)
         v = np.repeat(np.asarray(valid) != 0, K)
         after = np.asarray(new.slot_for_id)[flat]
@@ -100,7 +109,7 @@ def test_victims_by_the_kernel_equal_xlas(monkeypatch):
         out = {}
         for how in ("xla", "kernel"):
             monkeypatch.setenv("FREETOKEN_VICTIM_TOPK", how)
-            new, slots_TK, plan, _ = place_misses(c, layer, m, E, T, K)
+            new, slots_TK, plan, *_ = place_misses(c, layer, m, E, T, K)
             out[how] = jax.tree.leaves((new, slots_TK, plan))
         for a, b in zip(out["xla"], out["kernel"]):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(trial))
@@ -125,7 +134,7 @@ def test_a_steps_statistics_recorded_at_its_end_equal_each_layers_own():
             valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
             m = find_misses(c, layer, ids, valid, E, float(rng.choice([0.0, 0.5, 1.0])))
             clock = int(c.clock)
-            c, _, _, st = place_misses(c, layer, m, E, T, K)
+            c, _, _, st, _ = place_misses(c, layer, m, E, T, K)
             stats.append(st)
             flat, v = layer * E + np.asarray(ids).reshape(-1), np.repeat(np.asarray(valid) != 0, K)
             hits[layer] += int(np.sum(np.asarray(m.first) & (np.asarray(m.slot) >= 0)))
@@ -172,3 +181,39 @@ def test_hybrid_matches_fused(family, ckpt_root):
     )
     assert cost.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want
     assert cost.get_metrics()["experts_on_cpu"] < plain.get_metrics()["experts_on_cpu"]
+
+
+@pytest.mark.parametrize("q", [None, 0.5])
+def test_victims_from_one_sort_a_step_equal_one_sort_a_layer(q):
+    """With (layers + 1)·N slots or more, a step takes its victims from one sort at its start
+    (`StepVictims`) and writes `id_of_slot` and `last_use` at its end: every layer's slots, fetch
+    plan and maps, and the cache after `record_stats`, equal those of one sort per layer. Caches
+    from the random generator hold ties in `last_use`; every other one first goes through a
+    prefill's `borrow_for_prefill` and `keep_buffer` (slots kept at the clock of the step that
+    follows, unless keeping advances it) with few slots besides; steps follow one another on the same cache."""
+    rng = np.random.default_rng(11)
+    L, E, T, K = 3, 16, 2, 2
+    N = T * K
+    for trial in range(12):
+        S = int(rng.integers(2 * E, L * E) if trial % 2 == 0 else rng.integers(2 * E, 2 * E + N))
+        c = _random_cache(rng, L, E, S, N)
+        if trial % 2:  # layers 0 and 1 kept: layer 2's victims reach the slots kept
+            c, bufs = borrow_for_prefill(c, E)
+            c = keep_buffer(keep_buffer(c, bufs[0], 0), bufs[1], 1)
+        for step in range(3):
+            sv, a, b, stats_a, stats_b = step_victims(c, L, N), c, c, [], []
+            for layer in range(L):
+                ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)
+                valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
+                m = find_misses(a, layer, ids, valid, E, q)
+                a, slots_a, plan_a, st_a, _ = place_misses(a, layer, m, E, T, K)
+                b, slots_b, plan_b, st_b, sv = place_misses(b, layer, m, E, T, K, sv)
+                stats_a.append(st_a)
+                stats_b.append(st_b)
+                for x, y in zip(jax.tree.leaves((slots_a, plan_a, a.slot_for_id)), jax.tree.leaves((slots_b, plan_b, b.slot_for_id))):
+                    np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{trial}/{step}/{layer}")
+            a, b = record_stats(a, stats_a), record_stats(b, stats_b)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{trial}/{step}")
+            c = a
+    assert step_victims(_random_cache(rng, L, E, (L + 1) * N - 1, N), L, N) is None  # too few slots: a sort a layer

@@ -62,11 +62,12 @@ def test_all_hits_after_warmup(ckpt_root):
 class LRUModel:
     """A plain-Python model of the slot cache's global LRU."""
 
-    def __init__(self, slots: int):
-        self.slot_for_id: dict[int, int] = {}
-        self.id_of_slot = [-1] * slots
-        self.last_use = [-1] * slots
-        self.clock = 0
+    def __init__(self, cache):
+        """Starts from the maps and clocks of `cache` (a SlotCache of numpy arrays)."""
+        self.slot_for_id: dict[int, int] = {i: int(s) for i, s in enumerate(cache.slot_for_id) if s >= 0}
+        self.id_of_slot = cache.id_of_slot.tolist()
+        self.last_use = cache.last_use.tolist()
+        self.clock = int(cache.clock)
 
     def layer_step(self, needed: list[int]) -> None:
         distinct = list(dict.fromkeys(i for i in needed if i >= 0))
@@ -84,8 +85,11 @@ class LRUModel:
         self.clock += 1
 
 
-@pytest.mark.parametrize("slots", [4, 7])
+@pytest.mark.parametrize("slots", [4, 7, 20])
 def test_slot_maps_follow_the_lru_model(slots):
+    """4 and 7 slots: each layer sorts its own victims, after a prefill that leaves the cache
+    empty; 20 ≥ (3 layers + 1) × 4 entries: one sort a step (`StepVictims`), after a prefill
+    through two borrowed layer buffers that leaves two layers resident."""
     cfg = MoEModelConfig(
         vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
     )
@@ -103,7 +107,8 @@ def test_slot_maps_follow_the_lru_model(slots):
     first = runner.prefill(PrefillBatch.chunk(prompts, [0, 0], table, 16, Sampling.greedy(2)))
     runner.set_rows(np.arange(2), first, [6, 3])
     batch = DecodeBatch(jnp.asarray(table), jnp.asarray([True, True]), Sampling.greedy(2))
-    model = LRUModel(slots)
+    model = LRUModel(jax.tree.map(np.asarray, runner.slots))
+    assert (sum(i >= 0 for i in model.id_of_slot) > 0) == (slots >= 2 * cfg.num_experts)
     E = cfg.num_experts
     banks = [
         [np.asarray(layer["mlp"]["experts"][k].get_value()) for k in ("gate", "up", "down")]
