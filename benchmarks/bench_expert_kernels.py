@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--hlo", help="a folder: write each XLA variant's optimized HLO (one layer) there and count its kernels")
     a = ap.parse_args()
     E, K, F, D = a.experts, a.k, a.ffn, a.hidden
     q, rng = get_format(a.format), np.random.default_rng(0)
@@ -50,6 +51,11 @@ def main() -> None:
 
     def xla(x, ids):
         return routed_experts(x, ids, w, banks, layout, impl="gather")
+
+    def xla_words(x, ids):
+        """q4_0 read as 16-bit words: a block's scale is one word (bitcast, nothing composed)."""
+        words = tuple(jax.lax.bitcast_convert_type(b.reshape(b.shape[0], -1, 2), jnp.uint16) for b in banks)
+        return q4_0_words_experts(x, ids, w, words, F, D)
 
     def kernel(x, ids, rows, warps):
         return gathered_experts.experts(a.format, x, ids, w, *banks, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
@@ -74,7 +80,18 @@ def main() -> None:
         f"{jax.devices()[0].device_kind}: {a.format} experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call"
     )
     print(f"{'variant':>22} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
-    variants = [("xla gather", xla)] + [
+    xla_variants = [("xla gather", xla)] + ([("xla u16 words", xla_words)] if a.format == "q4_0" else [])
+    if a.hlo:
+        import pathlib
+
+        out = pathlib.Path(a.hlo)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, fn in xla_variants:
+            text = jax.jit(fn).lower(x0, one).compile().as_text()
+            (out / f"{name.replace(' ', '_')}.hlo.txt").write_text(text)
+            entry = text[text.index("ENTRY") :]
+            print(f"{name}: {entry.count(' fusion(') + entry.count('custom-call(')} kernels in the entry computation")
+    variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
     for name, fn in variants:
@@ -91,6 +108,29 @@ def main() -> None:
             print(f"{name:>22} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
         except Exception as e:  # a variant that does not compile is reported, the others still run
             print(f"{name:>22} failed: {str(e).splitlines()[0][:150]}", flush=True)
+
+
+def q4_0_words_experts(x_TD, ids_TK, w_TK, words, F, D):
+    """`routed_experts(impl="gather")` over q4_0 banks viewed as uint16 words [E, bytes / 2]: a
+    block is 9 words, the f16 scale and then 8 words of 4 codes (byte 2i: q[2i] | q[2i+16] << 4,
+    byte 2i+1: q[2i+1] | q[2i+17] << 4)."""
+    T, K = ids_TK.shape
+
+    def matvec(rows, v, O, I):  # rows [T, K, O·I/32·9] u16, v [T, K, I] → [T, K, O] float32
+        nb = I // 32
+        blk = rows.reshape(T, K, O, nb, 9)
+        s = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
+        q = blk[..., 1:]
+        vb = v.astype(jnp.float32).reshape(T, K, 1, nb, 2, 8, 2)  # [half, i, parity]: weight 16·half + 2i + parity
+        c = lambda n: ((q >> (4 * n)) & 15).astype(jnp.float32) - 8.0  # noqa: E731
+        t = c(0) * vb[..., 0, :, 0] + c(1) * vb[..., 1, :, 0] + c(2) * vb[..., 0, :, 1] + c(3) * vb[..., 1, :, 1]
+        return jnp.sum(s * t, axis=(-2, -1))
+
+    g, u, d = (b[ids_TK] for b in words)
+    xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, D))
+    h = ACTIVATIONS["silu"](matvec(g, xk, F, D), matvec(u, xk, F, D)).astype(x_TD.dtype)
+    y = jnp.where((w_TK != 0)[..., None], matvec(d, h, D, F), 0.0)
+    return jnp.einsum("tkd,tk->td", y, w_TK).astype(x_TD.dtype)
 
 
 if __name__ == "__main__":
