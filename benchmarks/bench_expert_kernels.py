@@ -1,5 +1,6 @@
 """Time one decode layer's routed experts on 4-bit slots (q4_0 by default): XLA's fused gather-and-reduce
-(`routed_experts(impl="gather")`, the default) against the Pallas kernels of
+(`routed_experts(impl="gather")`, the default; for q4_0 also over the bytes and over 16-bit words,
+`ExpertLayout.words`) against the Pallas kernels of
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts.
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
@@ -15,6 +16,7 @@ per second; on a GPU the bound is the device copy bandwidth (`bench decode` prin
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 
@@ -52,10 +54,8 @@ def main() -> None:
     def xla(x, ids):
         return routed_experts(x, ids, w, banks, layout, impl="gather")
 
-    def xla_words(x, ids):
-        """q4_0 read as 16-bit words: a block's scale is one word (bitcast, nothing composed)."""
-        words = tuple(jax.lax.bitcast_convert_type(b.reshape(b.shape[0], -1, 2), jnp.uint16) for b in banks)
-        return q4_0_words_experts(x, ids, w, words, F, D)
+    def xla_as(words):
+        return lambda x, ids: routed_experts(x, ids, w, banks, dataclasses.replace(layout, words=words), impl="gather")
 
     def kernel(x, ids, rows, warps):
         return gathered_experts.experts(a.format, x, ids, w, *banks, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
@@ -80,7 +80,7 @@ def main() -> None:
         f"{jax.devices()[0].device_kind}: {a.format} experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call"
     )
     print(f"{'variant':>22} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
-    xla_variants = [("xla gather", xla)] + ([("xla u16 words", xla_words)] if a.format == "q4_0" else [])
+    xla_variants = [("xla gather", xla)] + ([("xla bytes", xla_as(False)), ("xla words", xla_as(True))] if a.format == "q4_0" else [])
     if a.hlo:
         import pathlib
 
@@ -108,29 +108,6 @@ def main() -> None:
             print(f"{name:>22} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
         except Exception as e:  # a variant that does not compile is reported, the others still run
             print(f"{name:>22} failed: {str(e).splitlines()[0][:150]}", flush=True)
-
-
-def q4_0_words_experts(x_TD, ids_TK, w_TK, words, F, D):
-    """`routed_experts(impl="gather")` over q4_0 banks viewed as uint16 words [E, bytes / 2]: a
-    block is 9 words, the f16 scale and then 8 words of 4 codes (byte 2i: q[2i] | q[2i+16] << 4,
-    byte 2i+1: q[2i+1] | q[2i+17] << 4)."""
-    T, K = ids_TK.shape
-
-    def matvec(rows, v, O, I):  # rows [T, K, O·I/32·9] u16, v [T, K, I] → [T, K, O] float32
-        nb = I // 32
-        blk = rows.reshape(T, K, O, nb, 9)
-        s = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
-        q = blk[..., 1:]
-        vb = v.astype(jnp.float32).reshape(T, K, 1, nb, 2, 8, 2)  # [half, i, parity]: weight 16·half + 2i + parity
-        c = lambda n: ((q >> (4 * n)) & 15).astype(jnp.float32) - 8.0  # noqa: E731
-        t = c(0) * vb[..., 0, :, 0] + c(1) * vb[..., 1, :, 0] + c(2) * vb[..., 0, :, 1] + c(3) * vb[..., 1, :, 1]
-        return jnp.sum(s * t, axis=(-2, -1))
-
-    g, u, d = (b[ids_TK] for b in words)
-    xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, D))
-    h = ACTIVATIONS["silu"](matvec(g, xk, F, D), matvec(u, xk, F, D)).astype(x_TD.dtype)
-    y = jnp.where((w_TK != 0)[..., None], matvec(d, h, D, F), 0.0)
-    return jnp.einsum("tkd,tk->td", y, w_TK).astype(x_TD.dtype)
 
 
 if __name__ == "__main__":

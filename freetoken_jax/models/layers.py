@@ -541,7 +541,7 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     # read once, in place.
     T, K = ids_TK.shape
     f, dt = activation(layout.act), x_TD.dtype
-    g, u, d = (b[ids_TK] for b in banks)
+    g, u, d = (layout.gather(k, b, ids_TK) for k, b in enumerate(banks))
     bg, bu, bd = bias or (0.0, 0.0, 0.0)
     xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
     h = f(layout.matvec(0, g, xk) + bg, layout.matvec(1, u, xk) + bu).astype(dt)

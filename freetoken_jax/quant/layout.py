@@ -33,6 +33,7 @@ class ExpertLayout:
     D: int
     act: str
     mixed: bool = False
+    words: bool | None = None  # read q4_0 banks as 16-bit words (`gather`); None: on a GPU
 
     @classmethod
     def of(cls, cfg: MoEModelConfig, m: int = 0) -> ExpertLayout:
@@ -84,9 +85,22 @@ class ExpertLayout:
             return get_format(self.fmts[k]).matvec(self._own(k, bank), v, *self.shapes()[k])
         return jnp.sum(v[..., None, :].astype(jnp.float32) * self.matrix(k, bank, jnp.float32), axis=-1)
 
+    def gather(self, k: int, bank: jax.Array, ids: jax.Array) -> jax.Array:
+        """Rows `ids` of projection k's `bank` as `matvec` reads them: a q4_0 bank as 16-bit
+        words (`Format.words`) where `words` says so (by default on a GPU, where a whole bank's
+        words are a free bitcast and decode's experts read them faster), else as stored (the
+        CPU backend computes a bank's words rather than viewing them, and its matvec over
+        gathered rows' words ran 2.3 × slower than over their bytes)."""
+        if self.quantized and (jax.default_backend() == "gpu" if self.words is None else self.words):
+            w = get_format(self.fmts[k]).words(bank)
+            if w is not None:
+                return w[ids]
+        return bank[ids]
+
     def _own(self, k: int, bank: jax.Array) -> jax.Array:
-        """Projection k's bytes of quantized rows that may be wider (slots: `slot_row_sizes`)."""
-        n = self.row_sizes()[k]
+        """Projection k's bytes (or words) of quantized rows that may be wider (slots:
+        `slot_row_sizes`)."""
+        n = self.row_sizes()[k] // bank.dtype.itemsize
         return bank if bank.shape[-1] == n else bank[..., :n]
 
     def expert_bytes(self, itemsize: int) -> int:

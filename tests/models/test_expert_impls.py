@@ -206,18 +206,19 @@ def test_grouped_matches_reference_on_odd_shapes(T, K, E, skew):
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "nvfp4", "q4_k"])
-def test_gather_masks_a_foreign_slot_with_weight_0(fmt):
+@pytest.mark.parametrize("fmt,words", [("q4_0", False), ("q4_0", True), ("q8_0", None), ("nvfp4", None), ("q4_k", None)])
+def test_gather_masks_a_foreign_slot_with_weight_0(fmt, words):
     """In a model whose layers differ in format, a step may index a slot holding another layer's
     bytes with weight 0 (hybrid's pairs left to the CPU point at slot 0): read under this layer's
     format they can decode to inf or NaN. The pair's result is masked, so the output equals the
-    same computation without it."""
+    same computation without it — q4_0 read as bytes and as 16-bit words (`ExpertLayout.words`,
+    a GPU's default) alike."""
     from freetoken_jax.quant.formats import get_format
 
     f = get_format(fmt)
     rng = np.random.default_rng(7)
     E, D, F = 4, 256, 256
-    layout = ExpertLayout((fmt,) * 3, F, D, "silu", mixed=True)
+    layout = ExpertLayout((fmt,) * 3, F, D, "silu", mixed=True, words=words)
     banks = [
         np.stack([f.quantize_ref(rng.standard_normal(s).astype(np.float32) * 0.1) for _ in range(E)]) for s in ((F, D), (F, D), (D, F))
     ]

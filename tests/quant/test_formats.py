@@ -77,6 +77,25 @@ def test_matvec_equals_float64_on_the_dequantized_weights(name):
         np.testing.assert_array_less(np.abs(got - want), 1e-5 * scale[..., 0] + 1e-30)
 
 
+def test_q4_0_matvec_over_words_equals_float64():
+    """q4_0 rows as 16-bit words (`Format.words`, how a GPU's decode reads them) give the float64
+    product as the bytes do, over every shape of the sweep; only q4_0 rows of an even length
+    have words."""
+    f = get_format("q4_0")
+    rng = np.random.default_rng(4)
+    for O, I in shapes("q4_0"):
+        b = np.stack([f.quantize_ref(weights(O, I, s)) for s in range(6)]).reshape(2, 3, -1)
+        x = rng.standard_normal((2, 3, I)).astype(np.float32)
+        words = f.words(jnp.asarray(b))
+        assert words.dtype == jnp.uint16 and words.shape == (2, 3, b.shape[-1] // 2)
+        got = np.asarray(jax.jit(f.matvec, static_argnums=(2, 3))(words, jnp.asarray(x), O, I))
+        deq = np.stack([f.dequantize_ref(r, O, I) for r in b.reshape(6, -1)]).reshape(2, 3, O, I)
+        want = np.einsum("tkoi,tki->tko", deq, x.astype(np.float64))
+        np.testing.assert_array_less(np.abs(got - want), 1e-5 * (np.abs(deq) @ np.abs(x)[..., None])[..., 0] + 1e-30)
+    assert f.words(jnp.zeros((2, 17), jnp.uint8)) is None
+    assert all(get_format(n).words(jnp.zeros((2, 36), jnp.uint8)) is None for n in NAMES if n != "q4_0")
+
+
 @pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k"])
 def test_k_quant_matvec_on_random_bytes(name):
     """Every bit of the K-quants' packed 6-bit scales and mins set at random (as in GGUF files
