@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.quant.layout import ExpertLayout, slot_row_sizes
-from pallas_kernels import route_topk
+from pallas_kernels import route_topk, slot_place
 
 _NEVER = jnp.iinfo(jnp.int32).max
 
@@ -192,47 +192,48 @@ def step_victims(c: SlotCache, layers: int, N: int) -> StepVictims | None:
     return StepVictims(_least_recent(c.last_use, W), jnp.ones((W,), bool))
 
 
+def place_kernel(N: int, W: int) -> bool:
+    """Whether a layer places its misses by `pallas_kernels/slot_place.place` (one kernel) rather
+    than the same computation as XLA compiles it (about nine small kernels), for N entries and W
+    candidate slots (FREETOKEN_SLOT_PLACE): "kernel" where it fits (`slot_place.fits`), "xla", or
+    "auto" (unset) — the kernel on a GPU where it fits."""
+    how = env_choice("FREETOKEN_SLOT_PLACE", "auto", ("auto", "xla", "kernel"))
+    on = how == "kernel" or (how == "auto" and jax.default_backend() == "gpu")
+    return on and slot_place.fits(N, W)
+
+
 def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int, T: int, K: int, sv: StepVictims | None = None):
     """Chooses least-recently-used victims for the fetched misses among the slots this layer does
     not need and updates the maps and clocks. Returns the new cache, each entry's slot [T, k] (0
     for entries on the CPU), the fetch plan, the layer's `LayerStats` (for `record_stats`) and,
     given the step's `StepVictims`, those left for the next layer (then `id_of_slot` and
-    `last_use` are left to `record_stats` as well)."""
+    `last_use` are left to `record_stats` as well). Without them the layer sorts every slot for
+    its candidates: the N least recently used not in use (empty slots first; ties by index)."""
     # The per-slot updates are comparisons of every slot with the layer's N entries ([S, N]) and
     # selects, not scatters: elementwise work XLA fuses with its neighbours instead of one
     # scatter kernel each.
     N, S = T * K, c.num_slots
     flat, valid, slot, miss = m.flat, m.valid, m.slot, m.miss
     resident = slot >= 0
-    needed = (valid & resident)[None, :]
-    rank = jnp.cumsum(miss) - 1  # each fetched miss takes the rank-th victim
+    needed = valid & resident
+    s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
     if sv is None:
-        # Victims: the N least recently used slots not in use (empty slots first; ties by index).
-        in_use = jnp.any((slot[None, :] == jnp.arange(S, dtype=jnp.int32)[:, None]) & needed, axis=1)
-        order = _least_recent(jnp.where(in_use, _NEVER, c.last_use), N)
-        victim = jnp.where(miss, order[jnp.clip(rank, 0, N - 1)], S)  # S: out of range, dropped
+        in_use = jnp.any((slot[None, :] == s_S1) & needed[None, :], axis=1)
+        sv_layer = StepVictims(_least_recent(jnp.where(in_use, _NEVER, c.last_use), N), jnp.ones((N,), bool))
     else:
-        free_W = sv.fresh_W & ~jnp.any((slot[None, :] == sv.slot_W[:, None]) & needed, axis=1)
-        at_W = jnp.cumsum(free_W) - 1  # the free candidates' ranks, in LRU order
-        take = free_W[None, :] & (at_W[None, :] == rank[:, None]) & miss[:, None]  # [N, W]
-        victim = jnp.where(miss, jnp.sum(jnp.where(take, sv.slot_W[None, :], 0), axis=1), S)
-    evicted = jnp.where(miss, c.id_of_slot[jnp.clip(victim, 0, S - 1)], -1)
-    oob = c.slot_for_id.shape[0]
-    # One scatter: the evicted ids (resident) and the missed ones (not) never coincide.
-    slot_for_id = c.slot_for_id.at[jnp.concatenate([jnp.where(evicted >= 0, evicted, oob), jnp.where(miss, flat, oob)])].set(
-        jnp.concatenate([jnp.full((N,), -1, jnp.int32), victim.astype(jnp.int32)]), mode="drop"
-    )
-    on_gpu = valid & ~m.on_cpu
-    slots_TK = jnp.where(on_gpu, slot_for_id[flat], 0).reshape(T, K)
-    used_N = jnp.where(on_gpu, slots_TK.reshape(N), S)  # S: none
+        sv_layer = sv
+    args = (c.slot_for_id, c.id_of_slot, flat, slot, needed, miss, valid & ~m.on_cpu, sv_layer.slot_W, sv_layer.fresh_W)
+    if place_kernel(N, sv_layer.slot_W.shape[0]):
+        slot_for_id, victim, slots_N, used_N, fresh_W = slot_place.place(*args, interpret=jax.default_backend() == "cpu")
+    else:
+        slot_for_id, victim, slots_N, used_N, fresh_W = slot_place.place_ref(*args)
+    slots_TK = slots_N.reshape(T, K)
     counts = jnp.stack([jnp.sum(m.first & resident), jnp.sum(miss), jnp.sum(m.to_cpu)]).astype(jnp.int32)
     stats = LayerStats(moe_layer, c.clock, counts, flat, valid)
     plan = FetchPlan(flat - moe_layer * num_experts, jnp.where(miss, victim, 0), miss)
     if sv is not None:
         stats = dataclasses.replace(stats, victim=victim, used=used_N)
-        fresh_W = sv.fresh_W & ~jnp.any(sv.slot_W[:, None] == used_N[None, :], axis=1)
         return c.with_(slot_for_id=slot_for_id, clock=c.clock + 1), slots_TK, plan, stats, StepVictims(sv.slot_W, fresh_W)
-    s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
     filled = victim[None, :] == s_S1  # [S, N]: slot s takes entry n's expert (victims are distinct)
     id_of_slot = jnp.where(jnp.any(filled, axis=1), jnp.sum(jnp.where(filled, flat[None, :], 0), axis=1), c.id_of_slot)
     last_use = jnp.where(jnp.any(used_N[None, :] == s_S1, axis=1), c.clock, c.last_use)

@@ -85,11 +85,13 @@ class LRUModel:
         self.clock += 1
 
 
-@pytest.mark.parametrize("slots", [4, 7, 20])
-def test_slot_maps_follow_the_lru_model(slots):
+@pytest.mark.parametrize("slots,place", [(4, "xla"), (7, "kernel"), (20, "xla"), (20, "kernel")])
+def test_slot_maps_follow_the_lru_model(slots, place, monkeypatch):
     """4 and 7 slots: each layer sorts its own victims, after a prefill that leaves the cache
     empty; 20 ≥ (3 layers + 1) × 4 entries: one sort a step (`StepVictims`), after a prefill
-    through two borrowed layer buffers that leaves two layers resident."""
+    through two borrowed layer buffers that leaves two layers resident. Misses placed by XLA's
+    computation or by `pallas_kernels/slot_place.py` (FREETOKEN_SLOT_PLACE)."""
+    monkeypatch.setenv("FREETOKEN_SLOT_PLACE", place)
     cfg = MoEModelConfig(
         vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=3, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
     )
