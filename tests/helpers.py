@@ -164,3 +164,25 @@ def chat_checkpoint(path: str, template: str, special: list[str], added: list[st
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     return path
+
+
+def random_slot_cache(rng, L: int, E: int, S: int, N: int):
+    """A consistent slot cache of S slots for L MoE layers of E experts (N routed entries a
+    layer): a random subset of the experts resident in random slots, random clocks before 50."""
+    import jax.numpy as jnp
+
+    from freetoken_jax.memory.slot_cache import SlotCache
+
+    ids = rng.permutation(L * E)[: rng.integers(0, S + 1)]
+    slots = rng.permutation(S)[: len(ids)]
+    slot_for_id = np.full(L * E, -1, np.int32)
+    slot_for_id[ids] = slots
+    id_of_slot = np.full(S, -1, np.int32)
+    id_of_slot[slots] = ids
+    last_use = np.where(id_of_slot >= 0, rng.integers(0, 50, S), -1).astype(np.int32)
+    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
+    z = jnp.zeros((S, 1), jnp.float32)
+    return SlotCache(
+        z, z, z, i32(slot_for_id), i32(id_of_slot), i32(last_use), i32(50), i32(np.zeros(L)), i32(np.zeros(L)),
+        i32(np.full((L, N), -1)), i32(rng.integers(-1, 50, L * E)), i32(np.zeros(L)),
+    )  # fmt: skip

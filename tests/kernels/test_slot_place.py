@@ -8,11 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import check_kernel_choice
+from helpers import check_kernel_choice, random_slot_cache
 from jax import export
 
 from freetoken_jax.memory import slot_cache
-from freetoken_jax.memory.slot_cache import SlotCache, find_misses
+from freetoken_jax.memory.slot_cache import find_misses
 from pallas_kernels.slot_place import MAX_PAIRS, fits, place, place_ref
 
 INTERPRET = jax.default_backend() == "cpu"
@@ -21,21 +21,12 @@ INTERPRET = jax.default_backend() == "cpu"
 def _layer(rng, L, E, S, T, K, W):
     """`place`'s arguments for a layer of a random consistent cache, the candidates W random
     distinct slots with random freshness."""
-    ids = rng.permutation(L * E)[: rng.integers(0, S + 1)]
-    slots = rng.permutation(S)[: len(ids)]
-    sfi = np.full(L * E, -1, np.int32)
-    sfi[ids] = slots
-    ios = np.full(S, -1, np.int32)
-    ios[slots] = ids
-    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    z = jnp.zeros((S, 1), jnp.float32)
-    c = SlotCache(z, z, z, i32(sfi), i32(ios), i32(np.full(S, -1)), i32(0), i32(np.zeros(L)), i32(np.zeros(L)),
-                  i32(np.full((L, T * K), -1)), i32(rng.integers(-1, 9, L * E)), i32(np.zeros(L)))  # fmt: skip
+    c = random_slot_cache(rng, L, E, S, T * K)
     layer = int(rng.integers(0, L))
     valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
     q = [None, 0.0, 0.5, 1.0][int(rng.integers(0, 4))]
-    m = find_misses(c, layer, i32(rng.integers(0, E, (T, K))), valid, E, q)
-    slot_W = i32(rng.permutation(S)[:W])
+    m = find_misses(c, layer, jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32), valid, E, q)
+    slot_W = jnp.asarray(rng.permutation(S)[:W], jnp.int32)
     fresh_W = jnp.asarray(rng.random(W) < 0.8)
     return (c.slot_for_id, c.id_of_slot, m.flat, m.slot, m.valid & (m.slot >= 0), m.miss, m.valid & ~m.on_cpu, slot_W, fresh_W)
 

@@ -6,11 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import random_slot_cache
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.memory.slot_cache import (
-    SlotCache,
     borrow_for_prefill,
     fetch_count,
     find_misses,
@@ -51,23 +51,6 @@ def test_fetch_count_with_handoff_overhead():
     assert int(fetch_count(jnp.int32(64), 0.37, 1.4)) < 64  # many misses still split
 
 
-def _random_cache(rng, L, E, S, N):
-    """A consistent slot cache: a random subset of the L·E experts resident in random slots."""
-    ids = rng.permutation(L * E)[: rng.integers(0, S + 1)]
-    slots = rng.permutation(S)[: len(ids)]
-    slot_for_id = np.full(L * E, -1, np.int32)
-    slot_for_id[ids] = slots
-    id_of_slot = np.full(S, -1, np.int32)
-    id_of_slot[slots] = ids
-    last_use = np.where(id_of_slot >= 0, rng.integers(0, 50, S), -1).astype(np.int32)
-    i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
-    z = jnp.zeros((S, 1), jnp.float32)
-    return SlotCache(
-        z, z, z, i32(slot_for_id), i32(id_of_slot), i32(last_use), i32(50), i32(np.zeros(L)), i32(np.zeros(L)),
-        i32(np.full((L, N), -1)), i32(rng.integers(-1, 50, L * E)), i32(np.zeros(L)),
-    )  # fmt: skip
-
-
 def test_misses_found_before_placing_agree_with_the_placed_maps():
     """A hybrid step starts the CPU job from `find_misses` alone and places the fetched misses
     while it runs: the entries it sends to the CPU must be exactly those whose expert is still
@@ -76,7 +59,7 @@ def test_misses_found_before_placing_agree_with_the_placed_maps():
     L, E, T, K = 3, 8, 3, 2
     for trial in range(60):
         S = int(rng.integers(T * K, 16))
-        c = _random_cache(rng, L, E, S, T * K)
+        c = random_slot_cache(rng, L, E, S, T * K)
         layer = int(rng.integers(0, L))
         ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)  # repeats across tokens happen
         valid = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
@@ -102,7 +85,7 @@ def test_victims_by_the_kernel_equal_xlas(monkeypatch):
     rng = np.random.default_rng(5)
     L, E, T, K = 3, 8, 3, 2
     for trial in range(8):
-        c = _random_cache(rng, L, E, int(rng.integers(T * K, 16)), T * K)
+        c = random_slot_cache(rng, L, E, int(rng.integers(T * K, 16)), T * K)
         layer = int(rng.integers(0, L))
         ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)
         m = find_misses(c, layer, ids, jnp.ones(T, jnp.int32), E, float(rng.choice([0.0, 0.5, 1.0])))
@@ -125,7 +108,7 @@ def test_a_steps_statistics_recorded_at_its_end_equal_each_layers_own():
     rng = np.random.default_rng(3)
     L, E, T, K = 4, 8, 3, 2
     for trial in range(30):
-        c = _random_cache(rng, L, E, 10, T * K)
+        c = random_slot_cache(rng, L, E, 10, T * K)
         hits, misses, cpu = (np.asarray(a).copy() for a in (c.hits_L, c.misses_L, c.cpu_L))
         routed, last_routed = np.asarray(c.routed_LN).copy(), np.asarray(c.last_routed).copy()
         stats = []
@@ -196,7 +179,7 @@ def test_victims_from_one_sort_a_step_equal_one_sort_a_layer(q):
     N = T * K
     for trial in range(12):
         S = int(rng.integers(2 * E, L * E) if trial % 2 == 0 else rng.integers(2 * E, 2 * E + N))
-        c = _random_cache(rng, L, E, S, N)
+        c = random_slot_cache(rng, L, E, S, N)
         if trial % 2:  # layers 0 and 1 kept: layer 2's victims reach the slots kept
             c, bufs = borrow_for_prefill(c, E)
             c = keep_buffer(keep_buffer(c, bufs[0], 0), bufs[1], 1)
@@ -216,4 +199,4 @@ def test_victims_from_one_sort_a_step_equal_one_sort_a_layer(q):
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
                 np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{trial}/{step}")
             c = a
-    assert step_victims(_random_cache(rng, L, E, (L + 1) * N - 1, N), L, N) is None  # too few slots: a sort a layer
+    assert step_victims(random_slot_cache(rng, L, E, (L + 1) * N - 1, N), L, N) is None  # too few slots: a sort a layer
