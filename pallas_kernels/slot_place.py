@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import call_params
 
@@ -43,7 +44,7 @@ def _any(m, axis: int):
 
 
 def _victims(slot, needed, miss, slot_W, fresh_W, S: int):
-    """free candidates, each miss's victim (S: none) — shared by the kernel and the reference."""
+    """Each miss's victim (S: none) among the free candidates; the kernel's and the reference's."""
     free = fresh_W & ~_any((slot[None, :] == slot_W[:, None]) & needed[None, :], 1)
     at = jnp.cumsum(free.astype(jnp.int32)) - 1  # the free candidates' ranks, in LRU order
     rank = jnp.cumsum(miss.astype(jnp.int32)) - 1  # each miss takes the rank-th victim
@@ -70,8 +71,6 @@ def _scatter(ref, idx, val, on):
     none writes."""
     i0 = jnp.max(jnp.where(on, idx, -1))
     v0 = jnp.sum(jnp.where(on & (idx == i0), val, 0))
-    from jax.experimental.pallas import triton as plt
-
     plt.store(ref.at[jnp.where(on, idx, jnp.maximum(i0, 0))], jnp.where(on, val, v0), mask=jnp.broadcast_to(i0 >= 0, on.shape))
 
 
