@@ -1,10 +1,10 @@
 """A decode layer's fetched misses placed in victim slots, in one kernel.
 
 `place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fresh_W)` is the part
-of `memory.slot_cache.place_misses` that follows `find_misses` when the step's victims come from
-one sort (`StepVictims`): for a layer's N entries (flat expert ids `flat`, their slot before the
+of `memory.slot_cache.place_misses` that follows `find_misses` and the choice of candidate slots
+(the step's one sort, `StepVictims`, or the layer's own): for a layer's N entries (flat expert ids `flat`, their slot before the
 layer `slot` or -1, `needed`: valid and resident, `miss`: fetched, `on_gpu`: computed from a slot)
-and the step's W candidate slots in LRU order (`slot_W`, `fresh_W`: no earlier layer used them),
+and W candidate slots in LRU order (`slot_W`, `fresh_W`: no earlier layer of the step used them),
 
     free[w]   = fresh[w] and no needed entry sits in slot_W[w],
     victim[n] = the rank(n)-th free candidate for the rank(n)-th miss (S where n is no miss),
@@ -52,6 +52,12 @@ def _victims(slot, needed, miss, slot_W, fresh_W, S: int):
     return jnp.where(miss, jnp.sum(jnp.where(take, slot_W[None, :], 0), axis=1), S)
 
 
+def _evicted(id_of_slot, victim, miss, S: int):
+    """The id each victim held (-1: none), from an array or a kernel's ref. The evicted ids
+    (resident elsewhere) and the missed ones (not resident) never coincide."""
+    return jnp.where(miss, id_of_slot[jnp.clip(victim, 0, S - 1)], -1)
+
+
 def _after(flat, slot, miss, on_gpu, victim, slot_W, fresh_W, S: int):
     """Each entry's slot after the layer (0 off the GPU), the slots used (S: none) and the
     candidates still fresh. An entry that repeats a missed expert takes that miss's victim."""
@@ -80,8 +86,7 @@ def _kernel(sfi_ref, ios_ref, flat_ref, slot_ref, needed_ref, miss_ref, gpu_ref,
     flat, slot, slot_W = flat_ref[...], slot_ref[...], sw_ref[...]
     needed, miss, on_gpu, fresh_W = (r[...] != 0 for r in (needed_ref, miss_ref, gpu_ref, fw_ref))
     victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
-    evicted = jnp.where(miss, ios_ref[jnp.clip(victim, 0, S - 1)], -1)
-    # The evicted ids (resident elsewhere) and the missed ones (not resident) never coincide.
+    evicted = _evicted(ios_ref, victim, miss, S)
     _scatter(out_ref, evicted, jnp.full(evicted.shape, -1, jnp.int32), evicted >= 0)
     _scatter(out_ref, flat, victim, miss)
     slots, used, fresh = _after(flat, slot, miss, on_gpu, victim, slot_W, fresh_W, S)
@@ -122,7 +127,7 @@ def place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W,
     """Reference: the same computation in jnp, the scatter as one `.at[].set`."""
     S = id_of_slot.shape[0]
     victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
-    evicted = jnp.where(miss, id_of_slot[jnp.clip(victim, 0, S - 1)], -1)
+    evicted = _evicted(id_of_slot, victim, miss, S)
     oob = slot_for_id.shape[0]
     out = slot_for_id.at[jnp.concatenate([jnp.where(evicted >= 0, evicted, oob), jnp.where(miss, flat, oob)])].set(
         jnp.concatenate([jnp.full(evicted.shape, -1, jnp.int32), victim.astype(jnp.int32)]), mode="drop"
