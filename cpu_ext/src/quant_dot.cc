@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -555,6 +556,51 @@ SHARED_AVX2 inline void HalfScales(const uint8_t* b, int64_t stride, float d, __
   for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(f[i]);
 }
 
+// The VNNI tier takes two blocks b, b + 1 at once in 512-bit registers: their codes as the 256-bit
+// code builds one block's, b's in the low half; per row a scale vector whose low eight lanes are
+// b's scale × d[b] and whose high eight are b + 1's × d[b + 1].
+#define VNNI_INLINE __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"), always_inline))
+
+// 16 bytes at p0 and 16 at p1 as one register.
+VNNI_INLINE inline __m256i Load2x16(const uint8_t* p0, const uint8_t* p1) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+                                 _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+}
+// [A, B] (16 bytes of nibbles each) → Nibbles(A), Nibbles(B).
+VNNI_INLINE inline __m512i SplitNibbles(__m256i v) {
+  const __m512i w = _mm512_castsi256_si512(v);
+  return _mm512_and_si512(_mm512_srlv_epi64(_mm512_shuffle_i64x2(w, w, 0x50), _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
+                          _mm512_set1_epi8(15));
+}
+VNNI_INLINE inline __m512i E2m1Codes2(__m512i nibbles) {
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  return _mm512_shuffle_epi8(lut, nibbles);
+}
+// [d[0], d[1]] repeated over eight lanes.
+VNNI_INLINE inline __m256 PairScales(const float* d) {
+  return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(d)));
+}
+// Lanes [r0 b, r0 b+1, r1 b, ...] of f → row i's scale vector.
+template <int R>
+VNNI_INLINE inline void SpreadPairs(__m256 f, __m512* s) {
+  for (int i = 0; i < R; ++i)
+    s[i] = _mm512_permutexvar_ps(_mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                                   2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1),
+                                 _mm512_castps256_ps512(f));
+}
+// The f16 scales of blocks b (at b0) and b + 1 (kBytes on) in R rows.
+template <int R, int64_t kBytes>
+VNNI_INLINE inline void HalfScales2(const uint8_t* b0, int64_t stride, const float* d, __m512* s) {
+  uint64_t h[2] = {0, 0};
+  for (int i = 0; i < R; ++i) {
+    uint16_t v0, v1;
+    std::memcpy(&v0, b0 + i * stride, 2), std::memcpy(&v1, b0 + i * stride + kBytes, 2);
+    h[i / 2] |= (static_cast<uint64_t>(v0) | static_cast<uint64_t>(v1) << 16) << (32 * (i % 2));
+  }
+  const __m128i halves = _mm_set_epi64x(static_cast<int64_t>(h[1]), static_cast<int64_t>(h[0]));
+  SpreadPairs<R>(_mm256_mul_ps(_mm256_cvtph_ps(halves), PairScales(d)), s);
+}
+
 // The four formats as the kernel sees them, per block b of 32 weights of a row: kBytes, its bytes
 // (on average); Codes, its unsigned codes; Scales<R>, the scale per lane of the block in R rows
 // (stride bytes apart) times the activation scale d.
@@ -564,6 +610,13 @@ struct Q4_0Vnni {
   template <int R>
   SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     HalfScales<R>(row + b * kBytes, stride, d, s);
+  }
+  VNNI_INLINE static __m512i Codes2(const uint8_t* row, int64_t b) {
+    return SplitNibbles(Load2x16(row + b * kBytes + 2, row + (b + 1) * kBytes + 2));
+  }
+  template <int R>
+  VNNI_INLINE static void Scales2(const uint8_t* row, int64_t stride, int64_t b, const float* d, __m512* s) {
+    HalfScales2<R, kBytes>(row + b * kBytes, stride, d, s);
   }
 };
 struct Q8_0Vnni {
@@ -576,6 +629,15 @@ struct Q8_0Vnni {
   SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     HalfScales<R>(row + b * kBytes, stride, d, s);
   }
+  VNNI_INLINE static __m512i Codes2(const uint8_t* row, int64_t b) {
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * kBytes + 2));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b + 1) * kBytes + 2));
+    return _mm512_xor_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+  template <int R>
+  VNNI_INLINE static void Scales2(const uint8_t* row, int64_t stride, int64_t b, const float* d, __m512* s) {
+    HalfScales2<R, kBytes>(row + b * kBytes, stride, d, s);
+  }
 };
 struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
   static constexpr int64_t kBytes = 17;
@@ -583,6 +645,22 @@ struct Mxfp4Vnni {  // an e8m0 scale, then q4_0's nibble order
   template <int R>
   SHARED_AVX2 static void Scales(const uint8_t* row, int64_t stride, int64_t b, float d, __m256* s) {
     for (int i = 0; i < R; ++i) s[i] = _mm256_set1_ps(0.5f * E8m0(row[i * stride + b * kBytes]) * d);
+  }
+  VNNI_INLINE static __m512i Codes2(const uint8_t* row, int64_t b) {
+    return E2m1Codes2(SplitNibbles(Load2x16(row + b * kBytes + 1, row + (b + 1) * kBytes + 1)));
+  }
+  template <int R>
+  VNNI_INLINE static void Scales2(const uint8_t* row, int64_t stride, int64_t b, const float* d, __m512* s) {
+    // the R rows' exponent pairs as 32-bit lanes [r0 b, r0 b+1, r1 b, ...] → 2^(e − 127) as E8m0
+    // makes it (e << 23, and for e = 0 the subnormal 2^−127: the max with its bits)
+    uint64_t e = 0;
+    for (int i = 0; i < R; ++i) {
+      const uint8_t* p = row + i * stride + b * kBytes;
+      e |= (static_cast<uint64_t>(p[0]) | static_cast<uint64_t>(p[kBytes]) << 8) << (16 * i);
+    }
+    const __m256i bits = _mm256_slli_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<int64_t>(e))), 23);
+    const __m256 f = _mm256_castsi256_ps(_mm256_max_epi32(bits, _mm256_set1_epi32(0x00400000)));
+    SpreadPairs<R>(_mm256_mul_ps(_mm256_mul_ps(f, _mm256_set1_ps(0.5f)), PairScales(d)), s);
   }
 };
 // nvfp4: 36-byte super-blocks of 64 weights, four e4m3 scales (one per 16) then four sub-blocks
@@ -607,6 +685,27 @@ struct Nvfp4Vnni {
     for (int i = 0; i < R; ++i)
       s[i] = _mm256_permutevar8x32_ps(f, _mm256_setr_epi32(2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1));
   }
+  // blocks b (even) and b + 1: one super-block, its four sub-blocks' nibbles in one 256-bit load
+  VNNI_INLINE static __m512i Codes2(const uint8_t* row, int64_t b) {
+    return E2m1Codes2(SplitNibbles(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + (b / 2) * 36 + 4))));
+  }
+  template <int R>
+  VNNI_INLINE static void Scales2(const uint8_t* row, int64_t stride, int64_t b, const float* d, __m512* s) {
+    // the R rows' four scales in 16-bit lanes [r0 s0..s3, r1 s0..s3, ...], converted at once; block
+    // b's two sub-blocks take d[b], block b + 1's d[b + 1]
+    uint64_t w[2] = {0, 0};
+    for (int i = 0; i < R; ++i) {
+      uint32_t v;
+      std::memcpy(&v, row + i * stride + (b / 2) * 36, 4);
+      w[i / 2] |= static_cast<uint64_t>(v) << (32 * (i % 2));
+    }
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_set_epi64x(static_cast<int64_t>(w[1]), static_cast<int64_t>(w[0])));
+    const __m128 dd = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(d)));
+    const __m512 ds = _mm512_mul_ps(_mm512_broadcast_f32x4(_mm_unpacklo_ps(dd, dd)), _mm512_set1_ps(128.f));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(E4M3_TO_F16(_mm256, 256)), ds);
+    for (int i = 0; i < R; ++i)
+      s[i] = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_setr_epi32(0, 0, 1, 1, 0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 3, 3), _mm512_set1_epi32(4 * i)), f);
+  }
 };
 
 // The kernels walk R rows at once, more streams than the hardware prefetchers follow well (from
@@ -624,7 +723,7 @@ SHARED_AVX2 inline __m256i DpbusdAvx2(__m256i acc, __m256i u8, __m256i s8) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
 }
 
-// Σ over a row's blocks for R rows (stride bytes apart) at once; DOT is the dpbusd.
+// Σ over a row's blocks for R rows (stride bytes apart) at once, a block a step; DOT is the dpbusd.
 #define INT8_ROWS_BODY(DOT)                                                                                         \
   __m256 acc[R];                                                                                                    \
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();                                                         \
@@ -647,6 +746,29 @@ template <class Fmt, int R>
 AVX2_TARGET inline void Avx2Int8Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
   INT8_ROWS_BODY(DpbusdAvx2)
 }
+// The same sum two blocks a step in 512-bit registers (an odd count's last block as VnniRows
+// takes it).
+template <class Fmt, int R>
+VNNI_TARGET inline void Vnni512Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t pairs = nb / 2;
+  for (int64_t b = 0; b < 2 * pairs; b += 2) {
+    const __m512i q = _mm512_loadu_si512(p.q + 32 * b);
+    const __m512i c = _mm512_loadu_si512(p.c + 8 * b);
+    __m512 s[R];
+    Fmt::template Scales2<R>(r, stride, b, p.d + b, s);
+    PrefetchAhead<2 * R * Fmt::kBytes>(r + R * stride + b * R * Fmt::kBytes);
+    for (int i = 0; i < R; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(c, Fmt::Codes2(r + i * stride, b), q)), s[i], acc[i]);
+  }
+  float last[R] = {};
+  if (nb % 2) {
+    const VnniPrep rest{p.q + 64 * pairs, p.c + 16 * pairs, p.d + 2 * pairs, p.s + 2 * pairs};
+    VnniRows<Fmt, R>(r + 2 * pairs * Fmt::kBytes, stride, rest, 1, last);
+  }
+  for (int i = 0; i < R; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + last[i];
+}
 
 // A row kernel as a type: Kernel::Rows<R>(rows, stride, prep, blocks, out) for R = 4 and 1.
 template <class Fmt>
@@ -654,6 +776,13 @@ struct VnniKernel {
   template <int R>
   VNNI_TARGET static void Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
     VnniRows<Fmt, R>(r, stride, p, nb, out);
+  }
+};
+template <class Fmt>
+struct Vnni512Kernel {
+  template <int R>
+  VNNI_TARGET static void Rows(const uint8_t* r, int64_t stride, const VnniPrep& p, int64_t nb, float* out) {
+    Vnni512Rows<Fmt, R>(r, stride, p, nb, out);
   }
 };
 template <class Fmt>
@@ -964,6 +1093,17 @@ void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* ou
 
 #ifdef FREETOKEN_X86
 namespace {
+// The VNNI tier's kernels for q4_0, q8_0, mxfp4 and nvfp4 take two blocks a step in 512-bit
+// registers, or one in 256-bit ones: FREETOKEN_VNNI_BITS=512|256, read once (default 512).
+int VnniBits() {
+  static const int bits = [] {
+    const char* v = std::getenv("FREETOKEN_VNNI_BITS");
+    if (!v || !*v || std::string(v) == "512") return 512;
+    if (std::string(v) == "256") return 256;
+    throw std::invalid_argument(std::string("FREETOKEN_VNNI_BITS must be 512 or 256, not '") + v + "'");
+  }();
+  return bits;
+}
 // The int8 kernel of (tier, type) as both entry points; nulls where the pair has none.
 struct Int8Fns {
   DotFn dot;
@@ -982,6 +1122,20 @@ Int8Fns Int8Kernels(IsaTier tier, BankType type) {
         return Fns<Avx2Int8Kernel<Mxfp4Vnni>>();
       default:
         return Fns<Avx2Int8Kernel<Nvfp4Vnni>>();
+    }
+  }
+  if (UsesVnni(tier, type) && VnniBits() == 512) {
+    switch (type) {
+      case BankType::kQ4_0:
+        return Fns<Vnni512Kernel<Q4_0Vnni>>();
+      case BankType::kQ8_0:
+        return Fns<Vnni512Kernel<Q8_0Vnni>>();
+      case BankType::kMxfp4:
+        return Fns<Vnni512Kernel<Mxfp4Vnni>>();
+      case BankType::kNvfp4:
+        return Fns<Vnni512Kernel<Nvfp4Vnni>>();
+      default:
+        break;
     }
   }
   if (UsesVnni(tier, type)) {

@@ -90,6 +90,29 @@ def test_nvfp4_scales_of_every_e4m3_code(tier):
             assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-3 if rnd else 2e-5), (tier, hex(c))
 
 
+@pytest.mark.parametrize("tier", supported_tiers())
+def test_mxfp4_scales_of_every_e8m0_code(tier):
+    """mxfp4's exponents are converted in registers (2^(e − 127), e = 0 the subnormal 2^−127): the
+    gate and up blocks of expert e all carry one code, every finite code in turn, x scaled by
+    2^(127 − e) to keep the products in float32's range; each output against float64."""
+    f, ex = get_format("mxfp4"), CpuExecutor(threads=2, max_tier=tier)
+    T, H, F = 1, 96, 64  # three blocks of 32 a gate/up row: two a step and the last alone
+    codes = list(range(255))  # 0xff is NaN
+    rng = np.random.default_rng(6)
+    banks, dense = quantized_banks("mxfp4", len(codes), F, H, rng)
+    for bank, d64 in zip(banks[:2], dense[:2]):
+        for e, c in enumerate(codes):
+            bank[e].reshape(F, H // 32, 17)[..., 0] = c
+            d64[e] = f.dequantize_ref(bank[e], F, H).reshape(-1)
+    rnd = q8_round_trip if int8_activations(tier, "mxfp4") else None
+    for e, c in enumerate(codes):
+        x = (rng.standard_normal((T, H)) * 2.0 ** np.clip(127 - c, -100, 120)).astype(np.float32)
+        got = ex.run(x, [0], [e], [1.0], *banks, "silu", "mxfp4")
+        with np.errstate(over="ignore"):  # silu's exp(−gate) of the largest gates: inf, as it should
+            ref = reference(x, [0], [e], [1.0], *dense, F, "silu", round_activations=rnd)
+        assert np.isfinite(got).all() and np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-3 if rnd else 2e-5), (tier, c)
+
+
 def test_the_executor_sizes_formats_as_python_does():
     for name, f in FORMATS.items():
         for O, I in ((3, 128), (64, 256), (7, 200 if f.pads else 192)):
