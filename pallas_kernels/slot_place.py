@@ -17,6 +17,13 @@ reduce-window, the selects, a copy of `slot_for_id` and its scatter); here one p
 [N, W] comparisons in registers and scatters into `slot_for_id` in place (aliased). It fits where
 N·W (both padded to powers of two) is at most `MAX_PAIRS`. `place_ref` is the jnp reference,
 the computation XLA runs elsewhere.
+
+`place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, base=)` is a whole layer of
+strategy "offload" (no CPU share) in the same one program: `find_misses`' part too (each id's
+first valid occurrence, its slot before the layer read from `slot_for_id` itself, the misses)
+and the fetch plan's destinations, from the router's ids as they come (`base` + id is the flat
+id). `slot_for_id` then has no other reader in the layer, so XLA keeps it in place instead of
+copying it before the kernel. `place_layer_ref` is its jnp reference.
 """
 
 from __future__ import annotations
@@ -41,6 +48,13 @@ def fits(N: int, W: int) -> bool:
 def _any(m, axis: int):
     """`jnp.any` as a maximum (Triton lowers no reduce_or)."""
     return jnp.max(m.astype(jnp.int32), axis=axis) > 0
+
+
+def first_valid(flat, valid):
+    """Each valid entry that is the first valid occurrence of its id."""
+    n = jnp.arange(flat.shape[0])
+    earlier = (flat[:, None] == flat[None, :]) & valid[None, :] & (n[None, :] < n[:, None])
+    return valid & ~_any(earlier, 1)
 
 
 def _victims(slot, needed, miss, slot_W, fresh_W, S: int):
@@ -94,6 +108,75 @@ def _kernel(sfi_ref, ios_ref, flat_ref, slot_ref, needed_ref, miss_ref, gpu_ref,
     fresh_ref[...] = fresh.astype(jnp.int32)
 
 
+def _misses(slot, flat, valid):
+    """`find_misses` without a CPU share: (first, miss, needed) of entries whose slot before the
+    layer is `slot` (-1: none)."""
+    first = first_valid(flat, valid)
+    return first, first & (slot < 0), valid & (slot >= 0)
+
+
+def _layer_kernel(sfi_ref, ios_ref, ids_ref, valid_ref, sw_ref, fw_ref,
+                  out_ref, victim_ref, dst_ref, miss_ref, slots_ref, used_ref, fresh_ref, counts_ref, *, S: int, base: int):  # fmt: skip
+    del sfi_ref  # aliased with out_ref: read and written through it
+    flat, slot_W = ids_ref[...] + base, sw_ref[...]
+    valid, fresh_W = valid_ref[...] != 0, fw_ref[...] != 0
+    slot = out_ref[flat]  # every store below depends on every lane's slot (reductions), so follows these loads
+    first, miss, needed = _misses(slot, flat, valid)
+    victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
+    evicted = _evicted(ios_ref, victim, miss, S)
+    _scatter(out_ref, evicted, jnp.full(evicted.shape, -1, jnp.int32), evicted >= 0)
+    _scatter(out_ref, flat, victim, miss)
+    slots, used, fresh = _after(flat, slot, miss, valid, victim, slot_W, fresh_W, S)
+    victim_ref[...], dst_ref[...], miss_ref[...] = victim, jnp.where(miss, victim, 0), miss.astype(jnp.int32)
+    slots_ref[...], used_ref[...], fresh_ref[...] = slots, used, fresh.astype(jnp.int32)
+    hits, misses = jnp.sum((first & (slot >= 0)).astype(jnp.int32)), jnp.sum(miss.astype(jnp.int32))
+    counts_ref[...] = jnp.where(jnp.arange(2) == 0, hits, misses)
+
+
+def place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, *, base: int, interpret: bool = False,
+                num_warps: int = NUM_WARPS):  # fmt: skip
+    """(slot_for_id', victim, dst, miss, slots, used [N], fresh_W' [W], counts [2]) of an offload
+    layer: `ids` [N] the router's expert ids (`base` + id the flat id), `valid` [N] its entries
+    (nonzero: valid), `slot_W`/`fresh_W` the candidates (`StepVictims`); `dst` the fetch plan's
+    destination (victim, 0 where no miss), `miss` 0/1, `fresh_W'` 0/1 and `counts` the distinct
+    experts found resident and fetched. Entries and candidates are padded as `place` pads them."""
+    N, W, S = ids.shape[0], slot_W.shape[0], id_of_slot.shape[0]
+    if not fits(N, W):
+        raise ValueError(f"{N} entries × {W} candidates exceed one program's {MAX_PAIRS} pairs")
+    Np, Wp = pl.next_power_of_2(N), pl.next_power_of_2(W)
+    ins = (slot_for_id, id_of_slot, _pad(ids, Np, 0), _pad(valid, Np, 0), _pad(slot_W, Wp, -2), _pad(fresh_W, Wp, 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out, victim, dst, miss, slots, used, fresh, counts = pl.pallas_call(
+        functools.partial(_layer_kernel, S=S, base=base),
+        in_specs=[any_spec] * len(ins),
+        out_specs=[any_spec] * 8,
+        out_shape=[jax.ShapeDtypeStruct(slot_for_id.shape, jnp.int32)]
+        + [jax.ShapeDtypeStruct((Np,), jnp.int32)] * 5
+        + [jax.ShapeDtypeStruct((Wp,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)],
+        input_output_aliases={0: 0},
+        name="slot_place_layer",
+        **call_params(interpret, num_warps),
+    )(*ins)
+    return out, victim[:N], dst[:N], miss[:N], slots[:N], used[:N], fresh[:W], counts
+
+
+def place_layer_ref(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, *, base: int):
+    """Reference: `place_layer` in jnp."""
+    flat, valid, fresh_W = ids.astype(jnp.int32) + base, valid != 0, fresh_W != 0
+    slot = slot_for_id[flat]
+    first, miss, needed = _misses(slot, flat, valid)
+    out, victim, slots, used, fresh = place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, valid, slot_W, fresh_W)
+    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
+    counts = jnp.stack([jnp.sum(first & (slot >= 0)), jnp.sum(miss)]).astype(jnp.int32)
+    return out, victim, jnp.where(miss, victim, 0), i32(miss), slots, used, i32(fresh), counts
+
+
+def _pad(a, n: int, value: int):
+    """`a` as int32, padded to n with `value` (nothing to do where it has n already)."""
+    a = a.astype(jnp.int32)
+    return a if a.shape[0] == n else jnp.pad(a, (0, n - a.shape[0]), constant_values=value)
+
+
 def place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fresh_W, *, interpret: bool = False,
           num_warps: int = NUM_WARPS):  # fmt: skip
     """(slot_for_id', victim [N], slots [N], used [N], fresh_W' [W]) — module docstring. Entries
@@ -102,11 +185,9 @@ def place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fre
     if not fits(N, W):
         raise ValueError(f"{N} entries × {W} candidates exceed one program's {MAX_PAIRS} pairs")
     Np, Wp = pl.next_power_of_2(N), pl.next_power_of_2(W)
-    i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
-    pad = lambda a, n, v: jnp.pad(i32(a), (0, n - a.shape[0]), constant_values=v)  # noqa: E731
     ins = (
-        slot_for_id, id_of_slot, pad(flat, Np, 0), pad(slot, Np, -1), pad(needed, Np, 0), pad(miss, Np, 0), pad(on_gpu, Np, 0),
-        pad(slot_W, Wp, -2), pad(fresh_W, Wp, 0),
+        slot_for_id, id_of_slot, _pad(flat, Np, 0), _pad(slot, Np, -1), _pad(needed, Np, 0), _pad(miss, Np, 0), _pad(on_gpu, Np, 0),
+        _pad(slot_W, Wp, -2), _pad(fresh_W, Wp, 0),
     )  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out, victim, slots, used, fresh = pl.pallas_call(
@@ -125,7 +206,7 @@ def place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fre
 
 def place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fresh_W):
     """Reference: the same computation in jnp, the scatter as one `.at[].set`."""
-    S = id_of_slot.shape[0]
+    S, fresh_W = id_of_slot.shape[0], fresh_W != 0
     victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
     evicted = _evicted(id_of_slot, victim, miss, S)
     oob = slot_for_id.shape[0]

@@ -119,8 +119,7 @@ def find_misses(
     N = T * K
     flat = moe_layer * num_experts + ids_TK.reshape(N).astype(jnp.int32)
     valid = jnp.repeat(valid_T != 0, K)
-    same = (flat[:, None] == flat[None, :]) & valid[None, :]
-    first = valid & ~jnp.any(jnp.tril(same, -1), axis=1)  # first valid occurrence of each id
+    first = slot_place.first_valid(flat, valid)
     slot = c.slot_for_id[flat]
     miss = first & (slot < 0)
     to_cpu = on_cpu = jnp.zeros_like(miss)
@@ -133,6 +132,7 @@ def find_misses(
         rank = jnp.sum(ahead, axis=1)  # among misses, most recently routed first
         to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q, overhead))
         miss = miss & ~to_cpu
+        same = (flat[:, None] == flat[None, :]) & valid[None, :]
         on_cpu = valid & jnp.any(same & to_cpu[None, :], axis=1)  # entries whose expert stays in host RAM
     return LayerMisses(flat, valid, first, slot, miss, to_cpu, on_cpu)
 
@@ -180,16 +180,22 @@ class StepVictims:
     written once, at the step's end (`record_stats`)."""
 
     slot_W: jax.Array  # int32 [W]: the W least recently used slots at the step's start, in order
-    fresh_W: jax.Array  # bool [W]: not used by an earlier layer of the step
+    fresh_W: jax.Array  # int32 or bool [W]: nonzero where no earlier layer of the step used it
 
 
 def step_victims(c: SlotCache, layers: int, N: int) -> StepVictims | None:
     """The step's victim candidates for `layers` MoE layers of N routed entries each, or None
-    where the cache has fewer than (layers + 1)·N slots (each layer then sorts its own)."""
+    where the cache has fewer than (layers + 1)·N slots (each layer then sorts its own). For the
+    placement kernel they are padded once here to the power of two it works in (slots -2, never
+    fresh), rather than by every layer."""
     W = (layers + 1) * N
     if c.num_slots < W:
         return None
-    return StepVictims(_least_recent(c.last_use, W), jnp.ones((W,), bool))
+    slot_W, fresh_W = _least_recent(c.last_use, W), jnp.ones((W,), jnp.int32)
+    if place_kernel(N, W):
+        Wp = 1 << (W - 1).bit_length()
+        slot_W, fresh_W = jnp.pad(slot_W, (0, Wp - W), constant_values=-2), jnp.pad(fresh_W, (0, Wp - W))
+    return StepVictims(slot_W, fresh_W)
 
 
 def place_kernel(N: int, W: int) -> bool:
@@ -239,6 +245,26 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     last_use = jnp.where(jnp.any(used_N[None, :] == s_S1, axis=1), c.clock, c.last_use)
     new = c.with_(slot_for_id=slot_for_id, id_of_slot=id_of_slot, last_use=last_use, clock=c.clock + 1)
     return new, slots_TK, plan, stats, None
+
+
+def place_layer(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, sv: StepVictims):
+    """`find_misses` (no CPU share) and `place_misses` with the step's `StepVictims` in one
+    kernel (`slot_place.place_layer`, where `place_kernel` says), or as those two compute it: the
+    same results as theirs."""
+    T, K = ids_TK.shape
+    N = T * K
+    if not place_kernel(N, sv.slot_W.shape[0]):
+        return place_misses(c, moe_layer, find_misses(c, moe_layer, ids_TK, valid_T, num_experts), num_experts, T, K, sv)
+    valid = jnp.repeat(valid_T != 0, K)
+    ids = ids_TK.reshape(N)
+    slot_for_id, victim, dst, miss, slots, used, fresh_W, counts = slot_place.place_layer(
+        c.slot_for_id, c.id_of_slot, ids, valid, sv.slot_W, sv.fresh_W, base=moe_layer * num_experts,
+        interpret=jax.default_backend() == "cpu",
+    )  # fmt: skip
+    flat = moe_layer * num_experts + ids.astype(jnp.int32)
+    stats = LayerStats(moe_layer, c.clock, jnp.concatenate([counts, jnp.zeros((1,), jnp.int32)]), flat, valid, victim, used)
+    plan = FetchPlan(ids, dst, miss)
+    return c.with_(slot_for_id=slot_for_id, clock=c.clock + 1), slots.reshape(T, K), plan, stats, StepVictims(sv.slot_W, fresh_W)
 
 
 def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:

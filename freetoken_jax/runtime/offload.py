@@ -1,8 +1,9 @@
 """Expert execution with the experts in host memory (strategy "offload").
 
 Decode: per MoE layer, `find_misses` finds what the routed experts miss in the unified slot
-cache, `place_misses` maps the misses to victim slots, the Pallas fetch kernel copies them from the
-host banks into those slots (in place, on the donated slot arrays), and the experts are computed
+cache, `place_misses` maps the misses to victim slots (`place_layer`: both in one kernel, where the
+step's victims come from one sort), the Pallas fetch kernel copies them from the host banks into
+those slots (in place, on the donated slot arrays), and the experts are computed
 from the slots.
 
 Prefill (many tokens touch most experts of a layer) loads whole layers. With at least 2E slots
@@ -33,6 +34,7 @@ from freetoken_jax.memory.slot_cache import (
     borrow_for_prefill,
     find_misses,
     keep_buffer,
+    place_layer,
     place_misses,
     record_stats,
     step_victims,
@@ -201,16 +203,22 @@ class OffloadExecutor:
         def fn(x_TD, ids_TK, w_TK, bias=None):
             T, K = ids_TK.shape
             E = self.cfg.num_experts
-            misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
 
-            def gpu_side(c):
-                c, slots_TK, plan, stats, self.victims = place_misses(c, m, misses, E, T, K, self.victims)
+            def fetch_and_compute(c, slots_TK, plan, stats, w_gpu):
                 self.stats.append(stats)
                 arrays = (c.gate_SR, c.up_SR, c.down_SR)
                 fetched = fetch_rows_many(self.banks[m], arrays, plan.src_N, plan.dst_N, plan.valid_N, interpret=self.interpret)
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
-                w_gpu = jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK)
                 return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layouts[m], bias=pair_biases(bias, ids_TK))
+
+            if cpu is None and self.victims is not None:  # the layer's misses found and placed at once
+                c, slots_TK, plan, stats, self.victims = place_layer(self.cache, m, ids_TK, self.valid_T, E, self.victims)
+                return fetch_and_compute(c, slots_TK, plan, stats, w_TK)
+            misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
+
+            def gpu_side(c):
+                c, slots_TK, plan, stats, self.victims = place_misses(c, m, misses, E, T, K, self.victims)
+                return fetch_and_compute(c, slots_TK, plan, stats, jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK))
 
             if cpu is None:
                 return gpu_side(self.cache)

@@ -1,8 +1,11 @@
 """The slot placement kernel (interpret mode on the CPU backend, Triton on a GPU) against its jnp
 reference and a plain-Python model over layers drawn from random caches (entries and candidates
 of sizes that are not powers of two, repeated experts, hybrid's entries left to the CPU, layers
-without misses); its lowering to one Triton call; and how a layer chooses it (the whole step
-through it: tests/runtime/test_offload.py)."""
+without misses); the whole offload layer's kernel (`place_layer`) against its reference and
+`find_misses` then `place`; their lowering to one Triton call; and how a layer chooses them (the
+whole step through them: tests/runtime/test_offload.py)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +16,7 @@ from jax import export
 
 from freetoken_jax.memory import slot_cache
 from freetoken_jax.memory.slot_cache import find_misses
-from pallas_kernels.slot_place import MAX_PAIRS, fits, place, place_ref
+from pallas_kernels.slot_place import MAX_PAIRS, fits, place, place_layer, place_layer_ref, place_ref
 
 INTERPRET = jax.default_backend() == "cpu"
 
@@ -68,6 +71,36 @@ def test_kernel_equals_reference_and_model(T, K, W):
     assert misses > 0
 
 
+@pytest.mark.parametrize("T,K,W", [(1, 8, 200), (3, 2, 13), (2, 6, 100)])
+def test_layer_kernel_equals_find_misses_then_place(T, K, W):
+    """`place_layer` = `place_layer_ref` = `find_misses` (no CPU share) then `place`, with the fetch
+    plan's destinations and the layer's counts, over random caches, validity and repeated ids."""
+    rng = np.random.default_rng(T * 100 + K * 10 + W + 1)
+    L, E = 4, 64
+    fetched = 0
+    for trial in range(6):
+        S = int(rng.integers(max(W, T * K) + T * K, 3 * L * E))
+        c = random_slot_cache(rng, L, E, S, T * K)
+        layer = int(rng.integers(0, L))
+        ids = jnp.asarray(rng.integers(0, E if trial % 2 else 6, (T, K)), jnp.int32)  # odd trials: few distinct ids
+        valid_T = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
+        slot_W, fresh_W = jnp.asarray(rng.permutation(S)[:W], jnp.int32), jnp.asarray(rng.random(W) < 0.8, jnp.int32)
+        valid = jnp.repeat(valid_T != 0, K)
+        args = (c.slot_for_id, c.id_of_slot, ids.reshape(-1), valid, slot_W, fresh_W)
+        got = jax.jit(functools.partial(place_layer, base=layer * E, interpret=INTERPRET))(*args)
+        ref = place_layer_ref(*args, base=layer * E)
+        m = find_misses(c, layer, ids, valid_T, E)
+        out, victim, slots, used, fresh = place(c.slot_for_id, c.id_of_slot, m.flat, m.slot, m.valid & (m.slot >= 0), m.miss, m.valid,
+                                                slot_W, fresh_W, interpret=INTERPRET)  # fmt: skip
+        counts = [int(jnp.sum(m.first & (m.slot >= 0))), int(jnp.sum(m.miss))]
+        two = (out, victim, jnp.where(m.miss, victim, 0), m.miss, slots, used, fresh, counts)
+        for g, r, w in zip(got, ref, two):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=str(trial))
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(np.int32), err_msg=str(trial))
+        fetched += counts[1]
+    assert fetched > 0
+
+
 def test_a_layer_without_misses_changes_no_map():
     rng = np.random.default_rng(3)
     args = list(_layer(rng, 2, 8, 40, 2, 2, 12))
@@ -85,6 +118,14 @@ def test_lowers_to_one_triton_call():
     )(i(3072), i(847), i(8), i(8), b(8), b(8), b(8), i(200), b(200))
     text = exp.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "slot_place" in text and "stablehlo.scatter" not in text
+    exp = export.export(
+        jax.jit(lambda *a: place_layer(*a, base=128)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(i(3072), i(847), i(8), b(8), i(256), i(256))
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "slot_place_layer" in text
+    assert "stablehlo.scatter" not in text and "stablehlo.gather" not in text and "stablehlo.pad" not in text
 
 
 def test_how_a_layer_places(monkeypatch):
