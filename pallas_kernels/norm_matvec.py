@@ -1,9 +1,10 @@
 """A decode step's RMSNorm and the projections that read its output, in one kernel.
 
-`norm_matvec(x_BD, norm_D, eps, weights, biases=None, out_dtypes=None, keep_h=False)` is, for
-each of a few rows b (one token each),
+`norm_matvec(x_BD, norm_D, eps, weights, biases=None, out_dtypes=None, keep_h=False, add_BD=None)`
+is, for each of a few rows b (one token each),
 
-    h[b] = norm ⊙ round(x[b] · rsqrt(mean(x[b]²) + eps))   (`layers.RMSNorm`: float32, rounded to x's dtype),
+    s[b] = round(x[b] + add[b])   (where `add_BD` is given: a residual stream's pending term; else x[b]),
+    h[b] = norm ⊙ round(s[b] · rsqrt(mean(s[b]²) + eps))   (`layers.RMSNorm`: float32, rounded to x's dtype),
     y_i[b] = h[b] · W_iᵀ (+ bias_i), accumulated in float32, stored as out_dtypes[i]
 
 for every weight W_i [F_i, D] (the checkpoints' [out, in] layout): the attention's q, k and v
@@ -12,7 +13,9 @@ squares, then the scaling) and one reduction kernel per projection (q apart from
 one launch does all of it. Program p computes R_i rows of one W_i (the programs of W_0 first,
 then W_1's, ...), each row against every b; each program normalises x itself (D values a row:
 cheaper than a launch), and program 0 writes h where `keep_h` asks for it (the router's input
-feeds the experts too). `norm_matvec_ref` is the jnp reference: `RMSNorm` then `Linear`'s einsum.
+feeds the experts too) and s where `add_BD` is given (the residual stream, whose add then costs
+no kernel of its own). `norm_matvec_ref` is the jnp reference: the add, `RMSNorm`, then
+`Linear`'s einsum.
 """
 
 from __future__ import annotations
@@ -44,20 +47,26 @@ def _rows_per_program(F: int, D: int) -> int:
     return R
 
 
-def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool):
+def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool, add: bool):
     n = len(parts)
     x_ref, g_ref, *rest = refs
+    a_ref = rest.pop(0) if add else None
     w_refs, rest = rest[:n], rest[n:]
     b_refs = []
     for has in biases:
         b_refs.append(rest.pop(0) if has else None)
-    y_refs, h_ref = rest[:n], (rest[n] if keep_h else None)
+    y_refs, rest = rest[:n], rest[n:]
+    h_ref = rest.pop(0) if keep_h else None
+    s_ref = rest.pop(0) if add else None
     p = pl.program_id(0)
     d = jnp.arange(D, dtype=jnp.int32)
     g = g_ref[d]
-    hs = []
+    hs, ss = [], []
     for b in range(B):
         xb = x_ref[b, d]
+        if add:
+            xb = (xb.astype(jnp.float32) + a_ref[b, d].astype(jnp.float32)).astype(xb.dtype)
+            ss.append(xb)
         xf = xb.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.sum(xf * xf) / D + eps)
         hs.append(g * (xf * inv).astype(xb.dtype))
@@ -74,22 +83,28 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
                     y = y + bias
                 y_refs[i][b, rows] = y.astype(y_refs[i].dtype)
 
-    if keep_h:
+    if keep_h or add:
 
         @pl.when(p == 0)
         def _():
             for b in range(B):
-                h_ref[b, d] = hs[b].astype(h_ref.dtype)
+                if keep_h:
+                    h_ref[b, d] = hs[b].astype(h_ref.dtype)
+                if add:
+                    s_ref[b, d] = ss[b]
 
 
-def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, *, interpret: bool = False,
-                num_warps: int = NUM_WARPS):  # fmt: skip
-    """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None) (module docstring).
-    `biases`: per weight a [F_i] vector or None; `out_dtypes`: per weight (default x's dtype)."""
+def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None, *,
+                interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
+    """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None, s [B, D] where `add_BD`
+    else None) (module docstring). `biases`: per weight a [F_i] vector or None; `out_dtypes`: per
+    weight (default x's dtype)."""
     B, D = x_BD.shape
     F = tuple(w.shape[0] for w in weights)
     if norm_D.shape != (D,) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
         raise ValueError(f"norm {norm_D.shape} and weights {[w.shape for w in weights]} do not match x {x_BD.shape}")
+    if add_BD is not None and add_BD.shape != x_BD.shape:
+        raise ValueError(f"add {add_BD.shape} does not match x {x_BD.shape}")
     if not fits(B, D, F):
         raise ValueError(f"{B} rows of width {D} do not fit the kernel (D a power of two ≤ {TILE}, at most {MAX_ROWS} rows)")
     biases = list(biases or [None] * len(weights))
@@ -102,13 +117,13 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
         R = _rows_per_program(f, D)
         parts.append((start, f // R, R))
         start += f // R
-    ins = [x_BD, norm_D, *weights, *[b for b in biases if b is not None]]
+    add = add_BD is not None
+    ins = [x_BD, norm_D, *([add_BD] if add else []), *weights, *[b for b in biases if b is not None]]
     outs = [jax.ShapeDtypeStruct((B, f), dt) for f, dt in zip(F, out_dtypes)]
-    if keep_h:
-        outs.append(jax.ShapeDtypeStruct((B, D), x_BD.dtype))
+    outs += [jax.ShapeDtypeStruct((B, D), x_BD.dtype)] * (int(keep_h) + int(add))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, eps=float(eps), B=B, D=D, parts=tuple(parts), biases=tuple(b is not None for b in biases),
-                               keep_h=keep_h)  # fmt: skip
+                               keep_h=keep_h, add=add)  # fmt: skip
     res = pl.pallas_call(
         kernel,
         grid=(start,),
@@ -118,12 +133,15 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
         name="norm_matvec",
         **call_params(interpret, num_warps),
     )(*ins)
-    return tuple(res[: len(F)]), (res[-1] if keep_h else None)
+    rest = list(res[len(F) :])
+    return tuple(res[: len(F)]), (rest.pop(0) if keep_h else None), (rest.pop(0) if add else None)
 
 
-def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False):
-    """Reference: `layers.RMSNorm`, then each weight as `layers.Linear` computes it (the router's
-    float32 weight at full precision)."""
+def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None):
+    """Reference: the residual's add as the model writes it, `layers.RMSNorm`, then each weight
+    as `layers.Linear` computes it (the router's float32 weight at full precision)."""
+    s = None if add_BD is None else x_BD + add_BD
+    x_BD = x_BD if s is None else s
     xf = x_BD.astype(jnp.float32)
     h = norm_D * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x_BD.dtype)
     biases = list(biases or [None] * len(weights))
@@ -135,4 +153,4 @@ def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=N
         if bias is not None:
             y = y + bias
         ys.append(y.astype(dt))
-    return tuple(ys), (h if keep_h else None)
+    return tuple(ys), (h if keep_h else None), s

@@ -222,18 +222,23 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32)) if cfg.attention_sinks else None
         self.cfg, self.window = cfg, window
 
-    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None):
-        """`norm`: the layer's input norm, applied here (to x_BTD as given) so that a step of one
-        token a row may compute it with the projections in one kernel (`norm_matvec_kernel`)."""
+    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None, add=None):
+        """(output, new KV pages, the residual stream x_BTD + add). `norm`: the layer's input
+        norm, applied here to that stream so that a step of one token a row may compute the add,
+        the norm and the projections in one kernel (`norm_matvec_kernel`)."""
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         projs = (self.q_proj, self.k_proj, self.v_proj)
         if norm is not None and use_norm_matvec(B, T, x_BTD.shape[2], [p.weight.shape[0] for p in projs]):
             biases = [None if p.bias is None else p.bias[...] for p in projs]
-            q, k, v = normed_projections(norm, x_BTD[:, 0], [p.weight[...] for p in projs], biases)
+            q, k, v, *s = normed_projections(
+                norm, x_BTD[:, 0], [p.weight[...] for p in projs], biases, add_BD=None if add is None else add[:, 0]
+            )
             q, k, v = (a[:, None] for a in (q, k, v))
+            stream = s[0][:, None] if s else x_BTD
         else:
-            x_BTD = x_BTD if norm is None else norm(x_BTD)
+            stream = residual(x_BTD, add)
+            x_BTD = stream if norm is None else norm(stream)
             q, k, v = (p(x_BTD) for p in projs)
         q = q.reshape(B, T, cfg.num_heads, cfg.head_dim)
         k = k.reshape(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -247,7 +252,7 @@ class Attention(nnx.Module):
             o, k_pages, v_pages = decode_attention.attention(q[:, 0], kv[0], kv[1], view.page_table_BP, view.mask(self.window)[:, 0],
                                                              scale=softmax_scale(cfg), sinks_H=sinks, fresh=fresh,
                                                              interpret=jax.default_backend() == "cpu")  # fmt: skip
-            return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
+            return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rd = cfg.rope_dim  # partial rotary: the rest of each head passes as it is
@@ -260,7 +265,7 @@ class Attention(nnx.Module):
                                            interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
         else:
             o = attend_paged(q, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks)
-        return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages)
+        return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream
 
 
 def norm_matvec_kernel() -> str:
@@ -279,12 +284,18 @@ def use_norm_matvec(B: int, T: int, D: int, F) -> bool:
     return T == 1 and norm_matvec_kernel() == "kernel" and norm_matvec.fits(B, D, tuple(F))
 
 
-def normed_projections(norm: RMSNorm, x_BD, weights, biases=None, out_dtypes=None, keep_h: bool = False):
-    """`norm(x_BD)` times each of `weights` ([F_i, D], + its bias where given) in one kernel:
-    (their outputs [B, F_i], the normed rows where `keep_h`)."""
-    ys, h = norm_matvec.norm_matvec(x_BD, norm.weight[...], norm.eps, weights, biases, out_dtypes, keep_h,
-                                    interpret=jax.default_backend() == "cpu")  # fmt: skip
-    return (*ys, h) if keep_h else ys
+def normed_projections(norm: RMSNorm, x_BD, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None):
+    """`norm(x_BD + add_BD)` (x_BD alone where `add_BD` is None) times each of `weights`
+    ([F_i, D], + its bias where given) in one kernel: (their outputs [B, F_i], the normed rows
+    where `keep_h`, the sum x_BD + add_BD where given)."""
+    ys, h, s = norm_matvec.norm_matvec(x_BD, norm.weight[...], norm.eps, weights, biases, out_dtypes, keep_h, add_BD,
+                                       interpret=jax.default_backend() == "cpu")  # fmt: skip
+    return (*ys, *[a for a in (h, s) if a is not None])
+
+
+def residual(x_BTD, add_BTD):
+    """The residual stream x + add (x where nothing is pending)."""
+    return x_BTD if add_BTD is None else x_BTD + add_BTD
 
 
 def decode_attention_kernel(cfg: MoEModelConfig) -> str:
@@ -326,9 +337,11 @@ class MLAttention(nnx.Module):
         self.o_proj = linear(H * cfg.v_head_dim, D, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None):
-        """`norm`: the layer's input norm, applied to x_BTD first (as `Attention` takes it)."""
-        x_BTD = x_BTD if norm is None else norm(x_BTD)
+    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None, add=None):
+        """(output, new latent pages, the residual stream x_BTD + add); `norm`: the layer's input
+        norm, applied to that stream first (as `Attention` takes them)."""
+        stream = residual(x_BTD, add)
+        x_BTD = stream if norm is None else norm(stream)
         cfg = self.cfg
         B, T, _ = x_BTD.shape
         H, dn, dr, dv = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
@@ -353,7 +366,7 @@ class MLAttention(nnx.Module):
 
         q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
         o = attend_paged(q_BTHd, (lat_pages, rot_pages), view, view.mask_BTS, softmax_scale(cfg), kv_of)
-        return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages)
+        return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages), stream
 
 
 class MLP(nnx.Module):
@@ -660,15 +673,22 @@ class MoEBlock(nnx.Module):
             x, ids, w, (e.gate[...], e.up[...], e.down[...]), layout, bias=pair_biases(bias, ids)
         )
 
-    def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None, norm: RMSNorm | None = None) -> jax.Array:
-        """`norm`: the layer's post-attention norm, applied here (to x_BTD as given) so that a
-        step of one token a row may compute it with the router in one kernel (`norm_matvec_kernel`)."""
+    def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None, norm: RMSNorm | None = None, add=None):
+        """(output, the residual stream x_BTD + add). `norm`: the layer's post-attention norm,
+        applied here to that stream so that a step of one token a row may compute the add, the
+        norm and the router in one kernel (`norm_matvec_kernel`)."""
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
         if norm is not None and use_norm_matvec(B, T, D, [self.gate.weight.shape[0]]):
-            logits, x_TD = normed_projections(norm, x_TD, [self.gate.weight[...]], out_dtypes=[jnp.float32], keep_h=True)
+            pending = None if add is None else add.reshape(B * T, D)
+            logits, x_TD, *s = normed_projections(
+                norm, x_TD, [self.gate.weight[...]], out_dtypes=[jnp.float32], keep_h=True, add_BD=pending
+            )
+            stream = s[0].reshape(B, T, D) if s else x_BTD
             ids, w = self.gate.choose(logits)
         else:
+            stream = residual(x_BTD, add)
+            x_TD = stream.reshape(B * T, D)
             x_TD = x_TD if norm is None else norm(x_TD)
             ids, w = self.gate(x_TD)
         out = (expert_fn or self.expert_fn())(x_TD, ids, w, self.experts.biases())
@@ -677,4 +697,4 @@ class MoEBlock(nnx.Module):
             if self.shared_expert_gate is not None:
                 shared = jax.nn.sigmoid(self.shared_expert_gate(x_TD)) * shared
             out = out + shared
-        return out.reshape(B, T, D)
+        return out.reshape(B, T, D), stream

@@ -14,7 +14,7 @@ from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.kv_cache import KVCache, KVView
-from freetoken_jax.models.layers import _INIT, MLP, Attention, ExpertFn, MLAttention, MoEBlock, RMSNorm, linear, rope_cos_sin
+from freetoken_jax.models.layers import _INIT, MLP, Attention, ExpertFn, MLAttention, MoEBlock, RMSNorm, linear, residual, rope_cos_sin
 
 
 class DecoderLayer(nnx.Module):
@@ -26,17 +26,20 @@ class DecoderLayer(nnx.Module):
         moe_index = sum(cfg.moe_layers[:index])  # m: this layer's place among the MoE layers
         self.mlp = MoEBlock(cfg, dtype, rngs, moe_index) if self.is_moe else MLP(cfg, cfg.intermediate_dim, dtype, rngs)
 
-    def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None):
+    def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None, add=None):
+        """The layer on the residual stream x_BTD + add (`add`: the previous layer's output, not
+        yet added): (x, m, kv) with the stream after it x + m, m left for the next layer (or the
+        final norm) to add. Each add goes with the norm that reads its sum: one kernel with the
+        projections that follow in a step of one token a row (`layers.norm_matvec_kernel`)."""
         with jax.named_scope("attention"):
-            # the norm is the attention's to apply: it may go into one kernel with the projections
-            a, kv = self.self_attn(x_BTD, cos_sin, kv, view, norm=self.input_layernorm)
-        x_BTD = x_BTD + a
+            a, kv, x_BTD = self.self_attn(x_BTD, cos_sin, kv, view, norm=self.input_layernorm, add=add)
         with jax.named_scope("moe" if self.is_moe else "mlp"):
-            if self.is_moe:  # the norm may go into one kernel with the router
-                m = self.mlp(x_BTD, expert_fn, norm=self.post_attention_layernorm)
+            if self.is_moe:
+                m, x_BTD = self.mlp(x_BTD, expert_fn, norm=self.post_attention_layernorm, add=a)
             else:
+                x_BTD = x_BTD + a
                 m = self.mlp(self.post_attention_layernorm(x_BTD))
-        return x_BTD + m, kv
+        return x_BTD, m, kv
 
 
 class MoETransformer(nnx.Module):
@@ -59,15 +62,15 @@ class MoETransformer(nnx.Module):
         """Runs the layers over this step's tokens, reading and extending the paged cache
         (sliding-window layers through `ring_view` when their KV is kept in rings).
         Returns the final-normed hidden states [B, T, D] and the new cache."""
-        x = self.embed(tokens_BT)
+        x, add = self.embed(tokens_BT), None
         cos_sin = rope_cos_sin(self.cfg, positions_BT)
         new_cache = []
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
                 v = ring_view if ring_view is not None and self.cfg.window_of(i) else view
-                x, kv = layer(x, cos_sin, cache[i], v, None if expert_fns is None else expert_fns[i])
+                x, add, kv = layer(x, cos_sin, cache[i], v, None if expert_fns is None else expert_fns[i], add)
             new_cache.append(kv)
-        return self.norm(x), tuple(new_cache)
+        return self.norm(residual(x, add)), tuple(new_cache)
 
     def logits(self, h_TD: jax.Array) -> jax.Array:
         if self.lm_head is None:

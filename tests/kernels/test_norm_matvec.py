@@ -38,8 +38,9 @@ def test_matches_reference_and_float64(B, D, F, dtype, bias):
     bs = [(rng.standard_normal(f) * 0.1).astype(np.float32) if bias else None for f in F]
     args = (jnp.asarray(x, dtype), jnp.asarray(g, dtype), 1e-6, [jnp.asarray(w, dtype) for w in ws],
             [None if b is None else jnp.asarray(b, dtype) for b in bs])  # fmt: skip
-    ys, h = jax.jit(lambda *a: norm_matvec(*a[:2], 1e-6, *a[3:], keep_h=True, interpret=INTERPRET))(*args)
-    rys, rh = norm_matvec_ref(*args, keep_h=True)
+    ys, h, s = jax.jit(lambda *a: norm_matvec(*a[:2], 1e-6, *a[3:], keep_h=True, interpret=INTERPRET))(*args)
+    rys, rh, _ = norm_matvec_ref(*args, keep_h=True)
+    assert s is None
     assert [y.shape for y in ys] == [(B, f) for f in F] and all(y.dtype == dtype for y in ys) and h.shape == (B, D) and h.dtype == dtype
     # The same products summed in another order, rounded to the output's dtype: within one ulp.
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
@@ -60,12 +61,38 @@ def test_float32_outputs_of_bf16_rows():
     x = jnp.asarray(rng.standard_normal((2, 128)), jnp.bfloat16)
     g = jnp.asarray(1 + 0.1 * rng.standard_normal(128), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
-    (y,), h = norm_matvec(x, g, 1e-5, [w], out_dtypes=[jnp.float32], keep_h=True, interpret=INTERPRET)
-    (ry,), rh = norm_matvec_ref(x, g, 1e-5, [w], out_dtypes=[jnp.float32], keep_h=True)
+    (y,), h, _ = norm_matvec(x, g, 1e-5, [w], out_dtypes=[jnp.float32], keep_h=True, interpret=INTERPRET)
+    (ry,), rh, _ = norm_matvec_ref(x, g, 1e-5, [w], out_dtypes=[jnp.float32], keep_h=True)
     assert y.dtype == jnp.float32 and h.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(rh, np.float32))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ry), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(y), np.asarray(h, np.float64) @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,keep_h", [(jnp.bfloat16, True), (jnp.bfloat16, False), (jnp.float32, True)])
+def test_the_residual_add_goes_with_the_norm(dtype, keep_h):
+    """`add_BD`: the kernel normalises x + add and returns that sum, rounded as the model's add
+    rounds it (equal to the reference's), with h and the projections of the sum; without the add
+    its outputs are those of x alone."""
+    rng = np.random.default_rng(7)
+    B, D = 3, 256
+    x, a = (jnp.asarray(rng.standard_normal((B, D)) * 3, dtype) for _ in range(2))
+    g = jnp.asarray(1 + 0.1 * rng.standard_normal(D), dtype)
+    ws = [jnp.asarray(rng.standard_normal((f, D)) / 16, dtype) for f in (64, 16)]
+    ys, h, s = jax.jit(lambda *z: norm_matvec(z[0], z[1], 1e-6, z[2:4], keep_h=keep_h, add_BD=z[4], interpret=INTERPRET))(x, g, *ws, a)
+    rys, rh, rs = norm_matvec_ref(x, g, 1e-6, ws, keep_h=keep_h, add_BD=a)
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(x + a, np.float32))
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(rs, np.float32))
+    assert (h is None) == (not keep_h) and s.dtype == dtype
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+    plain, _, _ = norm_matvec_ref(x + a, g, 1e-6, ws)  # the sum's projections, the add done apart
+    for y, ry, py in zip(ys, rys, plain):
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ry, np.float32), **tol)
+        np.testing.assert_array_equal(np.asarray(ry, np.float32), np.asarray(py, np.float32))
+    if keep_h:
+        np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(rh, np.float32), **tol)
+    far = np.abs(np.asarray(ys[0], np.float32) - np.asarray(norm_matvec_ref(x, g, 1e-6, ws)[0][0], np.float32)).max()
+    assert far > 0.1  # the add matters to the outputs
 
 
 def test_bad_shapes_raise():
@@ -78,6 +105,8 @@ def test_bad_shapes_raise():
         norm_matvec(jnp.zeros((1, 48)), jnp.ones((48,)), 1e-6, [jnp.zeros((8, 48))], interpret=True)
     with pytest.raises(ValueError, match="bias"):
         norm_matvec(x, g, 1e-6, [jnp.zeros((8, 64))], [jnp.zeros((4,))], interpret=True)
+    with pytest.raises(ValueError, match="add"):
+        norm_matvec(x, g, 1e-6, [jnp.zeros((8, 64))], add_BD=jnp.zeros((2, 64)), interpret=True)
     assert fits(8, 4096, (4096, 512)) and not fits(9, 64, (8,)) and not fits(1, 2880, (8,)) and not fits(1, 16384, (8,))
 
 
@@ -89,6 +118,18 @@ def test_lowers_to_one_triton_call():
     )(*(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((1, 2048), (2048,), (4096, 2048), (512, 2048), (512, 2048))))
     text = exp.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "norm_matvec" in text
+    exp = export.export(  # the router's: logits, h and the residual's sum from one call
+        jax.jit(lambda x, g, w, a: norm_matvec(x, g, 1e-6, [w], out_dtypes=[jnp.float32], keep_h=True, add_BD=a)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(
+        *(
+            jax.ShapeDtypeStruct(s, t)
+            for s, t in (((1, 2048), jnp.bfloat16), ((2048,), jnp.bfloat16), ((128, 2048), jnp.float32), ((1, 2048), jnp.bfloat16))
+        )
+    )
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.add" not in text
 
 
 @pytest.mark.parametrize("name", ["qwen2_moe", "qwen3_moe_norm", "gpt_oss", "deepseek_v3"])
