@@ -1113,50 +1113,35 @@ template <class Kernel>
 Int8Fns Fns() {
   return {DotOf<Kernel>, DotRowsOf<Kernel>};
 }
+// The kernels of one kind (Kernel<Fmt>) for the four block formats; nulls for the others.
+template <template <class> class Kernel>
+Int8Fns BlockFns(BankType type) {
+  switch (type) {
+    case BankType::kQ4_0:
+      return Fns<Kernel<Q4_0Vnni>>();
+    case BankType::kQ8_0:
+      return Fns<Kernel<Q8_0Vnni>>();
+    case BankType::kMxfp4:
+      return Fns<Kernel<Mxfp4Vnni>>();
+    case BankType::kNvfp4:
+      return Fns<Kernel<Nvfp4Vnni>>();
+    default:
+      return {nullptr, nullptr};
+  }
+}
 Int8Fns Int8Kernels(IsaTier tier, BankType type) {
-  if (UsesAvx2Int8(tier, type)) {
-    switch (type) {
-      case BankType::kQ4_0:
-        return Fns<Avx2Int8Kernel<Q4_0Vnni>>();
-      case BankType::kMxfp4:
-        return Fns<Avx2Int8Kernel<Mxfp4Vnni>>();
-      default:
-        return Fns<Avx2Int8Kernel<Nvfp4Vnni>>();
-    }
+  if (UsesAvx2Int8(tier, type)) return BlockFns<Avx2Int8Kernel>(type);
+  if (!UsesVnni(tier, type)) return {nullptr, nullptr};
+  switch (type) {
+    case BankType::kQ4_K:
+      return Fns<KKernel<BankType::kQ4_K>>();
+    case BankType::kQ5_K:
+      return Fns<KKernel<BankType::kQ5_K>>();
+    case BankType::kQ6_K:
+      return Fns<KKernel<BankType::kQ6_K>>();
+    default:
+      return VnniBits() == 512 ? BlockFns<Vnni512Kernel>(type) : BlockFns<VnniKernel>(type);
   }
-  if (UsesVnni(tier, type) && VnniBits() == 512) {
-    switch (type) {
-      case BankType::kQ4_0:
-        return Fns<Vnni512Kernel<Q4_0Vnni>>();
-      case BankType::kQ8_0:
-        return Fns<Vnni512Kernel<Q8_0Vnni>>();
-      case BankType::kMxfp4:
-        return Fns<Vnni512Kernel<Mxfp4Vnni>>();
-      case BankType::kNvfp4:
-        return Fns<Vnni512Kernel<Nvfp4Vnni>>();
-      default:
-        break;
-    }
-  }
-  if (UsesVnni(tier, type)) {
-    switch (type) {
-      case BankType::kQ4_0:
-        return Fns<VnniKernel<Q4_0Vnni>>();
-      case BankType::kQ8_0:
-        return Fns<VnniKernel<Q8_0Vnni>>();
-      case BankType::kMxfp4:
-        return Fns<VnniKernel<Mxfp4Vnni>>();
-      case BankType::kQ4_K:
-        return Fns<KKernel<BankType::kQ4_K>>();
-      case BankType::kQ5_K:
-        return Fns<KKernel<BankType::kQ5_K>>();
-      case BankType::kQ6_K:
-        return Fns<KKernel<BankType::kQ6_K>>();
-      default:
-        return Fns<VnniKernel<Nvfp4Vnni>>();
-    }
-  }
-  return {nullptr, nullptr};
 }
 }  // namespace
 #endif
