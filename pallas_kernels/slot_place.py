@@ -18,12 +18,13 @@ reduce-window, the selects, a copy of `slot_for_id` and its scatter); here one p
 N·W (both padded to powers of two) is at most `MAX_PAIRS`. `place_ref` is the jnp reference,
 the computation XLA runs elsewhere.
 
-`place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, base=)` is a whole layer of
-strategy "offload" (no CPU share) in the same one program: `find_misses`' part too (each id's
-first valid occurrence, its slot before the layer read from `slot_for_id` itself, the misses)
-and the fetch plan's destinations, from the router's ids as they come (`base` + id is the flat
-id). `slot_for_id` then has no other reader in the layer, so XLA keeps it in place instead of
-copying it before the kernel. `place_layer_ref` is its jnp reference.
+`place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, base=)` is a whole layer's
+choice in the same one program: `find_misses`' part too (each id's first valid occurrence, its
+slot before the layer read from `slot_for_id` itself, the misses; given `q`, strategy "hybrid",
+which misses the CPU computes: `cpu_share`) and the fetch plan's destinations, from the router's
+ids as they come (`base` + id is the flat id). `slot_for_id` then has no other reader in the
+layer, so XLA keeps it in place instead of copying it before the kernel. `place_layer_ref` is its
+jnp reference.
 """
 
 from __future__ import annotations
@@ -48,6 +49,35 @@ def fits(N: int, W: int) -> bool:
 def _any(m, axis: int):
     """`jnp.any` as a maximum (Triton lowers no reduce_or)."""
     return jnp.max(m.astype(jnp.int32), axis=axis) > 0
+
+
+def fetch_count(M, q, overhead: float = 0.0):
+    """How many of M misses to fetch when a fraction q should go over PCIe: ⌊qM⌋ or ⌊qM⌋+1,
+    whichever makes the later of the two sides (F·(1−q) on the GPU, (M−F)·q on the CPU, both in
+    units of M/(Bp+Bh)) finish sooner. `overhead` is the CPU handoff's fixed cost per layer in
+    units of one expert's PCIe fetch time; with it, all M are fetched when that is sooner than
+    paying the handoff (where the handoff is dear, a lone miss is then fetched, and cached,
+    rather than sent to the CPU at every step)."""
+    M = jnp.asarray(M, jnp.int32)
+    lo = jnp.floor(M * q).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, M)
+    cost = lambda F: jnp.maximum(F * (1 - q), (M - F) * q + jnp.where(F < M, overhead * (1 - q), 0.0))  # noqa: E731
+    best = jnp.where(cost(hi) < cost(lo), hi, lo)
+    return jnp.where(cost(M) <= cost(best), M, best) if overhead else best
+
+
+def cpu_share(flat, valid, miss, recent, q, overhead: float = 0.0):
+    """Strategy "hybrid": of the misses, the `fetch_count(M, q)` most recently routed (`recent`:
+    each miss's last routing clock; ties to the earlier entry) are fetched and the rest left in
+    host RAM. (to_cpu: misses left there, on_cpu: every entry of their experts, the misses fetched)."""
+    n = jnp.arange(flat.shape[0])
+    recent = jnp.where(miss, recent, -2)
+    ahead = miss[None, :] & ((recent[None, :] > recent[:, None]) | ((recent[None, :] == recent[:, None]) & (n[None, :] < n[:, None])))
+    rank = jnp.sum(ahead.astype(jnp.int32), axis=1)  # among misses, most recently routed first
+    to_cpu = miss & (rank >= fetch_count(jnp.sum(miss.astype(jnp.int32)), q, overhead))
+    same = (flat[:, None] == flat[None, :]) & valid[None, :]
+    on_cpu = valid & _any(same & to_cpu[None, :], 1)  # entries whose expert stays in host RAM
+    return to_cpu, on_cpu, miss & ~to_cpu
 
 
 def first_valid(flat, valid):
@@ -115,60 +145,77 @@ def _misses(slot, flat, valid):
     return first, first & (slot < 0), valid & (slot >= 0)
 
 
-def _layer_kernel(sfi_ref, ios_ref, ids_ref, valid_ref, sw_ref, fw_ref,
-                  out_ref, victim_ref, dst_ref, miss_ref, slots_ref, used_ref, fresh_ref, counts_ref, *, S: int, base: int):  # fmt: skip
+def _layer_kernel(*refs, S: int, base: int, hybrid: bool, overhead: float):
+    sfi_ref, ios_ref, ids_ref, valid_ref, sw_ref, fw_ref, *refs = refs
+    lr_ref, q_ref, *refs = refs if hybrid else (None, None, *refs)
+    out_ref, victim_ref, dst_ref, miss_ref, slots_ref, used_ref, fresh_ref, cpu_ref, counts_ref = refs
     del sfi_ref  # aliased with out_ref: read and written through it
     flat, slot_W = ids_ref[...] + base, sw_ref[...]
     valid, fresh_W = valid_ref[...] != 0, fw_ref[...] != 0
     slot = out_ref[flat]  # every store below depends on every lane's slot (reductions), so follows these loads
     first, miss, needed = _misses(slot, flat, valid)
+    to_cpu = on_cpu = jnp.zeros_like(miss)
+    if hybrid:
+        to_cpu, on_cpu, miss = cpu_share(flat, valid, miss, lr_ref[flat], jnp.sum(q_ref[...]), overhead)
     victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
     evicted = _evicted(ios_ref, victim, miss, S)
     _scatter(out_ref, evicted, jnp.full(evicted.shape, -1, jnp.int32), evicted >= 0)
     _scatter(out_ref, flat, victim, miss)
-    slots, used, fresh = _after(flat, slot, miss, valid, victim, slot_W, fresh_W, S)
+    slots, used, fresh = _after(flat, slot, miss, valid & ~on_cpu, victim, slot_W, fresh_W, S)
     victim_ref[...], dst_ref[...], miss_ref[...] = victim, jnp.where(miss, victim, 0), miss.astype(jnp.int32)
-    slots_ref[...], used_ref[...], fresh_ref[...] = slots, used, fresh.astype(jnp.int32)
-    hits, misses = jnp.sum((first & (slot >= 0)).astype(jnp.int32)), jnp.sum(miss.astype(jnp.int32))
-    counts_ref[...] = jnp.where(jnp.arange(2) == 0, hits, misses)
+    slots_ref[...], used_ref[...], fresh_ref[...], cpu_ref[...] = slots, used, fresh.astype(jnp.int32), on_cpu.astype(jnp.int32)
+    count = lambda m: jnp.sum(m.astype(jnp.int32))  # noqa: E731
+    hits, fetched, left = count(first & (slot >= 0)), count(miss), count(to_cpu)
+    i = jnp.arange(4)
+    counts_ref[...] = jnp.where(i == 0, hits, jnp.where(i == 1, fetched, jnp.where(i == 2, left, 0)))
 
 
-def place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, *, base: int, interpret: bool = False,
-                num_warps: int = NUM_WARPS):  # fmt: skip
-    """(slot_for_id', victim, dst, miss, slots, used [N], fresh_W' [W], counts [2]) of an offload
+def place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, last_routed=None, q=None, *, base: int, overhead: float = 0.0,
+                interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
+    """(slot_for_id', victim, dst, miss, slots, used, on_cpu [N], fresh_W' [W], counts [4]) of a
     layer: `ids` [N] the router's expert ids (`base` + id the flat id), `valid` [N] its entries
-    (nonzero: valid), `slot_W`/`fresh_W` the candidates (`StepVictims`); `dst` the fetch plan's
-    destination (victim, 0 where no miss), `miss` 0/1, `fresh_W'` 0/1 and `counts` the distinct
-    experts found resident and fetched. Entries and candidates are padded as `place` pads them."""
+    (nonzero: valid), `slot_W`/`fresh_W` the candidates (`StepVictims`); given `q` (a float,
+    traced or not) with `last_routed` and `overhead`, strategy "hybrid"'s CPU share
+    (`cpu_share`). `dst`: the fetch plan's destination (victim, 0 where no miss); `miss`,
+    `on_cpu` (entries computed on the CPU) and `fresh_W'` 0/1; `counts`: the distinct experts
+    found resident, fetched and left to the CPU, then 0. Entries and candidates are padded as
+    `place` pads them."""
     N, W, S = ids.shape[0], slot_W.shape[0], id_of_slot.shape[0]
     if not fits(N, W):
         raise ValueError(f"{N} entries × {W} candidates exceed one program's {MAX_PAIRS} pairs")
+    hybrid = q is not None
     Np, Wp = pl.next_power_of_2(N), pl.next_power_of_2(W)
     ins = (slot_for_id, id_of_slot, _pad(ids, Np, 0), _pad(valid, Np, 0), _pad(slot_W, Wp, -2), _pad(fresh_W, Wp, 0))
+    if hybrid:
+        ins += (last_routed, jnp.asarray(q, jnp.float32).reshape(1))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    out, victim, dst, miss, slots, used, fresh, counts = pl.pallas_call(
-        functools.partial(_layer_kernel, S=S, base=base),
+    out, victim, dst, miss, slots, used, fresh, on_cpu, counts = pl.pallas_call(
+        functools.partial(_layer_kernel, S=S, base=base, hybrid=hybrid, overhead=float(overhead)),
         in_specs=[any_spec] * len(ins),
-        out_specs=[any_spec] * 8,
+        out_specs=[any_spec] * 9,
         out_shape=[jax.ShapeDtypeStruct(slot_for_id.shape, jnp.int32)]
         + [jax.ShapeDtypeStruct((Np,), jnp.int32)] * 5
-        + [jax.ShapeDtypeStruct((Wp,), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.int32)],
+        + [jax.ShapeDtypeStruct((Wp,), jnp.int32), jax.ShapeDtypeStruct((Np,), jnp.int32), jax.ShapeDtypeStruct((4,), jnp.int32)],
         input_output_aliases={0: 0},
         name="slot_place_layer",
         **call_params(interpret, num_warps),
     )(*ins)
-    return out, victim[:N], dst[:N], miss[:N], slots[:N], used[:N], fresh[:W], counts
+    return out, victim[:N], dst[:N], miss[:N], slots[:N], used[:N], on_cpu[:N], fresh[:W], counts
 
 
-def place_layer_ref(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, *, base: int):
+def place_layer_ref(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, last_routed=None, q=None, *, base: int,
+                    overhead: float = 0.0):  # fmt: skip
     """Reference: `place_layer` in jnp."""
     flat, valid, fresh_W = ids.astype(jnp.int32) + base, valid != 0, fresh_W != 0
     slot = slot_for_id[flat]
     first, miss, needed = _misses(slot, flat, valid)
-    out, victim, slots, used, fresh = place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, valid, slot_W, fresh_W)
+    to_cpu = on_cpu = jnp.zeros_like(miss)
+    if q is not None:
+        to_cpu, on_cpu, miss = cpu_share(flat, valid, miss, last_routed[flat], jnp.asarray(q, jnp.float32), overhead)
+    out, victim, slots, used, fresh = place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, valid & ~on_cpu, slot_W, fresh_W)
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
-    counts = jnp.stack([jnp.sum(first & (slot >= 0)), jnp.sum(miss)]).astype(jnp.int32)
-    return out, victim, jnp.where(miss, victim, 0), i32(miss), slots, used, i32(fresh), counts
+    counts = jnp.stack([jnp.sum(first & (slot >= 0)), jnp.sum(miss), jnp.sum(to_cpu), 0]).astype(jnp.int32)
+    return out, victim, jnp.where(miss, victim, 0), i32(miss), slots, used, i32(on_cpu), i32(fresh), counts
 
 
 def _pad(a, n: int, value: int):

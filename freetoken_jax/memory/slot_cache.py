@@ -77,21 +77,6 @@ class FetchPlan:
     valid_N: jax.Array
 
 
-def fetch_count(M, q, overhead: float = 0.0):
-    """How many of M misses to fetch when a fraction q should go over PCIe: ⌊qM⌋ or ⌊qM⌋+1,
-    whichever makes the later of the two sides (F·(1−q) on the GPU, (M−F)·q on the CPU, both in
-    units of M/(Bp+Bh)) finish sooner. `overhead` is the CPU handoff's fixed cost per layer in
-    units of one expert's PCIe fetch time; with it, all M are fetched when that is sooner than
-    paying the handoff (where the handoff is dear, a lone miss is then fetched, and cached,
-    rather than sent to the CPU at every step)."""
-    M = jnp.asarray(M, jnp.int32)
-    lo = jnp.floor(M * q).astype(jnp.int32)
-    hi = jnp.minimum(lo + 1, M)
-    cost = lambda F: jnp.maximum(F * (1 - q), (M - F) * q + jnp.where(F < M, overhead * (1 - q), 0.0))  # noqa: E731
-    best = jnp.where(cost(hi) < cost(lo), hi, lo)
-    return jnp.where(cost(M) <= cost(best), M, best) if overhead else best
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerMisses:
@@ -124,16 +109,7 @@ def find_misses(
     miss = first & (slot < 0)
     to_cpu = on_cpu = jnp.zeros_like(miss)
     if q is not None:
-        recent = jnp.where(miss, c.last_routed[flat], -2)
-        idx = jnp.arange(N)
-        ahead = miss[None, :] & (
-            (recent[None, :] > recent[:, None]) | ((recent[None, :] == recent[:, None]) & (idx[None, :] < idx[:, None]))
-        )
-        rank = jnp.sum(ahead, axis=1)  # among misses, most recently routed first
-        to_cpu = miss & (rank >= fetch_count(jnp.sum(miss), q, overhead))
-        miss = miss & ~to_cpu
-        same = (flat[:, None] == flat[None, :]) & valid[None, :]
-        on_cpu = valid & jnp.any(same & to_cpu[None, :], axis=1)  # entries whose expert stays in host RAM
+        to_cpu, on_cpu, miss = slot_place.cpu_share(flat, valid, miss, c.last_routed[flat], q, overhead)
     return LayerMisses(flat, valid, first, slot, miss, to_cpu, on_cpu)
 
 
@@ -247,24 +223,24 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     return new, slots_TK, plan, stats, None
 
 
-def place_layer(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, sv: StepVictims):
-    """`find_misses` (no CPU share) and `place_misses` with the step's `StepVictims` in one
-    kernel (`slot_place.place_layer`, where `place_kernel` says), or as those two compute it: the
-    same results as theirs."""
+def place_layer(c: SlotCache, moe_layer: int, ids_TK: jax.Array, valid_T: jax.Array, num_experts: int, sv: StepVictims, q=None,
+                overhead: float = 0.0):  # fmt: skip
+    """`find_misses` and `place_misses` with the step's `StepVictims` in one kernel
+    (`slot_place.place_layer`; for the layers `place_kernel` gives it): the same results as
+    theirs, and each entry's `on_cpu` [T, k] (given `q`: strategy "hybrid")."""
     T, K = ids_TK.shape
     N = T * K
-    if not place_kernel(N, sv.slot_W.shape[0]):
-        return place_misses(c, moe_layer, find_misses(c, moe_layer, ids_TK, valid_T, num_experts), num_experts, T, K, sv)
     valid = jnp.repeat(valid_T != 0, K)
     ids = ids_TK.reshape(N)
-    slot_for_id, victim, dst, miss, slots, used, fresh_W, counts = slot_place.place_layer(
-        c.slot_for_id, c.id_of_slot, ids, valid, sv.slot_W, sv.fresh_W, base=moe_layer * num_experts,
-        interpret=jax.default_backend() == "cpu",
+    slot_for_id, victim, dst, miss, slots, used, on_cpu, fresh_W, counts = slot_place.place_layer(
+        c.slot_for_id, c.id_of_slot, ids, valid, sv.slot_W, sv.fresh_W, c.last_routed, q, base=moe_layer * num_experts,
+        overhead=overhead, interpret=jax.default_backend() == "cpu",
     )  # fmt: skip
     flat = moe_layer * num_experts + ids.astype(jnp.int32)
-    stats = LayerStats(moe_layer, c.clock, jnp.concatenate([counts, jnp.zeros((1,), jnp.int32)]), flat, valid, victim, used)
+    stats = LayerStats(moe_layer, c.clock, counts[:3], flat, valid, victim, used)
     plan = FetchPlan(ids, dst, miss)
-    return c.with_(slot_for_id=slot_for_id, clock=c.clock + 1), slots.reshape(T, K), plan, stats, StepVictims(sv.slot_W, fresh_W)
+    new = c.with_(slot_for_id=slot_for_id, clock=c.clock + 1)
+    return new, slots.reshape(T, K), plan, stats, StepVictims(sv.slot_W, fresh_W), on_cpu.reshape(T, K) != 0
 
 
 def record_stats(c: SlotCache, stats: list[LayerStats]) -> SlotCache:

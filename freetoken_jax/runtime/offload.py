@@ -1,8 +1,9 @@
 """Expert execution with the experts in host memory (strategy "offload").
 
 Decode: per MoE layer, `find_misses` finds what the routed experts miss in the unified slot
-cache, `place_misses` maps the misses to victim slots (`place_layer`: both in one kernel, where the
-step's victims come from one sort), the Pallas fetch kernel copies them from the host banks into
+cache (and, strategy "hybrid", which of them the CPU computes), `place_misses` maps the misses to
+victim slots (`place_layer`: both in one kernel, on a GPU where the step's victims come from one
+sort), the Pallas fetch kernel copies them from the host banks into
 those slots (in place, on the donated slot arrays), and the experts are computed
 from the slots.
 
@@ -34,6 +35,7 @@ from freetoken_jax.memory.slot_cache import (
     borrow_for_prefill,
     find_misses,
     keep_buffer,
+    place_kernel,
     place_layer,
     place_misses,
     record_stats,
@@ -211,9 +213,15 @@ class OffloadExecutor:
                 self.cache = c.with_(gate_SR=fetched[0], up_SR=fetched[1], down_SR=fetched[2])
                 return self.compute(x_TD, slots_TK, w_gpu, tuple(fetched), self.layouts[m], bias=pair_biases(bias, ids_TK))
 
-            if cpu is None and self.victims is not None:  # the layer's misses found and placed at once
-                c, slots_TK, plan, stats, self.victims = place_layer(self.cache, m, ids_TK, self.valid_T, E, self.victims)
-                return fetch_and_compute(c, slots_TK, plan, stats, w_TK)
+            if self.victims is not None and place_kernel(T * K, self.victims.slot_W.shape[0]):
+                # the layer's misses found and placed by one kernel, then the CPU job started
+                c, slots_TK, plan, stats, self.victims, on_cpu = place_layer(self.cache, m, ids_TK, self.valid_T, E, self.victims,
+                                                                             self.hybrid_q, self.hybrid_overhead)  # fmt: skip
+                if cpu is None:
+                    return fetch_and_compute(c, slots_TK, plan, stats, w_TK)
+                w_gpu, w_cpu = jnp.where(on_cpu, 0.0, w_TK), jnp.where(on_cpu, w_TK, 0.0)
+                gpu, host = cpu.around(x_TD, ids_TK, w_cpu, self.valid_T, lambda c: fetch_and_compute(c, slots_TK, plan, stats, w_gpu), c)
+                return (gpu.astype(jnp.float32) + host).astype(x_TD.dtype)
             misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
 
             def gpu_side(c):

@@ -73,12 +73,14 @@ def test_kernel_equals_reference_and_model(T, K, W):
 
 @pytest.mark.parametrize("T,K,W", [(1, 8, 200), (3, 2, 13), (2, 6, 100)])
 def test_layer_kernel_equals_find_misses_then_place(T, K, W):
-    """`place_layer` = `place_layer_ref` = `find_misses` (no CPU share) then `place`, with the fetch
-    plan's destinations and the layer's counts, over random caches, validity and repeated ids."""
+    """`place_layer` = `place_layer_ref` = `find_misses` then `place`, with the fetch plan's
+    destinations, the entries left to the CPU and the layer's counts, over random caches,
+    validity and repeated ids, without a CPU share and with one (q, the handoff's overhead)."""
     rng = np.random.default_rng(T * 100 + K * 10 + W + 1)
     L, E = 4, 64
-    fetched = 0
-    for trial in range(6):
+    fetched = left = 0
+    for trial in range(8):
+        q, overhead = [(None, 0.0), (0.0, 0.0), (0.5, 0.0), (0.37, 1.4), (1.0, 0.6)][trial % 5]
         S = int(rng.integers(max(W, T * K) + T * K, 3 * L * E))
         c = random_slot_cache(rng, L, E, S, T * K)
         layer = int(rng.integers(0, L))
@@ -86,19 +88,21 @@ def test_layer_kernel_equals_find_misses_then_place(T, K, W):
         valid_T = jnp.asarray(rng.integers(0, 2, T), jnp.int32).at[0].set(1)
         slot_W, fresh_W = jnp.asarray(rng.permutation(S)[:W], jnp.int32), jnp.asarray(rng.random(W) < 0.8, jnp.int32)
         valid = jnp.repeat(valid_T != 0, K)
-        args = (c.slot_for_id, c.id_of_slot, ids.reshape(-1), valid, slot_W, fresh_W)
-        got = jax.jit(functools.partial(place_layer, base=layer * E, interpret=INTERPRET))(*args)
-        ref = place_layer_ref(*args, base=layer * E)
-        m = find_misses(c, layer, ids, valid_T, E)
-        out, victim, slots, used, fresh = place(c.slot_for_id, c.id_of_slot, m.flat, m.slot, m.valid & (m.slot >= 0), m.miss, m.valid,
+        args = (c.slot_for_id, c.id_of_slot, ids.reshape(-1), valid, slot_W, fresh_W) + ((c.last_routed, q) if q is not None else ())
+        kw = dict(base=layer * E, overhead=overhead)
+        got = jax.jit(functools.partial(place_layer, **kw, interpret=INTERPRET))(*args)
+        ref = place_layer_ref(*args, **kw)
+        m = find_misses(c, layer, ids, valid_T, E, q, overhead)
+        on_gpu = m.valid & ~m.on_cpu
+        out, victim, slots, used, fresh = place(c.slot_for_id, c.id_of_slot, m.flat, m.slot, m.valid & (m.slot >= 0), m.miss, on_gpu,
                                                 slot_W, fresh_W, interpret=INTERPRET)  # fmt: skip
-        counts = [int(jnp.sum(m.first & (m.slot >= 0))), int(jnp.sum(m.miss))]
-        two = (out, victim, jnp.where(m.miss, victim, 0), m.miss, slots, used, fresh, counts)
+        counts = [int(jnp.sum(m.first & (m.slot >= 0))), int(jnp.sum(m.miss)), int(jnp.sum(m.to_cpu)), 0]
+        two = (out, victim, jnp.where(m.miss, victim, 0), m.miss, slots, used, m.on_cpu, fresh, counts)
         for g, r, w in zip(got, ref, two):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(r), err_msg=str(trial))
             np.testing.assert_array_equal(np.asarray(g), np.asarray(w).astype(np.int32), err_msg=str(trial))
-        fetched += counts[1]
-    assert fetched > 0
+        fetched, left = fetched + counts[1], left + counts[2]
+    assert fetched > 0 and left > 0
 
 
 def test_a_layer_without_misses_changes_no_map():
@@ -126,6 +130,13 @@ def test_lowers_to_one_triton_call():
     text = exp.mlir_module()
     assert text.count("__gpu$xla.gpu.triton") == 1 and "slot_place_layer" in text
     assert "stablehlo.scatter" not in text and "stablehlo.gather" not in text and "stablehlo.pad" not in text
+    exp = export.export(  # with hybrid's CPU share, q traced
+        jax.jit(lambda *a: place_layer(*a, base=128, overhead=1.4)),
+        platforms=["cuda"],
+        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(i(3072), i(847), i(8), b(8), i(256), i(256), i(3072), jax.ShapeDtypeStruct((), jnp.float32))
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "stablehlo.gather" not in text
 
 
 def test_how_a_layer_places(monkeypatch):

@@ -12,13 +12,13 @@ from hf_models import make_checkpoint
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.memory.slot_cache import (
     borrow_for_prefill,
-    fetch_count,
     find_misses,
     keep_buffer,
     place_misses,
     record_stats,
     step_victims,
 )
+from pallas_kernels.slot_place import fetch_count
 
 # max_running: both rows decode together even with the fewest slots (one step's experts for max_batch rows)
 BASE = dict(dtype="float32", max_context=48, max_batch=2, max_running=2, page_size=4, prefill_chunk=16, moe_strategy="hybrid",
@@ -164,6 +164,28 @@ def test_hybrid_matches_fused(family, ckpt_root):
     )
     assert cost.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want
     assert cost.get_metrics()["experts_on_cpu"] < plain.get_metrics()["experts_on_cpu"]
+
+
+def test_one_kernel_a_layer_equals_xlas_choice(ckpt_root, monkeypatch):
+    """A hybrid layer's misses, CPU share, victims and maps chosen by one kernel
+    (FREETOKEN_SLOT_PLACE=kernel: `slot_place.place_layer`, interpret mode here; 18 slots hold the
+    step's one sort, (3 layers + 1) × 4 entries, but not every expert) and by XLA's computation:
+    the same tokens as fused, and the same fetches, CPU computations and slot maps."""
+    path = make_checkpoint("qwen3_moe", ckpt_root)
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**{**BASE, "moe_strategy": "fused"}))
+    want = fused.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True)
+    runs = []
+    for how in ("xla", "kernel"):
+        monkeypatch.setenv("FREETOKEN_SLOT_PLACE", how)
+        eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**{**BASE, "hybrid_overhead": 0.6}, expert_slots=18, hybrid_q=0.4))
+        assert eng.generate_batch(PROMPTS, max_new_tokens=10, ignore_eos=True) == want, how
+        m, c = eng.get_metrics(), eng.runner.slots
+        runs.append(
+            (m["experts_fetched"], m["experts_on_cpu"], np.asarray(c.slot_for_id), np.asarray(c.id_of_slot), np.asarray(c.last_use))
+        )
+    assert runs[0][0] > 0 and runs[0][1] > 0
+    for a, b in zip(*runs):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("q", [None, 0.5])
