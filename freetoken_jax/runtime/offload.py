@@ -3,9 +3,8 @@
 Decode: per MoE layer, `find_misses` finds what the routed experts miss in the unified slot
 cache (and, strategy "hybrid", which of them the CPU computes), `place_misses` maps the misses to
 victim slots (`place_layer`: both in one kernel, on a GPU where the step's victims come from one
-sort), the Pallas fetch kernel copies them from the host banks into
-those slots (in place, on the donated slot arrays), and the experts are computed
-from the slots.
+sort), the Pallas fetch kernel copies them from the host banks into those slots (in place, on
+the donated slot arrays), and the experts are computed from the slots.
 
 Prefill (many tokens touch most experts of a layer) loads whole layers. With at least 2E slots
 it borrows the 2E least recently used slots as two layer buffers (`borrow_for_prefill` empties
