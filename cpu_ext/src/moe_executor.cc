@@ -228,6 +228,7 @@ float MatrixScale(const void* bank, BankType type, int64_t e, int64_t rows, int6
 // ---------------------------------------------------------------------------------------------
 
 MoeExecutor::MoeExecutor(int threads, IsaTier max_tier, bool pin) : pool_(threads, pin) {
+  VnniBits();  // a bad FREETOKEN_VNNI_BITS is refused here, before any job
   tier_ = IsaTier::kScalar;
   for (IsaTier t : SupportedTiers())
     if (static_cast<int>(t) <= static_cast<int>(max_tier)) tier_ = t;

@@ -1091,11 +1091,7 @@ void Prepare(IsaTier tier, BankType type, const float* x, int64_t n, uint8_t* ou
   (void)tier, (void)type, (void)x, (void)n, (void)out;
 }
 
-#ifdef FREETOKEN_X86
-namespace {
-// The VNNI tier's kernels for q4_0, q8_0, mxfp4 and nvfp4 take two blocks a step in 512-bit
-// registers, or one in 256-bit ones: FREETOKEN_VNNI_BITS=512|256, read once (default 512).
-int VnniBits() {
+int VnniBits() {  // quant_dot.h
   static const int bits = [] {
     const char* v = std::getenv("FREETOKEN_VNNI_BITS");
     if (!v || !*v || std::string(v) == "512") return 512;
@@ -1104,6 +1100,9 @@ int VnniBits() {
   }();
   return bits;
 }
+
+#ifdef FREETOKEN_X86
+namespace {
 // The int8 kernel of (tier, type) as both entry points; nulls where the pair has none.
 struct Int8Fns {
   DotFn dot;

@@ -46,6 +46,9 @@ DotFn DotFor(IsaTier tier, BankType type);
 // and type have only the single-row kernel.
 using DotRowsFn = void (*)(const uint8_t* row, int64_t stride, int64_t rows, const float* x, const void* prep, int64_t n, float* out);
 DotRowsFn DotRowsFor(IsaTier tier, BankType type);
+// The width of the VNNI tier's q4_0, q8_0, mxfp4 and nvfp4 kernels: FREETOKEN_VNNI_BITS (512, the
+// default: two blocks a step; 256: one), read once; throws std::invalid_argument on another value.
+int VnniBits();
 
 // What some kernels read instead of (or beside) the float32 vector, made once per vector: the
 // bf16 dot tier reads x rounded to bf16; the int8 kernels (VNNI: the 4- to 8-bit formats but fp8

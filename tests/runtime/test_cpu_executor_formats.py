@@ -1,6 +1,10 @@
 """The C++ executor on quantized banks: every format on every ISA tier this machine has equals the
 float64 matmul of the dequantized reference weights."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from helpers import executor_reference as reference
@@ -162,3 +166,17 @@ def test_down_in_another_format_than_gate_and_up(tier):
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (2e-2 if int8_activations(tier, "q4_k") else 2e-5)
     with pytest.raises(ValueError, match="one expert per row"):  # down read as q4_k: rows of the wrong length
         ex.run(x, tokens, experts, weights, gate, up, down, "silu", "q4_k")
+
+
+def test_the_one_block_vnni_kernels_and_a_bad_width():
+    """FREETOKEN_VNNI_BITS is read once a process: in one whose value is 256 the one-block VNNI
+    kernels pass this file's format tests; another value is refused when an executor is made."""
+    env = {**os.environ, "FREETOKEN_VNNI_BITS": "256"}
+    tests = "match_the_dequantized_reference or every_e4m3_code or every_e8m0_code"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", tests],
+                         env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-3000:]
+    env["FREETOKEN_VNNI_BITS"] = "128"
+    bad = "from freetoken_jax.runtime.cpu_executor import CpuExecutor; CpuExecutor(threads=1)"
+    run = subprocess.run([sys.executable, "-c", bad], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0 and "FREETOKEN_VNNI_BITS must be 512 or 256, not '128'" in run.stderr, run.stderr[-2000:]
