@@ -124,16 +124,22 @@ def _scatter(ref, idx, val, on):
     plt.store(ref.at[jnp.where(on, idx, jnp.maximum(i0, 0))], jnp.where(on, val, v0), mask=jnp.broadcast_to(i0 >= 0, on.shape))
 
 
+def _place_into(out_ref, ios_ref, flat, slot, needed, miss, on_gpu, slot_W, fresh_W, S: int):
+    """The kernels' shared part: the victims, both scatters into `slot_for_id` (`out_ref`) and
+    (victim, slots, used, fresh)."""
+    victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
+    evicted = _evicted(ios_ref, victim, miss, S)
+    _scatter(out_ref, evicted, jnp.full(evicted.shape, -1, jnp.int32), evicted >= 0)
+    _scatter(out_ref, flat, victim, miss)
+    return (victim, *_after(flat, slot, miss, on_gpu, victim, slot_W, fresh_W, S))
+
+
 def _kernel(sfi_ref, ios_ref, flat_ref, slot_ref, needed_ref, miss_ref, gpu_ref, sw_ref, fw_ref,
             out_ref, victim_ref, slots_ref, used_ref, fresh_ref, *, S: int):  # fmt: skip
     del sfi_ref  # aliased with out_ref: written in place, never read
     flat, slot, slot_W = flat_ref[...], slot_ref[...], sw_ref[...]
     needed, miss, on_gpu, fresh_W = (r[...] != 0 for r in (needed_ref, miss_ref, gpu_ref, fw_ref))
-    victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
-    evicted = _evicted(ios_ref, victim, miss, S)
-    _scatter(out_ref, evicted, jnp.full(evicted.shape, -1, jnp.int32), evicted >= 0)
-    _scatter(out_ref, flat, victim, miss)
-    slots, used, fresh = _after(flat, slot, miss, on_gpu, victim, slot_W, fresh_W, S)
+    victim, slots, used, fresh = _place_into(out_ref, ios_ref, flat, slot, needed, miss, on_gpu, slot_W, fresh_W, S)
     victim_ref[...], slots_ref[...], used_ref[...] = victim, slots, used
     fresh_ref[...] = fresh.astype(jnp.int32)
 
@@ -157,11 +163,7 @@ def _layer_kernel(*refs, S: int, base: int, hybrid: bool, overhead: float):
     to_cpu = on_cpu = jnp.zeros_like(miss)
     if hybrid:
         to_cpu, on_cpu, miss = cpu_share(flat, valid, miss, lr_ref[flat], jnp.sum(q_ref[...]), overhead)
-    victim = _victims(slot, needed, miss, slot_W, fresh_W, S)
-    evicted = _evicted(ios_ref, victim, miss, S)
-    _scatter(out_ref, evicted, jnp.full(evicted.shape, -1, jnp.int32), evicted >= 0)
-    _scatter(out_ref, flat, victim, miss)
-    slots, used, fresh = _after(flat, slot, miss, valid & ~on_cpu, victim, slot_W, fresh_W, S)
+    victim, slots, used, fresh = _place_into(out_ref, ios_ref, flat, slot, needed, miss, valid & ~on_cpu, slot_W, fresh_W, S)
     victim_ref[...], dst_ref[...], miss_ref[...] = victim, jnp.where(miss, victim, 0), miss.astype(jnp.int32)
     slots_ref[...], used_ref[...], fresh_ref[...], cpu_ref[...] = slots, used, fresh.astype(jnp.int32), on_cpu.astype(jnp.int32)
     count = lambda m: jnp.sum(m.astype(jnp.int32))  # noqa: E731
@@ -185,7 +187,7 @@ def place_layer(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, last_route
         raise ValueError(f"{N} entries × {W} candidates exceed one program's {MAX_PAIRS} pairs")
     hybrid = q is not None
     Np, Wp = pl.next_power_of_2(N), pl.next_power_of_2(W)
-    ins = (slot_for_id, id_of_slot, _pad(ids, Np, 0), _pad(valid, Np, 0), _pad(slot_W, Wp, -2), _pad(fresh_W, Wp, 0))
+    ins = (slot_for_id, id_of_slot, _pad(ids, Np, 0), _pad(valid, Np, 0), *pad_candidates(slot_W, fresh_W))
     if hybrid:
         ins += (last_routed, jnp.asarray(q, jnp.float32).reshape(1))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -215,7 +217,7 @@ def place_layer_ref(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, last_r
     out, victim, slots, used, fresh = place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, valid & ~on_cpu, slot_W, fresh_W)
     i32 = lambda a: a.astype(jnp.int32)  # noqa: E731
     counts = jnp.stack([jnp.sum(first & (slot >= 0)), jnp.sum(miss), jnp.sum(to_cpu), 0]).astype(jnp.int32)
-    return out, victim, jnp.where(miss, victim, 0), i32(miss), slots, used, i32(on_cpu), i32(fresh), counts
+    return out, victim, jnp.where(miss, victim, 0), i32(miss), slots, used, i32(on_cpu), fresh, counts
 
 
 def _pad(a, n: int, value: int):
@@ -224,9 +226,16 @@ def _pad(a, n: int, value: int):
     return a if a.shape[0] == n else jnp.pad(a, (0, n - a.shape[0]), constant_values=value)
 
 
+def pad_candidates(slot_W, fresh_W):
+    """The candidates as the kernels take them: int32, W padded to a power of two with slots that
+    match no entry (-2) and are never fresh."""
+    Wp = pl.next_power_of_2(slot_W.shape[0])
+    return _pad(slot_W, Wp, -2), _pad(fresh_W, Wp, 0)
+
+
 def place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fresh_W, *, interpret: bool = False,
           num_warps: int = NUM_WARPS):  # fmt: skip
-    """(slot_for_id', victim [N], slots [N], used [N], fresh_W' [W]) — module docstring. Entries
+    """(slot_for_id', victim [N], slots [N], used [N], fresh_W' [W], 0/1) — module docstring. Entries
     and candidates are padded to powers of two with ones that change nothing."""
     N, W, S = flat.shape[0], slot_W.shape[0], id_of_slot.shape[0]
     if not fits(N, W):
@@ -234,7 +243,7 @@ def place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fre
     Np, Wp = pl.next_power_of_2(N), pl.next_power_of_2(W)
     ins = (
         slot_for_id, id_of_slot, _pad(flat, Np, 0), _pad(slot, Np, -1), _pad(needed, Np, 0), _pad(miss, Np, 0), _pad(on_gpu, Np, 0),
-        _pad(slot_W, Wp, -2), _pad(fresh_W, Wp, 0),
+        *pad_candidates(slot_W, fresh_W),
     )  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     out, victim, slots, used, fresh = pl.pallas_call(
@@ -248,7 +257,7 @@ def place(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fre
         name="slot_place",
         **call_params(interpret, num_warps),
     )(*ins)
-    return out, victim[:N], slots[:N], used[:N], fresh[:W] != 0
+    return out, victim[:N], slots[:N], used[:N], fresh[:W]
 
 
 def place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W, fresh_W):
@@ -261,4 +270,4 @@ def place_ref(slot_for_id, id_of_slot, flat, slot, needed, miss, on_gpu, slot_W,
         jnp.concatenate([jnp.full(evicted.shape, -1, jnp.int32), victim.astype(jnp.int32)]), mode="drop"
     )
     slots, used, fresh = _after(flat, slot, miss, on_gpu, victim, slot_W, fresh_W, S)
-    return out, victim, slots, used, fresh
+    return out, victim, slots, used, fresh.astype(jnp.int32)

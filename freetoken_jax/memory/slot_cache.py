@@ -156,21 +156,20 @@ class StepVictims:
     written once, at the step's end (`record_stats`)."""
 
     slot_W: jax.Array  # int32 [W]: the W least recently used slots at the step's start, in order
-    fresh_W: jax.Array  # int32 or bool [W]: nonzero where no earlier layer of the step used it
+    fresh_W: jax.Array  # int32 [W]: 1 where no earlier layer of the step used it
 
 
 def step_victims(c: SlotCache, layers: int, N: int) -> StepVictims | None:
     """The step's victim candidates for `layers` MoE layers of N routed entries each, or None
     where the cache has fewer than (layers + 1)·N slots (each layer then sorts its own). For the
-    placement kernel they are padded once here to the power of two it works in (slots -2, never
-    fresh), rather than by every layer."""
+    placement kernel they are padded once here (`slot_place.pad_candidates`), rather than by every
+    layer."""
     W = (layers + 1) * N
     if c.num_slots < W:
         return None
     slot_W, fresh_W = _least_recent(c.last_use, W), jnp.ones((W,), jnp.int32)
     if place_kernel(N, W):
-        Wp = 1 << (W - 1).bit_length()
-        slot_W, fresh_W = jnp.pad(slot_W, (0, Wp - W), constant_values=-2), jnp.pad(fresh_W, (0, Wp - W))
+        slot_W, fresh_W = slot_place.pad_candidates(slot_W, fresh_W)
     return StepVictims(slot_W, fresh_W)
 
 
@@ -201,7 +200,7 @@ def place_misses(c: SlotCache, moe_layer: int, m: LayerMisses, num_experts: int,
     s_S1 = jnp.arange(S, dtype=jnp.int32)[:, None]
     if sv is None:
         in_use = jnp.any((slot[None, :] == s_S1) & needed[None, :], axis=1)
-        sv_layer = StepVictims(_least_recent(jnp.where(in_use, _NEVER, c.last_use), N), jnp.ones((N,), bool))
+        sv_layer = StepVictims(_least_recent(jnp.where(in_use, _NEVER, c.last_use), N), jnp.ones((N,), jnp.int32))
     else:
         sv_layer = sv
     args = (c.slot_for_id, c.id_of_slot, flat, slot, needed, miss, valid & ~m.on_cpu, sv_layer.slot_W, sv_layer.fresh_W)
