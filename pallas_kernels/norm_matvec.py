@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels import call_params
 
 NUM_WARPS = 4
-TILE = 8192  # the most weight values a program holds: R_i · D ≤ TILE (R_i at most 8)
+TILE = 8192  # the most weight values a program holds by default: R_i · D ≤ TILE
 MAX_ROWS = 8  # the most rows b a call takes (each a loop of its own in every program)
 
 
@@ -39,9 +39,9 @@ def fits(B: int, D: int, F: tuple[int, ...]) -> bool:
     return 0 < B <= MAX_ROWS and D & (D - 1) == 0 and 0 < D <= TILE and all(f > 0 for f in F)
 
 
-def _rows_per_program(F: int, D: int) -> int:
-    """The largest power of two R ≤ min(8, TILE / D) dividing F."""
-    R = max(1, min(MAX_ROWS, TILE // D))
+def _rows_per_program(F: int, D: int, tile: int = TILE) -> int:
+    """The largest power of two R ≤ tile / D dividing F."""
+    R = max(1, tile // D)
     while F % R:
         R //= 2
     return R
@@ -95,10 +95,10 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
 
 
 def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None, *,
-                interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
+                interpret: bool = False, num_warps: int = NUM_WARPS, tile: int = TILE):  # fmt: skip
     """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None, s [B, D] where `add_BD`
     else None) (module docstring). `biases`: per weight a [F_i] vector or None; `out_dtypes`: per
-    weight (default x's dtype)."""
+    weight (default x's dtype); `tile`: the most weight values a program holds (a power of two)."""
     B, D = x_BD.shape
     F = tuple(w.shape[0] for w in weights)
     if norm_D.shape != (D,) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
@@ -114,7 +114,7 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
             raise ValueError(f"bias {bias.shape} does not match weight {w.shape}")
     parts, start = [], 0
     for f in F:
-        R = _rows_per_program(f, D)
+        R = _rows_per_program(f, D, tile)
         parts.append((start, f // R, R))
         start += f // R
     add = add_BD is not None

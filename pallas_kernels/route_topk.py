@@ -12,6 +12,12 @@ program per row holds the row in registers, takes the k largest one at a time (t
 its lowest index, then that entry masked out) and writes ids and weights. Rows are padded to a
 power of two (Triton's array sizes) with entries that are never chosen.
 
+`route(..., draw=(scores, arrays))` writes other ids beside the router's weights: the k largest
+of `scores(t, e, *refs)` (float32 [E'] for row t, `e` the padded expert indices, `refs` the
+kernel's references to `arrays`), −inf for a row whose first weight is NaN — the benchmarks'
+synthetic routing (`runtime/routing.py`) drawn in the router's kernel, where it took two kernels
+of its own after it.
+
 `top_k(x_TN, k)` is `lax.top_k` (the k largest of each row, largest first, ties to the lower
 index) by the same loop, for small k: XLA sorts the whole row instead (the slot cache's victims:
 the k least recently used of every slot). `route_ref` and `top_k_ref` are the jnp references.
@@ -50,9 +56,10 @@ def _largest(v, alive, K: int, Kp: int, gather=None):
     return ids, vals, got
 
 
-def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias):
+def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw):
     logits_ref, *rest = refs
     bias_ref = rest.pop(0) if has_bias else None
+    draw_refs = [rest.pop(0) for _ in range(draw[1])] if draw else []
     ids_ref, w_ref = rest
     t = pl.program_id(0)
     Ep, Kp = pl.next_power_of_2(E), ids_ref.shape[1]
@@ -71,8 +78,13 @@ def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias):
     if norm:
         w = w / (jnp.sum(w) + (1e-20 if scoring == "sigmoid" else 0.0))
     slot = jnp.arange(Kp, dtype=jnp.int32)
+    w = w * scale
+    if draw:
+        first = jnp.sum(jnp.where(slot == 0, w, 0.0))
+        scores = jnp.where(jnp.isnan(first), -jnp.inf, draw[0](t, e, *draw_refs))
+        ids, _, _ = _largest(scores, real, K, Kp)
     ids_ref[t, slot] = jnp.minimum(ids, E - 1)  # (a NaN row matches nothing)
-    w_ref[t, slot] = w * scale
+    w_ref[t, slot] = w
 
 
 def _top_k_kernel(x_ref, vals_ref, ids_ref, *, N, K):
@@ -86,8 +98,9 @@ def _top_k_kernel(x_ref, vals_ref, ids_ref, *, N, K):
 
 
 def route(logits_TE, k: int, *, scoring: str = "softmax", norm: bool = True, scale: float = 1.0, bias_E=None,
-          interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
-    """(ids [T, k] int32, weights [T, k] float32) of a greedy router (module docstring)."""
+          draw=None, interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
+    """(ids [T, k] int32, weights [T, k] float32) of a greedy router; `draw`: (scores, arrays),
+    the ids drawn in place of the router's (module docstring)."""
     T, E = logits_TE.shape
     if scoring not in ("softmax", "sigmoid"):
         raise ValueError(f"scoring must be 'softmax' or 'sigmoid', got {scoring!r}")
@@ -97,7 +110,10 @@ def route(logits_TE, k: int, *, scoring: str = "softmax", norm: bool = True, sca
         raise ValueError(f"bias {bias_E.shape} is not [{E}]")
     Kp = pl.next_power_of_2(k)
     ins = [logits_TE] + ([bias_E.astype(jnp.float32)] if bias_E is not None else [])
-    kernel = functools.partial(_route_kernel, E=E, K=k, scoring=scoring, norm=norm, scale=float(scale), has_bias=bias_E is not None)
+    if draw is not None:
+        ins += list(draw[1])
+    kernel = functools.partial(_route_kernel, E=E, K=k, scoring=scoring, norm=norm, scale=float(scale), has_bias=bias_E is not None,
+                               draw=None if draw is None else (draw[0], len(draw[1])))  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     ids, w = pl.pallas_call(
         kernel,

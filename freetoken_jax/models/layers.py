@@ -392,16 +392,16 @@ class Router(nnx.Module):
         self.logit_bias = nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32)) if cfg.router_bias else None
         self.cfg = cfg
 
-    def __call__(self, x_TD: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x_TD: jax.Array, draw=None) -> tuple[jax.Array, jax.Array]:
         logits_TE = jnp.einsum("td,ed->te", x_TD.astype(jnp.float32), self.weight[...], precision=jax.lax.Precision.HIGHEST)
-        return self.choose(logits_TE)
+        return self.choose(logits_TE, draw)
 
-    def choose(self, logits_TE: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The routing of logits x·Wᵀ (float32 [T, E])."""
+    def choose(self, logits_TE: jax.Array, draw=None) -> tuple[jax.Array, jax.Array]:
+        """The routing of logits x·Wᵀ (float32 [T, E]); `draw`: `route`'s."""
         if self.logit_bias is not None:
             logits_TE = logits_TE + self.logit_bias[...]
         bias = None if self.bias is None else self.bias[...]
-        return route(self.cfg, logits_TE, bias)
+        return route(self.cfg, logits_TE, bias, draw)
 
 
 ROUTER_KERNEL_ROWS = 64  # "auto" takes the router kernel for steps of up to this many rows (decode)
@@ -420,11 +420,19 @@ def router_kernel(cfg: MoEModelConfig, T: int) -> str:
     return "kernel"
 
 
-def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = None):
+def route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None = None, draw=None):
+    """(ids [T, k], weights [T, k]) of the router's logits. `draw` (a benchmark's synthetic
+    routing, `runtime/routing.Draw`) puts its ids in place of the router's, the weights kept."""
     T, E = logits_TE.shape
     if router_kernel(cfg, T) == "kernel":
         return route_topk.route(logits_TE, cfg.top_k, scoring=cfg.router_scoring, norm=cfg.norm_topk_prob, scale=cfg.routed_scaling_factor,
-                                bias_E=bias_E, interpret=jax.default_backend() == "cpu")  # fmt: skip
+                                bias_E=bias_E, draw=None if draw is None else draw.kernel(), interpret=jax.default_backend() == "cpu")  # fmt: skip
+    ids_TK, w_TK = _xla_route(cfg, logits_TE, bias_E)
+    return (ids_TK, w_TK) if draw is None else (draw.ids(ids_TK, w_TK), w_TK)
+
+
+def _xla_route(cfg: MoEModelConfig, logits_TE: jax.Array, bias_E: jax.Array | None):
+    T, E = logits_TE.shape
     scores = jax.nn.sigmoid(logits_TE) if cfg.router_scoring == "sigmoid" else jax.nn.softmax(logits_TE, axis=-1)
     choice = scores if bias_E is None else scores + bias_E
     if cfg.topk_method != "greedy":
@@ -679,18 +687,19 @@ class MoEBlock(nnx.Module):
         norm and the router in one kernel (`norm_matvec_kernel`)."""
         B, T, D = x_BTD.shape
         x_TD = x_BTD.reshape(B * T, D)
+        draw = getattr(expert_fn, "draw", None)  # a benchmark's synthetic routing (`runtime/routing.py`)
         if norm is not None and use_norm_matvec(B, T, D, [self.gate.weight.shape[0]]):
             pending = None if add is None else add.reshape(B * T, D)
             logits, x_TD, *s = normed_projections(
                 norm, x_TD, [self.gate.weight[...]], out_dtypes=[jnp.float32], keep_h=True, add_BD=pending
             )
             stream = s[0].reshape(B, T, D) if s else x_BTD
-            ids, w = self.gate.choose(logits)
+            ids, w = self.gate.choose(logits, draw)
         else:
             stream = residual(x_BTD, add)
             x_TD = stream.reshape(B * T, D)
             x_TD = x_TD if norm is None else norm(x_TD)
-            ids, w = self.gate(x_TD)
+            ids, w = self.gate(x_TD, draw)
         out = (expert_fn or self.expert_fn())(x_TD, ids, w, self.experts.biases())
         if self.shared_experts is not None:
             shared = self.shared_experts(x_TD)

@@ -56,6 +56,24 @@ def test_matches_reference_and_float64(T, E, k, scoring, norm, bias, scale):
     np.testing.assert_array_equal(np.asarray(ids), np.argsort(-choice, axis=-1, kind="stable")[:, :k])
 
 
+@pytest.mark.parametrize("T,E,k,scoring", [(1, 128, 8, "softmax"), (5, 60, 4, "softmax"), (3, 8, 2, "sigmoid"), (17, 256, 8, "softmax")])
+def test_a_draw_replaces_the_ids_and_keeps_the_weights(T, E, k, scoring):
+    """`draw=(scores, arrays)`: ids the k largest of the scores the function reads from its
+    arrays (here a [T, E] table, ties from a short range going to the lower index), weights the
+    router's; a row whose first weight is NaN (its logits NaN) takes ids 0..k-1."""
+    rng = np.random.default_rng(E + k)
+    logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
+    logits[T // 2] = np.nan
+    table = np.round(rng.standard_normal((T, E)), 1).astype(np.float32)
+    scores = lambda t, e, tab: tab[t, jnp.minimum(e, E - 1)]  # noqa: E731
+    ids, w = route(jnp.asarray(logits), k, scoring=scoring, draw=(scores, (jnp.asarray(table),)), interpret=INTERPRET)
+    rids, rw = route_ref(jnp.asarray(logits), k, scoring=scoring)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=2e-6, atol=1e-7)
+    want = np.array(jax.lax.top_k(jnp.asarray(table), k)[1])
+    want[T // 2] = np.arange(k)
+    np.testing.assert_array_equal(np.asarray(ids), want)
+
+
 def test_ties_go_to_the_lower_index():
     """Equal scores: the lower index first, as `lax.top_k` orders them; a row of equal logits
     chooses experts 0..k-1 with equal weights."""

@@ -4,6 +4,7 @@ with position, Zipf-shaped popularity, and every strategy computes the same rout
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
@@ -47,21 +48,49 @@ def test_every_strategy_computes_the_same_synthetic_routing(ckpt_root):
     assert out["offload"] == out["fused"] and out["cpu"] == out["fused"]
 
 
-def test_the_draw_waits_for_the_router():
-    """A layer's draw reads its router's weights (a data dependence, which no compiler pass
-    removes: an optimization barrier did not survive the CPU's), so that XLA cannot draw every
-    layer's experts at the step's start and schedule what depends on them out of the layer, as no
-    router's choice would allow; with working weights the draw equals `synthetic_ids`."""
-    from freetoken_jax.runtime.routing import with_synthetic_routing
+@pytest.mark.parametrize("how", ["kernel", "xla"])
+def test_the_draw_waits_for_the_router(how, monkeypatch):
+    """A layer's draw is made where its router chooses (in the router's kernel, or after XLA's
+    routing) and reads the router's weights (a data dependence, which no compiler pass removes:
+    an optimization barrier did not survive the CPU's), so that XLA cannot draw every layer's
+    experts at the step's start and schedule what depends on them out of the layer, as no
+    router's choice would allow. With working weights the draw equals `synthetic_ids`, the
+    router's weights pass on unchanged, and a row whose weights are NaN draws experts 0..k-1."""
+    from freetoken_jax.config import MoEModelConfig
+    from freetoken_jax.models import layers
+    from freetoken_jax.runtime.routing import Draw
 
-    seen = {}
-    (wrapped,) = with_synthetic_routing([lambda x, ids, w, bias=None: seen.update(ids=ids, w=w) or x], jnp.arange(2), 32, 0.0)
-    ids = jnp.zeros((2, 4), jnp.int32)
-    step = jax.jit(lambda w: (wrapped(jnp.zeros((2, 8)), ids, w), seen["ids"], seen["w"])[1:])
-    got, w_out = step(jnp.full((2, 4), 0.25))
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(synthetic_ids(ids, jnp.arange(2), 0, 32, 0.0)))
-    np.testing.assert_array_equal(np.asarray(w_out), 0.25)  # the weights pass on as they are
-    broken = jnp.full((2, 4), 0.25).at[1, 0].set(jnp.nan)  # the draw of row 1 follows its weights
-    got2, _ = step(broken)
-    np.testing.assert_array_equal(np.asarray(got2)[0], np.asarray(got)[0])
-    np.testing.assert_array_equal(np.asarray(got2)[1], np.arange(4))
+    monkeypatch.setenv("FREETOKEN_ROUTER", how)
+    cfg = MoEModelConfig(
+        vocab_size=64, hidden_dim=64, intermediate_dim=128, num_layers=2, num_experts=60, top_k=6, num_heads=4, num_kv_heads=2
+    )
+    T, pos = 5, jnp.array([7, 0, 123, 4, 9], jnp.int32)
+    logits = jnp.asarray(np.random.default_rng(0).standard_normal((T, 60)), jnp.float32)
+    draw = Draw(pos, 3, 60, jnp.float32(1.0))
+    step = jax.jit(lambda lg: layers.route(cfg, lg, None, draw))
+    ids, w = step(logits)
+    rids, rw = layers.route(cfg, logits)
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(rw))  # the router's weights
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(synthetic_ids(rids, pos, 3, 60, 1.0)))
+    assert not np.array_equal(np.asarray(ids), np.asarray(rids))
+    ids2, _ = step(logits.at[2].set(jnp.nan))  # the draw of row 2 follows its router
+    np.testing.assert_array_equal(np.delete(np.asarray(ids2), 2, 0), np.delete(np.asarray(ids), 2, 0))
+    np.testing.assert_array_equal(np.asarray(ids2)[2], np.arange(6))
+
+
+def test_the_draw_in_the_routers_kernel_lowers_to_one_triton_call():
+    """The router and the draw together are the one Triton call of `route_topk` (the hash's
+    uint32 arithmetic and the Gumbel noise lower to Triton)."""
+    from jax import export
+
+    from freetoken_jax.runtime.routing import Draw
+    from pallas_kernels import route_topk
+
+    def step(logits, pos, skew):
+        return route_topk.route(logits, 8, draw=Draw(pos, 5, 128, skew).kernel())
+
+    exp = export.export(
+        jax.jit(step), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    )(jax.ShapeDtypeStruct((2, 128), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.int32), jax.ShapeDtypeStruct((), jnp.float32))
+    text = exp.mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1 and "route_topk" in text and "sort" not in text
