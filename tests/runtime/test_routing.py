@@ -69,8 +69,8 @@ def test_the_draw_waits_for_the_router(how, monkeypatch):
     draw = Draw(pos, 3, 60, jnp.float32(1.0))
     step = jax.jit(lambda lg: layers.route(cfg, lg, None, draw))
     ids, w = step(logits)
-    rids, rw = layers.route(cfg, logits)
-    np.testing.assert_array_equal(np.asarray(w), np.asarray(rw))  # the router's weights
+    rids, rw = jax.jit(lambda lg: layers.route(cfg, lg))(logits)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(rw), rtol=1e-6)  # the router's weights (a GPU's fusions may round apart)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(synthetic_ids(rids, pos, 3, 60, 1.0)))
     assert not np.array_equal(np.asarray(ids), np.asarray(rids))
     ids2, _ = step(logits.at[2].set(jnp.nan))  # the draw of row 2 follows its router
