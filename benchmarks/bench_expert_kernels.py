@@ -31,6 +31,43 @@ from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels import gathered_experts
 
 
+def looped(fn, steps: int, K: int, E: int):
+    """`steps` layers of fn(x, ids) in one jitted function, unrolled (straight-line, as the decode
+    step's layers are): each layer's output, normalised, the next one's input; layer i's experts
+    the next K of the bank's E."""
+
+    @jax.jit
+    def run(x):
+        def body(i, x):
+            ids = ((jnp.arange(K, dtype=jnp.int32) + i * K) % E)[None]
+            y = fn(x, ids).astype(jnp.float32)
+            return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
+
+        return jax.lax.fori_loop(0, steps, body, x, unroll=True)
+
+    return run
+
+
+def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: int, width: int = 22) -> None:
+    """Prints each variant's µs a layer (the best of 5 calls of `looped`), GB/s of `nbytes` a
+    layer and its largest difference from `ref` at experts `one`."""
+    print(f"{'variant':>{width}} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
+    for name, fn in variants:
+        try:
+            diff = float(np.abs(np.asarray(fn(x0, one), np.float32) - ref).max())
+            run = looped(fn, steps, K, E)
+            run(x0).block_until_ready()
+            ts = []
+            for _ in range(5):
+                t = time.perf_counter()
+                run(x0).block_until_ready()
+                ts.append((time.perf_counter() - t) / steps)
+            t = min(ts)
+            print(f"{name:>{width}} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
+        except Exception as e:  # a variant that does not compile is reported, the others still run
+            print(f"{name:>{width}} failed: {str(e).splitlines()[0][:150]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--format", default="q4_0", choices=sorted(gathered_experts.FORMATS))
@@ -61,25 +98,12 @@ def main() -> None:
         return gathered_experts.experts(a.format, x, ids, w, *banks, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
                                              block_rows=rows, num_warps=warps)  # fmt: skip
 
-    def looped(fn):
-        @jax.jit
-        def run(x):
-            def body(i, x):
-                ids = ((jnp.arange(K, dtype=jnp.int32) + i * K) % E)[None]
-                y = fn(x, ids).astype(jnp.float32)
-                return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
-
-            return jax.lax.fori_loop(0, a.steps, body, x, unroll=True)  # straight-line, as the decode step's layers are
-
-        return run
-
     nbytes = K * sum(b.shape[1] for b in banks)
     one = jnp.asarray(rng.integers(0, E, (1, K)), jnp.int32)
     ref = np.asarray(xla(x0, one), np.float32)
     print(
         f"{jax.devices()[0].device_kind}: {a.format} experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call"
     )
-    print(f"{'variant':>22} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
     xla_variants = [("xla gather", xla)] + ([("xla bytes", xla_as(False)), ("xla words", xla_as(True))] if a.format == "q4_0" else [])
     if a.hlo:
         import pathlib
@@ -94,20 +118,7 @@ def main() -> None:
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
-    for name, fn in variants:
-        try:
-            diff = float(np.abs(np.asarray(fn(x0, one), np.float32) - ref).max())
-            run = looped(fn)
-            run(x0).block_until_ready()
-            ts = []
-            for _ in range(5):
-                t = time.perf_counter()
-                run(x0).block_until_ready()
-                ts.append((time.perf_counter() - t) / a.steps)
-            t = min(ts)
-            print(f"{name:>22} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
-        except Exception as e:  # a variant that does not compile is reported, the others still run
-            print(f"{name:>22} failed: {str(e).splitlines()[0][:150]}", flush=True)
+    time_variants(variants, x0, one, ref, nbytes, a.steps, K, E)
 
 
 if __name__ == "__main__":

@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_expert_kernels import time_variants
 from jax.experimental import pallas as pl
 
 from freetoken_jax.models.layers import routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels import call_params
-from pallas_kernels.gathered_experts import _pieces
+from pallas_kernels.gathered_experts import _down, _pieces
 
 
 def split_rows(bank: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray]:
@@ -82,17 +82,6 @@ def _gate_up(ids_ref, x_ref, gc, gs, uc, us, h_ref, *, K: int, R: int, nb: int):
     h_ref[p, pos] = (g * jax.nn.sigmoid(g) * u).astype(h_ref.dtype)
 
 
-def _down(ids_ref, w_ref, h_ref, dc, ds, y_ref, *, K: int, R: int, nb: int):
-    t, r = pl.program_id(0), pl.program_id(1)
-    d = r * R + jnp.arange(R, dtype=jnp.int32)
-    acc = jnp.zeros((R,), jnp.float32)
-    for k in range(K):
-        p = t * K + k
-        w = w_ref[p]
-        acc = acc + jnp.where(w != 0, w * _dot(dc, ds, ids_ref[p], d, h_ref, p, nb), 0.0)
-    y_ref[t, d] = acc.astype(y_ref.dtype)
-
-
 def pallas_split(x_TD, ids_TK, w_TK, banks, *, F: int, D: int, R: int, warps: int, interpret: bool):
     T, K = ids_TK.shape
     (gc, gs), (uc, us), (dc, ds) = banks
@@ -108,7 +97,7 @@ def pallas_split(x_TD, ids_TK, w_TK, banks, *, F: int, D: int, R: int, warps: in
         **call_params(interpret, warps),
     )(ids, xp, gc, gs, uc, us)
     return pl.pallas_call(
-        functools.partial(_down, K=K, R=R, nb=F // 32),
+        functools.partial(_down, K=K, R=R, dot=lambda refs, e, rows, v, p: _dot(*refs, e, rows, v, p, F // 32)),
         grid=(T, D // R),
         in_specs=[any_spec] * 5,
         out_specs=any_spec,
@@ -174,35 +163,9 @@ def main() -> None:
         for nw in a.warps
     ]  # fmt: skip
 
-    def looped(fn):
-        @jax.jit
-        def run(x):
-            def body(i, x):
-                ids = ((jnp.arange(K, dtype=jnp.int32) + i * K) % E)[None]
-                y = fn(x, ids).astype(jnp.float32)
-                return (y * jax.lax.rsqrt(jnp.mean(y * y) + 1e-6)).astype(x.dtype)
-
-            return jax.lax.fori_loop(0, a.steps, body, x, unroll=True)
-
-        return run
-
     nbytes = K * sum(b.shape[1] for b in banks)
     print(f"{jax.devices()[0].device_kind}: q4_0 experts {K} of {E}, F={F} D={D}: {nbytes / 1e6:.2f} MB a layer, {a.steps} layers a call")
-    print(f"{'variant':>20} {'us/layer':>9} {'GB/s':>8} {'max |diff|':>11}")
-    for name, fn in variants:
-        try:
-            diff = float(np.abs(np.asarray(fn(x0, one), np.float32) - ref).max())
-            run = looped(fn)
-            run(x0).block_until_ready()
-            ts = []
-            for _ in range(5):
-                t = time.perf_counter()
-                run(x0).block_until_ready()
-                ts.append((time.perf_counter() - t) / a.steps)
-            t = min(ts)
-            print(f"{name:>20} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
-        except Exception as e:  # a variant that does not compile is reported, the others still run
-            print(f"{name:>20} failed: {str(e).splitlines()[0][:150]}", flush=True)
+    time_variants(variants, x0, one, ref, nbytes, a.steps, K, E, width=20)
 
 
 if __name__ == "__main__":

@@ -95,14 +95,17 @@ def _gate_up(ids_ref, x_ref, g_ref, u_ref, h_ref, *, fmt: str, K: int, R: int, n
     h_ref[p, rows] = act(g, u).astype(h_ref.dtype)
 
 
-def _down(ids_ref, w_ref, h_ref, d_ref, y_ref, *, fmt: str, K: int, R: int, nb: int):
+def _down(ids_ref, w_ref, h_ref, *refs, K: int, R: int, dot):
+    """Program (t, r): rows r·R.. of y[t] = Σ_k w[t,k] · (the down rows of slot ids[t,k]) · h[t,k];
+    `dot(weight_refs, slot, rows, h_ref, pair)` reads the rows from `refs` less the last (y)."""
+    *d_refs, y_ref = refs
     t, r = pl.program_id(0), pl.program_id(1)
     rows = r * R + jnp.arange(R, dtype=jnp.int32)
     acc = jnp.zeros((R,), jnp.float32)
     for k in range(K):
         p = t * K + k
         w = w_ref[p]
-        acc = acc + jnp.where(w != 0, w * _rows_dot(fmt, d_ref, ids_ref[p], rows, h_ref, p, nb), 0.0)
+        acc = acc + jnp.where(w != 0, w * dot(d_refs, ids_ref[p], rows, h_ref, p), 0.0)
     y_ref[t, rows] = acc.astype(y_ref.dtype)
 
 
@@ -142,7 +145,7 @@ def experts(fmt: str, x_TD, ids_TK, w_TK, gate_SR, up_SR, down_SR, *, F: int, D:
         **call_params(interpret, num_warps),
     )(ids, x_TD, gate_SR, up_SR)
     return pl.pallas_call(
-        functools.partial(_down, fmt=fmt, K=K, R=R, nb=F // 32),
+        functools.partial(_down, K=K, R=R, dot=lambda refs, s, rows, v, p: _rows_dot(fmt, refs[0], s, rows, v, p, F // 32)),
         grid=(T, D // R),
         in_specs=[any_spec] * 4,
         out_specs=any_spec,
