@@ -1112,14 +1112,17 @@ template <class Kernel>
 Int8Fns Fns() {
   return {DotOf<Kernel>, DotRowsOf<Kernel>};
 }
-// The kernels of one kind (Kernel<Fmt>) for the four block formats; nulls for the others.
-template <template <class> class Kernel>
+// The kernels of one kind (Kernel<Fmt>) for the four block formats (q8_0 only where kQ8_0:
+// the AVX2 kernel's pairwise sums do not hold its codes up to 127, UsesAvx2Int8); nulls for
+// the others.
+template <template <class> class Kernel, bool kQ8_0 = true>
 Int8Fns BlockFns(BankType type) {
   switch (type) {
     case BankType::kQ4_0:
       return Fns<Kernel<Q4_0Vnni>>();
     case BankType::kQ8_0:
-      return Fns<Kernel<Q8_0Vnni>>();
+      if constexpr (kQ8_0) return Fns<Kernel<Q8_0Vnni>>();
+      return {nullptr, nullptr};
     case BankType::kMxfp4:
       return Fns<Kernel<Mxfp4Vnni>>();
     case BankType::kNvfp4:
@@ -1129,7 +1132,7 @@ Int8Fns BlockFns(BankType type) {
   }
 }
 Int8Fns Int8Kernels(IsaTier tier, BankType type) {
-  if (UsesAvx2Int8(tier, type)) return BlockFns<Avx2Int8Kernel>(type);
+  if (UsesAvx2Int8(tier, type)) return BlockFns<Avx2Int8Kernel, false>(type);
   if (!UsesVnni(tier, type)) return {nullptr, nullptr};
   switch (type) {
     case BankType::kQ4_K:
