@@ -158,6 +158,24 @@ def attend(q_BTHd, k_BSKd, v_BSKe, mask_BTS, scale: float, sinks_H=None) -> jax.
     return o.reshape(B, T, H, -1).astype(q_BTHd.dtype)
 
 
+def attend_latent(q_nope_BTHd, q_rot_BTHr, lat_BSR, rot_BSr, w_uk_HdR, w_uv_HeR, mask_BTS, scale: float) -> jax.Array:
+    """Multi-head latent attention over cached latents `lat_BSR` and rotated shared keys
+    `rot_BSr`, with the key and value up-projections (`kv_b_proj`'s rows, [H, d, R] and
+    [H, e, R]) taken into the query and the output: each head's query moves into the latent
+    space (q_nope · W_uk), attends over the latents themselves, and its latent output comes back
+    through W_uv — as `attend` over the keys and values expanded from every cached latent (S · H ·
+    R · (d + e) products a step to expand them, where this takes H · R · (d + e) + S · H · (2R +
+    r)). Softmax in float32; products of the model's dtype accumulated in float32."""
+    dt = lat_BSR.dtype
+    f32 = dict(preferred_element_type=jnp.float32)
+    q_lat = jnp.einsum("bthd,hdr->bthr", q_nope_BTHd, w_uk_HdR, **f32).astype(dt)
+    s = jnp.einsum("bthr,bsr->bhts", q_lat, lat_BSR, **f32) + jnp.einsum("bthr,bsr->bhts", q_rot_BTHr, rot_BSr, **f32)
+    s = jnp.where(mask_BTS[:, None], s * scale, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(dt), lat_BSR, **f32).astype(dt)
+    return jnp.einsum("bthr,her->bthe", o_lat, w_uv_HeR, **f32).astype(q_nope_BTHd.dtype)
+
+
 def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None) -> jax.Array:
     """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor), keys
     and values made by `kv_of(gathered)` -> (k_BSKd, v_BSKe). A step of one token per row, or a
@@ -316,6 +334,13 @@ def decode_attention_kernel(cfg: MoEModelConfig) -> str:
     return "fused" if how == "fused" and fresh else "kernel"
 
 
+def mla_decode() -> str:
+    """How a step of one token a row attends under MLA (FREETOKEN_MLA_DECODE): "latent" (the
+    default) — `attend_latent`, the up-projections taken into the query and the output;
+    "expanded" — every cached entry's key and value expanded from its latent, then `attend`."""
+    return env_choice("FREETOKEN_MLA_DECODE", "latent", ("latent", "expanded"))
+
+
 class MLAttention(nnx.Module):
     """Multi-head latent attention (DeepSeek-V2/V3). The cache holds the normalised latent
     [R] and the rotated shared rope key per token; keys and values are expanded from the latent
@@ -364,8 +389,13 @@ class MLAttention(nnx.Module):
             kvb = self.kv_b_proj(lat_BSR).reshape(B, S, H, dn + dv)
             return jnp.concatenate([kvb[..., :dn], jnp.broadcast_to(rot_BSr[:, :, None], (B, S, H, dr))], axis=-1), kvb[..., dn:]
 
-        q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
-        o = attend_paged(q_BTHd, (lat_pages, rot_pages), view, view.mask_BTS, softmax_scale(cfg), kv_of)
+        if T == 1 and mla_decode() == "latent":  # decode: attention in the latent space, no key or value expanded
+            w = self.kv_b_proj.weight[...].reshape(H, dn + dv, cfg.kv_lora_rank)
+            lat, rot = gather_pages(lat_pages, view), gather_pages(rot_pages, view)
+            o = attend_latent(q_nope, q_rot, lat, rot, w[:, :dn], w[:, dn:], view.mask_BTS, softmax_scale(cfg))
+        else:
+            q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
+            o = attend_paged(q_BTHd, (lat_pages, rot_pages), view, view.mask_BTS, softmax_scale(cfg), kv_of)
         return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages), stream
 
 

@@ -1,6 +1,7 @@
 """`attend_paged` (blocks of the page table with a running softmax, stopping after the last block
 read) against `attend` over everything gathered (the reference), and the models' long prefill
-through it against transformers."""
+through it against transformers; `attend_latent` (MLA decode in the latent space) against `attend`
+over the keys and values expanded from the latents."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +10,7 @@ import pytest
 
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages
-from freetoken_jax.models.layers import attend, attend_paged
+from freetoken_jax.models.layers import attend, attend_latent, attend_paged
 
 PAGE = 4
 
@@ -82,3 +83,48 @@ def test_long_prefill_in_blocks_matches_transformers(name, ckpt_root, monkeypatc
 
     monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 8)
     check_prompt_logits(name, ckpt_root, 45, 45, prefill_chunk=16)
+
+
+@pytest.mark.parametrize("B, T, H, S, valid", [(1, 1, 4, 12, 12), (3, 1, 2, 20, 7), (2, 3, 3, 9, 9)])
+def test_latent_attention_matches_the_expanded_keys_and_values(B, T, H, S, valid):
+    """MLA with the up-projections taken into the query and the output equals attention over the
+    keys [k_nope = W_uk · latent, shared rotated key] and values W_uv · latent of every cached
+    entry (float64 products: only the summation order differs), entries past `valid` masked."""
+    rng = np.random.default_rng(B * 10 + H + S)
+    R, d, r, e = 16, 8, 4, 6
+    lat = rng.standard_normal((B, S, R))
+    rot = rng.standard_normal((B, S, r))
+    w_uk, w_uv = rng.standard_normal((H, d, R)) / 4, rng.standard_normal((H, e, R)) / 4
+    q_nope, q_rot = rng.standard_normal((B, T, H, d)), rng.standard_normal((B, T, H, r))
+    mask = np.broadcast_to(np.arange(S) < valid, (B, T, S))
+    k = np.concatenate([np.einsum("hdr,bsr->bshd", w_uk, lat), np.broadcast_to(rot[:, :, None], (B, S, H, r))], axis=-1)
+    v = np.einsum("her,bsr->bshe", w_uv, lat)
+    with jax.enable_x64():
+        want = attend(jnp.asarray(np.concatenate([q_nope, q_rot], -1)), jnp.asarray(k), jnp.asarray(v), jnp.asarray(mask), 0.3)
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    got = attend_latent(f32(q_nope), f32(q_rot), f32(lat), f32(rot), f32(w_uk), f32(w_uv), jnp.asarray(mask), 0.3)
+    assert got.shape == (B, T, H, e) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_mla_decode_latent_and_expanded_agree(ckpt_root, monkeypatch):
+    """FREETOKEN_MLA_DECODE: DeepSeek-V3 (MLA) decodes the same greedy tokens attending in the
+    latent space (the default) and over expanded keys and values (the numbers themselves:
+    `test_latent_attention_matches_the_expanded_keys_and_values`); a bad value raises."""
+    from hf_models import make_checkpoint
+
+    from freetoken_jax import EngineConfig, FreeTokenEngine
+    from freetoken_jax.models import layers
+
+    path = make_checkpoint("deepseek_v3", ckpt_root)
+    cfg = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=4, prefill_chunk=16)
+    prompts = [[3, 14, 15, 92, 65, 35, 8], [27, 18]]
+    out = {}
+    for how in ("latent", "expanded"):
+        monkeypatch.setenv("FREETOKEN_MLA_DECODE", how)
+        eng = FreeTokenEngine.from_pretrained(path, cfg)
+        out[how] = eng.generate_batch(prompts, max_new_tokens=12, ignore_eos=True)
+    assert out["latent"] == out["expanded"] and all(len(o) == 12 for o in out["latent"])
+    monkeypatch.setenv("FREETOKEN_MLA_DECODE", "absorbed")
+    with pytest.raises(ValueError, match="FREETOKEN_MLA_DECODE"):
+        layers.mla_decode()
