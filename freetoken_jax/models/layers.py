@@ -343,8 +343,9 @@ def mla_decode() -> str:
 
 class MLAttention(nnx.Module):
     """Multi-head latent attention (DeepSeek-V2/V3). The cache holds the normalised latent
-    [R] and the rotated shared rope key per token; keys and values are expanded from the latent
-    at attention time."""
+    [R] and the rotated shared rope key per token. A step of many tokens expands keys and values
+    from the latents it reads (`attend_paged`); a step of one token a row attends in the latent
+    space (`attend_latent`, `mla_decode`)."""
 
     def __init__(self, cfg: MoEModelConfig, dtype, rngs: nnx.Rngs):
         D, H = cfg.hidden_dim, cfg.num_heads
