@@ -7,7 +7,10 @@ the attention's q, k, v (2048 → 4096 + 512 + 512, bf16) and the router (2048 �
 
 Each call runs the kernel for `layers` layers in one jitted function (unrolled, each layer's own
 weights: more bytes than the H200's L2), each call's sum and normalised row the next one's inputs,
-so the calls run one after another as in a step. Prints µs a call and the weights' GB/s.
+so the calls run one after another as in a step. Prints µs a call and the weights' GB/s by the
+wall clock (which, for 24 chained Pallas calls on the H200, sat 7-9 µs a call above the kernels'
+own time inside a decode step: benchmarks/RESULTS.md) and, on a GPU with torch, by the kernels'
+device time (CUDA's profiler), which ranks the settings.
 """
 
 from __future__ import annotations
@@ -52,6 +55,24 @@ def timed(fn, args, reps: int) -> float:
     return float(np.median(times))
 
 
+def device_us(fn, args, reps: int, name: str) -> float | None:
+    """The device time a call of the kernels named `name` take, summed over a call of fn (CUDA's
+    profiler through torch, as `profile_step.py` reads it); None off a GPU or without torch."""
+    if jax.default_backend() != "gpu":
+        return None
+    try:
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    jax.block_until_ready(fn(*args))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            jax.block_until_ready(fn(*args))
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name]
+    return sum(e.device_time for e in events) / reps * 1e-6 if events else None
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=24)
@@ -82,14 +103,16 @@ def main():
                 got = fn(x, x, g, ws)
                 err = float(jnp.max(jnp.abs(got[1].astype(jnp.float32) - want[1].astype(jnp.float32))))
                 dt = timed(fn, (x, x, g, ws), args.reps) / args.layers
-                rows.append((name, f"tile {tile}", f"{nw}", dt, err))
+                dev = device_us(fn, (x, x, g, ws), args.reps, "norm_matvec")
+                rows.append((name, f"tile {tile}", f"{nw}", dt, err, None if dev is None else dev / args.layers))
         print(f"== {name}: D {D}, rows {F}, {nbytes / 1e6:.1f} MB of weights a call")
-    print(f"{'shape':8} {'variant':12} {'warps':>5} {'us/call':>8} {'GB/s':>7} {'max |err|':>9}")
+    print(f"{'shape':8} {'variant':12} {'warps':>5} {'us/call':>8} {'GB/s':>7} {'max |err|':>9} {'kernel us':>9} {'GB/s':>7}")
     for r in rows:
         D, F, wdt, _ = SHAPES[r[0]]
-        gb = sum(F) * D * jnp.dtype(wdt).itemsize / r[3] / 1e9
-        err = f"{r[4]:9.2e}" if len(r) > 4 else ""
-        print(f"{r[0]:8} {r[1]:12} {r[2]:>5} {r[3] * 1e6:8.2f} {gb:7.0f} {err}")
+        nbytes = sum(F) * D * jnp.dtype(wdt).itemsize
+        err = f"{r[4]:9.2e}" if len(r) > 4 else " " * 9
+        dev = f"{r[5] * 1e6:9.2f} {nbytes / r[5] / 1e9:7.0f}" if len(r) > 5 and r[5] else ""
+        print(f"{r[0]:8} {r[1]:12} {r[2]:>5} {r[3] * 1e6:8.2f} {nbytes / r[3] / 1e9:7.0f} {err} {dev}")
 
 
 if __name__ == "__main__":
