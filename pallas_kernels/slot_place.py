@@ -144,9 +144,10 @@ def _kernel(sfi_ref, ios_ref, flat_ref, slot_ref, needed_ref, miss_ref, gpu_ref,
     fresh_ref[...] = fresh.astype(jnp.int32)
 
 
-def _misses(slot, flat, valid):
-    """`find_misses` without a CPU share: (first, miss, needed) of entries whose slot before the
-    layer is `slot` (-1: none)."""
+def misses_of(slot, flat, valid):
+    """A layer's entries against the slots they held before it (`slot`, -1: none): (each id's first
+    valid occurrence, the misses among those, the valid entries already resident) — what
+    `find_misses` and `place_layer` find before any CPU share."""
     first = first_valid(flat, valid)
     return first, first & (slot < 0), valid & (slot >= 0)
 
@@ -159,7 +160,7 @@ def _layer_kernel(*refs, S: int, base: int, hybrid: bool, overhead: float):
     flat, slot_W = ids_ref[...] + base, sw_ref[...]
     valid, fresh_W = valid_ref[...] != 0, fw_ref[...] != 0
     slot = out_ref[flat]  # every store below depends on every lane's slot (reductions), so follows these loads
-    first, miss, needed = _misses(slot, flat, valid)
+    first, miss, needed = misses_of(slot, flat, valid)
     to_cpu = on_cpu = jnp.zeros_like(miss)
     if hybrid:
         to_cpu, on_cpu, miss = cpu_share(flat, valid, miss, lr_ref[flat], jnp.sum(q_ref[...]), overhead)
@@ -210,7 +211,7 @@ def place_layer_ref(slot_for_id, id_of_slot, ids, valid, slot_W, fresh_W, last_r
     """Reference: `place_layer` in jnp."""
     flat, valid, fresh_W = ids.astype(jnp.int32) + base, valid != 0, fresh_W != 0
     slot = slot_for_id[flat]
-    first, miss, needed = _misses(slot, flat, valid)
+    first, miss, needed = misses_of(slot, flat, valid)
     to_cpu = on_cpu = jnp.zeros_like(miss)
     if q is not None:
         to_cpu, on_cpu, miss = cpu_share(flat, valid, miss, last_routed[flat], jnp.asarray(q, jnp.float32), overhead)

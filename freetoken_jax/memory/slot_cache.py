@@ -104,9 +104,8 @@ def find_misses(
     N = T * K
     flat = moe_layer * num_experts + ids_TK.reshape(N).astype(jnp.int32)
     valid = jnp.repeat(valid_T != 0, K)
-    first = slot_place.first_valid(flat, valid)
     slot = c.slot_for_id[flat]
-    miss = first & (slot < 0)
+    first, miss, _ = slot_place.misses_of(slot, flat, valid)
     to_cpu = on_cpu = jnp.zeros_like(miss)
     if q is not None:
         to_cpu, on_cpu, miss = slot_place.cpu_share(flat, valid, miss, c.last_routed[flat], q, overhead)

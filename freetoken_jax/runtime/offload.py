@@ -214,25 +214,25 @@ class OffloadExecutor:
 
             if self.victims is not None and place_kernel(T * K, self.victims.slot_W.shape[0]):
                 # the layer's misses found and placed by one kernel, then the CPU job started
-                c, slots_TK, plan, stats, self.victims, on_cpu = place_layer(self.cache, m, ids_TK, self.valid_T, E, self.victims,
-                                                                             self.hybrid_q, self.hybrid_overhead)  # fmt: skip
-                if cpu is None:
-                    return fetch_and_compute(c, slots_TK, plan, stats, w_TK)
-                w_gpu, w_cpu = jnp.where(on_cpu, 0.0, w_TK), jnp.where(on_cpu, w_TK, 0.0)
-                gpu, host = cpu.around(x_TD, ids_TK, w_cpu, self.valid_T, lambda c: fetch_and_compute(c, slots_TK, plan, stats, w_gpu), c)
-                return (gpu.astype(jnp.float32) + host).astype(x_TD.dtype)
-            misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
+                start, slots_TK, plan, stats, self.victims, on_cpu = place_layer(self.cache, m, ids_TK, self.valid_T, E, self.victims,
+                                                                                 self.hybrid_q, self.hybrid_overhead)  # fmt: skip
 
-            def gpu_side(c):
-                c, slots_TK, plan, stats, self.victims = place_misses(c, m, misses, E, T, K, self.victims)
-                return fetch_and_compute(c, slots_TK, plan, stats, jnp.where(misses.on_cpu.reshape(T, K), 0.0, w_TK))
+                def gpu_side(c):
+                    return fetch_and_compute(c, slots_TK, plan, stats, w_gpu)
+            else:
+                # the CPU job starts as soon as the layer knows its misses; choosing victims, the
+                # fetch and the GPU experts run between its submit and its wait, so they overlap it
+                misses = find_misses(self.cache, m, ids_TK, self.valid_T, E, self.hybrid_q, self.hybrid_overhead)
+                start, on_cpu = self.cache, misses.on_cpu.reshape(T, K)
 
+                def gpu_side(c):
+                    c, slots_TK, plan, stats, self.victims = place_misses(c, m, misses, E, T, K, self.victims)
+                    return fetch_and_compute(c, slots_TK, plan, stats, w_gpu)
+
+            w_gpu = w_TK if cpu is None else jnp.where(on_cpu, 0.0, w_TK)  # (gpu_side reads it when called)
             if cpu is None:
-                return gpu_side(self.cache)
-            # The CPU job starts as soon as the layer knows its misses; choosing victims, the
-            # fetch and the GPU experts run between its submit and its wait, so they overlap it.
-            w_cpu = jnp.where(misses.on_cpu.reshape(T, K), w_TK, 0.0)
-            gpu, host = cpu.around(x_TD, ids_TK, w_cpu, self.valid_T, gpu_side, self.cache)
+                return gpu_side(start)
+            gpu, host = cpu.around(x_TD, ids_TK, jnp.where(on_cpu, w_TK, 0.0), self.valid_T, gpu_side, start)
             return (gpu.astype(jnp.float32) + host).astype(x_TD.dtype)
 
         return fn
