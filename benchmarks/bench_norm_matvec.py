@@ -16,12 +16,12 @@ device time (CUDA's profiler), which ranks the settings.
 from __future__ import annotations
 
 import argparse
-import time
+import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from freetoken_jax.bench.measure import median_time
 from pallas_kernels.norm_matvec import norm_matvec, norm_matvec_ref
 
 SHAPES = {  # name: (D, output rows of each weight, weight dtype, output dtype)
@@ -45,14 +45,8 @@ def chain(layers: int, fn):
     return jax.jit(run)
 
 
-def timed(fn, args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
+def _ready(fn, args):
+    return jax.block_until_ready(fn(*args))
 
 
 def device_us(fn, args, reps: int, name: str) -> float | None:
@@ -94,7 +88,7 @@ def main():
         odts = [odt] * len(F)
         ref = chain(args.layers, lambda x, g, w, a, odts=odts: norm_matvec_ref(x, g, 1e-6, w, out_dtypes=odts, keep_h=True, add_BD=a))
         want = ref(x, x, g, ws)
-        dt = timed(ref, (x, x, g, ws), args.reps) / args.layers
+        dt = median_time(functools.partial(_ready, ref, (x, x, g, ws)), args.reps) / args.layers
         rows.append((name, "xla", "", dt))
         for tile in args.tiles:
             for nw in args.warps:
@@ -102,7 +96,7 @@ def main():
                     x, g, 1e-6, w, out_dtypes=odts, keep_h=True, add_BD=a, interpret=interpret, num_warps=n, tile=t))  # fmt: skip
                 got = fn(x, x, g, ws)
                 err = float(jnp.max(jnp.abs(got[1].astype(jnp.float32) - want[1].astype(jnp.float32))))
-                dt = timed(fn, (x, x, g, ws), args.reps) / args.layers
+                dt = median_time(functools.partial(_ready, fn, (x, x, g, ws)), args.reps) / args.layers
                 dev = device_us(fn, (x, x, g, ws), args.reps, "norm_matvec")
                 rows.append((name, f"tile {tile}", f"{nw}", dt, err, None if dev is None else dev / args.layers))
         print(f"== {name}: D {D}, rows {F}, {nbytes / 1e6:.1f} MB of weights a call")

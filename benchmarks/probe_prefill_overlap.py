@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", "110")
 
@@ -28,20 +27,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from freetoken_jax.bench.compare import Bench  # noqa: E402
+from freetoken_jax.bench.measure import median_time  # noqa: E402
 from freetoken_jax.bench.presets import PRESETS  # noqa: E402
 from freetoken_jax.memory.slot_cache import init_slot_cache  # noqa: E402
 from freetoken_jax.models.layers import routed_experts  # noqa: E402
 from freetoken_jax.runtime.offload import OffloadExecutor  # noqa: E402
-
-
-def timed(f, *args, reps=3):
-    jax.block_until_ready(f(*args))
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
 
 
 def main(argv=None) -> int:
@@ -96,7 +86,7 @@ def main(argv=None) -> int:
     out = dict(device=jax.devices()[0].device_kind, preset=args.preset, tokens=T, layers=cfg.num_moe_layers, ms={})
     for name, (load, compute) in variants.items():
         f = jax.jit(lambda w, c, load=load, compute=compute: run(w, c, load, compute))
-        out["ms"][name] = timed(f, w, slots) * 1e3
+        out["ms"][name] = median_time(lambda f=f: jax.block_until_ready(f(w, slots)), 3) * 1e3
         print(f"{name:>20}: {out['ms'][name]:9.2f} ms", flush=True)
     ms = out["ms"]
     for kind in ("pallas", "device_put"):
