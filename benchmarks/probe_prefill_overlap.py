@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             cur, nxt = nxt, (load_layer(m + 1) if load and m + 1 < n else None)
             rows = layer_rows(cur, m)
             if compute:
-                out = routed_experts(x, ids, wts, tuple(rows), ex.layout)
+                out = routed_experts(x, ids, wts, tuple(rows), ex.layouts[m])
                 acc = acc + out.astype(jnp.float32).sum()  # every output used: none of the compute can be pruned
             else:  # every loaded byte read once (an element alone would let XLA skip the copy)
                 acc = acc + sum(r.astype(jnp.float32).sum() for r in rows)
