@@ -3,7 +3,7 @@
 # on q4_0 experts, measure the CPU executor per format, then decode side by side at the shape of
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
-# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|formats|mla|
+# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|formats|mla|
 # lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
@@ -51,6 +51,12 @@ for what in "$@"; do
       for how in latent expanded latent expanded; do echo "== FREETOKEN_MLA_DECODE=$how"
         FREETOKEN_MLA_DECODE=$how $B decode --preset deepseek-v2-lite --layers 12 --routing-skew 0 --prompt-len 4096 --gen-len 32 \
           --strategy fused 2>&1 | grep -v "it/s\]" | tail -1; done ;;
+    # flash: a prefill chunk's causal attention through cuDNN (FREETOKEN_PREFILL_ATTENTION), tested on this GPU, then offload
+    # prefill rows with the blocked attention and with it (FMT: the expert format, q4_0 unless set)
+    flash) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_causal_attention.py tests/models/test_attention_blocks.py 2>&1 | tail -2
+      for how in blocked auto; do echo "== FREETOKEN_PREFILL_ATTENTION=$how"
+        FREETOKEN_PREFILL_ATTENTION=$how $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 \
+          --prompt-len 2048 8192 --chunk 2048 8192 --routing-skew 0 --strategy offload --json "$OUT/flash_$how.json" 2>&1 | grep -v "it/s\]" | tail -6; done ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
     lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1

@@ -21,7 +21,7 @@ from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import decode_attention, gathered_experts, norm_matvec, route_topk
+from pallas_kernels import causal_attention, decode_attention, gathered_experts, norm_matvec, route_topk
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -184,17 +184,27 @@ def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
     softmax and stops after the last block that any of its queries may read, so that its cost
     follows the positions it reads rather than `max_context` (a 2048-token chunk in an 8192-token
     context reads a quarter of the table)."""
+    T = q_BTHd.shape[1]
+    if T == 1 or view.page_table_BP.shape[1] <= kv_cache.attention_block_pages(pages[0].shape[1]):
+        k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
+        return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)
+    _, den, acc = _fold_blocks(q_BTHd, pages, view, mask_BTS, scale, kv_of, sinks_H)
+    B, T, K, G, e = acc.shape
+    return (acc / jnp.moveaxis(den, 3, 1)[..., None]).reshape(B, T, K * G, e).astype(q_BTHd.dtype)
+
+
+def _fold_blocks(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None):
+    """The running softmax of `attend_paged` over the table's blocks up to the last one any query
+    reads (none when none is read): (max [B, K, G, T], denominator [B, K, G, T], numerator
+    [B, T, K, G, e]), float32, the sink (gpt-oss) counted as one more key of value 0."""
     B, T = q_BTHd.shape[:2]
     P, page = view.page_table_BP.shape[1], pages[0].shape[1]
     bp = kv_cache.attention_block_pages(page)
-    if T == 1 or P <= bp:
-        k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
-        return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)
     nb, W = -(-P // bp), bp * page
     table = jnp.pad(view.page_table_BP, ((0, 0), (0, nb * bp - P)))
     mask = jnp.pad(mask_BTS, ((0, 0), (0, 0), (0, nb * W - P * page)))
     read = jnp.any(mask, axis=(0, 1))
-    blocks = jnp.max(jnp.where(read, jnp.arange(nb * W), 0)) // W + 1  # blocks up to the last position read
+    blocks = (jnp.max(jnp.where(read, jnp.arange(1, nb * W + 1), 0)) + W - 1) // W  # blocks up to the last position read
 
     def block(i):
         pg = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
@@ -213,17 +223,52 @@ def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
         pv = jnp.einsum("bkgts,bske->btkge", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return new, den * corr + jnp.sum(p, axis=-1), acc * jnp.moveaxis(corr, 3, 1)[..., None] + pv
 
-    sc, v = block(0)  # outside the loop: its shapes start the carry
+    sc, v = jax.eval_shape(block, 0)
     K, G = sc.shape[1:3]
-    # a sink (gpt-oss) is one more key of value 0: it starts the running max and denominator
+    # a sink is one more key of value 0: it starts the running max and denominator
     sink = -1e30 if sinks_H is None else sinks_H.astype(jnp.float32).reshape(1, K, G, 1)
     mx = jnp.broadcast_to(jnp.asarray(sink, jnp.float32), sc.shape[:-1])
     den = jnp.full(sc.shape[:-1], 0.0 if sinks_H is None else 1.0, jnp.float32)
     acc = jnp.zeros((B, T, K, G, v.shape[-1]), jnp.float32)
-    carry = fold((mx, den, acc), sc, v)
-    mx, den, acc = jax.lax.fori_loop(1, blocks, lambda i, c: fold(c, *block(i)), carry)
-    o = acc / jnp.moveaxis(den, 3, 1)[..., None]
-    return o.reshape(B, T, K * G, -1).astype(q_BTHd.dtype)
+    return jax.lax.fori_loop(0, blocks, lambda i, c: fold(c, *block(i)), (mx, den, acc))
+
+
+def prefill_attention(cfg: MoEModelConfig, dtype) -> str:
+    """How a step of many tokens (a prefill chunk) attends (FREETOKEN_PREFILL_ATTENTION):
+    "blocked" — `attend_paged` over the page table, the chunk's own positions included;
+    "flash" — `attend_chunk`: the chunk's own keys through `pallas_kernels/causal_attention.py`
+    (cuDNN's flash attention on a GPU, its jnp reference elsewhere), the positions cached before
+    the chunk through `attend_paged`'s blocks; "auto" (unset) — "flash" on a GPU where cuDNN
+    takes the model's heads and dtype, else "blocked"."""
+    how = env_choice("FREETOKEN_PREFILL_ATTENTION", "auto", ("auto", "blocked", "flash"))
+    if how == "auto":
+        mla = cfg.attention == "mla"
+        d_qk, d_v = (cfg.qk_head_dim, cfg.v_head_dim) if mla else (cfg.head_dim, cfg.head_dim)
+        fits = causal_attention.cudnn_fits(dtype, d_qk, d_v)
+        return "flash" if fits and jax.default_backend() == "gpu" else "blocked"
+    return how
+
+
+def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None, window: int = 0):
+    """`attend_paged` for a prefill chunk whose row b holds its tokens at consecutive positions
+    from `view.positions_BT[b, 0]` (`PrefillBatch.chunk`), given the chunk's own keys and values
+    `k_BTKd`, `v_BTKe` (as `kv_of` makes them): the chunk against itself through
+    `causal_attention` (cuDNN's flash attention on a GPU where it takes the heads, else the jnp
+    reference), the positions cached before the chunk
+    through `attend_paged`'s blocks (none read for a prompt's first chunk), the two softmaxes
+    joined by their log-sum-exps. The tokens' own page entries are read as their keys, not from
+    the pages."""
+    fits = causal_attention.cudnn_fits(q_BTHd.dtype, q_BTHd.shape[-1], v_BTKe.shape[-1])
+    impl = "cudnn" if fits and jax.default_backend() == "gpu" else "ref"
+    own, lse = causal_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl)
+    before = mask_BTS & (view.cached_pos_BS[:, None, :] < view.positions_BT[:, :1, None])
+    mx, den, acc = _fold_blocks(q_BTHd, pages, view, before, scale, kv_of, sinks_H)
+    B, T, K, G, e = acc.shape
+    mx, den = (jnp.moveaxis(a, 3, 1).reshape(B, T, K * G) for a in (mx, den))
+    top = jnp.maximum(mx, lse)
+    a, b = jnp.exp(mx - top), jnp.exp(lse - top)
+    o = (acc.reshape(B, T, K * G, e) * a[..., None] + own * b[..., None]) / (den * a + b)[..., None]
+    return o.astype(q_BTHd.dtype)
 
 
 class Attention(nnx.Module):
@@ -281,6 +326,9 @@ class Attention(nnx.Module):
         if how == "kernel":
             o = decode_attention.attention(q[:, 0], k_pages, v_pages, view.page_table_BP, mask[:, 0], scale=softmax_scale(cfg), sinks_H=sinks,
                                            interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
+        elif T > 1 and prefill_attention(cfg, q.dtype) == "flash":
+            own = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
+            o = attend_chunk(q, *own, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks, self.window)
         else:
             o = attend_paged(q, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks)
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream
@@ -396,7 +444,12 @@ class MLAttention(nnx.Module):
             o = attend_latent(q_nope, q_rot, lat, rot, w[:, :dn], w[:, dn:], view.mask_BTS, softmax_scale(cfg))
         else:
             q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
-            o = attend_paged(q_BTHd, (lat_pages, rot_pages), view, view.mask_BTS, softmax_scale(cfg), kv_of)
+            pages, scale = (lat_pages, rot_pages), softmax_scale(cfg)
+            if T > 1 and prefill_attention(cfg, q.dtype) == "flash":
+                k_new, v_new = kv_of((latent_BTR.astype(lat_pages.dtype), k_rot.astype(rot_pages.dtype)))
+                o = attend_chunk(q_BTHd, k_new, v_new, pages, view, view.mask_BTS, scale, kv_of)
+            else:
+                o = attend_paged(q_BTHd, pages, view, view.mask_BTS, scale, kv_of)
         return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages), stream
 
 

@@ -1,6 +1,7 @@
 """`attend_paged` (blocks of the page table with a running softmax, stopping after the last block
-read) against `attend` over everything gathered (the reference), and the models' long prefill
-through it against transformers; `attend_latent` (MLA decode in the latent space) against `attend`
+read) and `attend_chunk` (the chunk's own keys causal, joined with the blocks before it) against
+`attend` over everything gathered (the reference), and the models' long prefill through both
+against transformers; `attend_latent` (MLA decode in the latent space) against `attend`
 over the keys and values expanded from the latents."""
 
 import jax
@@ -10,7 +11,7 @@ import pytest
 
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages
-from freetoken_jax.models.layers import attend, attend_latent, attend_paged
+from freetoken_jax.models.layers import attend, attend_chunk, attend_latent, attend_paged
 
 PAGE = 4
 
@@ -51,6 +52,31 @@ def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sin
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
 
 
+@pytest.mark.parametrize(
+    "B, T, K, G, P, start, valid_len, window, sinks",
+    [
+        (1, 8, 2, 2, 12, 0, 8, 0, False),  # a prompt's first chunk: nothing cached before it
+        (2, 6, 1, 4, 12, 17, 6, 0, False),  # a later chunk: blocks before it joined with its own keys
+        (1, 7, 2, 1, 10, 20, 5, 0, True),  # padding tokens, sinks
+        (2, 8, 2, 2, 16, 30, 8, 9, True),  # a sliding window reaching back before the chunk
+        (1, 8, 1, 2, 9, 0, 3, 5, False),  # a first chunk mostly padding, a window inside it
+    ],
+)
+def test_chunk_joined_with_its_cache_matches_the_reference(B, T, K, G, P, start, valid_len, window, sinks, monkeypatch):
+    monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 4 * PAGE)
+    rng = np.random.default_rng(B * 100 + T + start + 7)
+    q, k_pool, v_pool, view = _case(rng, B, T, K, G, P, start, valid_len)
+    sinks_H = jnp.asarray(rng.standard_normal(K * G), jnp.float32) if sinks else None
+    mask = view.mask(window)
+    k_all, v_all = gather_pages(k_pool, view), gather_pages(v_pool, view)
+    want = attend(q, k_all, v_all, mask, 0.3, sinks_H)
+    own = k_all[:, start : start + T], v_all[:, start : start + T]  # the chunk's entries, as it computes them
+    f = jax.jit(lambda q, k, v, kn, vn: attend_chunk(q, kn, vn, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H, window))
+    got = f(q, k_pool, v_pool, *own)
+    real = np.asarray(view.positions_BT < start + valid_len)
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
+
+
 def test_blocks_after_the_last_position_read_are_not_read(monkeypatch):
     """NaN in every page after the block holding the chunk's last position: the reference reads
     them (0 × NaN in its weighted sum), the blocked attention stops before them."""
@@ -75,13 +101,16 @@ def test_one_token_steps_and_short_tables_take_the_reference_path(monkeypatch):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+@pytest.mark.parametrize("how", ["blocked", "flash"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral_swa"])
-def test_long_prefill_in_blocks_matches_transformers(name, ckpt_root, monkeypatch):
+def test_long_prefill_in_blocks_matches_transformers(name, how, ckpt_root, monkeypatch):
     """Blocks of 8 positions (2 pages) over a 96-position table: a 45-token prompt's chunks of 16
-    read 2, 4 and 6 of its 12 blocks (GQA, MLA, sinks with sliding windows)."""
+    read 2, 4 and 6 of its 12 blocks (GQA, MLA, sinks with sliding windows), or (FREETOKEN_PREFILL_ATTENTION
+    "flash") each chunk attends to itself and to the 0, 2 and 4 blocks before it."""
     from hf_models import check_prompt_logits
 
     monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 8)
+    monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", how)
     check_prompt_logits(name, ckpt_root, 45, 45, prefill_chunk=16)
 
 
@@ -128,3 +157,20 @@ def test_mla_decode_latent_and_expanded_agree(ckpt_root, monkeypatch):
     monkeypatch.setenv("FREETOKEN_MLA_DECODE", "absorbed")
     with pytest.raises(ValueError, match="FREETOKEN_MLA_DECODE"):
         layers.mla_decode()
+
+
+def test_prefill_attention_switch(monkeypatch):
+    """FREETOKEN_PREFILL_ATTENTION: flash on a GPU where cuDNN takes the heads (bf16; not
+    float32), blocked elsewhere; the settings force either; a bad one raises."""
+    from helpers import check_kernel_choice
+
+    from freetoken_jax.config import MoEModelConfig
+    from freetoken_jax.models.layers import prefill_attention
+
+    cfg = MoEModelConfig(vocab_size=32, hidden_dim=64, intermediate_dim=32, num_layers=1, num_experts=4, top_k=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16)  # fmt: skip
+    want = {("auto", "gpu"): "flash", ("auto", "cpu"): "blocked", ("blocked", "gpu"): "blocked", ("flash", "cpu"): "flash"}
+    check_kernel_choice(monkeypatch, "FREETOKEN_PREFILL_ATTENTION", want, lambda: prefill_attention(cfg, jnp.bfloat16), "cudnn")
+    monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", "auto")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert prefill_attention(cfg, jnp.float32) == "blocked"
