@@ -46,9 +46,10 @@ def test_matches_float64(impl, B, T, K, G, d, e, window, dtype):
     v = rng.standard_normal((B, T, K, e))
     q, k, v = (np.asarray(jnp.asarray(a, dtype).astype(jnp.float32), np.float64) for a in (q, k, v))  # rounded as the kernel sees them
     scale = 1 / np.sqrt(d)
-    o, lse = jax.jit(lambda q, k, v: attention(q, k, v, scale=scale, window=window, implementation=impl))(
-        *(jnp.asarray(a, dtype) for a in (q, k, v))
-    )
+    with jax.default_matmul_precision("highest"):  # float32 products in float32 on a GPU too (not TF32)
+        o, lse = jax.jit(lambda q, k, v: attention(q, k, v, scale=scale, window=window, implementation=impl))(
+            *(jnp.asarray(a, dtype) for a in (q, k, v))
+        )
     assert o.shape == (B, T, K * G, e) and lse.shape == (B, T, K * G) and o.dtype == lse.dtype == jnp.float32
     want_o, want_lse = _float64(q, k, v, scale, window)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2  # probabilities rounded to the values' dtype before their matmul

@@ -16,6 +16,14 @@ from freetoken_jax.models.layers import attend, attend_chunk, attend_latent, att
 PAGE = 4
 
 
+@pytest.fixture(autouse=True)
+def _full_float32_products():
+    """float32 products in float32 on a GPU too (XLA's default there rounds them through TF32,
+    three decimal digits: these tests compare to 2e-6)."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
 def _case(rng, B, T, K, G, P, start, valid_len):
     """Pools whose pages hold random K/V, each row's table a random set of distinct pages, a chunk
     of T tokens from `start` of which the first `valid_len` are real."""
