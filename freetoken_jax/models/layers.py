@@ -184,8 +184,7 @@ def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
     softmax and stops after the last block that any of its queries may read, so that its cost
     follows the positions it reads rather than `max_context` (a 2048-token chunk in an 8192-token
     context reads a quarter of the table)."""
-    T = q_BTHd.shape[1]
-    if T == 1 or view.page_table_BP.shape[1] <= kv_cache.attention_block_pages(pages[0].shape[1]):
+    if q_BTHd.shape[1] == 1 or view.page_table_BP.shape[1] <= kv_cache.attention_block_pages(pages[0].shape[1]):
         k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
         return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)
     _, den, acc = _fold_blocks(q_BTHd, pages, view, mask_BTS, scale, kv_of, sinks_H)
@@ -254,10 +253,9 @@ def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, s
     from `view.positions_BT[b, 0]` (`PrefillBatch.chunk`), given the chunk's own keys and values
     `k_BTKd`, `v_BTKe` (as `kv_of` makes them): the chunk against itself through
     `causal_attention` (cuDNN's flash attention on a GPU where it takes the heads, else the jnp
-    reference), the positions cached before the chunk
-    through `attend_paged`'s blocks (none read for a prompt's first chunk), the two softmaxes
-    joined by their log-sum-exps. The tokens' own page entries are read as their keys, not from
-    the pages."""
+    reference), the positions cached before the chunk through `attend_paged`'s blocks (none for
+    a prompt's first chunk), the two softmaxes joined by their log-sum-exps. The chunk's own
+    entries are read from `k_BTKd` and `v_BTKe`, not from the pages."""
     fits = causal_attention.cudnn_fits(q_BTHd.dtype, q_BTHd.shape[-1], v_BTKe.shape[-1])
     impl = "cudnn" if fits and jax.default_backend() == "gpu" else "ref"
     own, lse = causal_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl)
