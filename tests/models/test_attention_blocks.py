@@ -31,7 +31,8 @@ def _case(rng, B, T, K, G, P, start, valid_len):
     k_pool = jnp.asarray(rng.standard_normal((pool, PAGE, K, d)), jnp.float32)
     v_pool = jnp.asarray(rng.standard_normal((pool, PAGE, K, e)), jnp.float32)
     table = jnp.asarray(rng.permutation(np.arange(1, pool))[: B * P].reshape(B, P), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(start, start + T, dtype=jnp.int32), (B, T))
+    starts = np.broadcast_to(start, (B,))  # one start, or one a row
+    pos = jnp.asarray(np.stack([np.arange(s, s + T) for s in starts]), jnp.int32)
     valid = jnp.broadcast_to(jnp.arange(T) < valid_len, (B, T))
     view = KVView.build(pos, valid, table, PAGE)
     q = jnp.asarray(rng.standard_normal((B, T, K * G, d)), jnp.float32)
@@ -68,20 +69,21 @@ def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sin
         (1, 7, 2, 1, 10, 20, 5, 0, True),  # padding tokens, sinks
         (2, 8, 2, 2, 16, 30, 8, 9, True),  # a sliding window reaching back before the chunk
         (1, 8, 1, 2, 9, 0, 3, 5, False),  # a first chunk mostly padding, a window inside it
+        (3, 6, 2, 2, 12, (0, 9, 21), 6, 0, True),  # rows at different starts (one with nothing before it)
     ],
 )
 def test_chunk_joined_with_its_cache_matches_the_reference(B, T, K, G, P, start, valid_len, window, sinks, monkeypatch):
     monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 4 * PAGE)
-    rng = np.random.default_rng(B * 100 + T + start + 7)
+    rng = np.random.default_rng(B * 100 + T + np.sum(start) + 7)
     q, k_pool, v_pool, view = _case(rng, B, T, K, G, P, start, valid_len)
     sinks_H = jnp.asarray(rng.standard_normal(K * G), jnp.float32) if sinks else None
     mask = view.mask(window)
     k_all, v_all = gather_pages(k_pool, view), gather_pages(v_pool, view)
     want = attend(q, k_all, v_all, mask, 0.3, sinks_H)
-    own = k_all[:, start : start + T], v_all[:, start : start + T]  # the chunk's entries, as it computes them
+    own = [jnp.take_along_axis(a, view.positions_BT[:, :, None, None], axis=1) for a in (k_all, v_all)]  # the chunk's entries
     f = jax.jit(lambda q, k, v, kn, vn: attend_chunk(q, kn, vn, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H, window))
     got = f(q, k_pool, v_pool, *own)
-    real = np.asarray(view.positions_BT < start + valid_len)
+    real = np.asarray(view.positions_BT < view.positions_BT[:, :1] + valid_len)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
 
 
