@@ -30,6 +30,10 @@ VARIANTS = {
         num_experts_per_tok=3,
         mlp_only_layers=[1],
     ),
+    # five MoE layers: a buffered prefill's middle layers (neither the first nor the last two)
+    "mixtral_deep": lambda: MixtralConfig(
+        **{**COMMON, "num_hidden_layers": 5}, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2
+    ),
     # sliding windows shorter than the test sequences: every layer (Mixtral), layers 0 and 2 (Qwen2's rule)
     "mixtral_swa": lambda: MixtralConfig(**COMMON, num_key_value_heads=2, num_local_experts=6, num_experts_per_tok=2, sliding_window=5),
     "qwen2_moe_swa": lambda: Qwen2MoeConfig(

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.config import MoEModelConfig
+from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.memory.slot_cache import (
     SlotCache,
     borrow_for_prefill,
@@ -53,6 +53,16 @@ def host_memory_kind() -> str | None:
     """`pinned_host` where a GPU reads host memory over PCIe; None (default memory) on the CPU
     backend, where host memory is device memory and Pallas interpret mode refuses pinned_host."""
     return "pinned_host" if jax.default_backend() == "gpu" else None
+
+
+def copy_wait() -> str:
+    """Where a buffered prefill's compute first waits for a bank copied whole, layer m+1's
+    (FREETOKEN_PREFILL_COPY_WAIT): "output" (the default) — layer m's output, so that layer
+    m+1's attention starts once its bank has landed, and layer m+2's copy, issued after that
+    attention, waits for it too; "experts" — layer m+1's experts (the barrier that issues layer
+    m+2's copy), so that layer m+1's attention runs under the copy and m+2's copy can follow
+    m+1's at once. The last two layers' banks, written into their buffers, wait as "output"."""
+    return env_choice("FREETOKEN_PREFILL_COPY_WAIT", "output", ("output", "experts"))
 
 
 def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
@@ -178,8 +188,9 @@ class OffloadExecutor:
             out = self.compute(x_TD, ids_TK, w_TK, layer, self.layouts[m], bias=pair_biases(bias, ids_TK))
             if copied is not None:
                 # A copied bank is taken up only after this layer's output exists, so that
-                # nothing on the compute stream waits for the copy before then.
-                out, copied = jax.lax.optimization_barrier((out, copied))
+                # nothing on the compute stream waits for the copy before then (`copy_wait`).
+                if copy_wait() == "output" or m + 1 >= n - 2:
+                    out, copied = jax.lax.optimization_barrier((out, copied))
                 self._take_copy(m + 1, copied)
             if m == n - 1:  # the last two layers' experts stay resident
                 for last in range(max(0, n - 2), n):

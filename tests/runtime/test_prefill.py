@@ -167,3 +167,31 @@ def test_short_chunks_go_through_the_slot_cache(ckpt_root):
     # 8 of 128 experts per token: up to 35 tokens reach at most 90% of a layer's experts, if they fit the slots
     big = dataclasses.replace(cfg, num_experts=128, top_k=8)
     assert slot_prefill_pays(big, 35, 4096) and not slot_prefill_pays(big, 36, 4096) and not slot_prefill_pays(big, 35, 279)
+
+
+def test_copy_wait_moves_the_barriers_not_the_numbers(ckpt_root, monkeypatch):
+    """FREETOKEN_PREFILL_COPY_WAIT: under whole-bank copies five MoE layers take up layer m+1's
+    bank after layer m's output ("output": four barriers beside the four that issue the copies)
+    or at layer m+1's experts ("experts": only the last two layers', written into their buffers,
+    after an output); the logits equal fused ones and each other bit for bit; a bad value raises."""
+    from freetoken_jax.runtime.offload import copy_wait
+
+    path = make_checkpoint("mixtral_deep", ckpt_root)
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
+    eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6, prefill_load="copy"))
+    assert eng.model_config.num_moe_layers == 5
+    prompt = [int(t) for t in np.random.default_rng(2).integers(3, 96, 13)]
+    got = {}
+    for how, barriers in (("output", 8), ("experts", 6)):
+        monkeypatch.setenv("FREETOKEN_PREFILL_COPY_WAIT", how)
+        buffered_step.clear_cache()  # the switch is read when tracing
+        cache, table = buffered_args(eng)
+        batch = PrefillBatch.chunk([prompt[:8]], [0], table, 8, Sampling.greedy(1))
+        text = buffered_step.lower(eng.weights, eng.experts, cache, batch, eng.runner.slots).as_text()
+        assert text.count("stablehlo.optimization_barrier") == barriers, how
+        got[how] = buffered_logits(eng, prompt, eng.runner.slots)[0]
+    np.testing.assert_allclose(got["output"], fused.logits(prompt), atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(got["output"], got["experts"])
+    monkeypatch.setenv("FREETOKEN_PREFILL_COPY_WAIT", "later")
+    with pytest.raises(ValueError, match="FREETOKEN_PREFILL_COPY_WAIT"):
+        copy_wait()
