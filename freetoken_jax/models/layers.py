@@ -248,25 +248,57 @@ def prefill_attention(cfg: MoEModelConfig, dtype) -> str:
     return how
 
 
-def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None, window: int = 0):
+def prefill_cached() -> str:
+    """How a chunk under the "flash" prefill attention reads the positions cached before it
+    (FREETOKEN_PREFILL_CACHED): "blocks" (the default) — `attend_paged`'s blocks, up to the last
+    one read; "flash" — the page table gathered whole and `causal_attention` with each row's
+    prefix length (cuDNN's padding mask on a GPU). "flash" serves GQA/MHA layers without a window;
+    MLA (whose keys would be expanded from every cached latent) and windowed layers keep the blocks."""
+    return env_choice("FREETOKEN_PREFILL_CACHED", "blocks", ("blocks", "flash"))
+
+
+def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None, window: int = 0,
+                 cached: str = "blocks"):  # fmt: skip
     """`attend_paged` for a prefill chunk whose row b holds its tokens at consecutive positions
     from `view.positions_BT[b, 0]` (`PrefillBatch.chunk`), given the chunk's own keys and values
     `k_BTKd`, `v_BTKe` (as `kv_of` makes them): the chunk against itself through
     `causal_attention` (cuDNN's flash attention on a GPU where it takes the heads, else the jnp
-    reference), the positions cached before the chunk through `attend_paged`'s blocks (none for
-    a prompt's first chunk), the two softmaxes joined by their log-sum-exps. The chunk's own
-    entries are read from `k_BTKd` and `v_BTKe`, not from the pages."""
-    fits = causal_attention.cudnn_fits(q_BTHd.dtype, q_BTHd.shape[-1], v_BTKe.shape[-1])
-    impl = "cudnn" if fits and jax.default_backend() == "gpu" else "ref"
-    own, lse = causal_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl)
-    before = mask_BTS & (view.cached_pos_BS[:, None, :] < view.positions_BT[:, :1, None])
-    mx, den, acc = _fold_blocks(q_BTHd, pages, view, before, scale, kv_of, sinks_H)
-    B, T, K, G, e = acc.shape
-    mx, den = (jnp.moveaxis(a, 3, 1).reshape(B, T, K * G) for a in (mx, den))
-    top = jnp.maximum(mx, lse)
-    a, b = jnp.exp(mx - top), jnp.exp(lse - top)
-    o = (acc.reshape(B, T, K * G, e) * a[..., None] + own * b[..., None]) / (den * a + b)[..., None]
-    return o.astype(q_BTHd.dtype)
+    reference); the positions cached before the chunk (none for a prompt's first chunk) through
+    `attend_paged`'s blocks, or with `cached` "flash" (no window; `view` in position order)
+    through `causal_attention` over the whole table gathered, each row reading its prefix; the
+    softmaxes (and a sink's logit) joined by their log-sum-exps. The chunk's own entries are read
+    from `k_BTKd` and `v_BTKe`, not from the pages."""
+    B, T, H = q_BTHd.shape[:3]
+
+    def impl(k, v):
+        fits = causal_attention.cudnn_fits(q_BTHd.dtype, q_BTHd.shape[-1], v.shape[-1]) and k.dtype == q_BTHd.dtype
+        return "cudnn" if fits and jax.default_backend() == "gpu" else "ref"
+
+    o, lse = causal_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl(k_BTKd, v_BTKe))
+    total = (lse, jnp.ones_like(lse), o)
+    if cached == "flash" and not window:
+        k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
+        o_c, lse_c = causal_attention.attention(q_BTHd, k, v, scale=scale, lengths_B=view.positions_BT[:, 0], implementation=impl(k, v))
+        total = _merge(total, (lse_c, jnp.ones_like(lse_c), o_c))
+        if sinks_H is not None:  # a sink is one more logit, of value 0
+            sink = jnp.broadcast_to(sinks_H.astype(jnp.float32), lse.shape)
+            total = _merge(total, (sink, jnp.ones_like(sink), jnp.zeros_like(o)))
+    else:
+        before = mask_BTS & (view.cached_pos_BS[:, None, :] < view.positions_BT[:, :1, None])
+        mx, den, acc = _fold_blocks(q_BTHd, pages, view, before, scale, kv_of, sinks_H)
+        mx, den = (jnp.moveaxis(a, 3, 1).reshape(B, T, H) for a in (mx, den))
+        total = _merge(total, (mx, den, acc.reshape(B, T, H, -1)))
+    _, den, num = total
+    return (num / den[..., None]).astype(q_BTHd.dtype)
+
+
+def _merge(a, b):
+    """Two softmaxes' running (max, denominator, numerator) as one: the numerator and
+    denominator are relative to the max."""
+    (ma, da, na), (mb, db, nb) = a, b
+    m = jnp.maximum(ma, mb)
+    ca, cb = jnp.exp(ma - m), jnp.exp(mb - m)
+    return m, da * ca + db * cb, na * ca[..., None] + nb * cb[..., None]
 
 
 class Attention(nnx.Module):
@@ -326,7 +358,9 @@ class Attention(nnx.Module):
                                            interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
         elif T > 1 and prefill_attention(cfg, q.dtype) == "flash":
             own = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
-            o = attend_chunk(q, *own, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks, self.window)
+            o = attend_chunk(
+                q, *own, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached()
+            )
         else:
             o = attend_paged(q, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks)
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream

@@ -72,7 +72,8 @@ def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sin
         (3, 6, 2, 2, 12, (0, 9, 21), 6, 0, True),  # rows at different starts (one with nothing before it)
     ],
 )
-def test_chunk_joined_with_its_cache_matches_the_reference(B, T, K, G, P, start, valid_len, window, sinks, monkeypatch):
+@pytest.mark.parametrize("cached", ["blocks", "flash"])
+def test_chunk_joined_with_its_cache_matches_the_reference(B, T, K, G, P, start, valid_len, window, sinks, cached, monkeypatch):
     monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 4 * PAGE)
     rng = np.random.default_rng(B * 100 + T + np.sum(start) + 7)
     q, k_pool, v_pool, view = _case(rng, B, T, K, G, P, start, valid_len)
@@ -81,7 +82,7 @@ def test_chunk_joined_with_its_cache_matches_the_reference(B, T, K, G, P, start,
     k_all, v_all = gather_pages(k_pool, view), gather_pages(v_pool, view)
     want = attend(q, k_all, v_all, mask, 0.3, sinks_H)
     own = [jnp.take_along_axis(a, view.positions_BT[:, :, None, None], axis=1) for a in (k_all, v_all)]  # the chunk's entries
-    f = jax.jit(lambda q, k, v, kn, vn: attend_chunk(q, kn, vn, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H, window))
+    f = jax.jit(lambda q, k, v, kn, vn: attend_chunk(q, kn, vn, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H, window, cached))
     got = f(q, k_pool, v_pool, *own)
     real = np.asarray(view.positions_BT < view.positions_BT[:, :1] + valid_len)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
@@ -111,16 +112,20 @@ def test_one_token_steps_and_short_tables_take_the_reference_path(monkeypatch):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-@pytest.mark.parametrize("how", ["blocked", "flash"])
+@pytest.mark.parametrize("how", ["blocked", "flash", "flash:flash"])
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral_swa"])
 def test_long_prefill_in_blocks_matches_transformers(name, how, ckpt_root, monkeypatch):
     """Blocks of 8 positions (2 pages) over a 96-position table: a 45-token prompt's chunks of 16
     read 2, 4 and 6 of its 12 blocks (GQA, MLA, sinks with sliding windows), or (FREETOKEN_PREFILL_ATTENTION
-    "flash") each chunk attends to itself and to the 0, 2 and 4 blocks before it."""
+    "flash") each chunk attends to itself and to the 0, 2 and 4 blocks before it, or ("flash:flash",
+    FREETOKEN_PREFILL_CACHED "flash" too) to the prefix before it in the whole table gathered
+    (GQA layers without a window)."""
     from hf_models import check_prompt_logits
 
     monkeypatch.setattr(kv_cache, "ATTN_BLOCK", 8)
-    monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", how)
+    attention, _, cached = how.partition(":")
+    monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", attention)
+    monkeypatch.setenv("FREETOKEN_PREFILL_CACHED", cached or "blocks")
     check_prompt_logits(name, ckpt_root, 45, 45, prefill_chunk=16)
 
 
@@ -171,16 +176,19 @@ def test_mla_decode_latent_and_expanded_agree(ckpt_root, monkeypatch):
 
 def test_prefill_attention_switch(monkeypatch):
     """FREETOKEN_PREFILL_ATTENTION: flash on a GPU where cuDNN takes the heads (bf16; not
-    float32), blocked elsewhere; the settings force either; a bad one raises."""
+    float32), blocked elsewhere; the settings force either; a bad one raises. The same for
+    FREETOKEN_PREFILL_CACHED (blocks unless set)."""
     from helpers import check_kernel_choice
 
     from freetoken_jax.config import MoEModelConfig
-    from freetoken_jax.models.layers import prefill_attention
+    from freetoken_jax.models.layers import prefill_attention, prefill_cached
 
     cfg = MoEModelConfig(vocab_size=32, hidden_dim=64, intermediate_dim=32, num_layers=1, num_experts=4, top_k=2, num_heads=4,
                          num_kv_heads=2, head_dim=16)  # fmt: skip
     want = {("auto", "gpu"): "flash", ("auto", "cpu"): "blocked", ("blocked", "gpu"): "blocked", ("flash", "cpu"): "flash"}
     check_kernel_choice(monkeypatch, "FREETOKEN_PREFILL_ATTENTION", want, lambda: prefill_attention(cfg, jnp.bfloat16), "cudnn")
+    check_kernel_choice(monkeypatch, "FREETOKEN_PREFILL_CACHED", {("blocks", "gpu"): "blocks", ("flash", "cpu"): "flash"},
+                        prefill_cached, "all")  # fmt: skip
     monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", "auto")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert prefill_attention(cfg, jnp.float32) == "blocked"
