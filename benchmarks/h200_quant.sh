@@ -52,11 +52,13 @@ for what in "$@"; do
         FREETOKEN_MLA_DECODE=$how $B decode --preset deepseek-v2-lite --layers 12 --routing-skew 0 --prompt-len 4096 --gen-len 32 \
           --strategy fused 2>&1 | grep -v "it/s\]" | tail -1; done ;;
     # flash: a prefill chunk's causal attention through cuDNN (FREETOKEN_PREFILL_ATTENTION), tested on this GPU, then offload
-    # prefill rows with the blocked attention and with it (FMT: the expert format, q4_0 unless set)
+    # prefill rows with the blocked attention, with it, and with the prefix before a chunk through cuDNN too
+    # (FREETOKEN_PREFILL_CACHED=flash); FMT: the expert format (q4_0 unless set), PROMPTS the prompt lengths (2048 8192)
     flash) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_causal_attention.py tests/models/test_attention_blocks.py 2>&1 | tail -2
-      for how in blocked auto; do echo "== FREETOKEN_PREFILL_ATTENTION=$how"
-        FREETOKEN_PREFILL_ATTENTION=$how $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 \
-          --prompt-len 2048 8192 --chunk 2048 8192 --routing-skew 0 --strategy offload --json "$OUT/flash_$how.json" 2>&1 | grep -v "it/s\]" | tail -6; done ;;
+      for how in blocked:blocks auto:blocks auto:flash; do echo "== FREETOKEN_PREFILL_ATTENTION=${how%%:*} FREETOKEN_PREFILL_CACHED=${how#*:}"
+        FREETOKEN_PREFILL_ATTENTION=${how%%:*} FREETOKEN_PREFILL_CACHED=${how#*:} $B prefill --preset qwen3-30b-a3b --layers 24 \
+          --expert-format ${FMT:-q4_0} --slots-gb 2.2482 --prompt-len ${PROMPTS:-2048 8192} --chunk 2048 8192 --routing-skew 0 \
+          --strategy offload --json "$OUT/flash_${how/:/_}.json" 2>&1 | grep -v "it/s\]" | tail -7; done ;;
     # copywait: offload prefill with the compute first waiting for the next layer's copied bank at this layer's output or
     # at the next layer's experts (FREETOKEN_PREFILL_COPY_WAIT), q4_0 (slots of -ncmoe 17) then bf16 (8 GB of slots)
     copywait) for fmt in q4_0:2.2482 bf16:8; do for w in output experts; do echo "== ${fmt%%:*} FREETOKEN_PREFILL_COPY_WAIT=$w"
