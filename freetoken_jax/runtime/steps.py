@@ -160,7 +160,10 @@ def forward(
     """Final hidden states [B, T, D] of this step's tokens, the extended KV cache and the expert
     slot cache (given for decode and slot-cache prefill under offload / hybrid, and for prefill
     through borrowed layer buffers with `buffered`). `ring_BR`: the rows' rings when the
-    sliding layers keep their KV in rings (`kv_cache.ring_pages`)."""
+    sliding layers keep their KV in rings (`kv_cache.ring_pages`). A step of many tokens holds
+    each row's tokens at consecutive positions from its first, padding after them (as
+    `PrefillBatch.chunk` builds them): its attention reads the chunk's own keys causally by
+    index (`layers.attend_chunk`)."""
     model = weights.model()
     page = _page_size(cache)
     view = KVView.build(positions_BT, valid_BT, page_table_BP, page)
