@@ -57,6 +57,7 @@ def kernel_profile(run, n=5, top=8):
         agg.setdefault(e.name[:80], []).append(e.device_time)
     rows = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
     idle(events, n, top)
+    overlap(events, n)
     timeline(events, n)
     return len(events) / n, sum(e.device_time for e in events) / n / 1e3, [(sum(t) / n / 1e3, len(t) / n, k) for k, t in rows]
 
@@ -80,6 +81,49 @@ def idle(events, n: int, top: int, floor_us: float = 3.0) -> None:
     print(f"   idle: {total:.3f} ms per step of {span:.3f} ms spanned (gaps over {floor_us:g} us), heaviest after -> before:")
     for (a, b), g in sorted(gaps.items(), key=lambda kv: -sum(kv[1]))[:top]:
         print(f"   {sum(g) / n / 1e3:7.3f} ms {len(g) / n:5.0f}x ({sum(g) / len(g):6.1f} us)  {a} -> {b}")
+
+
+def _union(spans):
+    """Sorted, merged [start, end) intervals of `spans`."""
+    out = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def _length(intervals) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _intersect(a, b) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        total += max(0.0, hi - lo)
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def overlap(events, n: int) -> None:
+    """How far host->device copies and the other kernels run under each other, per step: the time
+    each keeps the GPU busy (their intervals merged), both at once, and only one of them — a
+    prefill that hides its compute under the copies has little "compute only"."""
+    copies = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Memcpy HtoD"))
+    compute = _union((e.time_range.start, e.time_range.end) for e in events if not e.name.startswith("Memcpy"))
+    if not copies or not compute:
+        return
+    c, k, both = _length(copies), _length(compute), _intersect(copies, compute)
+    ms = lambda us: us / n / 1e3  # noqa: E731
+    print(f"   host->device copies {ms(c):.3f} ms, compute {ms(k):.3f} ms a step; both at once {ms(both):.3f} ms, "
+          f"copies only {ms(c - both):.3f} ms, compute only {ms(k - both):.3f} ms")  # fmt: skip
 
 
 def timeline(events, n: int) -> None:
