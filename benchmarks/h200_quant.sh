@@ -60,11 +60,15 @@ for what in "$@"; do
           --expert-format ${FMT:-q4_0} --slots-gb 2.2482 --prompt-len ${PROMPTS:-2048 8192} --chunk 2048 8192 --routing-skew 0 \
           --strategy offload --json "$OUT/flash_${how/:/_}.json" 2>&1 | grep -v "it/s\]" | tail -7; done ;;
     # copywait: offload prefill with the compute first waiting for the next layer's copied bank at this layer's output or
-    # at the next layer's experts (FREETOKEN_PREFILL_COPY_WAIT), q4_0 (slots of -ncmoe 17) then bf16 (8 GB of slots)
+    # at the next layer's experts (FREETOKEN_PREFILL_COPY_WAIT), q4_0 (slots of -ncmoe 17) then bf16 (8 GB of slots); then
+    # an 8192-token q4_0 chunk's profile under each: how long copies and compute run under each other
     copywait) for fmt in q4_0:2.2482 bf16:8; do for w in output experts; do echo "== ${fmt%%:*} FREETOKEN_PREFILL_COPY_WAIT=$w"
         FREETOKEN_PREFILL_COPY_WAIT=$w $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${fmt%%:*} --slots-gb ${fmt#*:} \
           --prompt-len 8192 --chunk 2048 8192 --routing-skew 0 --strategy offload --json "$OUT/copywait_${fmt%%:*}_$w.json" 2>&1 |
-          grep -v "it/s\]" | tail -3; done; done ;;
+          grep -v "it/s\]" | tail -3; done; done
+      for w in output experts; do echo "== profile, q4_0 8192-token chunk, FREETOKEN_PREFILL_COPY_WAIT=$w"
+        FREETOKEN_PREFILL_COPY_WAIT=$w python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 \
+          --slots-gb 2.2482 --prefill-tokens 8192 --variants grouped --top 4 2>&1 | grep -E "^== |copies "; done ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
     lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1
