@@ -24,13 +24,28 @@ their matmul (as `models.layers.attend`).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 
 def cudnn_fits(dtype, d_qk: int, d_v: int) -> bool:
-    """Whether cuDNN's flash attention takes these operands."""
-    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and max(d_qk, d_v) <= 256 and d_qk % 8 == 0
+    """Whether cuDNN's flash attention takes these operands (and this jax has it)."""
+    shapes = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and max(d_qk, d_v) <= 256 and d_qk % 8 == 0
+    return shapes and _cudnn() is not None
+
+
+@functools.cache
+def _cudnn():
+    """jax's cuDNN fused attention (`dot_product_attention`, `MaskType`), or None where this jax
+    has moved it (its module is jax-internal): the callers then keep the blocked attention."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as f
+
+        return f.dot_product_attention, f.MaskType
+    except (ImportError, AttributeError):
+        return None
 
 
 def attention(q_BTHd, k_BSKd, v_BSKe, *, scale: float, window: int = 0, lengths_B=None, implementation: str = "ref"):
@@ -44,12 +59,10 @@ def attention(q_BTHd, k_BSKd, v_BSKe, *, scale: float, window: int = 0, lengths_
         return attention_ref(q_BTHd, k_BSKd, v_BSKe, scale=scale, window=window, lengths_B=lengths_B)
     if implementation != "cudnn":
         raise ValueError(f"implementation {implementation!r}: use 'cudnn' or 'ref'")
-    from jax._src.cudnn.fused_attention_stablehlo import MaskType
-    from jax._src.cudnn.fused_attention_stablehlo import dot_product_attention as cudnn_attention
-
     (B, T, _, d), e = q_BTHd.shape, v_BSKe.shape[-1]
     if not cudnn_fits(q_BTHd.dtype, d, e):
-        raise ValueError(f"cuDNN attention takes float16/bfloat16 heads of at most 256: got {q_BTHd.dtype}, {d}/{e}")
+        raise ValueError(f"cuDNN attention takes float16/bfloat16 heads of at most 256 (in a jax that has it): got {q_BTHd.dtype}, {d}/{e}")
+    cudnn_attention, MaskType = _cudnn()
     v = v_BSKe if e == d else jnp.pad(v_BSKe, ((0, 0), (0, 0), (0, 0), (0, d - e)))
     if lengths_B is None:
         how = dict(mask_type=MaskType.CAUSAL, sliding_window_length=window or None)

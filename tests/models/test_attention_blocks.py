@@ -176,12 +176,13 @@ def test_mla_decode_latent_and_expanded_agree(ckpt_root, monkeypatch):
 
 def test_prefill_attention_switch(monkeypatch):
     """FREETOKEN_PREFILL_ATTENTION: flash on a GPU where cuDNN takes the heads (bf16; not
-    float32), blocked elsewhere; the settings force either; a bad one raises. The same for
-    FREETOKEN_PREFILL_CACHED (blocks unless set)."""
+    float32; not in a jax without it), blocked elsewhere; the settings force either; a bad one
+    raises. The same for FREETOKEN_PREFILL_CACHED (blocks unless set)."""
     from helpers import check_kernel_choice
 
     from freetoken_jax.config import MoEModelConfig
     from freetoken_jax.models.layers import prefill_attention, prefill_cached
+    from pallas_kernels import causal_attention
 
     cfg = MoEModelConfig(vocab_size=32, hidden_dim=64, intermediate_dim=32, num_layers=1, num_experts=4, top_k=2, num_heads=4,
                          num_kv_heads=2, head_dim=16)  # fmt: skip
@@ -192,3 +193,6 @@ def test_prefill_attention_switch(monkeypatch):
     monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", "auto")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert prefill_attention(cfg, jnp.float32) == "blocked"
+    assert prefill_attention(cfg, jnp.bfloat16) == "flash"
+    monkeypatch.setattr(causal_attention, "_cudnn", lambda: None)  # a jax without its cuDNN attention
+    assert prefill_attention(cfg, jnp.bfloat16) == "blocked"
