@@ -118,6 +118,8 @@ class Bench:
         self.log = (lambda *a: None) if quiet else (lambda *a: print(*a, file=sys.stderr, flush=True))
         self.log(f"{self.cfg.family} shape on {jax.devices()[0].device_kind}: built in {self.build_s:.0f} s; device copy "
                  f"{self.hbm / 1e12:.3f} TB/s, host->device {self.bp / 1e9:.1f} GB/s, CPU executor {self.bh / 1e9:.1f} GB/s")  # fmt: skip
+        if switches():
+            self.log("under " + ", ".join(f"{k}={v}" for k, v in switches().items()))
         if jax.default_backend() == "cpu":
             self.log("(the CPU backend: no PCIe and no HBM, so 'host->device' and 'device copy' are memory copies and the rows are a "
                      "functional demo, not a measure of the strategies; GPU figures: benchmarks/RESULTS.md)")  # fmt: skip
@@ -455,6 +457,12 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     fig.savefig(path, dpi=120)
 
 
+def switches() -> dict:
+    """The engine's switches (FREETOKEN_*) and XLA's flags set in this process's environment: what
+    a row was measured under, beside it in the JSON."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FREETOKEN_") or k == "XLA_FLAGS"}
+
+
 def run(args) -> dict:
     steps = getattr(args, "gen_len", 0)
     bench = Bench(args.model, dtype=args.dtype, max_batch=max(getattr(args, "batch", [1])),
@@ -465,7 +473,7 @@ def run(args) -> dict:
     hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                dtype=args.dtype, expert_format=bench.cfg.expert_format, expert_bytes=bench.expert_bytes, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
-               executor_gb_s=bench.bh / 1e9, hybrid_executor_gb_s=bench.bh_hybrid / 1e9, q=q, rows=[])  # fmt: skip
+               executor_gb_s=bench.bh / 1e9, hybrid_executor_gb_s=bench.bh_hybrid / 1e9, q=q, switches=switches(), rows=[])  # fmt: skip
 
     def write() -> None:
         if args.json:

@@ -93,14 +93,17 @@ def test_speedups_pair_rows_by_batch_and_skew():
     assert [r.get("x_naive") for r in rows] == [1.0, 1.0, 2.5, 2.5, None]  # batch 4 has no naive row
 
 
-def test_prefill(tmp_path):
+def test_prefill(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", "flash")  # recorded with the rows
     out = tmp_path / "prefill.json"
     # (offload loads a demo layer's bank by copy on the CPU backend, as offload-copy does)
     argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-fetch", "stream", "fused", "--slots-gb", "0.01",
             "--prompt-len", "40", "--chunk", "16",
             "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
-    rows = json.loads(out.read_text())["rows"]
+    record = json.loads(out.read_text())
+    assert record["switches"].get("FREETOKEN_PREFILL_ATTENTION") == "flash"
+    rows = record["rows"]
     assert [(r["strategy"], r["prompt_len"], r["chunks"], r["buffered"]) for r in rows] == [
         ("offload", 40, 3, True),  # 0.01 GB holds more than 2 x 16 demo experts: two layer buffers
         ("offload-fetch", 40, 3, True),
