@@ -173,7 +173,8 @@ def test_copy_wait_moves_the_barriers_not_the_numbers(ckpt_root, monkeypatch):
     """FREETOKEN_PREFILL_COPY_WAIT: under whole-bank copies five MoE layers take up layer m+1's
     bank after layer m's output ("output": four barriers beside the four that issue the copies)
     or at layer m+1's experts ("experts": only the last two layers', written into their buffers,
-    after an output); the logits equal fused ones and each other bit for bit; a bad value raises."""
+    after an output; the default); the logits equal fused ones and each other bit for bit; a bad
+    value raises."""
     from freetoken_jax.runtime.offload import copy_wait
 
     path = make_checkpoint("mixtral_deep", ckpt_root)
@@ -192,6 +193,8 @@ def test_copy_wait_moves_the_barriers_not_the_numbers(ckpt_root, monkeypatch):
         got[how] = buffered_logits(eng, prompt, eng.runner.slots)[0]
     np.testing.assert_allclose(got["output"], fused.logits(prompt), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(got["output"], got["experts"])
+    monkeypatch.delenv("FREETOKEN_PREFILL_COPY_WAIT")
+    assert copy_wait() == "experts"  # the default
     monkeypatch.setenv("FREETOKEN_PREFILL_COPY_WAIT", "later")
     with pytest.raises(ValueError, match="FREETOKEN_PREFILL_COPY_WAIT"):
         copy_wait()
