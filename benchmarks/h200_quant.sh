@@ -54,7 +54,7 @@ for what in "$@"; do
     # flash: a prefill chunk's causal attention through cuDNN (FREETOKEN_PREFILL_ATTENTION), tested on this GPU, then offload
     # prefill rows with the blocked attention, with it, and with the prefix before a chunk through cuDNN too
     # (FREETOKEN_PREFILL_CACHED=flash); FMT: the expert format (q4_0 unless set), PROMPTS the prompt lengths (2048 8192)
-    flash) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_causal_attention.py tests/models/test_attention_blocks.py 2>&1 | tail -2
+    flash) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_chunk_attention.py tests/models/test_attention_blocks.py 2>&1 | tail -2
       for how in blocked:blocks auto:blocks auto:flash; do echo "== FREETOKEN_PREFILL_ATTENTION=${how%%:*} FREETOKEN_PREFILL_CACHED=${how#*:}"
         FREETOKEN_PREFILL_ATTENTION=${how%%:*} FREETOKEN_PREFILL_CACHED=${how#*:} $B prefill --preset qwen3-30b-a3b --layers 24 \
           --expert-format ${FMT:-q4_0} --slots-gb 2.2482 --prompt-len ${PROMPTS:-2048 8192} --chunk 2048 8192 --routing-skew 0 \

@@ -21,7 +21,7 @@ from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
 from freetoken_jax.models.grouping import GroupPlan, group_plans
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import causal_attention, decode_attention, gathered_experts, norm_matvec, route_topk
+from pallas_kernels import chunk_attention, decode_attention, gathered_experts, norm_matvec, route_topk
 
 _INIT = nnx.initializers.normal(0.02)
 
@@ -235,7 +235,7 @@ def _fold_blocks(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
 def prefill_attention(cfg: MoEModelConfig, dtype) -> str:
     """How a step of many tokens (a prefill chunk) attends (FREETOKEN_PREFILL_ATTENTION):
     "blocked" — `attend_paged` over the page table, the chunk's own positions included;
-    "flash" — `attend_chunk`: the chunk's own keys through `pallas_kernels/causal_attention.py`
+    "flash" — `attend_chunk`: the chunk's own keys through `pallas_kernels/chunk_attention.py`
     (cuDNN's flash attention on a GPU, its jnp reference elsewhere), the positions cached before
     the chunk through `attend_paged`'s blocks; "auto" (unset) — "flash" on a GPU where cuDNN
     takes the model's heads and dtype, else "blocked"."""
@@ -243,7 +243,7 @@ def prefill_attention(cfg: MoEModelConfig, dtype) -> str:
     if how == "auto":
         mla = cfg.attention == "mla"
         d_qk, d_v = (cfg.qk_head_dim, cfg.v_head_dim) if mla else (cfg.head_dim, cfg.head_dim)
-        fits = causal_attention.cudnn_fits(dtype, d_qk, d_v)
+        fits = chunk_attention.cudnn_fits(dtype, d_qk, d_v)
         return "flash" if fits and jax.default_backend() == "gpu" else "blocked"
     return how
 
@@ -251,7 +251,7 @@ def prefill_attention(cfg: MoEModelConfig, dtype) -> str:
 def prefill_cached() -> str:
     """How a chunk under the "flash" prefill attention reads the positions cached before it
     (FREETOKEN_PREFILL_CACHED): "blocks" (the default) — `attend_paged`'s blocks, up to the last
-    one read; "flash" — the page table gathered whole and `causal_attention` with each row's
+    one read; "flash" — the page table gathered whole and `chunk_attention` with each row's
     prefix length (cuDNN's padding mask on a GPU). "flash" serves GQA/MHA layers without a window;
     MLA (whose keys would be expanded from every cached latent) and windowed layers keep the blocks."""
     return env_choice("FREETOKEN_PREFILL_CACHED", "blocks", ("blocks", "flash"))
@@ -262,23 +262,23 @@ def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, s
     """`attend_paged` for a prefill chunk whose row b holds its tokens at consecutive positions
     from `view.positions_BT[b, 0]` (`PrefillBatch.chunk`), given the chunk's own keys and values
     `k_BTKd`, `v_BTKe` (as `kv_of` makes them): the chunk against itself through
-    `causal_attention` (cuDNN's flash attention on a GPU where it takes the heads, else the jnp
+    `chunk_attention` (cuDNN's flash attention on a GPU where it takes the heads, else the jnp
     reference); the positions cached before the chunk (none for a prompt's first chunk) through
     `attend_paged`'s blocks, or with `cached` "flash" (no window; `view` in position order)
-    through `causal_attention` over the whole table gathered, each row reading its prefix; the
+    through `chunk_attention` over the whole table gathered, each row reading its prefix; the
     softmaxes (and a sink's logit) joined by their log-sum-exps. The chunk's own entries are read
     from `k_BTKd` and `v_BTKe`, not from the pages."""
     B, T, H = q_BTHd.shape[:3]
 
     def impl(k, v):
-        fits = causal_attention.cudnn_fits(q_BTHd.dtype, q_BTHd.shape[-1], v.shape[-1]) and k.dtype == q_BTHd.dtype
+        fits = chunk_attention.cudnn_fits(q_BTHd.dtype, q_BTHd.shape[-1], v.shape[-1]) and k.dtype == q_BTHd.dtype
         return "cudnn" if fits and jax.default_backend() == "gpu" else "ref"
 
-    o, lse = causal_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl(k_BTKd, v_BTKe))
+    o, lse = chunk_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl(k_BTKd, v_BTKe))
     total = (lse, jnp.ones_like(lse), o)
     if cached == "flash" and not window:
         k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
-        o_c, lse_c = causal_attention.attention(q_BTHd, k, v, scale=scale, lengths_B=view.positions_BT[:, 0], implementation=impl(k, v))
+        o_c, lse_c = chunk_attention.attention(q_BTHd, k, v, scale=scale, lengths_B=view.positions_BT[:, 0], implementation=impl(k, v))
         total = _merge(total, (lse_c, jnp.ones_like(lse_c), o_c))
         if sinks_H is not None:  # a sink is one more logit, of value 0
             sink = jnp.broadcast_to(sinks_H.astype(jnp.float32), lse.shape)

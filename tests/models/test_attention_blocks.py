@@ -182,7 +182,7 @@ def test_prefill_attention_switch(monkeypatch):
 
     from freetoken_jax.config import MoEModelConfig
     from freetoken_jax.models.layers import prefill_attention, prefill_cached
-    from pallas_kernels import causal_attention
+    from pallas_kernels import chunk_attention
 
     cfg = MoEModelConfig(vocab_size=32, hidden_dim=64, intermediate_dim=32, num_layers=1, num_experts=4, top_k=2, num_heads=4,
                          num_kv_heads=2, head_dim=16)  # fmt: skip
@@ -194,5 +194,5 @@ def test_prefill_attention_switch(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert prefill_attention(cfg, jnp.float32) == "blocked"
     assert prefill_attention(cfg, jnp.bfloat16) == "flash"
-    monkeypatch.setattr(causal_attention, "_cudnn", lambda: None)  # a jax without its cuDNN attention
+    monkeypatch.setattr(chunk_attention, "_cudnn", lambda: None)  # a jax without its cuDNN attention
     assert prefill_attention(cfg, jnp.bfloat16) == "blocked"

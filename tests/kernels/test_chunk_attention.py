@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.causal_attention import attention, cudnn_fits
+from pallas_kernels.chunk_attention import attention, cudnn_fits
 
 IMPLS = ("ref", "cudnn") if jax.default_backend() == "gpu" else ("ref",)
 
