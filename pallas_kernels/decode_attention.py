@@ -15,7 +15,12 @@ entries in blocks of `BLOCK` with a running softmax (the G query heads of a kv h
 rows of a [Gp, hd] matmul padded to Gp ≥ 16 rows), reads each key and value once from the pages
 in place, and stops after the row's last unmasked entry (`limits`), so that a step's cost follows
 the positions it reads rather than the table's width. A table wider than one span gives each row
-several programs whose partial sums are combined in jnp.
+several programs whose partial sums are combined in jnp. A kv head with more than `MAX_HEADS`
+query heads shares them among programs (`head_splits`).
+
+A key may be kept in parts, each in a pool of its own (`k_pages` a tuple; q's columns meet them in
+order): MLA decoding in the latent space is one kv head whose key is the cached latent beside
+the rotated shared key, and whose value is the latent itself (`models.layers.MLAttention`).
 
 With `fresh` (`Fresh`: this step's raw key and value, where they are stored, the rotation's
 cos/sin and the q/k RMSNorm weights) q is the query as its projection gives it: each program
@@ -43,30 +48,43 @@ BLOCK = 64  # entries a step of a program's loop reads
 SPAN = 512  # entries a program covers at most
 NUM_WARPS = 4
 NEG = -1e30  # a masked score (finite: a row with nothing to read stays finite)
+MAX_HEADS = 32  # query heads a program takes at most (`head_splits`)
 
 
 def _pow2(n: int) -> bool:
     return n > 0 and not n & (n - 1)
 
 
-def fits(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int) -> bool:
+def fits(num_heads: int, num_kv_heads: int, head_dim, v_head_dim: int) -> bool:
     """Whether the kernel computes attention of these shapes (Triton's arrays have power-of-two
-    sizes: the head dimensions; query heads a whole multiple of the kv heads)."""
-    return num_heads % num_kv_heads == 0 and _pow2(head_dim) and _pow2(v_head_dim) and head_dim >= 16 and v_head_dim >= 16
+    sizes: the head dimensions, or each part of a key kept in pools of its own — `head_dim` a
+    tuple, MLA's latent and rotated key; query heads a whole multiple of the kv heads)."""
+    parts = head_dim if isinstance(head_dim, tuple) else (head_dim,)
+    return num_heads % num_kv_heads == 0 and all(_pow2(d) and d >= 16 for d in (*parts, v_head_dim))
 
 
-def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
+def head_splits(G: int) -> int:
+    """Programs that share a kv head's query heads, `MAX_HEADS` each at most (MLA: one kv head
+    for all query heads; a program's accumulator is [heads, dv] float32)."""
+    return max(1, G // MAX_HEADS)
+
+
+def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps):
     r = dict(zip(names, refs))
-    b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b, hs, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # hs: a kv head's share of query heads
+    h = hs // (pl.num_programs(1) // K)  # the kv head
     q_ref, v_ref = r["q"], r["v"]
     hd, dv = q_ref.shape[1], v_ref.shape[1]
-    H = K * G
+    H = pl.num_programs(1) * G  # G: the query heads of one program
     g = jnp.minimum(jnp.arange(Gp, dtype=jnp.int32), G - 1)  # rows past G repeat the last head (never kept)
-    qrows = (b * H + h * G + g)[:, None]
+    qrows = (b * H + hs * G + g)[:, None]
     e = jnp.arange(dv, dtype=jnp.int32)
-    if fresh is None:  # q as it is, against whole key rows
-        d = jnp.arange(hd, dtype=jnp.int32)
-        pieces = [(q_ref[qrows, d[None, :]], d)]  # (queries [Gp, n], the key columns they meet)
+    if fresh is None:  # q as it is, its columns in parts against the key pools' rows
+        pieces, at = [], 0
+        for name, width in keys:
+            d = jnp.arange(width, dtype=jnp.int32)
+            pieces.append((q_ref[qrows, (at + d)[None, :]], name, d))  # (queries [Gp, n], their pool, its columns)
+            at += width
     else:  # q and this step's key normed and rotated here: rotated halves meet the stored halves
         half = jnp.arange(hd // 2, dtype=jnp.int32)
         stored = (half, half + hd // 2)
@@ -83,7 +101,7 @@ def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
             return (x1 * cos - x2 * sin).astype(q_ref.dtype), (x2 * cos + x1 * sin).astype(q_ref.dtype)
 
         q1, q2 = rotate(lambda c: q_ref[qrows, c[None, :]], r.get("q_norm"))
-        pieces = [(q1, stored[0]), (q2, stored[1])]
+        pieces = [(q1, "k", stored[0]), (q2, "k", stored[1])]
         kn = rotate(lambda c: r["k_new"][b * K + h, c], r.get("k_norm"))  # two [hd/2]
         vn = r["v_new"][b * K + h, e]
         wrow = (r["write_page"][b] * page + r["write_off"][b]) * K + h
@@ -101,12 +119,12 @@ def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
     first = jnp.full((Gp,), j, jnp.int32) == 0
     m0, l0 = jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32)
     if "sinks" in r:  # the sink joins the first span's denominator only
-        m0 = jnp.where(first, r["sinks"][h * G + g].astype(jnp.float32), m0)
+        m0 = jnp.where(first, r["sinks"][hs * G + g].astype(jnp.float32), m0)
         l0 = jnp.where(first, jnp.ones((Gp,), jnp.float32), l0)
     acc0 = jnp.zeros((Gp, dv), jnp.float32)
     if fresh is not None:  # the first span folds in this step's entry
         own = first & (me >= 0) & (r["mask"][b, jnp.maximum(me, 0)] != 0)
-        sc = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) for (q, _), k in zip(pieces, kn)) * scale
+        sc = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) for (q, _, _), k in zip(pieces, kn)) * scale
         new = jnp.where(own, jnp.maximum(m0, sc), m0)
         p = jnp.where(own, jnp.exp(sc - new), 0.0)
         l0 = l0 * jnp.where(own, jnp.exp(m0 - new), 1.0) + p
@@ -124,8 +142,8 @@ def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
         v = v_ref[row[:, None], e[None, :]]  # [BLOCK, dv]
         v = jnp.where(ok[:, None], v, jnp.zeros_like(v))  # a masked entry adds 0, whatever its page holds
         scores = sum(
-            jax.lax.dot_general(q, r["k"][row[:, None], c[None, :]], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-            for q, c in pieces
+            jax.lax.dot_general(q, r[pool][row[:, None], c[None, :]], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            for q, pool, c in pieces
         )  # [Gp, BLOCK]
         scores = jnp.where(ok[None, :], scores * scale, NEG)
         new = jnp.maximum(m, jnp.max(scores, axis=1))
@@ -139,7 +157,7 @@ def _kernel(*refs, names, page, S, K, G, Gp, scale, direct, fresh, eps):
     if direct:  # one span: the output itself (a row with nothing to read gets zeros)
         o_ref[qrows, e[None, :]] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0).astype(o_ref.dtype)
     else:
-        p = (b * K + h) * pl.num_programs(2) + j
+        p = (b * pl.num_programs(1) + hs) * pl.num_programs(2) + j
         rows = p * Gp + jnp.arange(Gp, dtype=jnp.int32)
         o_ref[rows[:, None], e[None, :]] = acc
         r["m"][rows] = m
@@ -181,28 +199,37 @@ def fresh_fits(head_dim: int, rope_dim: int) -> bool:
 
 def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, fresh: Fresh | None = None,
               interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
-    """[B, H, dv] in q's dtype (module docstring). k_pages [N, page, K, hd], v_pages [N, page, K,
-    dv]; table_BP int32 [B, P]; mask_BS bool [B, P·page].
+    """[B, H, dv] in q's dtype (module docstring). k_pages [N, page, K, hd], or a tuple of pools
+    [N, page, K, d_i] that hold a key's parts (Σ d_i = hd: q's columns meet them in that order;
+    MLA's latent and rotated key); v_pages [N, page, K, dv] (may be one of the key pools: MLA's
+    latent is its value too); table_BP int32 [B, P]; mask_BS bool [B, P·page]. A kv head's query
+    heads are shared by `head_splits` programs.
 
     With `fresh`, q_BHd is the query as its projection gives it and the kernel also norms and
     rotates it and this step's key, stores the key and value in the pages (the rows' entries there
     are read from registers, not the pages) and returns (o, k_pages, v_pages) — XLA's four to six
     kernels of norms, rotations and page writes before attention, in the same kernel."""
+    pools = k_pages if isinstance(k_pages, tuple) else (k_pages,)
     B, H, hd = q_BHd.shape
-    N, page, K, hd_k = k_pages.shape
+    N, page, K = pools[0].shape[:3]
+    widths = tuple(p.shape[3] for p in pools)
     dv = v_pages.shape[3]
     P = table_BP.shape[1]
     S = P * page
-    if hd_k != hd or v_pages.shape[:3] != (N, page, K) or not fits(H, K, hd, dv) or (fresh is not None and not fresh_fits(hd, hd)):
-        raise ValueError(f"no decode attention kernel for q {q_BHd.shape}, k pages {k_pages.shape}, v pages {v_pages.shape}")
+    same = all(p.shape[:3] == (N, page, K) for p in (*pools, v_pages))
+    dims = widths if len(pools) > 1 else hd
+    if not same or sum(widths) != hd or not fits(H, K, dims, dv) or (fresh is not None and (len(pools) > 1 or not fresh_fits(hd, hd))):
+        raise ValueError(f"no decode attention kernel for q {q_BHd.shape}, k pages {[p.shape for p in pools]}, v pages {v_pages.shape}")
     if mask_BS.shape != (B, S):
         raise ValueError(f"mask {mask_BS.shape} is not [{B}, {S}] (the table's entries)")
-    G = H // K
+    splits = 1 if fresh is not None else head_splits(H // K)
+    G = H // (K * splits)  # query heads a program
     Gp = max(16, pl.next_power_of_2(G))
     NS = pl.cdiv(S, SPAN)
     direct = NS == 1
+    keys = tuple(("k" if i == 0 else f"k{i}", w) for i, w in enumerate(widths))
     ins = dict(table=table_BP.astype(jnp.int32), mask=mask_BS.astype(jnp.int8), limit=limits(mask_BS), q=q_BHd.reshape(B * H, hd),
-               k=k_pages.reshape(N * page * K, hd), v=v_pages.reshape(N * page * K, dv))  # fmt: skip
+               **{name: p.reshape(N * page * K, w) for (name, w), p in zip(keys, pools)}, v=v_pages.reshape(N * page * K, dv))  # fmt: skip
     if sinks_H is not None:
         ins["sinks"] = sinks_H.astype(jnp.float32)
     if direct:
@@ -212,7 +239,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
             l=jax.ShapeDtypeStruct((1,), jnp.float32),
         )
     else:
-        R = B * K * NS * Gp
+        R = B * K * splits * NS * Gp
         outs = dict(
             o=jax.ShapeDtypeStruct((R, dv), jnp.float32),
             m=jax.ShapeDtypeStruct((R,), jnp.float32),
@@ -231,13 +258,13 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
         aliases = {list(ins).index("k"): 3, list(ins).index("v"): 4}  # the pages, written in place
         outs.update(k_out=jax.ShapeDtypeStruct(ins["k"].shape, k_pages.dtype), v_out=jax.ShapeDtypeStruct(ins["v"].shape, v_pages.dtype))
     names = list(ins) + list(outs)
-    kernel = functools.partial(_kernel, names=names, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct,
+    kernel = functools.partial(_kernel, names=names, keys=keys, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct,
                                fresh=None if fresh is None else ("interleave" if fresh.interleave else "half"),
                                eps=1e-6 if fresh is None else float(fresh.eps))  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     res = pl.pallas_call(
         kernel,
-        grid=(B, K, NS),
+        grid=(B, K * splits, NS),
         in_specs=[any_spec] * len(ins),
         out_specs=[any_spec] * len(outs),
         out_shape=list(outs.values()),
@@ -247,7 +274,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     )(*ins.values())
     o, m, l = res[:3]
     if not direct:
-        o, m, l = o.reshape(B, K, NS, Gp, dv), m.reshape(B, K, NS, Gp), l.reshape(B, K, NS, Gp)
+        o, m, l = o.reshape(B, K * splits, NS, Gp, dv), m.reshape(B, K * splits, NS, Gp), l.reshape(B, K * splits, NS, Gp)
         top = jnp.max(m, axis=2, keepdims=True)
         w = jnp.exp(m - top)
         den = jnp.sum(l * w, axis=2)
@@ -283,8 +310,10 @@ def attention_ref(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, s
         k_pages, v_pages = k_pages.at[at].set(k.astype(k_pages.dtype)), v_pages.at[at].set(fresh.v_BKe.astype(v_pages.dtype))
         return attention_ref(q, k_pages, v_pages, table_BP, mask_BS, scale=scale, sinks_H=sinks_H), k_pages, v_pages
     B, H, hd = q_BHd.shape
-    K = k_pages.shape[2]
-    k, v = (p[table_BP].reshape(B, -1, *p.shape[2:]) for p in (k_pages, v_pages))  # [B, S, K, d]
+    pools = k_pages if isinstance(k_pages, tuple) else (k_pages,)
+    K = pools[0].shape[2]
+    k = jnp.concatenate([p[table_BP].reshape(B, -1, *p.shape[2:]) for p in pools], axis=-1)  # [B, S, K, hd]
+    v = v_pages[table_BP].reshape(B, -1, *v_pages.shape[2:])
     q = q_BHd.reshape(B, K, H // K, hd)
     s = jnp.einsum("bkgd,bskd->bkgs", q, k, preferred_element_type=jnp.float32) * scale
     s = jnp.where(mask_BS[:, None, None], s, NEG)

@@ -93,6 +93,16 @@ VARIANTS = {
     "deepseek_v2": lambda: DeepseekV2Config(
         **COMMON, **MLA, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=None, first_k_dense_replace=1
     ),
+    # a rotated key of 16 (the decode attention kernel's narrowest part)
+    "deepseek_v2_rope16": lambda: DeepseekV2Config(
+        **COMMON,
+        **{**MLA, "qk_rope_head_dim": 16},
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        q_lora_rank=None,
+        first_k_dense_replace=1,
+    ),
     "deepseek_v2_qlora": lambda: DeepseekV2Config(
         **COMMON,
         **MLA,

@@ -168,12 +168,22 @@ def attend_latent(q_nope_BTHd, q_rot_BTHr, lat_BSR, rot_BSr, w_uk_HdR, w_uv_HeR,
     r)). Softmax in float32; products of the model's dtype accumulated in float32."""
     dt = lat_BSR.dtype
     f32 = dict(preferred_element_type=jnp.float32)
-    q_lat = jnp.einsum("bthd,hdr->bthr", q_nope_BTHd, w_uk_HdR, **f32).astype(dt)
+    q_lat = to_latent(q_nope_BTHd, w_uk_HdR, dt)
     s = jnp.einsum("bthr,bsr->bhts", q_lat, lat_BSR, **f32) + jnp.einsum("bthr,bsr->bhts", q_rot_BTHr, rot_BSr, **f32)
     s = jnp.where(mask_BTS[:, None], s * scale, -1e30)
     p = jax.nn.softmax(s, axis=-1)
     o_lat = jnp.einsum("bhts,bsr->bthr", p.astype(dt), lat_BSR, **f32).astype(dt)
-    return jnp.einsum("bthr,her->bthe", o_lat, w_uv_HeR, **f32).astype(q_nope_BTHd.dtype)
+    return from_latent(o_lat, w_uv_HeR, q_nope_BTHd.dtype)
+
+
+def to_latent(q_nope_BTHd, w_uk_HdR, dtype) -> jax.Array:
+    """Each head's query in the latent space (q_nope · W_uk), float32 products rounded to `dtype`."""
+    return jnp.einsum("bthd,hdr->bthr", q_nope_BTHd, w_uk_HdR, preferred_element_type=jnp.float32).astype(dtype)
+
+
+def from_latent(o_lat_BTHR, w_uv_HeR, dtype) -> jax.Array:
+    """Each head's latent output back through W_uv, float32 products rounded to `dtype`."""
+    return jnp.einsum("bthr,her->bthe", o_lat_BTHR, w_uv_HeR, preferred_element_type=jnp.float32).astype(dtype)
 
 
 def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None) -> jax.Array:
@@ -403,8 +413,13 @@ def decode_attention_kernel(cfg: MoEModelConfig) -> str:
     the model's heads; "fused" — norms, rotation and page writes in that kernel too, where the
     whole head is rotated (else "kernel"); "auto" (unset) — "fused" on a GPU where it fits (on the
     H200 it took a 24-layer Qwen3-30B-A3B step from 2.74 to 2.54 ms: benchmarks/RESULTS.md), else
-    "xla"."""
+    "xla". MLA decoding in the latent space: "kernel" and "fused" attend over the latent and
+    rotated key pages in the kernel where their widths fit; "auto" keeps XLA's (the kernel not
+    yet measured on a GPU)."""
     how = env_choice("FREETOKEN_DECODE_ATTENTION", "auto", ("auto", "xla", "kernel", "fused"))
+    if cfg.attention == "mla":  # in the latent space (`mla_decode`): one kv head, its key's latent and rotated parts
+        fits = decode_attention.fits(cfg.num_heads, 1, (cfg.kv_lora_rank, cfg.qk_rope_head_dim), cfg.kv_lora_rank)
+        return "kernel" if how in ("kernel", "fused") and fits else "xla"
     fits = decode_attention.fits(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim)
     fresh = fits and decode_attention.fresh_fits(cfg.head_dim, cfg.rope_dim)
     if how == "auto":
@@ -472,8 +487,15 @@ class MLAttention(nnx.Module):
 
         if T == 1 and mla_decode() == "latent":  # decode: attention in the latent space, no key or value expanded
             w = self.kv_b_proj.weight[...].reshape(H, dn + dv, cfg.kv_lora_rank)
-            lat, rot = gather_pages(lat_pages, view), gather_pages(rot_pages, view)
-            o = attend_latent(q_nope, q_rot, lat, rot, w[:, :dn], w[:, dn:], view.mask_BTS, softmax_scale(cfg))
+            if decode_attention_kernel(cfg) == "kernel":  # the latent and rotated key read from their pages in one kernel
+                q = jnp.concatenate([to_latent(q_nope, w[:, :dn], lat_pages.dtype), q_rot.astype(lat_pages.dtype)], axis=-1)
+                lat, rot = lat_pages[:, :, None], rot_pages[:, :, None]  # one kv head
+                o_lat = decode_attention.attention(q[:, 0], (lat, rot), lat, view.page_table_BP, view.mask_BTS[:, 0], scale=softmax_scale(cfg),
+                                                   interpret=jax.default_backend() == "cpu")  # fmt: skip
+                o = from_latent(o_lat[:, None], w[:, dn:], q_nope.dtype)
+            else:
+                lat, rot = gather_pages(lat_pages, view), gather_pages(rot_pages, view)
+                o = attend_latent(q_nope, q_rot, lat, rot, w[:, :dn], w[:, dn:], view.mask_BTS, softmax_scale(cfg))
         else:
             q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
             pages, scale = (lat_pages, rot_pages), softmax_scale(cfg)

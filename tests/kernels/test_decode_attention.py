@@ -82,6 +82,33 @@ def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, si
     assert (got[~reads] == 0).all()
 
 
+@pytest.mark.parametrize(
+    "B, H, R, r, page, P, kind, span",
+    [
+        (2, 16, 64, 16, 4, 6, "prefix", 512),  # DeepSeek-V2-Lite's 16 heads (one program a row)
+        (1, 128, 32, 16, 4, 20, "scattered", 32),  # DeepSeek-V3's 128 heads: four programs share the kv head; spans
+        (2, 64, 16, 16, 8, 3, "empty", 512),  # a row with nothing to read
+    ],
+)
+def test_key_in_pools_of_its_own_mla(B, H, R, r, page, P, kind, span, monkeypatch):
+    """MLA decode in the latent space: one kv head whose key is the cached latent [R] beside the
+    rotated shared key [r], each in a pool of its own, and whose value is the latent itself —
+    against float64 and the reference, query heads shared by `head_splits` programs."""
+    monkeypatch.setattr(decode_attention, "SPAN", span)
+    rng = np.random.default_rng(H + R + P)
+    q, lat, _, table, mask = _case(rng, B, H, 1, R + r, R, page, P, kind)
+    lat, rot = lat[..., :R], lat[..., R:]
+    args = [jnp.asarray(q), (jnp.asarray(lat), jnp.asarray(rot)), jnp.asarray(lat), jnp.asarray(table), jnp.asarray(mask)]
+    got = np.asarray(jitted(attention, *args, scale=0.1, interpret=True))
+    assert got.shape == (B, H, R)
+    want = _float64(q, np.concatenate([lat, rot], axis=-1), lat, table, mask, 0.1, None)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    reads = mask.any(axis=1)
+    ref = np.asarray(jitted(attention_ref, *args, scale=0.1))
+    np.testing.assert_allclose(got[reads], ref[reads], atol=2e-5, rtol=2e-5)
+    assert decode_attention.head_splits(H) == max(1, H // decode_attention.MAX_HEADS)
+
+
 FRESH = [  # B, H, K, hd, page, P, sinks, interleave, norms, span, dtype
     (2, 8, 2, 32, 4, 6, False, False, True, 512, "float32"),  # one span, q/k norms
     (1, 32, 4, 128, 16, 40, True, True, False, 512, "float32"),  # Qwen3-30B-A3B's heads, interleaved pairs, two spans
@@ -160,6 +187,18 @@ def test_lowers_to_triton(S, sinks):
     assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_attention" in text
 
 
+def test_mla_lowers_to_triton():
+    """DeepSeek-V3's latent decode (128 heads, latent 512, rotated key 64) in one Triton call."""
+    B, H, R, r, page, S = 1, 128, 512, 64, 16, 2048
+    P, N = S // page, S // page + 1
+    sd = jax.ShapeDtypeStruct
+    args = [sd((B, H, R + r), jnp.bfloat16), sd((N, page, 1, R), jnp.bfloat16), sd((N, page, 1, r), jnp.bfloat16), sd((B, P), jnp.int32),
+            sd((B, S), jnp.bool_)]  # fmt: skip
+    exp = export.export(jax.jit(lambda q, lat, rot, t, m: attention(q, (lat, rot), lat, t, m, scale=0.1)), platforms=["cuda"],
+                        disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)  # fmt: skip
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
+
+
 def test_fresh_lowers_to_triton():
     B, H, K, hd, page, S = 2, 32, 4, 128, 16, 1024
     P, N = S // page, 2 * S // page + 1
@@ -191,13 +230,19 @@ def test_bad_shapes_raise():
 
 @pytest.mark.parametrize(
     "name,how",
-    [("qwen3_moe_norm", "kernel"), ("gpt_oss", "kernel"), ("glm4_moe", "fused"), ("qwen3_moe_k", "fused")],
+    [
+        ("qwen3_moe_norm", "kernel"),
+        ("gpt_oss", "kernel"),
+        ("glm4_moe", "fused"),
+        ("qwen3_moe_k", "fused"),
+        ("deepseek_v2_rope16", "kernel"),
+    ],
 )
 def test_models_one_token_steps_match_transformers(name, how, ckpt_root, monkeypatch):
     """Every position of a prompt through one-token steps whose attention is the kernel (spans of
     32 entries over a 96-entry table: the combine too): GQA with q/k norms, sinks with sliding
-    windows, partial rotary with biases (which "fused" leaves to XLA's norms and rotation), and
-    "fused" norms, rotation and page writes (heads of 32)."""
+    windows, partial rotary with biases (which "fused" leaves to XLA's norms and rotation),
+    "fused" norms, rotation and page writes (heads of 32), and MLA in the latent space."""
     from hf_models import check_prompt_logits
 
     monkeypatch.setenv("FREETOKEN_DECODE_ATTENTION", how)
@@ -217,22 +262,25 @@ def test_how_one_token_steps_attend(monkeypatch):
     from freetoken_jax.models import layers
 
     base = dict(vocab_size=64, hidden_dim=256, intermediate_dim=128, num_layers=2, num_experts=4, top_k=2, num_heads=8, num_kv_heads=2)
-    full, partial, odd = (
+    mla = dict(attention="mla", qk_nope_head_dim=32, v_head_dim=32)
+    full, partial, odd, latent, odd_latent = (
         MoEModelConfig(**base, head_dim=64),
         MoEModelConfig(**base, head_dim=64, rotary_dim=16),
         MoEModelConfig(**base, head_dim=24),
+        MoEModelConfig(**base, **mla, kv_lora_rank=64, qk_rope_head_dim=16),
+        MoEModelConfig(**base, **mla, kv_lora_rank=48, qk_rope_head_dim=16),
     )
-    want = {  # (setting, backend): full, partial rotary, a head the kernel does not take
-        ("auto", "gpu"): ("fused", "xla", "xla"),
-        ("auto", "cpu"): ("xla", "xla", "xla"),
-        ("xla", "gpu"): ("xla", "xla", "xla"),
-        ("kernel", "cpu"): ("kernel", "kernel", "xla"),
-        ("fused", "cpu"): ("fused", "kernel", "xla"),
+    want = {  # (setting, backend): full, partial rotary, a head the kernel does not take, MLA, an MLA latent it does not take
+        ("auto", "gpu"): ("fused", "xla", "xla", "xla", "xla"),
+        ("auto", "cpu"): ("xla", "xla", "xla", "xla", "xla"),
+        ("xla", "gpu"): ("xla", "xla", "xla", "xla", "xla"),
+        ("kernel", "cpu"): ("kernel", "kernel", "xla", "kernel", "xla"),
+        ("fused", "cpu"): ("fused", "kernel", "xla", "kernel", "xla"),
     }
     check_kernel_choice(
         monkeypatch,
         "FREETOKEN_DECODE_ATTENTION",
         want,
-        lambda: tuple(layers.decode_attention_kernel(c) for c in (full, partial, odd)),
+        lambda: tuple(layers.decode_attention_kernel(c) for c in (full, partial, odd, latent, odd_latent)),
         "flash",
     )
