@@ -45,11 +45,12 @@ for what in "$@"; do
     # prefill: uniform routing as the kit's GGUF routes (the rows set beside llama.cpp), and Zipf 1 as a trained router skews
     prefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
                --routing-skew 0 1 --strategy offload --json "$OUT/q4_prefill.json" 2>&1 | grep -v "it/s\]" | tail -10 ;;
-    # mla: DeepSeek decode attending in the latent space against over expanded keys and values (FREETOKEN_MLA_DECODE), the
-    # greedy test of both on this GPU first, then fused rows at 4096 positions, alternating
-    mla) python3 -m pytest -q -p no:cacheprovider tests/models/test_attention_blocks.py -k "latent or mla" 2>&1 | tail -2
-      for how in latent expanded latent expanded; do echo "== FREETOKEN_MLA_DECODE=$how"
-        FREETOKEN_MLA_DECODE=$how $B decode --preset deepseek-v2-lite --layers 12 --routing-skew 0 --prompt-len 4096 --gen-len 32 \
+    # mla: DeepSeek decode in the latent space through XLA (auto) and through the decode attention kernel
+    # (FREETOKEN_DECODE_ATTENTION=kernel), the GPU tests of both first, then fused rows at 4096 positions, alternating
+    mla) python3 -m pytest -q -p no:cacheprovider tests/models/test_attention_blocks.py tests/kernels/test_decode_attention.py \
+           -k "latent or mla or rope16" 2>&1 | tail -2
+      for how in auto kernel auto kernel; do echo "== FREETOKEN_DECODE_ATTENTION=$how"
+        FREETOKEN_DECODE_ATTENTION=$how $B decode --preset deepseek-v2-lite --layers 12 --routing-skew 0 --prompt-len 4096 --gen-len 32 \
           --strategy fused 2>&1 | grep -v "it/s\]" | tail -1; done ;;
     # flash: a prefill chunk's causal attention through cuDNN (FREETOKEN_PREFILL_ATTENTION), tested on this GPU, then offload
     # prefill rows with the blocked attention, with it, and with the prefix before a chunk through cuDNN too
