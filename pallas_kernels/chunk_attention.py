@@ -10,7 +10,7 @@ the chunk's own keys (S = T) is, for row b, query t and query head h (of kv head
 
 both in float32: the chunk's tokens sit at consecutive positions, so token t reads its own keys
 0 … t. With `lengths_B` the keys are a cached prefix gathered from the pages and every query
-reads keys 0 … lengths_B[b] − 1 (the positions before the chunk). `models.layers.attend_chunk`
+reads keys 0 … lengths_B[b] − 1 (the positions before the chunk). `models.attention.attend_chunk`
 joins the parts through `lse`.
 
 "cudnn" is cuDNN's flash attention (jax's cuDNN fused attention, its causal or padding mask,
@@ -19,7 +19,7 @@ triangle is skipped — an 8192-token chunk's scores would be 8 GiB of float32 a
 Its value heads are padded to the query's width where they are narrower (MLA: 128 against 192).
 It takes float16/bfloat16 and head widths up to 256 (`cudnn_fits`). "ref" is the jnp reference:
 the whole score matrix, a float32 softmax, the probabilities cast to the values' dtype before
-their matmul (as `models.layers.attend`).
+their matmul (as `models.attention.attend`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ query heads shares them among programs (`head_splits`).
 
 A key may be kept in parts, each in a pool of its own (`k_pages` a tuple; q's columns meet them in
 order): MLA decoding in the latent space is one kv head whose key is the cached latent beside
-the rotated shared key, and whose value is the latent itself (`models.layers.MLAttention`).
+the rotated shared key, and whose value is the latent itself (`models.attention.MLAttention`).
 
 With `fresh` (`Fresh`: this step's raw key and value, where they are stored, the rotation's
 cos/sin and the q/k RMSNorm weights) q is the query as its projection gives it: each program
@@ -30,7 +30,7 @@ folds them into its softmax from registers, and no program reads that entry from
 XLA's four to six kernels of norms, rotations and page writes before attention, in this one.
 
 `attention_ref` is the jnp reference: the pages gathered, the scores and a float32 softmax, the
-probabilities cast to the values' dtype before their matmul (as `models.layers.attend`).
+probabilities cast to the values' dtype before their matmul (as `models.attention.attend`).
 """
 
 from __future__ import annotations

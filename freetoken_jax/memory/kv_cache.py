@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import EngineConfig, MoEModelConfig
 
-# Key positions per block of a many-token step's attention (`models.layers.attend_paged`).
+# Key positions per block of a many-token step's attention (`models.attention.attend_paged`).
 ATTN_BLOCK = 1024
 
 

@@ -14,7 +14,8 @@ from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.memory.kv_cache import KVCache, KVView
-from freetoken_jax.models.layers import _INIT, MLP, Attention, ExpertFn, MLAttention, MoEBlock, RMSNorm, linear, residual, rope_cos_sin
+from freetoken_jax.models.attention import Attention, MLAttention
+from freetoken_jax.models.layers import _INIT, MLP, ExpertFn, MoEBlock, RMSNorm, linear, residual, rope_cos_sin
 
 
 class DecoderLayer(nnx.Module):

@@ -163,7 +163,7 @@ def forward(
     sliding layers keep their KV in rings (`kv_cache.ring_pages`). A step of many tokens holds
     each row's tokens at consecutive positions from its first, padding after them (as
     `PrefillBatch.chunk` builds them): its attention reads the chunk's own keys causally by
-    index (`layers.attend_chunk`)."""
+    index (`models.attention.attend_chunk`)."""
     model = weights.model()
     page = _page_size(cache)
     view = KVView.build(positions_BT, valid_BT, page_table_BP, page)

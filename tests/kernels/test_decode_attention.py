@@ -259,7 +259,7 @@ def test_how_one_token_steps_attend(monkeypatch):
     """FREETOKEN_DECODE_ATTENTION: "auto" takes the fused kernel on a GPU where the whole head is
     rotated and XLA's attention elsewhere; "kernel" / "fused" where the kernel fits; bad names raise."""
     from freetoken_jax.config import MoEModelConfig
-    from freetoken_jax.models import layers
+    from freetoken_jax.models import attention
 
     base = dict(vocab_size=64, hidden_dim=256, intermediate_dim=128, num_layers=2, num_experts=4, top_k=2, num_heads=8, num_kv_heads=2)
     mla = dict(attention="mla", qk_nope_head_dim=32, v_head_dim=32)
@@ -281,6 +281,6 @@ def test_how_one_token_steps_attend(monkeypatch):
         monkeypatch,
         "FREETOKEN_DECODE_ATTENTION",
         want,
-        lambda: tuple(layers.decode_attention_kernel(c) for c in (full, partial, odd, latent, odd_latent)),
+        lambda: tuple(attention.decode_attention_kernel(c) for c in (full, partial, odd, latent, odd_latent)),
         "flash",
     )

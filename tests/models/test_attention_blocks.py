@@ -11,7 +11,7 @@ import pytest
 
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages
-from freetoken_jax.models.layers import attend, attend_chunk, attend_latent, attend_paged
+from freetoken_jax.models.attention import attend, attend_chunk, attend_latent, attend_paged
 
 PAGE = 4
 
@@ -158,7 +158,7 @@ def test_mla_decode_latent_and_expanded_agree(ckpt_root, monkeypatch):
     from hf_models import make_checkpoint
 
     from freetoken_jax import EngineConfig, FreeTokenEngine
-    from freetoken_jax.models import layers
+    from freetoken_jax.models import attention
 
     path = make_checkpoint("deepseek_v3", ckpt_root)
     cfg = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=4, prefill_chunk=16)
@@ -171,7 +171,7 @@ def test_mla_decode_latent_and_expanded_agree(ckpt_root, monkeypatch):
     assert out["latent"] == out["expanded"] and all(len(o) == 12 for o in out["latent"])
     monkeypatch.setenv("FREETOKEN_MLA_DECODE", "absorbed")
     with pytest.raises(ValueError, match="FREETOKEN_MLA_DECODE"):
-        layers.mla_decode()
+        attention.mla_decode()
 
 
 def test_prefill_attention_switch(monkeypatch):
@@ -181,7 +181,7 @@ def test_prefill_attention_switch(monkeypatch):
     from helpers import check_kernel_choice
 
     from freetoken_jax.config import MoEModelConfig
-    from freetoken_jax.models.layers import prefill_attention, prefill_cached
+    from freetoken_jax.models.attention import prefill_attention, prefill_cached
     from pallas_kernels import chunk_attention
 
     cfg = MoEModelConfig(vocab_size=32, hidden_dim=64, intermediate_dim=32, num_layers=1, num_experts=4, top_k=2, num_heads=4,
