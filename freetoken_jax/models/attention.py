@@ -71,34 +71,34 @@ def from_latent(o_lat_BTHR, w_uv_HeR, dtype) -> jax.Array:
     return jnp.einsum("bthr,her->bthe", o_lat_BTHR, w_uv_HeR, preferred_element_type=jnp.float32).astype(dtype)
 
 
-def attend_paged(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None) -> jax.Array:
-    """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor), keys
-    and values made by `kv_of(gathered)` -> (k_BSKd, v_BSKe). A step of one token per row, or a
-    page table of at most `kv_cache.ATTN_BLOCK` positions, gathers everything and calls `attend`.
-    A step of many tokens (prefill) goes through the table in blocks of that many positions with a running
-    softmax and stops after the last block that any of its queries may read, so that its cost
-    follows the positions it reads rather than `max_context` (a 2048-token chunk in an 8192-token
-    context reads a quarter of the table)."""
+def attend_paged(q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0) -> jax.Array:
+    """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor) that
+    `view.mask(window)` lets each token read, keys and values made by `kv_of(gathered)` ->
+    (k_BSKd, v_BSKe). A step of one token per row, or a page table of at most
+    `kv_cache.ATTN_BLOCK` positions, gathers everything and calls `attend`. A step of many tokens
+    (prefill) goes through the table in blocks of that many positions with a running softmax,
+    each block's mask made as it is read (`KVView.block_mask`), and stops after the last block
+    that any of its queries may read, so that its cost follows the positions it reads rather
+    than `max_context` (a 2048-token chunk in an 8192-token context reads a quarter of the table)."""
     if q_BTHd.shape[1] == 1 or view.page_table_BP.shape[1] <= kv_cache.attention_block_pages(pages[0].shape[1]):
         k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
-        return attend(q_BTHd, k, v, mask_BTS, scale, sinks_H)
-    _, den, acc = _fold_blocks(q_BTHd, pages, view, mask_BTS, scale, kv_of, sinks_H)
+        return attend(q_BTHd, k, v, view.mask(window), scale, sinks_H)
+    _, den, acc = _fold_blocks(q_BTHd, pages, view, scale, kv_of, sinks_H, window)
     B, T, K, G, e = acc.shape
     return (acc / jnp.moveaxis(den, 3, 1)[..., None]).reshape(B, T, K * G, e).astype(q_BTHd.dtype)
 
 
-def _fold_blocks(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None):
+def _fold_blocks(q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0, below=None):
     """The running softmax of `attend_paged` over the table's blocks up to the last one any query
-    reads (none when none is read): (max [B, K, G, T], denominator [B, K, G, T], numerator
-    [B, T, K, G, e]), float32, the sink (gpt-oss) counted as one more key of value 0."""
+    reads (none when none is read; `below` [B]: only entries at positions under it): (max
+    [B, K, G, T], denominator [B, K, G, T], numerator [B, T, K, G, e]), float32, the sink
+    (gpt-oss) counted as one more key of value 0."""
     B, T = q_BTHd.shape[:2]
     P, page = view.page_table_BP.shape[1], pages[0].shape[1]
     bp = kv_cache.attention_block_pages(page)
     nb, W = -(-P // bp), bp * page
     table = jnp.pad(view.page_table_BP, ((0, 0), (0, nb * bp - P)))
-    mask = jnp.pad(mask_BTS, ((0, 0), (0, 0), (0, nb * W - P * page)))
-    read = jnp.any(mask, axis=(0, 1))
-    blocks = (jnp.max(jnp.where(read, jnp.arange(1, nb * W + 1), 0)) + W - 1) // W  # blocks up to the last position read
+    blocks = (view.entries_read(below) + W - 1) // W  # blocks up to the last position read
 
     def block(i):
         pg = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
@@ -106,7 +106,7 @@ def _fold_blocks(q_BTHd, pages: tuple, view: KVView, mask_BTS, scale: float, kv_
         K = k.shape[2]
         q = q_BTHd.reshape(B, T, K, q_BTHd.shape[2] // K, -1)
         sc = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-        m = jax.lax.dynamic_slice_in_dim(mask, i * W, W, axis=2)
+        m = view.block_mask(i * W, W, window, below)
         return jnp.where(m[:, None, None], sc, -1e30), v
 
     def fold(carry, sc, v):
@@ -152,7 +152,7 @@ def prefill_cached() -> str:
     return env_choice("FREETOKEN_PREFILL_CACHED", "blocks", ("blocks", "flash"))
 
 
-def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, scale: float, kv_of, sinks_H=None, window: int = 0,
+def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0,
                  cached: str = "blocks"):  # fmt: skip
     """`attend_paged` for a prefill chunk whose row b holds its tokens at consecutive positions
     from `view.positions_BT[b, 0]` (`PrefillBatch.chunk`), given the chunk's own keys and values
@@ -179,8 +179,7 @@ def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, mask_BTS, s
             sink = jnp.broadcast_to(sinks_H.astype(jnp.float32), lse.shape)
             total = _merge(total, (sink, jnp.ones_like(sink), jnp.zeros_like(o)))
     else:
-        before = mask_BTS & (view.cached_pos_BS[:, None, :] < view.positions_BT[:, :1, None])
-        mx, den, acc = _fold_blocks(q_BTHd, pages, view, before, scale, kv_of, sinks_H)
+        mx, den, acc = _fold_blocks(q_BTHd, pages, view, scale, kv_of, sinks_H, window, below=view.positions_BT[:, 0])
         mx, den = (jnp.moveaxis(a, 3, 1).reshape(B, T, H) for a in (mx, den))
         total = _merge(total, (mx, den, acc.reshape(B, T, H, -1)))
     _, den, num = total
@@ -247,17 +246,14 @@ class Attention(nnx.Module):
         rope = lambda x: apply_rope(x, *cos_sin, cfg.rope_interleave)  # noqa: E731
         q, k = (rope(a) if rd == cfg.head_dim else jnp.concatenate([rope(a[..., :rd]), a[..., rd:]], axis=-1) for a in (q, k))
         k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
-        mask = view.mask(self.window)
         if how == "kernel":
-            o = decode_attention.attention(q[:, 0], k_pages, v_pages, view.page_table_BP, mask[:, 0], scale=softmax_scale(cfg), sinks_H=sinks,
-                                           interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
+            o = decode_attention.attention(q[:, 0], k_pages, v_pages, view.page_table_BP, view.mask(self.window)[:, 0], scale=softmax_scale(cfg),
+                                           sinks_H=sinks, interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
         elif T > 1 and prefill_attention(cfg, q.dtype) == "flash":
             own = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
-            o = attend_chunk(
-                q, *own, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached()
-            )
+            o = attend_chunk(q, *own, (k_pages, v_pages), view, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached())
         else:
-            o = attend_paged(q, (k_pages, v_pages), view, mask, softmax_scale(cfg), lambda kv: kv, sinks)
+            o = attend_paged(q, (k_pages, v_pages), view, softmax_scale(cfg), lambda kv: kv, sinks, self.window)
         return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream
 
 
@@ -356,7 +352,7 @@ class MLAttention(nnx.Module):
             pages, scale = (lat_pages, rot_pages), softmax_scale(cfg)
             if T > 1 and prefill_attention(cfg, q.dtype) == "flash":
                 k_new, v_new = kv_of((latent_BTR.astype(lat_pages.dtype), k_rot.astype(rot_pages.dtype)))
-                o = attend_chunk(q_BTHd, k_new, v_new, pages, view, view.mask_BTS, scale, kv_of)
+                o = attend_chunk(q_BTHd, k_new, v_new, pages, view, scale, kv_of)
             else:
-                o = attend_paged(q_BTHd, pages, view, view.mask_BTS, scale, kv_of)
+                o = attend_paged(q_BTHd, pages, view, scale, kv_of)
         return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages), stream

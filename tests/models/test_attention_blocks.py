@@ -56,7 +56,7 @@ def test_blocks_match_the_reference(B, T, K, G, P, start, valid_len, window, sin
     sinks_H = jnp.asarray(rng.standard_normal(K * G), jnp.float32) if sinks else None
     mask = view.mask(window)
     want = attend(q, gather_pages(k_pool, view), gather_pages(v_pool, view), mask, 0.3, sinks_H)
-    got = jax.jit(lambda q, k, v: attend_paged(q, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H))(q, k_pool, v_pool)
+    got = jax.jit(lambda q, k, v: attend_paged(q, (k, v), view, 0.3, lambda kv: kv, sinks_H, window))(q, k_pool, v_pool)
     real = np.asarray(view.positions_BT < start + valid_len)  # padding tokens' outputs are never read
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
 
@@ -82,7 +82,7 @@ def test_chunk_joined_with_its_cache_matches_the_reference(B, T, K, G, P, start,
     k_all, v_all = gather_pages(k_pool, view), gather_pages(v_pool, view)
     want = attend(q, k_all, v_all, mask, 0.3, sinks_H)
     own = [jnp.take_along_axis(a, view.positions_BT[:, :, None, None], axis=1) for a in (k_all, v_all)]  # the chunk's entries
-    f = jax.jit(lambda q, k, v, kn, vn: attend_chunk(q, kn, vn, (k, v), view, mask, 0.3, lambda kv: kv, sinks_H, window, cached))
+    f = jax.jit(lambda q, k, v, kn, vn: attend_chunk(q, kn, vn, (k, v), view, 0.3, lambda kv: kv, sinks_H, window, cached))
     got = f(q, k_pool, v_pool, *own)
     real = np.asarray(view.positions_BT < view.positions_BT[:, :1] + valid_len)
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], atol=2e-6, rtol=2e-6)
@@ -98,7 +98,7 @@ def test_blocks_after_the_last_position_read_are_not_read(monkeypatch):
     k_bad, v_bad = k_pool.at[later].set(jnp.nan), v_pool.at[later].set(jnp.nan)
     clean = attend(q, gather_pages(k_pool, view), gather_pages(v_pool, view), view.mask_BTS, 0.3)
     assert np.isnan(np.asarray(attend(q, gather_pages(k_bad, view), gather_pages(v_bad, view), view.mask_BTS, 0.3))).all()
-    got = attend_paged(q, (k_bad, v_bad), view, view.mask_BTS, 0.3, lambda kv: kv)
+    got = attend_paged(q, (k_bad, v_bad), view, 0.3, lambda kv: kv)
     np.testing.assert_allclose(np.asarray(got), np.asarray(clean), atol=2e-6, rtol=2e-6)
 
 
@@ -108,7 +108,7 @@ def test_one_token_steps_and_short_tables_take_the_reference_path(monkeypatch):
     for T, P in ((1, 16), (6, 4)):
         q, k_pool, v_pool, view = _case(rng, 1, T, 2, 2, P, 3, T)
         want = attend(q, gather_pages(k_pool, view), gather_pages(v_pool, view), view.mask_BTS, 0.3)
-        got = attend_paged(q, (k_pool, v_pool), view, view.mask_BTS, 0.3, lambda kv: kv)
+        got = attend_paged(q, (k_pool, v_pool), view, 0.3, lambda kv: kv)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
