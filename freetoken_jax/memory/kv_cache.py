@@ -79,7 +79,6 @@ class KVView:
     write_page_BT: jax.Array  # int32 page of each new token (0 for padding)
     write_off_BT: jax.Array  # int32 offset inside that page
     page_table_BP: jax.Array  # int32 pages gathered for attention, in the order of `cached_pos_BS`
-    mask_BTS: jax.Array  # bool: token t of sequence b may attend to gathered entry s
     positions_BT: jax.Array  # int32 position of each new token
     cached_pos_BS: jax.Array  # int32 position of each gathered entry ([1, S] when in position order)
     valid_BT: jax.Array  # bool: which of this step's tokens are real
@@ -92,8 +91,7 @@ class KVView:
         page = jnp.take_along_axis(page_table_BP, jnp.clip(slot, 0, P - 1), axis=1)
         page = jnp.where(in_table, page, 0)
         s = jnp.arange(P * page_size, dtype=positions_BT.dtype)[None]
-        mask = (s[:, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
-        return cls(page, positions_BT % page_size, page_table_BP, mask, positions_BT, s, valid_BT)
+        return cls(page, positions_BT % page_size, page_table_BP, positions_BT, s, valid_BT)
 
     @classmethod
     def ring(cls, positions_BT: jax.Array, valid_BT: jax.Array, ring_BR: jax.Array, page_size: int) -> KVView:
@@ -106,39 +104,44 @@ class KVView:
         r = jnp.arange(R, dtype=slot.dtype)[None]
         held = hi - (hi - r) % R  # [B, R] the page index ring entry r holds (negative: none yet)
         s = (held[:, :, None] * page_size + jnp.arange(page_size, dtype=slot.dtype)).reshape(B, R * page_size)
-        mask = (s[:, None, :] >= 0) & (s[:, None, :] <= positions_BT[:, :, None]) & valid_BT[:, :, None]
-        return cls(page, positions_BT % page_size, ring_BR, mask, positions_BT, s, valid_BT)
+        return cls(page, positions_BT % page_size, ring_BR, positions_BT, s, valid_BT)
+
+    @property
+    def mask_BTS(self) -> jax.Array:
+        """bool [B, T, S]: token t of sequence b may attend to gathered entry s."""
+        return _reads(self.cached_pos_BS, self.positions_BT, self.valid_BT)
 
     def mask(self, window: int = 0) -> jax.Array:
         """`mask_BTS`, limited to the `window` positions ending at each token's own (0: all)."""
-        if not window:
-            return self.mask_BTS
-        return self.mask_BTS & (self.cached_pos_BS[:, None, :] > self.positions_BT[:, :, None] - window)
+        return _reads(self.cached_pos_BS, self.positions_BT, self.valid_BT, window)
 
     def block_mask(self, lo, width: int, window: int = 0, below=None) -> jax.Array:
         """`mask(window)`'s entries lo … lo + width − 1 ([B, T, width]; entries past the table read
-        nothing), made from the positions rather than sliced from `mask_BTS`, so that a
-        many-token step's blocked attention never holds all [B, T, S] of it; `below` [B]: only
-        entries at positions under it (the cache before a chunk)."""
+        nothing), made from the positions block by block, so that a many-token step's blocked
+        attention never holds all [B, T, S] of it; `below` [B]: only entries at positions under
+        it (the cache before a chunk)."""
         s = jnp.pad(self.cached_pos_BS, ((0, 0), (0, width)), constant_values=-1)
-        s = jax.lax.dynamic_slice_in_dim(s, lo, width, axis=1)[:, None, :]
-        pos = self.positions_BT[:, :, None]
-        m = (s >= 0) & (s <= pos) & self.valid_BT[:, :, None]
-        if window:
-            m &= s > pos - window
-        if below is not None:
-            m &= s < below[:, None, None]
-        return m
+        return _reads(jax.lax.dynamic_slice_in_dim(s, lo, width, axis=1), self.positions_BT, self.valid_BT, window, below)
 
     def entries_read(self, below=None) -> jax.Array:
         """Entries of the table up to the last one any token may read (as `block_mask` with
         `below`; a window, which only narrows from below, is not counted): a scalar."""
-        top = jnp.max(jnp.where(self.valid_BT, self.positions_BT, -1), axis=1, keepdims=True)  # [B, 1]; -1: none
-        s = self.cached_pos_BS
-        read = (s >= 0) & (s <= top)
-        if below is not None:
-            read &= s < below[:, None]
-        return jnp.max(jnp.where(read, jnp.arange(1, s.shape[1] + 1, dtype=jnp.int32), 0))
+        top = jnp.max(jnp.where(self.valid_BT, self.positions_BT, -1), axis=1, keepdims=True)  # [B, 1]: each row's last position
+        read = _reads(self.cached_pos_BS, top, top >= 0, below=below)[:, 0]
+        return jnp.max(jnp.where(read, jnp.arange(1, read.shape[1] + 1, dtype=jnp.int32), 0))
+
+
+def _reads(s_BS, positions_BT, valid_BT, window: int = 0, below=None) -> jax.Array:
+    """bool [B, T, S]: whether each token may read each entry, at position s_BS ([B or 1, S];
+    negative: none held) — an entry at or before its own position (within `window` of it where
+    given; under `below` [B] where given)."""
+    s, pos = s_BS[:, None, :], positions_BT[:, :, None]
+    m = (s >= 0) & (s <= pos) & valid_BT[:, :, None]
+    if window:
+        m &= s > pos - window
+    if below is not None:
+        m &= s < below[:, None, None]
+    return m
 
 
 def write_pages(pages, view: KVView, new_BT):
