@@ -64,9 +64,10 @@ def fits(num_heads: int, num_kv_heads: int, head_dim, v_head_dim: int) -> bool:
 
 
 def head_splits(G: int) -> int:
-    """Programs that share a kv head's query heads, `MAX_HEADS` each at most (MLA: one kv head
-    for all query heads; a program's accumulator is [heads, dv] float32)."""
-    return max(1, G // MAX_HEADS)
+    """Programs that share a kv head's G query heads equally, `MAX_HEADS` each at most where a
+    divisor of G allows (MLA: one kv head for all query heads; a program's accumulator is
+    [heads, dv] float32)."""
+    return next(s for s in range(-(-G // MAX_HEADS), G + 1) if G % s == 0)
 
 
 def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps):
@@ -217,8 +218,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     P = table_BP.shape[1]
     S = P * page
     same = all(p.shape[:3] == (N, page, K) for p in (*pools, v_pages))
-    dims = widths if len(pools) > 1 else hd
-    if not same or sum(widths) != hd or not fits(H, K, dims, dv) or (fresh is not None and (len(pools) > 1 or not fresh_fits(hd, hd))):
+    if not same or sum(widths) != hd or not fits(H, K, widths, dv) or (fresh is not None and (len(pools) > 1 or not fresh_fits(hd, hd))):
         raise ValueError(f"no decode attention kernel for q {q_BHd.shape}, k pages {[p.shape for p in pools]}, v pages {v_pages.shape}")
     if mask_BS.shape != (B, S):
         raise ValueError(f"mask {mask_BS.shape} is not [{B}, {S}] (the table's entries)")

@@ -88,6 +88,7 @@ def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, si
         (2, 16, 64, 16, 4, 6, "prefix", 512),  # DeepSeek-V2-Lite's 16 heads (one program a row)
         (1, 128, 32, 16, 4, 20, "scattered", 32),  # DeepSeek-V3's 128 heads: four programs share the kv head; spans
         (2, 64, 16, 16, 8, 3, "empty", 512),  # a row with nothing to read
+        (1, 48, 16, 16, 4, 5, "prefix", 512),  # heads that 32 does not divide: two programs of 24
     ],
 )
 def test_key_in_pools_of_its_own_mla(B, H, R, r, page, P, kind, span, monkeypatch):
@@ -106,7 +107,10 @@ def test_key_in_pools_of_its_own_mla(B, H, R, r, page, P, kind, span, monkeypatc
     reads = mask.any(axis=1)
     ref = np.asarray(jitted(attention_ref, *args, scale=0.1))
     np.testing.assert_allclose(got[reads], ref[reads], atol=2e-5, rtol=2e-5)
-    assert decode_attention.head_splits(H) == max(1, H // decode_attention.MAX_HEADS)
+    n = decode_attention.head_splits(H)
+    assert H % n == 0 and H // n <= decode_attention.MAX_HEADS and (n == 1 or H // (n - 1) > decode_attention.MAX_HEADS or H % (n - 1))
+    # heads shared equally where 32 does not divide them: 48 -> 2 x 24, 100 -> 4 x 25, 7 -> 1 x 7
+    assert [decode_attention.head_splits(G) for G in (48, 100, 7)] == [2, 4, 1]
 
 
 FRESH = [  # B, H, K, hd, page, P, sinks, interleave, norms, span, dtype
