@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax.config import ACTIVATIONS
-from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.models.routed import routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels import gathered_experts

@@ -30,7 +30,7 @@ from freetoken_jax.bench.compare import Bench  # noqa: E402
 from freetoken_jax.bench.measure import median_time  # noqa: E402
 from freetoken_jax.bench.presets import PRESETS  # noqa: E402
 from freetoken_jax.memory.slot_cache import init_slot_cache  # noqa: E402
-from freetoken_jax.models.layers import routed_experts  # noqa: E402
+from freetoken_jax.models.routed import routed_experts  # noqa: E402
 from freetoken_jax.runtime.offload import OffloadExecutor  # noqa: E402
 
 

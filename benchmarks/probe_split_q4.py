@@ -33,7 +33,7 @@ import numpy as np
 from bench_expert_kernels import time_variants
 from jax.experimental import pallas as pl
 
-from freetoken_jax.models.layers import routed_experts
+from freetoken_jax.models.routed import routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels import call_params

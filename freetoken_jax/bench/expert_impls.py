@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from freetoken_jax.models.layers import activation, routed_experts
+from freetoken_jax.models.routed import activation, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 
 IMPLS = ("auto", "kernel", "gather", "dense", "grouped", "slices", "ragged")

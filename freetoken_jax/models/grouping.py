@@ -1,4 +1,4 @@
-"""How "grouped" routed experts (`models.layers.routed_experts`) lay out a layer's token-expert
+"""How "grouped" routed experts (`models.routed.routed_experts`) lay out a layer's token-expert
 pairs: each expert gets a group of rows, and the experts' matmuls run over the groups' rows
 instead of every token. A plan is static (one executable holds every plan of a chunk size and
 picks by the counts at run time); the memory plan reads the largest one's rows."""

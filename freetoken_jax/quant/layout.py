@@ -80,7 +80,7 @@ class ExpertLayout:
         a quantized bank is read as stored (`Format.matvec`), never as a dequantized copy. Rows
         of a mixed model's slot that holds another layer's bytes can come out non-finite: the
         caller masks the results of the pairs that index such slots (weight 0), as
-        `models/layers._gathered` does; each pair's result depends on its own rows only."""
+        `models/routed._gathered` does; each pair's result depends on its own rows only."""
         if self.quantized:
             return get_format(self.fmts[k]).matvec(self._own(k, bank), v, *self.shapes()[k])
         return jnp.sum(v[..., None, :].astype(jnp.float32) * self.matrix(k, bank, jnp.float32), axis=-1)

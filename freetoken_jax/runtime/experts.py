@@ -16,7 +16,7 @@ weights run under any backend (the auto probe and `bench` switch backends over o
 
 `runtime/routing.SyntheticRouting` wraps any of them for benchmarks. The GPU-side backends take
 `compute` (static): how a layer's routed experts are computed from its banks, by default
-`models.layers.routed_experts`; benchmarks put other implementations there
+`models.routed.routed_experts`; benchmarks put other implementations there
 (`bench/expert_impls.py`).
 """
 

@@ -40,7 +40,7 @@ from freetoken_jax.memory.slot_cache import (
     record_stats,
     step_victims,
 )
-from freetoken_jax.models.layers import pair_biases, routed_experts
+from freetoken_jax.models.routed import pair_biases, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many

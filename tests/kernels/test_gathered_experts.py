@@ -9,7 +9,7 @@ import pytest
 from jax import export
 
 from freetoken_jax.config import ACTIVATIONS
-from freetoken_jax.models.layers import kernel_fits, routed_experts
+from freetoken_jax.models.routed import kernel_fits, routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels.gathered_experts import ACTS, FORMATS, _pieces, experts, experts_ref

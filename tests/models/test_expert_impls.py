@@ -6,7 +6,8 @@ import pytest
 from helpers import jitted
 
 from freetoken_jax.bench.expert_impls import named
-from freetoken_jax.models.layers import ExpertLayout, routed_experts
+from freetoken_jax.models.routed import routed_experts
+from freetoken_jax.quant.layout import ExpertLayout
 
 
 def reference(x, ids, w, gate, up, down, bias=None):
@@ -39,7 +40,7 @@ def test_impls_match_reference(impl, T, K, E, D, F):
 
 
 def test_dense_in_token_slices_matches_one_piece(monkeypatch):
-    from freetoken_jax.models import layers
+    from freetoken_jax.models import routed
 
     rng = np.random.default_rng(7)
     T, K, E, D, F = 11, 2, 4, 16, 8
@@ -50,7 +51,7 @@ def test_dense_in_token_slices_matches_one_piece(monkeypatch):
     w = jnp.asarray(rng.random((T, K)), jnp.float32)
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
     whole = jitted(routed_experts, x, ids, w, (gate, up, down), layout, impl="dense")
-    monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * E * F * 3)  # 3 tokens per slice: 4 slices, the last short
+    monkeypatch.setattr(routed, "DENSE_SLICE_BYTES", 2 * 4 * E * F * 3)  # 3 tokens per slice: 4 slices, the last short
     sliced = jitted(routed_experts, x, ids, w, (gate, up, down), layout, impl="dense")
     np.testing.assert_allclose(np.asarray(sliced), np.asarray(whole), rtol=1e-6, atol=1e-6)
     ref = reference(np.asarray(x), np.asarray(ids), np.asarray(w), np.asarray(gate), np.asarray(up), np.asarray(down))
@@ -72,7 +73,7 @@ def skewed_ids(rng, T, K, E, hot: int, share: float) -> np.ndarray:
 def test_grouped_matches_reference_in_every_plan(T, K, E, routing, monkeypatch):
     """ "grouped" over T·K ≫ E pairs, spread and skewed, with per-expert biases, unrouted pairs
     (weight 0), and experts in slices (within each tier of a ranked plan)."""
-    from freetoken_jax.models import layers
+    from freetoken_jax.models import routed
 
     D, F = 16, 8
     rng = np.random.default_rng(routing)
@@ -84,9 +85,9 @@ def test_grouped_matches_reference_in_every_plan(T, K, E, routing, monkeypatch):
     w = rng.random((T, K)).astype(np.float32)
     w[::7, 1] = 0.0  # pairs another strategy computes
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    monkeypatch.setattr(layers, "DENSE_SLICE_BYTES", 2 * 4 * 32 * F * 5)  # five experts per slice of 32 rows, one of 128
+    monkeypatch.setattr(routed, "DENSE_SLICE_BYTES", 2 * 4 * 32 * F * 5)  # five experts per slice of 32 rows, one of 128
     args = (jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
-    pair = layers.pair_biases(tuple(jnp.asarray(b, jnp.float32) for b in bias), jnp.asarray(ids))
+    pair = routed.pair_biases(tuple(jnp.asarray(b, jnp.float32) for b in bias), jnp.asarray(ids))
     got = jitted(routed_experts, *args, impl="grouped", bias=pair)
     ref = reference(x, ids, w, gate, up, down, bias)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
@@ -110,14 +111,14 @@ def routings(rng, T, K, E):
 def test_grouped_takes_the_first_plan_that_holds(T, K, E, want, monkeypatch):
     """Each routing runs the first of `group_plans` whose groups hold its counts (marked here by
     a poisoned stand-in), else "dense"; "auto" groups many pairs the same way."""
-    from freetoken_jax.models import grouping, layers
+    from freetoken_jax.models import grouping, routed
 
     D, F = 16, 8
     plans = grouping.group_plans(T, K, E)
     rng = np.random.default_rng(1)
     bank = (jnp.ones((E, F, D)), jnp.ones((E, F, D)), jnp.ones((E, D, F)))
     layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    monkeypatch.setattr(layers, "_grouped", lambda x, *a: jnp.full(x.shape, float(plans.index(a[-1])), x.dtype))  # a[-1]: the plan
+    monkeypatch.setattr(routed, "_grouped", lambda x, *a: jnp.full(x.shape, float(plans.index(a[-1])), x.dtype))  # a[-1]: the plan
     for ids, i in zip(routings(rng, T, K, E), want):
         for impl in ("grouped", "auto"):
             out = routed_experts(jnp.ones((T, D)), jnp.asarray(ids), jnp.ones((T, K)), bank, layout, impl=impl)
@@ -151,7 +152,7 @@ def test_grouped_scatters_no_floats():
 
     import jax
 
-    from freetoken_jax.models import grouping, layers
+    from freetoken_jax.models import grouping, routed
 
     T, K, E, D, F = 64, 2, 8, 16, 8
     bank = (jnp.ones((E, F, D)), jnp.ones((E, F, D)), jnp.ones((E, D, F)))
@@ -159,7 +160,7 @@ def test_grouped_scatters_no_floats():
     counts = jnp.zeros((E,), jnp.int32)
     for plan, n in ((grouping.GroupPlan(((E, 32),), False), 2), (grouping.GroupPlan(((2, 64), (6, 32)), True), 3)):
         text = (
-            jax.jit(lambda x, i, w, plan=plan: layers._grouped(x, i, w, bank, layout, None, counts, plan))
+            jax.jit(lambda x, i, w, plan=plan: routed._grouped(x, i, w, bank, layout, None, counts, plan))
             .lower(jnp.ones((T, D)), jnp.zeros((T, K), jnp.int32), jnp.ones((T, K)))
             .as_text()
         )

@@ -1,0 +1,203 @@
+"""How a layer's routed experts are computed from their banks: Σ_k w[t,k] · down(act(gate x_t,
+up x_t)) over each token's chosen experts (`routed_experts`), by the implementation that suits the
+step — a gather for decode's few pairs, matmuls over groups of rows for a prefill chunk's many.
+The strategies (`runtime/experts.py`) call it with the banks where they are: resident, slots, or
+a layer copied in for a prefill chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from freetoken_jax.config import ACTIVATIONS
+from freetoken_jax.models.grouping import GroupPlan, group_plans
+from freetoken_jax.quant.layout import ExpertLayout
+from pallas_kernels import gathered_experts
+
+
+def activation(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The gated activation h(gate x, up x) of `name` (config.ACTIVATIONS)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"unsupported activation {name!r}; use one of {tuple(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+def pair_biases(bias, ids_TK):
+    """The biases of each token's chosen experts: (gate [T, K, F], up [T, K, F], down [T, K, D]),
+    from per-expert `bias` (`Experts.biases`); None without."""
+    return None if bias is None else tuple(b[ids_TK] for b in bias)
+
+
+# "dense" computes at most this many bytes of float32 expert activations at once (a 512-token
+# chunk of Qwen3-30B-A3B needs 0.4 GB and goes in one piece).
+DENSE_SLICE_BYTES = 1 << 30
+
+
+def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = "auto", bias=None) -> jax.Array:
+    """Σ_k w[t,k] · down(act(gate(x_t), up(x_t))) over each token's chosen experts, from `banks`
+    (gate, up, down of every expert, `layout`); `bias`: each pair's biases (`pair_biases`), added
+    to the gate, up and down projections, or None.
+
+    - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
+      the chosen experts, dequantizing what it gathers — only the chosen experts' stored bytes
+      are read;
+    - "dense" (many pairs): every token through every expert, weighted by its routing weights
+      (0 where not routed): E/K times the work of the pairs, but plain batched matmuls over the
+      bank (dequantized once into a scratch of the activations' dtype). On the H200 a 512-token
+      chunk's experts took 2.2 ms per layer dense against 8.2 ms through `ragged_dot_general`
+      (benchmarks/RESULTS.md);
+    - "grouped" (many pairs: prefill): the pairs sorted by expert into groups of rows, then the
+      same batched matmuls as "dense" over the groups' rows instead of E·T (`group_plans`): C
+      rows per expert (C: twice the mean pairs an expert gets, rounded up to a power of two; E /
+      2K times less work than dense, 8 × for 128 experts, top-8) where no expert gets more, or
+      2C; else, ranking the experts by their pairs, T rows for the busiest E/32, T/2 for the
+      next E/16 and 2C for the rest (3.5 × less work than dense at 128 experts, top-8), which
+      holds skewed routing (at 128 experts, top-8: synthetic Zipf routing up to an exponent of
+      about 1.5; trained routers are nearer 1). Where no plan holds, the layer runs "dense"
+      (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
+      24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
+      ranked plan is not measured there yet);
+    - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
+      `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
+      says which layers): each gathered block's scale and codes read together;
+    - "auto": gather when T·k ≤ E, else grouped.
+    """
+    T, K = ids_TK.shape
+    E = banks[0].shape[0]
+    if impl == "kernel":
+        if not kernel_fits(layout, bias):
+            raise ValueError(f"the 'kernel' expert implementation takes {'/'.join(gathered_experts.FORMATS)} experts without "
+                             f"biases, not {layout.fmts} {layout.act}{' with biases' if bias is not None else ''}")  # fmt: skip
+        if T * K <= E:
+            return gathered_experts.experts(layout.fmt, x_TD, ids_TK, w_TK, *banks, F=layout.F, D=layout.D, act=activation(layout.act),
+                                            interpret=jax.default_backend() == "cpu")  # fmt: skip
+        impl = "grouped"
+    if impl == "auto":
+        impl = "gather" if T * K <= E else "grouped"
+    if impl == "gather":
+        return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
+    if impl not in ("dense", "grouped"):
+        raise ValueError(f"unknown expert implementation {impl!r}: auto, kernel, gather, dense or grouped")
+    if impl == "dense":
+        return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
+    plans = group_plans(T, K, E)
+    if not plans:  # so few tokens that a group is as large as the chunk
+        return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
+    counts = jnp.zeros((E,), jnp.int32).at[ids_TK.reshape(-1)].add(1)  # pairs per expert
+    fits = jnp.stack([plan.fits(counts) for plan in plans])
+    which = jnp.where(fits.any(), jnp.argmax(fits), len(plans))  # the first plan that holds every group, else dense
+    grouped = [lambda x, i, w, bk, b, n, plan=plan: _grouped(x, i, w, bk, layout, b, n, plan) for plan in plans]
+    dense = lambda x, i, w, bk, b, n: _dense(x, i, w, layout.matrices(bk, x.dtype), layout, b)  # noqa: E731
+    return jax.lax.switch(which, [*grouped, dense], x_TD, ids_TK, w_TK, tuple(banks), bias, counts)
+
+
+def kernel_fits(layout: ExpertLayout, bias=None) -> bool:
+    """Whether the "kernel" implementation computes this layer's experts: gate, up and down in one
+    format of `gathered_experts.FORMATS`, no biases, an activation the kernels lower (not exact-erf
+    "gelu")."""
+    return (layout.fmt in gathered_experts.FORMATS and layout.fmts == (layout.fmt,) * 3 and not layout.mixed and bias is None and layout.act in gathered_experts.ACTS
+            and not layout.F % gathered_experts.BLOCK_ROWS and not layout.D % gathered_experts.BLOCK_ROWS)  # fmt: skip
+
+
+def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
+    # Written as multiply + reduce over the weights' contiguous rows so that XLA fuses the
+    # gather (and the dequantization) into one reduction per projection: each chosen expert is
+    # read once, in place.
+    T, K = ids_TK.shape
+    f, dt = activation(layout.act), x_TD.dtype
+    g, u, d = (layout.gather(k, b, ids_TK) for k, b in enumerate(banks))
+    bg, bu, bd = bias or (0.0, 0.0, 0.0)
+    xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
+    h = f(layout.matvec(0, g, xk) + bg, layout.matvec(1, u, xk) + bu).astype(dt)
+    y = jnp.where((w_TK != 0)[..., None], layout.matvec(2, d, h) + bd, 0.0)  # an unrouted pair adds exactly 0
+    return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
+
+
+def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
+    # The routing weight scales each expert's hidden activations (0 where not routed), so the
+    # down projection and the sum over experts are one matmul contracting (e, f). Tokens go
+    # through in slices whose float32 activations [E, t, F] (gate and up) stay within
+    # DENSE_SLICE_BYTES.
+    T = x_TD.shape[0]
+    gate_EFD, up_EFD, down_EDF = mats
+    E = gate_EFD.shape[0]
+    f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
+    w_ET = jnp.zeros((E, T), jnp.float32).at[ids_TK, jnp.arange(T)[:, None]].add(w_TK.astype(jnp.float32))
+    step = max(1, DENSE_SLICE_BYTES // (2 * 4 * E * layout.F))
+
+    def dense(t0, t1):
+        x, w = x_TD[t0:t1], w_ET[:, t0:t1]
+        g, u = jnp.einsum("td,efd->etf", x, gate_EFD, **mm), jnp.einsum("td,efd->etf", x, up_EFD, **mm)
+        if bias is not None:  # each pair's gate/up biases in place; other (expert, token) pairs get weight 0 below
+            at = (ids_TK[t0:t1], jnp.arange(t1 - t0)[:, None])
+            g, u = g.at[at].add(bias[0][t0:t1]), u.at[at].add(bias[1][t0:t1])
+        h = f(g, u)
+        h = jnp.where(w[:, :, None] != 0, h * w[:, :, None], 0.0)  # an unrouted pair adds exactly 0
+        y = jnp.einsum("etf,edf->td", h.astype(dt), down_EDF, **mm)
+        if bias is not None:
+            y = y + jnp.einsum("tkd,tk->td", bias[2][t0:t1], w_TK[t0:t1].astype(jnp.float32))
+        return y.astype(dt)
+
+    return jnp.concatenate([dense(t, min(T, t + step)) for t in range(0, T, step)])
+
+
+def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan: GroupPlan) -> jax.Array:
+    # Pair p (token t, k) sorted by expert goes to row `rank` of its expert's group (every group
+    # fits: `routed_experts` checked `counts`, the pairs per expert, against the plan); empty rows
+    # carry zeros and weight 0. Rows are filled and results collected by gathers (only int32
+    # maps are scattered), and each token sums its K results in order: no float scatter-add, so
+    # the result does not depend on the order in which a GPU's atomics land. A tier's experts
+    # go through in slices whose float32 activations [e, C, F] stay within DENSE_SLICE_BYTES;
+    # a ranked plan dequantizes each slice's experts as it gathers them from the banks.
+    T, K = ids_TK.shape
+    E, D, R = counts.shape[0], x_TD.shape[1], plan.rows
+    f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
+    order_E = plan.order(counts)  # expert at each place of the plan
+    starts = jnp.asarray(plan.starts())
+    start_E = jnp.zeros((E,), jnp.int32).at[order_E].set(starts) if plan.ranked else starts  # first row of each expert
+    flat = ids_TK.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    e_sorted = flat[order]
+    rank = jnp.arange(T * K, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
+    row = start_E[e_sorted] + rank  # the row of the i-th pair in expert order
+    pair_of_row = jnp.full((R,), T * K, jnp.int32).at[row].set(order.astype(jnp.int32))  # T·K: empty
+    filled = pair_of_row < T * K
+    pair = jnp.where(filled, pair_of_row, 0)
+
+    def place(v, at):  # rows `at` of v in the filled rows, zeros in the empty ones, as [R, ...]
+        return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0)
+
+    x_RD = place(x_TD, pair // K)
+    w_R = place(w_TK.reshape(-1).astype(jnp.float32), pair)
+    b = None if bias is None else tuple(place(v.reshape(T * K, -1), pair) for v in bias)
+    mats = None if plan.ranked else layout.matrices(banks, dt)
+
+    def group(r0, e0, n, C):  # experts e0 .. e0+n of the plan's order, C rows each from row r0
+        if plan.ranked:
+            gate_EFD, up_EFD, down_EDF = layout.matrices(tuple(bk[order_E[e0 : e0 + n]] for bk in banks), dt)
+        else:
+            gate_EFD, up_EFD, down_EDF = (m[e0 : e0 + n] for m in mats)
+        rows = slice(r0, r0 + n * C)
+        x, w = x_RD[rows].reshape(n, C, D), w_R[rows].reshape(n, C, 1)
+        g, u = jnp.einsum("ecd,efd->ecf", x, gate_EFD, **mm), jnp.einsum("ecd,efd->ecf", x, up_EFD, **mm)
+        if b is not None:
+            g, u = g + b[0][rows].reshape(n, C, -1), u + b[1][rows].reshape(n, C, -1)
+        h = f(g, u)
+        h = jnp.where(w != 0, h * w, 0.0)  # an unrouted pair (and an empty row) adds exactly 0
+        y = jnp.einsum("ecf,edf->ecd", h.astype(dt), down_EDF, **mm)
+        y = y if b is None else y + jnp.where(w != 0, b[2][rows].reshape(n, C, -1) * w, 0.0)
+        return y.reshape(n * C, D)
+
+    parts, r0, e0 = [], 0, 0
+    for n, C in plan.tiers:
+        step = max(1, DENSE_SLICE_BYTES // (2 * 4 * C * layout.F))
+        for e in range(0, n, step):
+            m = min(step, n - e)
+            parts.append(group(r0 + e * C, e0 + e, m, C))
+        r0, e0 = r0 + n * C, e0 + n
+    y_RD = jnp.concatenate(parts)
+    row_of_pair = jnp.zeros((T * K,), jnp.int32).at[order].set(row)
+    return y_RD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
