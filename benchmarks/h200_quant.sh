@@ -3,7 +3,7 @@
 # on q4_0 experts, measure the CPU executor per format, then decode side by side at the shape of
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
-# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|formats|mla|
+# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|formats|mla|
 # lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
@@ -70,6 +70,15 @@ for what in "$@"; do
       for w in output experts; do echo "== profile, q4_0 8192-token chunk, FREETOKEN_PREFILL_COPY_WAIT=$w"
         FREETOKEN_PREFILL_COPY_WAIT=$w python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 \
           --slots-gb 2.2482 --prefill-tokens 8192 --variants grouped --top 4 2>&1 | grep -E "^== |copies "; done ;;
+    # experts: a prefill chunk's routed experts by grouped / tiles (Triton over whole tiles) / ragged (Mosaic GPU): the GPU
+    # tests, one layer's experts at 2048 and 8192 tokens (uniform and Zipf 1 routing; tiles' blocks), then offload prefill
+    # of the q4_0 shape (slots of -ncmoe 17) under each FREETOKEN_PREFILL_EXPERTS, uniform and skewed routing
+    experts) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_experts.py tests/models/test_expert_impls.py 2>&1 | tail -2
+      python3 benchmarks/bench_prefill_experts.py --tokens 2048 8192 --format ${FMT:-q4_0} 2>&1 | tee "$OUT/prefill_experts.txt"
+      for skew in 0 1; do for how in grouped tiles ragged; do echo "== FREETOKEN_PREFILL_EXPERTS=$how skew $skew"
+        FREETOKEN_PREFILL_EXPERTS=$how $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 \
+          --prompt-len 8192 --chunk 2048 8192 --routing-skew $skew --strategy offload --json "$OUT/experts_${how}_$skew.json" 2>&1 |
+          grep -v "it/s\]" | tail -3; done; done ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
     lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1

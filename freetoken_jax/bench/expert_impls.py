@@ -1,13 +1,10 @@
 """Routed-expert implementations that benchmarks compare with the engine's (`--expert-impl`).
 
 `named(impl)` is the `compute` a backend takes (`runtime/experts.py`): None for the engine's
-choice ("auto"), `routed_experts` pinned to "kernel", "gather", "dense" or "grouped", or one of the two below, kept
-out of the engine because they lost on the H200 (benchmarks/RESULTS.md):
-
-- "slices": one dynamic slice per (token, expert) pair, each feeding its own matvec (no gathered
-  copy; unrolled, so for a few pairs only);
-- "ragged": sort the pairs by expert and run grouped matmuls (`ragged_dot_general`), each expert
-  read once (XLA's fallback expands them into zero-padded dense matmuls of T·k × E rows).
+choice ("auto"), `routed_experts` pinned to one of its implementations ("kernel", "gather",
+"dense", "grouped", "tiles", "ragged"), or "slices", kept out of the engine because it lost on
+the H200 (benchmarks/RESULTS.md): one dynamic slice per (token, expert) pair, each feeding its
+own matvec (no gathered copy; unrolled, so for a few pairs only).
 """
 
 from __future__ import annotations
@@ -20,7 +17,7 @@ import jax.numpy as jnp
 from freetoken_jax.models.routed import activation, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 
-IMPLS = ("auto", "kernel", "gather", "dense", "grouped", "slices", "ragged")
+IMPLS = ("auto", "kernel", "gather", "dense", "grouped", "tiles", "ragged", "slices")
 
 
 def _no_bias(bias, name: str) -> None:
@@ -44,25 +41,6 @@ def slices(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias=None) -> jax.Ar
     return jnp.stack(rows).astype(dt)
 
 
-def ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias=None) -> jax.Array:
-    _no_bias(bias, "ragged")
-    T, K = ids_TK.shape
-    E = banks[0].shape[0]
-    f, dt, mm = activation(layout.act), x_TD.dtype, dict(preferred_element_type=jnp.float32)
-    gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
-    flat = ids_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    tok = order // K
-    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
-    # Grouped matmuls contracting the weights' minor (input) dimension: [E, out, in] as stored.
-    dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-    rdot = lambda a, w: jax.lax.ragged_dot_general(a, w, sizes, dims, **mm)
-    xs = x_TD[tok]
-    h = f(rdot(xs, gate_EFD), rdot(xs, up_EFD)).astype(dt)
-    y = rdot(h, down_EDF) * w_TK.reshape(-1)[order][:, None]
-    return jnp.zeros((T, x_TD.shape[1]), jnp.float32).at[tok].add(y).astype(dt)
-
-
 @functools.cache
 def named(impl: str):
     """The `compute` of an implementation name (one object per name: one executable per name)."""
@@ -70,6 +48,6 @@ def named(impl: str):
         raise ValueError(f"unknown expert implementation {impl!r}; choose from {IMPLS}")
     if impl == "auto":
         return None
-    if impl in ("kernel", "gather", "dense", "grouped"):
-        return functools.partial(routed_experts, impl=impl)
-    return {"slices": slices, "ragged": ragged}[impl]
+    if impl == "slices":
+        return slices
+    return functools.partial(routed_experts, impl=impl)

@@ -9,6 +9,7 @@ from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Stra
 from freetoken_jax.memory.kv_cache import ATTN_BLOCK, attention_block_pages
 from freetoken_jax.models.grouping import group_plans
 from freetoken_jax.quant.layout import expert_bytes
+from pallas_kernels import grouped_experts
 
 GB = 1 << 30
 
@@ -148,12 +149,13 @@ def prefill_activation_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, tokens: in
     its softmax; `kv_cache.ATTN_BLOCK` positions, or the whole context where it is shorter), and
     the routed experts' gate, up and activation per token and each pair's output before its
     token sums them; and the grouped experts' rows (`models.grouping`: their inputs and outputs,
-    in the largest plan of the chunk)."""
+    in the largest plan of the chunk, or the tiles of `pallas_kernels.grouped_experts`)."""
     context = ecfg.pages_per_sequence * ecfg.page_size
     block = context if context <= ATTN_BLOCK else attention_block_pages(ecfg.page_size) * ecfg.page_size
     per_token = 8 * cfg.hidden_dim + 2 * cfg.num_heads * block + cfg.top_k * (3 * cfg.intermediate_dim + cfg.hidden_dim)
     T = tokens * ecfg.max_batch
-    rows = max((p.rows for p in group_plans(T, cfg.top_k, cfg.num_experts)), default=0)
+    K, E = cfg.top_k, cfg.num_experts
+    rows = max([p.rows for p in group_plans(T, K, E)] + [grouped_experts.padded_rows(T * K, E, grouped_experts.block_m_for(T * K, E))])
     return 4 * (T * per_token + 2 * rows * cfg.hidden_dim)
 
 

@@ -58,3 +58,17 @@ def group_plans(T: int, K: int, E: int) -> list[GroupPlan]:
     if 2 * ranked.rows < E * T:
         plans.append(ranked)
     return plans
+
+
+def pair_rows(ids_TK: jax.Array, counts_E: jax.Array, start_E: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """Each pair's row in a layout where expert e's pairs, in their order (token, then k), fill
+    the rows from start_E[e] on: (pair_of_row [rows] — the flat pair t·K + k of each row, T·K
+    where a row is empty; row_of_pair [T·K]). `counts_E`: the pairs of each expert."""
+    flat = ids_TK.reshape(-1)
+    N = flat.shape[0]
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    e_sorted = flat[order]
+    rank = jnp.arange(N, dtype=jnp.int32) - (jnp.cumsum(counts_E) - counts_E)[e_sorted]
+    row = (start_E[e_sorted] + rank).astype(jnp.int32)  # the row of the i-th pair in expert order
+    pair_of_row = jnp.full((rows,), N, jnp.int32).at[row].set(order)
+    return pair_of_row, jnp.zeros((N,), jnp.int32).at[order].set(row)

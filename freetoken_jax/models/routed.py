@@ -12,10 +12,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from freetoken_jax.config import ACTIVATIONS
-from freetoken_jax.models.grouping import GroupPlan, group_plans
+from freetoken_jax.config import ACTIVATIONS, env_choice
+from freetoken_jax.models.grouping import GroupPlan, group_plans, pair_rows
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import gathered_experts
+from pallas_kernels import gathered_experts, grouped_experts
 
 
 def activation(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -60,10 +60,18 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
       24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
       ranked plan is not measured there yet);
+    - "tiles" (many pairs): each expert's pairs in a group of whole tiles of rows and two Triton
+      kernels over the tiles, each multiplying its rows by its own expert's (dequantized)
+      weights (`pallas_kernels/grouped_experts.py`): the padding is under a tile an expert
+      instead of a plan's power of two (`tiles_fit` says which layers);
+    - "ragged" (many pairs): the pairs sorted by expert, unpadded, through jax's Mosaic GPU
+      grouped matmul for Hopper where it fits (`grouped_experts.ragged_dot`), else XLA's
+      `ragged_dot_general`; gate and up come out rounded to x's dtype;
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
       says which layers): each gathered block's scale and codes read together;
-    - "auto": gather when T·k ≤ E, else grouped.
+    - "auto": gather when T·k ≤ E, else `many_pairs_impl` (grouped unless
+      FREETOKEN_PREFILL_EXPERTS asks for tiles or ragged).
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
@@ -76,11 +84,15 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
                                             interpret=jax.default_backend() == "cpu")  # fmt: skip
         impl = "grouped"
     if impl == "auto":
-        impl = "gather" if T * K <= E else "grouped"
+        impl = "gather" if T * K <= E else many_pairs_impl(layout)
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
+    if impl == "tiles":
+        return _tiled(x_TD, ids_TK, w_TK, banks, layout, bias)
+    if impl == "ragged":
+        return _ragged(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl not in ("dense", "grouped"):
-        raise ValueError(f"unknown expert implementation {impl!r}: auto, kernel, gather, dense or grouped")
+        raise ValueError(f"unknown expert implementation {impl!r}: auto, kernel, gather, dense, grouped, tiles or ragged")
     if impl == "dense":
         return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
     plans = group_plans(T, K, E)
@@ -92,6 +104,23 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     grouped = [lambda x, i, w, bk, b, n, plan=plan: _grouped(x, i, w, bk, layout, b, n, plan) for plan in plans]
     dense = lambda x, i, w, bk, b, n: _dense(x, i, w, layout.matrices(bk, x.dtype), layout, b)  # noqa: E731
     return jax.lax.switch(which, [*grouped, dense], x_TD, ids_TK, w_TK, tuple(banks), bias, counts)
+
+
+PREFILL_EXPERTS = ("grouped", "tiles", "ragged")
+
+
+def many_pairs_impl(layout: ExpertLayout) -> str:
+    """How "auto" computes a step of more token-expert pairs than experts
+    (FREETOKEN_PREFILL_EXPERTS, default "grouped"): "tiles" where `tiles_fit`, "ragged"; else
+    "grouped"."""
+    how = env_choice("FREETOKEN_PREFILL_EXPERTS", "grouped", PREFILL_EXPERTS)
+    return "grouped" if how == "tiles" and not tiles_fit(layout) else how
+
+
+def tiles_fit(layout: ExpertLayout) -> bool:
+    """Whether "tiles" computes this layer's experts: an activation the kernels lower (not
+    exact-erf "gelu"), F and D multiples of Triton's smallest block (16)."""
+    return layout.act in gathered_experts.ACTS and not layout.F % grouped_experts.MIN_BLOCK and not layout.D % grouped_experts.MIN_BLOCK
 
 
 def kernel_fits(layout: ExpertLayout, bias=None) -> bool:
@@ -158,21 +187,8 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
     order_E = plan.order(counts)  # expert at each place of the plan
     starts = jnp.asarray(plan.starts())
     start_E = jnp.zeros((E,), jnp.int32).at[order_E].set(starts) if plan.ranked else starts  # first row of each expert
-    flat = ids_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    e_sorted = flat[order]
-    rank = jnp.arange(T * K, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[e_sorted]
-    row = start_E[e_sorted] + rank  # the row of the i-th pair in expert order
-    pair_of_row = jnp.full((R,), T * K, jnp.int32).at[row].set(order.astype(jnp.int32))  # T·K: empty
-    filled = pair_of_row < T * K
-    pair = jnp.where(filled, pair_of_row, 0)
-
-    def place(v, at):  # rows `at` of v in the filled rows, zeros in the empty ones, as [R, ...]
-        return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0)
-
-    x_RD = place(x_TD, pair // K)
-    w_R = place(w_TK.reshape(-1).astype(jnp.float32), pair)
-    b = None if bias is None else tuple(place(v.reshape(T * K, -1), pair) for v in bias)
+    pair_of_row, row_of_pair = pair_rows(ids_TK, counts, start_E, R)
+    x_RD, w_R, b = _rows(x_TD, w_TK, bias, pair_of_row, K)
     mats = None if plan.ranked else layout.matrices(banks, dt)
 
     def group(r0, e0, n, C):  # experts e0 .. e0+n of the plan's order, C rows each from row r0
@@ -199,5 +215,64 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
             parts.append(group(r0 + e * C, e0 + e, m, C))
         r0, e0 = r0 + n * C, e0 + n
     y_RD = jnp.concatenate(parts)
-    row_of_pair = jnp.zeros((T * K,), jnp.int32).at[order].set(row)
     return y_RD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
+
+
+def _rows(x_TD, w_TK, bias, pair_of_row, K: int):
+    """The inputs of each row of a layout of pairs (`pair_of_row`: the flat pair t·K + k of a
+    row, T·K for an empty one): x of the pair's token, its routing weight (float32) and its
+    biases, zeros in the empty rows."""
+    N = w_TK.size
+    filled = pair_of_row < N
+    pair = jnp.where(filled, pair_of_row, 0)
+
+    def place(v, at):
+        return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0)
+
+    b = None if bias is None else tuple(place(v.reshape(N, -1), pair) for v in bias)
+    return place(x_TD, pair // K), place(w_TK.reshape(-1).astype(jnp.float32), pair), b
+
+
+def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=None, down_kw=None) -> jax.Array:
+    # The pairs in groups of whole tiles (`grouped_experts.tile_layout`); h is weighted and
+    # rounded to x's dtype, the down projection summed over each token's pairs in float32, as
+    # "grouped" computes them. `*_kw`: the kernels' blocks, warps and stages (benchmarks).
+    T, K = ids_TK.shape
+    E, D, dt = banks[0].shape[0], x_TD.shape[1], x_TD.dtype
+    pair_of_row, row_of_pair, tile_E = grouped_experts.tile_layout(ids_TK, E, grouped_experts.block_m_for(T * K, E))
+    x_PD, w_P, b = _rows(x_TD, w_TK, bias, pair_of_row, K)
+    gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
+    interpret = jax.default_backend() == "cpu"
+    h_PF = grouped_experts.gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, activation(layout.act), None if b is None else b[:2],
+                                   interpret=interpret, **gate_up_kw or {})  # fmt: skip
+    y_PD = grouped_experts.down(h_PF, down_EDF, tile_E, interpret=interpret, **down_kw or {})
+    if b is not None:
+        y_PD = y_PD + jnp.where(w_P[:, None] != 0, b[2] * w_P[:, None], 0.0)
+    return y_PD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
+
+
+def _ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
+    # The pairs sorted by expert, unpadded: row i is pair order[i].
+    T, K = ids_TK.shape
+    E, D, dt = banks[0].shape[0], x_TD.shape[1], x_TD.dtype
+    flat = ids_TK.reshape(-1)
+    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
+    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
+    x_ND, w_N, b = _rows(x_TD, w_TK, bias, order, K)
+    gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
+    f = activation(layout.act)
+
+    def rdot(a, w):
+        impl = "mosaic" if grouped_experts.mosaic_fits(dt, w.shape[1], w.shape[2]) else "ref"
+        return grouped_experts.ragged_dot(a, w, sizes, implementation=impl).astype(jnp.float32)
+
+    g, u = rdot(x_ND, gate_EFD), rdot(x_ND, up_EFD)
+    if b is not None:
+        g, u = g + b[0], u + b[1]
+    w = w_N[:, None]
+    h = jnp.where(w != 0, f(g, u) * w, 0.0).astype(dt)
+    y = rdot(h, down_EDF)
+    if b is not None:
+        y = y + jnp.where(w != 0, b[2] * w, 0.0)
+    row_of_pair = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
+    return y[row_of_pair].reshape(T, K, D).sum(1).astype(dt)

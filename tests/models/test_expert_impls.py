@@ -68,14 +68,16 @@ def skewed_ids(rng, T, K, E, hot: int, share: float) -> np.ndarray:
     return np.asarray(ids, np.int32)
 
 
+@pytest.mark.parametrize("impl", ["grouped", "tiles", "ragged"])
 @pytest.mark.parametrize("T,K,E", [(96, 2, 12), (128, 2, 32)])
 @pytest.mark.parametrize("routing", range(4))  # `routings`: each plan of `group_plans`, and dense
-def test_grouped_matches_reference_in_every_plan(T, K, E, routing, monkeypatch):
-    """ "grouped" over T·K ≫ E pairs, spread and skewed, with per-expert biases, unrouted pairs
-    (weight 0), and experts in slices (within each tier of a ranked plan)."""
+def test_many_pairs_match_reference_in_every_plan(impl, T, K, E, routing, monkeypatch):
+    """ "grouped" (in each of its plans), "tiles" and "ragged" over T·K ≫ E pairs, spread and
+    skewed, with per-expert biases, unrouted pairs (weight 0), and experts in slices (within
+    each tier of a ranked plan)."""
     from freetoken_jax.models import routed
 
-    D, F = 16, 8
+    D, F = 16, 16
     rng = np.random.default_rng(routing)
     x = rng.standard_normal((T, D)).astype(np.float32)
     gate, up = (rng.standard_normal((E, F, D)).astype(np.float32) * 0.3 for _ in range(2))
@@ -88,7 +90,7 @@ def test_grouped_matches_reference_in_every_plan(T, K, E, routing, monkeypatch):
     monkeypatch.setattr(routed, "DENSE_SLICE_BYTES", 2 * 4 * 32 * F * 5)  # five experts per slice of 32 rows, one of 128
     args = (jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down)), layout)
     pair = routed.pair_biases(tuple(jnp.asarray(b, jnp.float32) for b in bias), jnp.asarray(ids))
-    got = jitted(routed_experts, *args, impl="grouped", bias=pair)
+    got = jitted(routed_experts, *args, impl=impl, bias=pair)
     ref = reference(x, ids, w, gate, up, down, bias)
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
     dense = jitted(routed_experts, *args, impl="dense", bias=pair)
@@ -124,6 +126,30 @@ def test_grouped_takes_the_first_plan_that_holds(T, K, E, want, monkeypatch):
             out = routed_experts(jnp.ones((T, D)), jnp.asarray(ids), jnp.ones((T, K)), bank, layout, impl=impl)
             got = float(out[0, 0])  # dense over ones: far from every plan's index
             assert got == i if i < len(plans) else got not in range(len(plans)), (impl, i, got)
+
+
+@pytest.mark.parametrize("how,F,want", [(None, 16, "grouped"), ("tiles", 16, "tiles"), ("tiles", 24, "grouped"), ("ragged", 24, "ragged")])
+def test_auto_computes_many_pairs_as_the_switch_says(how, F, want, monkeypatch):
+    """FREETOKEN_PREFILL_EXPERTS picks how "auto" computes many pairs ("tiles" only where its
+    kernels take F: 24 is not a multiple of 16); few pairs are gathered whatever it says; a
+    value outside the choices is refused, naming them."""
+    from freetoken_jax.models import routed
+
+    if how:
+        monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", how)
+    marks = {"grouped": 1.0, "tiled": 2.0, "ragged": 3.0, "gathered": 4.0}
+    for name, mark in marks.items():
+        monkeypatch.setattr(routed, f"_{name}", lambda x, *a, mark=mark: jnp.full(x.shape, mark, x.dtype))
+    T, K, E, D = 64, 2, 8, 16
+    bank = (jnp.ones((E, F, D)), jnp.ones((E, F, D)), jnp.ones((E, D, F)))
+    layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
+    ids = jnp.asarray(np.arange(T * K).reshape(T, K) % E, jnp.int32)
+    assert routed.many_pairs_impl(layout) == want
+    assert float(routed_experts(jnp.ones((T, D)), ids, jnp.ones((T, K)), bank, layout)[0, 0]) == marks[want.replace("tiles", "tiled")]
+    assert float(routed_experts(jnp.ones((2, D)), ids[:2], jnp.ones((2, K)), bank, layout)[0, 0]) == marks["gathered"]
+    monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "fast")
+    with pytest.raises(ValueError, match="FREETOKEN_PREFILL_EXPERTS='fast': use grouped, tiles or ragged"):
+        routed.many_pairs_impl(layout)
 
 
 def test_group_plans():
@@ -234,3 +260,21 @@ def test_gather_masks_a_foreign_slot_with_weight_0(fmt, words):
     ref = reference(x, ids, w, *deq)
     assert np.all(np.isfinite(np.asarray(got)))
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
+
+
+@pytest.mark.parametrize("how", ["tiles", "ragged"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_prefill_through_tiles_and_ragged_matches_transformers(name, how, ckpt_root, monkeypatch):
+    """A 45-token prompt in chunks of 16 with FREETOKEN_PREFILL_EXPERTS set: every chunk's
+    experts through that path (counted), the logits transformers' (softmax and sigmoid routing,
+    shared experts, gpt-oss's expert biases and clamped activation)."""
+    from hf_models import check_prompt_logits
+
+    from freetoken_jax.models import routed
+
+    fn = "_tiled" if how == "tiles" else "_ragged"
+    real, calls = getattr(routed, fn), []
+    monkeypatch.setattr(routed, fn, lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", how)
+    check_prompt_logits(name, ckpt_root, 45, 45, prefill_chunk=16)
+    assert calls

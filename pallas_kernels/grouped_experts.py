@@ -1,0 +1,241 @@
+"""A prefill chunk's routed experts as matmuls over groups of rows padded to whole tiles.
+
+A layer's token-expert pairs, sorted by expert, fill the rows of [P, ...] arrays in which each
+expert's group starts at a multiple of `block_m` (`tile_layout`): every tile of `block_m` rows
+belongs to one expert (`tile_E`), so a program multiplies its rows by its own expert's weights
+and no row is multiplied by an expert it was not routed to. The padding is under `block_m` rows
+an expert — P ≤ T·K + E·(block_m − 1) — where `models.grouping`'s plans give every expert the
+same power of two over twice the mean (2 × the pairs under uniform routing, 4-5 × under a trained
+router's skew).
+
+- `gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, act)`: h = act(x·gateᵀ + b_g, x·upᵀ + b_u) · w
+  per row, 0 where w is 0, in x's dtype [P, F] (gate and up accumulated in float32 side by side);
+- `down(h_PF, down_EDF, tile_E)`: h·downᵀ in float32 [P, D].
+
+Grid (column block, tile): the column blocks of one tile run next to each other and share its
+rows. A tile whose expert is E (past the last group) is skipped, its rows left unwritten; the
+rows of a group past its pairs are computed on whatever the caller put there and are not read.
+`gate_up_ref` / `down_ref` are the jnp references: every row against its tile's expert.
+
+`ragged_dot(x_MK, w_GNK, sizes_G)` is the same product over unpadded groups (the pairs sorted by
+expert, group g the next sizes_G[g] rows): jax's Mosaic GPU kernel for Hopper
+(`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, wgmma; tiles that straddle two groups are
+computed once for each) where it fits, XLA's `ragged_dot_general` as its reference. Its result is
+in x's dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from freetoken_jax.models.grouping import pair_rows
+
+BLOCK_K = 64  # the most a program's loop step contracts; columns a program: 64 (gate/up), 128 (down)
+MIN_BLOCK = 16  # Triton's smallest dot
+
+
+def _block(n: int, most: int) -> int:
+    """The largest power of two up to `most` that divides n (at least MIN_BLOCK, else ValueError)."""
+    b = most
+    while b > MIN_BLOCK and n % b:
+        b //= 2
+    if n % b:
+        raise ValueError(f"{n} is not a multiple of {MIN_BLOCK}: the grouped expert kernels take whole blocks")
+    return b
+
+
+def block_m_for(pairs: int, experts: int) -> int:
+    """Rows a tile: 64 where an expert gets under 256 pairs on average (the padding, under a tile an
+    expert, stays a fraction of its pairs), else 128."""
+    return 64 if pairs < 256 * experts else 128
+
+
+def padded_rows(pairs: int, experts: int, block_m: int) -> int:
+    """P: rows that hold `pairs` pairs in groups of whole tiles, whatever the routing."""
+    return -(-(pairs + experts * (block_m - 1)) // block_m) * block_m
+
+
+def tile_layout(ids_TK: jax.Array, E: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(pair_of_row [P] — the flat pair index t·K + k at each row, T·K in a padding row;
+    row_of_pair [T·K]; tile_E [P / block_m] — each tile's expert, E past the last group). Pairs
+    of one expert keep their order (token, then k)."""
+    N = ids_TK.size
+    P = padded_rows(N, E, block_m)
+    counts = jnp.zeros((E,), jnp.int32).at[ids_TK.reshape(-1)].add(1)
+    tiles = -(-counts // block_m)  # each expert's tiles
+    pair_of_row, row_of_pair = pair_rows(ids_TK, counts, (jnp.cumsum(tiles) - tiles) * block_m, P)
+    t = jnp.arange(P // block_m, dtype=jnp.int32)
+    tile_E = jnp.searchsorted(jnp.cumsum(tiles), t, side="right").astype(jnp.int32)  # E past the last
+    return pair_of_row, row_of_pair, tile_E
+
+
+def check_shapes(P: int, N: int, K: int, block_m: int, block_n: int, block_k: int) -> None:
+    """Raises ValueError unless P rows of K inputs and N outputs are whole blocks."""
+    for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
+        if v < MIN_BLOCK or v & (v - 1):
+            raise ValueError(f"{name}={v} must be a power of two of at least {MIN_BLOCK}")
+    if P % block_m or N % block_n or K % block_k:
+        raise ValueError(f"[{P}, {K}] -> [{P}, {N}] is not whole blocks of {block_m} rows, {block_n} outputs and {block_k} inputs")
+
+
+_NT = (((1,), (1,)), ((), ()))  # [m, k] · [n, k]ᵀ
+
+
+def _matmul_tile(x_ref, w_refs, e, rows, cols, nk: int, block_k: int):
+    """float32 x[rows] · w[e, cols]ᵀ for each ref in `w_refs`, over nk blocks of block_k."""
+
+    def body(i, accs):
+        k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
+        x = x_ref[rows, k]
+        return tuple(a + jax.lax.dot_general(x, w[e, cols, k], _NT, preferred_element_type=jnp.float32) for a, w in zip(accs, w_refs))
+
+    zero = jnp.zeros((rows.size, cols.size), jnp.float32)
+    return jax.lax.fori_loop(0, nk, body, (zero,) * len(w_refs))
+
+
+def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, bm: int, bn: int, bk: int, nk: int, bias: bool):
+    h_ref = refs[-1]
+    n, t = pl.program_id(0), pl.program_id(1)
+    e = tile_ref[t]
+
+    @pl.when(e < E)
+    def _():
+        rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
+        cols = pl.ds(pl.multiple_of(n * bn, bn), bn)
+        g, u = _matmul_tile(x_ref, (g_ref, u_ref), e, rows, cols, nk, bk)
+        if bias:
+            g, u = g + refs[0][rows, cols].astype(jnp.float32), u + refs[1][rows, cols].astype(jnp.float32)
+        w = w_ref[rows][:, None]
+        h_ref[rows, cols] = jnp.where(w != 0, act(g, u) * w, 0.0).astype(h_ref.dtype)
+
+
+def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, bm: int, bn: int, bk: int, nk: int):
+    n, t = pl.program_id(0), pl.program_id(1)
+    e = tile_ref[t]
+
+    @pl.when(e < E)
+    def _():
+        rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
+        cols = pl.ds(pl.multiple_of(n * bn, bn), bn)
+        (y,) = _matmul_tile(h_ref, (d_ref,), e, rows, cols, nk, bk)
+        y_ref[rows, cols] = y
+
+
+def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+    if interpret:
+        return {"interpret": True}
+    from jax.experimental.pallas import triton as pltriton
+
+    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
+def gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, act, bias=None, *, block_n: int | None = None, block_k: int | None = None,
+            num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:  # fmt: skip
+    """h [P, F] in x's dtype (module docstring); `bias`: (gate [P, F], up [P, F]) of each row, or
+    None; `act(g, u)` in float32. gate and up in x's dtype. Blocks: by default the largest powers
+    of two up to 64 that divide F and D."""
+    P, D = x_PD.shape
+    E, F, _ = gate_EFD.shape
+    bm = P // tile_E.shape[0]
+    block_n, block_k = block_n or _block(F, 64), block_k or _block(D, BLOCK_K)
+    check_shapes(P, F, D, bm, block_n, block_k)
+    if gate_EFD.shape != (E, F, D) or up_EFD.shape != (E, F, D):
+        raise ValueError(f"gate {gate_EFD.shape} and up {up_EFD.shape} are not [{E}, {F}, {D}]")
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    extra = () if bias is None else tuple(bias)
+    kernel = functools.partial(_gate_up_kernel, act=act, E=E, bm=bm, bn=block_n, bk=block_k, nk=D // block_k, bias=bias is not None)
+    return pl.pallas_call(
+        kernel,
+        grid=(F // block_n, P // bm),
+        in_specs=[any_spec] * (5 + len(extra)),
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((P, F), x_PD.dtype),
+        name="grouped_gate_up",
+        **_params(interpret, num_warps, num_stages),
+    )(tile_E, x_PD, gate_EFD, up_EFD, w_P.astype(jnp.float32), *extra)
+
+
+def down(h_PF, down_EDF, tile_E, *, block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+         interpret: bool = False) -> jax.Array:  # fmt: skip
+    """h·downᵀ of each row's expert, float32 [P, D]; down in h's dtype. Blocks: by default the
+    largest powers of two up to 128 dividing D and up to 64 dividing F."""
+    P, F = h_PF.shape
+    E, D, _ = down_EDF.shape
+    bm = P // tile_E.shape[0]
+    block_n, block_k = block_n or _block(D, 128), block_k or _block(F, BLOCK_K)
+    check_shapes(P, D, F, bm, block_n, block_k)
+    if down_EDF.shape != (E, D, F):
+        raise ValueError(f"down {down_EDF.shape} is not [{E}, {D}, {F}]")
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_down_kernel, E=E, bm=bm, bn=block_n, bk=block_k, nk=F // block_k),
+        grid=(D // block_n, P // bm),
+        in_specs=[any_spec] * 3,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32),
+        name="grouped_down",
+        **_params(interpret, num_warps, num_stages),
+    )(tile_E, h_PF, down_EDF)
+
+
+def _row_experts(tile_E, P: int, E: int):
+    """Each row's expert (clamped to E − 1 past the last group) and whether its tile is used."""
+    e_P = jnp.repeat(tile_E, P // tile_E.shape[0])
+    return jnp.minimum(e_P, E - 1), e_P < E
+
+
+def gate_up_ref(x_PD, gate_EFD, up_EFD, tile_E, w_P, act, bias=None) -> jax.Array:
+    """Reference of `gate_up`: each row against its tile's expert in jnp; unused tiles' rows 0."""
+    P, E = x_PD.shape[0], gate_EFD.shape[0]
+    e_P, used = _row_experts(tile_E, P, E)
+    mm = dict(preferred_element_type=jnp.float32)
+    g = jnp.einsum("pd,pfd->pf", x_PD, gate_EFD[e_P], **mm)
+    u = jnp.einsum("pd,pfd->pf", x_PD, up_EFD[e_P], **mm)
+    if bias is not None:
+        g, u = g + bias[0].astype(jnp.float32), u + bias[1].astype(jnp.float32)
+    w = w_P.astype(jnp.float32)[:, None]
+    h = jnp.where((w != 0) & used[:, None], act(g, u) * w, 0.0)
+    return h.astype(x_PD.dtype)
+
+
+def down_ref(h_PF, down_EDF, tile_E) -> jax.Array:
+    """Reference of `down`; unused tiles' rows 0."""
+    P, E = h_PF.shape[0], down_EDF.shape[0]
+    e_P, used = _row_experts(tile_E, P, E)
+    y = jnp.einsum("pf,pdf->pd", h_PF, down_EDF[e_P], preferred_element_type=jnp.float32)
+    return jnp.where(used[:, None], y, 0.0)
+
+
+@functools.cache
+def _mosaic_ragged_dot():
+    """jax's Mosaic GPU ragged dot, or None where this jax has none."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+        return ragged_dot_mgpu.ragged_dot
+    except ImportError:
+        return None
+
+
+def mosaic_fits(dtype, N: int, K: int) -> bool:
+    """Whether the Mosaic kernel takes an [·, K] · [G, N, K]ᵀ product here: a GPU (Hopper's wgmma),
+    bf16/fp16, N a multiple of 128 and K of 64."""
+    ok = jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not N % 128 and not K % BLOCK_K
+    return ok and _mosaic_ragged_dot() is not None
+
+
+def ragged_dot(x_MK, w_GNK, sizes_G, *, implementation: str = "ref") -> jax.Array:
+    """x·w[g]ᵀ for each group of consecutive rows (group g: the next sizes_G[g] rows; Σ sizes_G =
+    M), accumulated in float32, in x's dtype. `implementation` "mosaic" (`mosaic_fits`) or "ref"."""
+    if implementation == "ref":
+        dims = jax.lax.RaggedDotDimensionNumbers((([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+        return jax.lax.ragged_dot_general(x_MK, w_GNK, sizes_G, dims, preferred_element_type=jnp.float32).astype(x_MK.dtype)
+    if implementation != "mosaic":
+        raise ValueError(f"ragged_dot implementation {implementation!r}: mosaic or ref")
+    N = w_GNK.shape[1]
+    return _mosaic_ragged_dot()(x_MK, w_GNK.astype(x_MK.dtype), group_sizes=sizes_G.astype(jnp.int32), block_m=128, block_n=128,
+                                block_k=BLOCK_K, max_concurrent_steps=4, grid_block_n=2 if N % 256 == 0 else 1, transpose_rhs=True)  # fmt: skip
