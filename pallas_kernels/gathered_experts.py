@@ -55,7 +55,7 @@ def _pieces(nb: int) -> list[tuple[int, int]]:
     return out
 
 
-class _Head:
+class HeadBytes:
     """A block's head bytes as the scale decoders index them (`h[..., i]`), each gathered from the
     slot where it is used (Triton lowers no slice of a loaded array)."""
 
@@ -77,7 +77,7 @@ def _rows_dot(fmt: str, w_ref, s, rows, v_ref, vrow, nb: int):
         b = b0 + jnp.arange(n, dtype=jnp.int32)
         blk = rows[:, None] * (nb * block) + b[None, :] * block  # [R, n]: each block's first byte
         codes = w_ref[s, blk[:, :, None] + head + j[None, None, :]].astype(jnp.int32)  # [R, n, 16]
-        scale = scale_of(_Head(lambda i, blk=blk: w_ref[s, blk + i]))  # [R, n]
+        scale = scale_of(HeadBytes(lambda i, blk=blk: w_ref[s, blk + i]))  # [R, n]
         vi = b[:, None] * 32 + j[None, :]
         lo = v_ref[vrow, vi].astype(jnp.float32)  # weights 0-15 of each block
         hi = v_ref[vrow, vi + 16].astype(jnp.float32)  # 16-31

@@ -8,9 +8,15 @@ an expert — P ≤ T·K + E·(block_m − 1) — where `models.grouping`'s plan
 same power of two over twice the mean (2 × the pairs under uniform routing, 4-5 × under a trained
 router's skew).
 
-- `gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, act)`: h = act(x·gateᵀ + b_g, x·upᵀ + b_u) · w
-  per row, 0 where w is 0, in x's dtype [P, F] (gate and up accumulated in float32 side by side);
-- `down(h_PF, down_EDF, tile_E)`: h·downᵀ in float32 [P, D].
+- `gate_up(x_PD, gate, up, tile_E, w_P, act)`: h = act(x·gateᵀ + b_g, x·upᵀ + b_u) · w per row,
+  0 where w is 0, in x's dtype [P, F] (gate and up accumulated in float32 side by side);
+- `down(h_PF, down, tile_E)`: h·downᵀ in float32 [P, D].
+
+The weights are matrices in x's dtype, or (`fmt`: q4_0, mxfp4) the banks' bytes as the slots hold
+them: each block of 32 weights is decoded where it is loaded (in x's dtype, as `Format.dequantize`
+gives it), its low nibbles (weights 0-15) multiplied with their 16 inputs and its high nibbles
+with theirs — no dequantized copy of a layer's experts is written (1.2 GB of bf16 at
+Qwen3-30B-A3B's 128 experts) and the kernels read 0.56 bytes a weight instead of 2.
 
 Grid (column block, tile): the column blocks of one tile run next to each other and share its
 rows. A tile whose expert is E (past the last group) is skipped, its rows left unwritten; the
@@ -33,6 +39,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from freetoken_jax.models.grouping import pair_rows
+from freetoken_jax.quant.formats import get_format, nibble_codec
+from pallas_kernels.gathered_experts import FORMATS, HeadBytes
 
 BLOCK_K = 64  # the most a program's loop step contracts; columns a program: 64 (gate/up), 128 (down)
 MIN_BLOCK = 16  # Triton's smallest dot
@@ -85,44 +93,86 @@ def check_shapes(P: int, N: int, K: int, block_m: int, block_n: int, block_k: in
 _NT = (((1,), (1,)), ((), ()))  # [m, k] · [n, k]ᵀ
 
 
-def _matmul_tile(x_ref, w_refs, e, rows, cols, nk: int, block_k: int):
-    """float32 x[rows] · w[e, cols]ᵀ for each ref in `w_refs`, over nk blocks of block_k."""
+def _dot(x, w):
+    return jax.lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
+
+
+def _matmul_tile(x_ref, w_refs, e, t, n, *, bm: int, bn: int, bk: int, nk: int, fmt: str | None, K: int):
+    """float32 x[tile t's rows] · w[e, column block n]ᵀ for each ref in `w_refs`, over nk blocks
+    of bk inputs. `fmt` None: w [E, N, K] in x's dtype; else a format of
+    `gathered_experts.FORMATS` whose [N, K] matrices are the first bytes of each expert's row: a
+    block of weights is decoded as it is loaded (in x's dtype, as `Format.dequantize` would give
+    it), weights 0-15 of each 32 (the low nibbles) against their inputs and 16-31 against theirs."""
+    zero = jnp.zeros((bm, bn), jnp.float32)
+    if fmt is None:
+        rows, cols = pl.ds(pl.multiple_of(t * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)
+
+        def body(i, accs):
+            k = pl.ds(pl.multiple_of(i * bk, bk), bk)
+            x = x_ref[rows, k]
+            return tuple(a + _dot(x, w[e, cols, k]) for a, w in zip(accs, w_refs))
+
+        return jax.lax.fori_loop(0, nk, body, (zero,) * len(w_refs))
+
+    head, scale_of, value = nibble_codec(fmt)
+    block, row_bytes = head + 16, K // 32 * (head + 16)
+    rows = (t * bm + jnp.arange(bm, dtype=jnp.int32))[:, None]
+    out = (n * bn + jnp.arange(bn, dtype=jnp.int32))[:, None] * row_bytes
+    c = jnp.arange(bk // 2, dtype=jnp.int32)
+    j = c % 16
 
     def body(i, accs):
-        k = pl.ds(pl.multiple_of(i * block_k, block_k), block_k)
-        x = x_ref[rows, k]
-        return tuple(a + jax.lax.dot_general(x, w[e, cols, k], _NT, preferred_element_type=jnp.float32) for a, w in zip(accs, w_refs))
+        blk = i * (bk // 32) + c // 16  # the 32-weight block of each column of a half
+        x_lo, x_hi = x_ref[rows, (blk * 32 + j)[None, :]], x_ref[rows, (blk * 32 + 16 + j)[None, :]]
+        at = out + (blk * block)[None, :]  # each (output, column)'s block
+        new = []
+        for a, w in zip(accs, w_refs):
+            codes = w[e, at + head + j[None, :]].astype(jnp.int32)
+            scale = scale_of(HeadBytes(lambda h, w=w: w[e, at + h]))
+            lo, hi = (value(codes & 15) * scale).astype(x_lo.dtype), (value(codes >> 4) * scale).astype(x_lo.dtype)
+            new.append(a + _dot(x_lo, lo) + _dot(x_hi, hi))
+        return tuple(new)
 
-    zero = jnp.zeros((rows.size, cols.size), jnp.float32)
     return jax.lax.fori_loop(0, nk, body, (zero,) * len(w_refs))
 
 
-def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, bm: int, bn: int, bk: int, nk: int, bias: bool):
+def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, bias: bool, **mm):
     h_ref = refs[-1]
     n, t = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
+    bm, bn = mm["bm"], mm["bn"]
 
     @pl.when(e < E)
     def _():
-        rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
-        cols = pl.ds(pl.multiple_of(n * bn, bn), bn)
-        g, u = _matmul_tile(x_ref, (g_ref, u_ref), e, rows, cols, nk, bk)
+        g, u = _matmul_tile(x_ref, (g_ref, u_ref), e, t, n, **mm)
+        rows, cols = pl.ds(pl.multiple_of(t * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)
         if bias:
             g, u = g + refs[0][rows, cols].astype(jnp.float32), u + refs[1][rows, cols].astype(jnp.float32)
         w = w_ref[rows][:, None]
         h_ref[rows, cols] = jnp.where(w != 0, act(g, u) * w, 0.0).astype(h_ref.dtype)
 
 
-def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, bm: int, bn: int, bk: int, nk: int):
+def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, **mm):
     n, t = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
+    bm, bn = mm["bm"], mm["bn"]
 
     @pl.when(e < E)
     def _():
-        rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
-        cols = pl.ds(pl.multiple_of(n * bn, bn), bn)
-        (y,) = _matmul_tile(h_ref, (d_ref,), e, rows, cols, nk, bk)
-        y_ref[rows, cols] = y
+        (y,) = _matmul_tile(h_ref, (d_ref,), e, t, n, **mm)
+        y_ref[pl.ds(pl.multiple_of(t * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)] = y
+
+
+def _check_weights(name: str, w, E: int, N: int, K: int, fmt: str | None) -> None:
+    if fmt is None:
+        if w.shape != (E, N, K):
+            raise ValueError(f"{name} {w.shape} is not [{E}, {N}, {K}]")
+        return
+    if fmt not in FORMATS:
+        raise ValueError(f"the grouped expert kernels decode {'/'.join(FORMATS)} blocks, not {fmt}")
+    n = get_format(fmt).nbytes(N, K)
+    if w.ndim != 2 or w.shape[0] != E or w.dtype != jnp.uint8 or w.shape[1] < n:
+        raise ValueError(f"{name} {w.shape} {w.dtype} cannot hold {E} {fmt} [{N}, {K}] matrices of {n} bytes")
 
 
 def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
@@ -133,21 +183,23 @@ def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
     return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
 
 
-def gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, act, bias=None, *, block_n: int | None = None, block_k: int | None = None,
-            num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:  # fmt: skip
+def gate_up(x_PD, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None, block_n: int | None = None,
+            block_k: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:  # fmt: skip
     """h [P, F] in x's dtype (module docstring); `bias`: (gate [P, F], up [P, F]) of each row, or
-    None; `act(g, u)` in float32. gate and up in x's dtype. Blocks: by default the largest powers
-    of two up to 64 that divide F and D."""
+    None; `act(g, u)` in float32. gate and up: [E, F, D] in x's dtype, or with `fmt` (a name in
+    `FORMATS`) the banks' bytes [E, ≥ nbytes(F, D)] (then F must be given). Blocks: by default
+    the largest powers of two up to 64 that divide F and D."""
     P, D = x_PD.shape
-    E, F, _ = gate_EFD.shape
+    E, F = gate.shape[0], F or gate.shape[1]
     bm = P // tile_E.shape[0]
     block_n, block_k = block_n or _block(F, 64), block_k or _block(D, BLOCK_K)
     check_shapes(P, F, D, bm, block_n, block_k)
-    if gate_EFD.shape != (E, F, D) or up_EFD.shape != (E, F, D):
-        raise ValueError(f"gate {gate_EFD.shape} and up {up_EFD.shape} are not [{E}, {F}, {D}]")
+    _check_weights("gate", gate, E, F, D, fmt)
+    _check_weights("up", up, E, F, D, fmt)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     extra = () if bias is None else tuple(bias)
-    kernel = functools.partial(_gate_up_kernel, act=act, E=E, bm=bm, bn=block_n, bk=block_k, nk=D // block_k, bias=bias is not None)
+    mm = dict(bm=bm, bn=block_n, bk=block_k, nk=D // block_k, fmt=fmt, K=D)
+    kernel = functools.partial(_gate_up_kernel, act=act, E=E, bias=bias is not None, **mm)
     return pl.pallas_call(
         kernel,
         grid=(F // block_n, P // bm),
@@ -156,30 +208,30 @@ def gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, act, bias=None, *, block_n: int
         out_shape=jax.ShapeDtypeStruct((P, F), x_PD.dtype),
         name="grouped_gate_up",
         **_params(interpret, num_warps, num_stages),
-    )(tile_E, x_PD, gate_EFD, up_EFD, w_P.astype(jnp.float32), *extra)
+    )(tile_E, x_PD, gate, up, w_P.astype(jnp.float32), *extra)
 
 
-def down(h_PF, down_EDF, tile_E, *, block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
-         interpret: bool = False) -> jax.Array:  # fmt: skip
-    """h·downᵀ of each row's expert, float32 [P, D]; down in h's dtype. Blocks: by default the
-    largest powers of two up to 128 dividing D and up to 64 dividing F."""
+def down(h_PF, down_w, tile_E, *, D: int | None = None, fmt: str | None = None, block_n: int | None = None, block_k: int | None = None,
+         num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:  # fmt: skip
+    """h·downᵀ of each row's expert, float32 [P, D]; down: [E, D, F] in h's dtype, or with `fmt`
+    the banks' bytes (then D must be given). Blocks: by default the largest powers of two up to
+    128 dividing D and up to 64 dividing F."""
     P, F = h_PF.shape
-    E, D, _ = down_EDF.shape
+    E, D = down_w.shape[0], D or down_w.shape[1]
     bm = P // tile_E.shape[0]
     block_n, block_k = block_n or _block(D, 128), block_k or _block(F, BLOCK_K)
     check_shapes(P, D, F, bm, block_n, block_k)
-    if down_EDF.shape != (E, D, F):
-        raise ValueError(f"down {down_EDF.shape} is not [{E}, {D}, {F}]")
+    _check_weights("down", down_w, E, D, F, fmt)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_down_kernel, E=E, bm=bm, bn=block_n, bk=block_k, nk=F // block_k),
+        functools.partial(_down_kernel, E=E, bm=bm, bn=block_n, bk=block_k, nk=F // block_k, fmt=fmt, K=F),
         grid=(D // block_n, P // bm),
         in_specs=[any_spec] * 3,
         out_specs=any_spec,
         out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32),
         name="grouped_down",
         **_params(interpret, num_warps, num_stages),
-    )(tile_E, h_PF, down_EDF)
+    )(tile_E, h_PF, down_w)
 
 
 def _row_experts(tile_E, P: int, E: int):
@@ -188,8 +240,17 @@ def _row_experts(tile_E, P: int, E: int):
     return jnp.minimum(e_P, E - 1), e_P < E
 
 
-def gate_up_ref(x_PD, gate_EFD, up_EFD, tile_E, w_P, act, bias=None) -> jax.Array:
-    """Reference of `gate_up`: each row against its tile's expert in jnp; unused tiles' rows 0."""
+def _matrices(w, N: int | None, K: int, fmt: str | None, dtype):
+    if fmt is None:
+        return w
+    return get_format(fmt).dequantize(w[:, : get_format(fmt).nbytes(N, K)], N, K, dtype)
+
+
+def gate_up_ref(x_PD, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None) -> jax.Array:
+    """Reference of `gate_up`: each row against its tile's expert in jnp (a format's blocks
+    dequantized to x's dtype first); unused tiles' rows 0."""
+    D = x_PD.shape[1]
+    gate_EFD, up_EFD = (_matrices(w, F, D, fmt, x_PD.dtype) for w in (gate, up))
     P, E = x_PD.shape[0], gate_EFD.shape[0]
     e_P, used = _row_experts(tile_E, P, E)
     mm = dict(preferred_element_type=jnp.float32)
@@ -202,8 +263,9 @@ def gate_up_ref(x_PD, gate_EFD, up_EFD, tile_E, w_P, act, bias=None) -> jax.Arra
     return h.astype(x_PD.dtype)
 
 
-def down_ref(h_PF, down_EDF, tile_E) -> jax.Array:
+def down_ref(h_PF, down_w, tile_E, *, D: int | None = None, fmt: str | None = None) -> jax.Array:
     """Reference of `down`; unused tiles' rows 0."""
+    down_EDF = _matrices(down_w, D, h_PF.shape[1], fmt, h_PF.dtype)
     P, E = h_PF.shape[0], down_EDF.shape[0]
     e_P, used = _row_experts(tile_E, P, E)
     y = jnp.einsum("pf,pdf->pd", h_PF, down_EDF[e_P], preferred_element_type=jnp.float32)

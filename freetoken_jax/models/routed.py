@@ -61,8 +61,9 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
       ranked plan is not measured there yet);
     - "tiles" (many pairs): each expert's pairs in a group of whole tiles of rows and two Triton
-      kernels over the tiles, each multiplying its rows by its own expert's (dequantized)
-      weights (`pallas_kernels/grouped_experts.py`): the padding is under a tile an expert
+      kernels over the tiles, each multiplying its rows by its own expert's weights
+      (`pallas_kernels/grouped_experts.py`; q4_0 and mxfp4 blocks decoded as they are loaded,
+      other formats dequantized into a scratch first): the padding is under a tile an expert
       instead of a plan's power of two (`tiles_fit` says which layers);
     - "ragged" (many pairs): the pairs sorted by expert, unpadded, through jax's Mosaic GPU
       grouped matmul for Hopper where it fits (`grouped_experts.ragged_dot`), else XLA's
@@ -241,11 +242,18 @@ def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=Non
     E, D, dt = banks[0].shape[0], x_TD.shape[1], x_TD.dtype
     pair_of_row, row_of_pair, tile_E = grouped_experts.tile_layout(ids_TK, E, grouped_experts.block_m_for(T * K, E))
     x_PD, w_P, b = _rows(x_TD, w_TK, bias, pair_of_row, K)
-    gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
+
+    def read(k, decode=True):  # as stored where the kernels decode the format's blocks, else dequantized
+        f = layout.fmts[k]
+        return (banks[k], f) if decode and f in grouped_experts.FORMATS else (layout.matrix(k, banks[k], dt), None)
+
+    (g, fg), (u, fu), (d, fd) = read(0), read(1), read(2)
+    if fg != fu:  # one kernel reads gate and up: one way for both
+        (g, fg), (u, fu) = read(0, False), read(1, False)
     interpret = jax.default_backend() == "cpu"
-    h_PF = grouped_experts.gate_up(x_PD, gate_EFD, up_EFD, tile_E, w_P, activation(layout.act), None if b is None else b[:2],
+    h_PF = grouped_experts.gate_up(x_PD, g, u, tile_E, w_P, activation(layout.act), None if b is None else b[:2], F=layout.F, fmt=fg,
                                    interpret=interpret, **gate_up_kw or {})  # fmt: skip
-    y_PD = grouped_experts.down(h_PF, down_EDF, tile_E, interpret=interpret, **down_kw or {})
+    y_PD = grouped_experts.down(h_PF, d, tile_E, D=D, fmt=fd, interpret=interpret, **down_kw or {})
     if b is not None:
         y_PD = y_PD + jnp.where(w_P[:, None] != 0, b[2] * w_P[:, None], 0.0)
     return y_PD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)

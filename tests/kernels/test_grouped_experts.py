@@ -143,12 +143,47 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match="multiple of 16"):
         ge.gate_up(x, w, w, jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, interpret=True)
     x, w = jnp.zeros((32, 64)), jnp.zeros((2, 64, 64))
-    with pytest.raises(ValueError, match="are not"):
+    with pytest.raises(ValueError, match=r"up \(2, 32, 64\) is not \[2, 64, 64\]"):
         ge.gate_up(x, w, jnp.zeros((2, 32, 64)), jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, interpret=True)
     with pytest.raises(ValueError, match="block_m=15 must be a power of two"):
         ge.down(jnp.zeros((30, 64)), w, jnp.zeros((2,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="not whole blocks of 16 rows, 32 outputs"):
         ge.down(jnp.zeros((32, 64)), jnp.zeros((2, 48, 64)), jnp.zeros((2,), jnp.int32), block_n=32, interpret=True)
+
+
+@pytest.mark.parametrize("fmt", ge.FORMATS)
+@pytest.mark.parametrize(
+    "T,K,E,D,F,bm,dtype,bias,extra", [(40, 3, 5, 64, 96, 16, jnp.float32, True, 7), (33, 2, 5, 128, 64, 32, jnp.bfloat16, False, 0)]
+)
+def test_kernels_decode_4bit_banks_as_they_load_them(fmt, T, K, E, D, F, bm, dtype, bias, extra):
+    """Banks of q4_0 / mxfp4 bytes (rows `extra` bytes wider than the matrices, as slots are):
+    against float64 over the dequantized matrices and against the references, which dequantize
+    the banks to x's dtype first."""
+    from freetoken_jax.quant.formats import get_format
+
+    rng = np.random.default_rng(D + F + extra)
+    c = _case(rng, T, K, E, D, F, dtype, bm, bias)
+    Q = get_format(fmt)
+    banks, mats = [], []
+    for w, (o, i) in zip(c["np"][2], ((F, D), (F, D), (D, F))):
+        b = np.stack([Q.quantize_ref(m) for m in w])
+        mats.append(np.stack([Q.dequantize_ref(r, o, i) for r in b]))
+        banks.append(jnp.asarray(np.concatenate([b, rng.integers(0, 256, (E, extra), dtype=np.uint8)], axis=1)))
+    g, u, d = banks
+    h = ge.gate_up(c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], F=F, fmt=fmt, interpret=not GPU)
+    y = ge.down(h, d, c["tile_E"], D=D, fmt=fmt, interpret=not GPU)
+    used = np.repeat(np.asarray(c["tile_E"]) < E, bm)
+    x_P, w_P, _, tile_E, b = c["np"]
+    if dtype == jnp.float32:
+        h64, y64 = _float64(x_P, w_P, mats, tile_E, b, bm)
+        for got, want in ((h, h64), (y, y64)):
+            np.testing.assert_allclose(np.asarray(got, np.float64)[used], want[used], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    h_ref = ge.gate_up_ref(c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], F=F, fmt=fmt)
+    y_ref = ge.down_ref(h_ref, d, c["tile_E"], D=D, fmt=fmt)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for got, want in ((h, h_ref), (y, y_ref)):
+        got, want = np.asarray(got, np.float32)[used], np.asarray(want, np.float32)[used]
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_kernels_lower_to_triton_for_the_gpu():
@@ -168,6 +203,15 @@ def test_kernels_lower_to_triton_for_the_gpu():
     )
     text = exp.mlir_module()
     assert bm == 128 and text.count("__gpu$xla.gpu.triton") == 2 and "grouped_gate_up" in text and "grouped_down" in text
+
+    def q(x, g, u, d, tile_E, w):  # q4_0 banks as the slots hold them
+        return ge.down(ge.gate_up(x, g, u, tile_E, w, silu, F=F, fmt="q4_0"), d, tile_E, D=D, fmt="q4_0")
+
+    banks = (sds((E, 884736), jnp.uint8),) * 3
+    exp = export.export(jax.jit(q), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        args[0], *banks, *args[4:]
+    )
+    assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 2
 
 
 RAGGED = ("ref", "mosaic") if GPU else ("ref",)

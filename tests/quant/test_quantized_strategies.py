@@ -67,3 +67,17 @@ def test_strategies_agree_on_quantized_experts(family, fmt, ckpt_root, monkeypat
         eng = engine(family, path, moe_strategy="cpu", expert_format=fmt)
         got = np.asarray(eng.logits(PROMPTS[0]))
         assert 0 < np.abs(got - logits).max() < 2e-2
+
+
+@pytest.mark.parametrize("family,fmt", [("mixtral", "q4_0"), ("qwen3_moe", "mxfp4"), ("generic", "q8_0")])
+def test_prefill_over_tiles_reads_quantized_banks(family, fmt, ckpt_root, monkeypatch):
+    """A prompt's prefill with FREETOKEN_PREFILL_EXPERTS=tiles — q4_0 and mxfp4 blocks decoded by
+    the kernels as they load them, q8_0 dequantized first — gives "grouped"'s logits, fused and
+    offload (each layer's bank copied in whole: 2E slots)."""
+    path = None if family in GENERIC else make_checkpoint(family, ckpt_root)
+    for strategy, kw in (("fused", {}), ("offload", dict(expert_slots=2 * 8))):
+        monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "grouped")
+        want = np.asarray(engine(family, path, moe_strategy=strategy, expert_format=fmt, **kw).logits(PROMPTS[0]))
+        monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "tiles")
+        got = np.asarray(engine(family, path, moe_strategy=strategy, expert_format=fmt, **kw).logits(PROMPTS[0]))
+        np.testing.assert_allclose(got, want, atol=1e-4, rtol=0, err_msg=strategy)
