@@ -350,7 +350,10 @@ class EngineConfig:
     # the compute) or "auto": on a GPU, copy where two layers' banks fit beside the chunk's
     # activations in half of the device memory the plan leaves free, else fetch
     # (`memory.budget.choose_prefill_load`; the log says which); on the CPU backend copy when an
-    # expert row is under 256 KB, else fetch.
+    # expert row is under 256 KB, else fetch. Strategy "cpu": "copy" (what "auto" becomes on a GPU
+    # with room for two layers' banks) computes a prefill chunk of at least 4 routed pairs an
+    # expert on the device, each layer's bank copied in while the layer before computes
+    # (`runtime/offload.device_prefill_pays`); otherwise the CPU computes every chunk.
     prefill_load: str = "auto"
     # Strategy "auto": with a benchbw.json, the engine first decodes this many steps under hybrid,
     # offload and cpu (batch 1, sampled) and keeps the fastest, whatever the profile's bandwidth
@@ -376,7 +379,7 @@ class EngineConfig:
     # that start with the same tokens (serving and the offline API alike).
     prefix_cache: bool = True
     # Tokens of a prompt prefilled per step (a power of two). None: 512, or under offload /
-    # hybrid on a device with memory to spare the largest of 1024-8192 whose activations fit it
+    # hybrid / cpu on a device with memory to spare the largest of 1024-8192 whose activations fit it
     # (`memory.budget.choose_prefill_chunk`): every chunk streams the experts that are not in
     # the slots, so fewer, larger chunks prefill faster (H200, 24-layer Qwen3-30B-A3B shape, bf16,
     # 8 GB of slots, 8192 tokens: 873 tok/s in chunks of 512, 4244 in chunks of 4096).

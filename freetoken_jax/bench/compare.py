@@ -152,7 +152,7 @@ class Bench:
         elif variant == "hybrid":
             experts = Hybrid(self.views, handoff, self.ecfg.hybrid_overhead, self.ecfg.prefill_load, float(q))
         elif variant == "cpu":
-            experts = Cpu(self.views, handoff)
+            experts = Cpu(self.views, handoff, self.ecfg.prefill_load)
         elif variant in ("layer", "stream"):
             experts = LayerStreaming(self.ecfg.prefill_load)
         elif variant == "per-token":

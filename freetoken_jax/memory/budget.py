@@ -169,10 +169,11 @@ def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPla
     """(prefill_load, why) for an `ecfg` whose chunk is settled: "auto" becomes "copy" on a GPU
     when two layers' banks fit beside the chunk's activations in `ACTIVATION_SHARE` of what the
     plan leaves free (a layer computes from its copied bank while the next layer's copy lands in
-    a device buffer of its own), else "fetch" (into the borrowed buffers; nothing more).
-    Unchanged where it was given, off a GPU, or without a budget (the executor's own rule:
-    `runtime/offload.py`)."""
-    if ecfg.prefill_load != "auto" or not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None or not gpu:
+    a device buffer of its own), else "fetch" (into the borrowed buffers; nothing more; under
+    strategy cpu, the CPU computes every chunk). Unchanged where it was given, off a GPU, or
+    without a budget (the executor's own rule: `runtime/offload.py`)."""
+    streams = ecfg.moe_strategy.uses_slots or ecfg.moe_strategy is Strategy.CPU
+    if ecfg.prefill_load != "auto" or not streams or plan.budget_bytes is None or not gpu:
         return ecfg.prefill_load, "as given, or the executor's rule"
     bank = cfg.num_experts * plan.expert_bytes
     need = prefill_activation_bytes(cfg, ecfg, ecfg.chunk) + 2 * bank
@@ -189,14 +190,14 @@ def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPla
 
 
 def choose_prefill_chunk(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan) -> tuple[int, str]:
-    """(prefill chunk, why) for an `ecfg` that leaves it to be chosen: under offload / hybrid,
-    with a known budget, the largest of `PREFILL_CHUNKS` no longer than the context whose
+    """(prefill chunk, why) for an `ecfg` that leaves it to be chosen: under offload / hybrid /
+    cpu (whose long chunks go to the device, `runtime/offload.device_prefill_pays`), with a known budget, the largest of `PREFILL_CHUNKS` no longer than the context whose
     activations take at most `ACTIVATION_SHARE` of what the plan leaves free; else the default."""
     if ecfg.prefill_chunk is not None:
         return ecfg.prefill_chunk, "prefill_chunk was given"
     default = ecfg.chunk
-    if not ecfg.moe_strategy.uses_slots or plan.budget_bytes is None:
-        return default, "the default (larger chunks pay under offload / hybrid, where each chunk streams the experts)"
+    if not (ecfg.moe_strategy.uses_slots or ecfg.moe_strategy is Strategy.CPU) or plan.budget_bytes is None:
+        return default, "the default (larger chunks pay under offload / hybrid / cpu, where each chunk streams the experts)"
     free = plan_free_bytes(ecfg, plan)
     for t in PREFILL_CHUNKS:
         if t <= ecfg.max_context and prefill_activation_bytes(cfg, ecfg, t) <= ACTIVATION_SHARE * free:

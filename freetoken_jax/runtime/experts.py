@@ -60,6 +60,11 @@ class ExpertBackend:
         two borrowed layer buffers) or "stream" (each layer's whole bank copied and dropped)."""
         return "stream"
 
+    def for_prefill(self, cfg, tokens: int) -> ExpertBackend:
+        """The backend a prefill chunk of `tokens` (rows × length) runs with: this one, except
+        where a strategy computes large chunks elsewhere than its decode steps (`Cpu`)."""
+        return self
+
     def expert_fns(self, model, valid_T: jax.Array, positions_T: jax.Array, slots: SlotCache | None, buffered: bool = False):
         raise NotImplementedError
 
@@ -141,22 +146,36 @@ class Hybrid(ExpertBackend):
         return Offload(self.prefill_load, self.compute)
 
     def as_cpu(self) -> Cpu:
-        """Every routed expert on the CPU, from the same host banks."""
-        return Cpu(self.host_banks, self.handoff)
+        """Every routed expert on the CPU, from the same host banks (a large prefill chunk on the
+        device where hybrid's prefill copies whole banks)."""
+        return Cpu(self.host_banks, self.handoff, self.prefill_load)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Cpu(ExpertBackend):
-    """Every routed expert computed by the C++ executor from the host banks; no slots."""
+    """Every routed expert computed by the C++ executor from the host banks; no slots. With
+    `prefill_load` "copy" (a GPU with room for two layers' banks: `EngineConfig.prefill_load`) a
+    prefill chunk whose pairs would keep the CPU busier than the layer's copy over PCIe
+    (`offload.device_prefill_pays`) runs on the device instead (`on_device`): each layer's bank
+    copied in whole while the layer before computes, as offload's prefill copies them."""
 
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
     handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))
+    prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))
+    on_device: bool = dataclasses.field(default=False, metadata=dict(static=True))
     strategy: ClassVar[Strategy] = Strategy.CPU
 
-    def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
-        from freetoken_jax.runtime.offload import CpuExpertExecutor
+    def for_prefill(self, cfg, tokens):
+        from freetoken_jax.runtime.offload import device_prefill_pays
 
+        return dataclasses.replace(self, on_device=self.prefill_load == "copy" and device_prefill_pays(cfg, tokens))
+
+    def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
+        from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
+
+        if self.on_device:
+            return OffloadExecutor(model.cfg, model, None, valid_T, prefill=True, prefill_load="copy").expert_fns(model), lambda: slots
         return CpuExpertExecutor(model.cfg, self.host_banks, valid_T, self.handoff).expert_fns(model), lambda: slots
 
 
@@ -182,5 +201,5 @@ def make_backend(ecfg: EngineConfig, params=None, host_banks=None) -> ExpertBack
         host_banks = host_bank_views(params)
     handoff = resolve_mode(ecfg.cpu_handoff)
     if s is Strategy.CPU:
-        return Cpu(host_banks, handoff)
+        return Cpu(host_banks, handoff, ecfg.prefill_load)
     return Hybrid(host_banks, handoff, ecfg.hybrid_overhead, ecfg.prefill_load, float(ecfg.hybrid_q))

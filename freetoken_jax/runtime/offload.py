@@ -75,6 +75,19 @@ def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
     return tokens * k <= num_slots and (1 - k / E) ** tokens >= 0.1
 
 
+# A chunk of the `cpu` strategy goes to the device (each layer's bank copied in) when it routes at
+# least this many pairs an expert on average: 64 tokens at 128 experts, top-8. There the CPU's
+# int8 products of one layer (8 × 64 pairs of 9.4 MFLOP at Qwen3-30B-A3B's shape, a few TFLOP/s on
+# 16 cores) take about as long as the layer's q4_0 bank takes over PCIe (340 MB at 50 GB/s,
+# 6.8 ms); a longer chunk's products grow with it, the copy does not.
+CPU_PREFILL_PAIRS = 4
+
+
+def device_prefill_pays(cfg: MoEModelConfig, tokens: int) -> bool:
+    """Whether strategy `cpu` computes a prefill chunk of `tokens` (rows × length) on the device."""
+    return tokens * cfg.top_k >= CPU_PREFILL_PAIRS * cfg.num_experts
+
+
 class OffloadExecutor:
     """Builds each MoE layer's expert function for one traced step, threading the slot cache
     through the layers (`self.cache` holds the latest version while tracing)."""
@@ -102,8 +115,9 @@ class OffloadExecutor:
         if cache is not None and not prefill:
             self.victims = step_victims(cache, cfg.num_moe_layers, valid_T.shape[0] * cfg.top_k)
         self.layouts = [ExpertLayout.of(cfg, m) for m in range(cfg.num_moe_layers)]
-        if prefill and cache is not None:
-            self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
+        if prefill:  # without a cache (strategy cpu's chunks on the device) every bank is copied in
+            if cache is not None:
+                self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
             self.layer_slots: dict = {}  # MoE layer -> the slot of each of its experts
             self.layer_banks: dict = {}  # MoE layer -> its bank copied to the device, computed from as it is
         self.banks = [
@@ -116,9 +130,9 @@ class OffloadExecutor:
         return None if self.cache is None else record_stats(self.cache, self.stats)
 
     def expert_fns(self, model) -> list:
-        if self.cache is None:
-            return moe_layer_fns(model, self._prefill_fn)
-        return moe_layer_fns(model, self._buffered_prefill_fn if self.prefill else self._decode_fn)
+        if self.prefill:
+            return moe_layer_fns(model, self._buffered_prefill_fn)
+        return moe_layer_fns(model, self._prefill_fn if self.cache is None else self._decode_fn)
 
     def _copies_bank(self, m: int) -> bool:
         """Whether layer m's whole bank comes in by one in-jit `device_put` ("copy") rather than
@@ -126,10 +140,10 @@ class OffloadExecutor:
         plan first: `memory.budget.choose_prefill_load`): always on a GPU, where XLA runs the
         copy on its own stream beside the compute while the fetch kernel runs on the compute
         stream, in series with it (H200: a 2048-token q4_0 chunk 316 against 381 ms); on the
-        CPU backend for rows under 256 KB."""
+        CPU backend for rows under 256 KB; always without a slot cache (strategy cpu's chunks)."""
         row = self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize
         auto = host_memory_kind() is not None or row < SMALL_ROW_BYTES
-        return self.prefill_load == "copy" or (self.prefill_load == "auto" and auto)
+        return self.cache is None or self.prefill_load == "copy" or (self.prefill_load == "auto" and auto)
 
     def _fetch_layer(self, m: int) -> None:
         """Brings MoE layer m's experts in by the Pallas fetch: the resident ones are used where
@@ -155,7 +169,7 @@ class OffloadExecutor:
         layers', which stay resident after the prefill (`keep_buffer`), are written into their
         buffers (a bank's scatter into the slot arrays and the gather back out cost as much as a
         third of a 2048-token chunk's compute on the H200)."""
-        if m >= len(self.banks) - 2:
+        if m >= len(self.banks) - 2 and self.cache is not None:
             self._place_copy(m, copied)
         else:
             self.layer_banks[m] = tuple(copied)
@@ -193,7 +207,7 @@ class OffloadExecutor:
                 if copy_wait() == "output" or m + 1 >= n - 2:
                     out, copied = jax.lax.optimization_barrier((out, copied))
                 self._take_copy(m + 1, copied)
-            if m == n - 1:  # the last two layers' experts stay resident
+            if m == n - 1 and self.cache is not None:  # the last two layers' experts stay resident
                 for last in range(max(0, n - 2), n):
                     self.cache = keep_buffer(self.cache, self.buffers[last % 2], last)
             return out

@@ -172,6 +172,9 @@ class SyntheticRouting(ExpertBackend):
     def prefill_path(self, cfg, tokens, num_slots):
         return self.inner.prefill_path(cfg, tokens, num_slots)
 
+    def for_prefill(self, cfg, tokens):
+        return dataclasses.replace(self, inner=self.inner.for_prefill(cfg, tokens))
+
     # hybrid's variants (the `auto` probe's candidates), routed the same way
     def with_q(self, q: float) -> SyntheticRouting:
         return dataclasses.replace(self, inner=self.inner.with_q(q))

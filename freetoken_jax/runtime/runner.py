@@ -304,30 +304,31 @@ class ModelRunner:
 
     # Steps -------------------------------------------------------------------------------------------
     def _prefill_fn(self, tokens: int):
-        """(jitted step, whether it takes the slot cache) for a prefill chunk of `tokens` (rows ×
-        length): the path the backend picks for the slot cache (`ExpertBackend.prefill_path`);
-        without slots each layer's whole bank is streamed."""
-        slots = self.state.slots
-        path = "stream" if slots is None else self.experts.prefill_path(self.model_config, tokens, slots.num_slots)
+        """(jitted step, whether it takes the slot cache, the expert backend it runs with) for a
+        prefill chunk of `tokens` (rows × length): the path the backend picks for the slot cache
+        (`ExpertBackend.prefill_path`); without slots each layer's whole bank is streamed, or the
+        backend's own way (`ExpertBackend.for_prefill`)."""
+        slots, experts = self.state.slots, self.experts.for_prefill(self.model_config, tokens)
+        path = "stream" if slots is None else experts.prefill_path(self.model_config, tokens, slots.num_slots)
         if path == "slots":
-            return self.steps.prefill_slots, True
+            return self.steps.prefill_slots, True, experts
         if path == "buffered":
-            return self.steps.prefill_buffered, True
+            return self.steps.prefill_buffered, True, experts
         if slots is not None and self._prefill_note is None:
             E = self.model_config.num_experts
             self._prefill_note = f"prefill streams whole layers without double buffering: {slots.num_slots} slots < 2 x {E} experts"
             log.info(self._prefill_note)
-        return self.steps.prefill, False
+        return self.steps.prefill, False, experts
 
     def prefill(self, batch: PrefillBatch) -> jax.Array:
         """One prefill chunk into the runner's KV (and slot) cache; returns each row's token after
         its last valid position in the chunk."""
-        step, with_slots = self._prefill_fn(batch.tokens_BT.size)
+        step, with_slots, experts = self._prefill_fn(batch.tokens_BT.size)
         st = self.state
         if with_slots:
-            tok, cache, slots = step(self.weights, st.cache, batch, st.slots, self.experts)
+            tok, cache, slots = step(self.weights, st.cache, batch, st.slots, experts)
         else:
-            (tok, cache), slots = step(self.weights, st.cache, batch, self.experts), st.slots
+            (tok, cache), slots = step(self.weights, st.cache, batch, experts), st.slots
         self.state = dataclasses.replace(st, cache=cache, slots=slots)
         return tok
 
@@ -370,7 +371,9 @@ class ModelRunner:
 
     def score(self, batch: PrefillBatch) -> jax.Array:
         """Float32 logits [B, T, V] of a chunk; its K/V is written to the cache like a prefill's."""
-        logits, cache = self.steps.score(self.weights, self.state.cache, batch, self.experts)
+        logits, cache = self.steps.score(
+            self.weights, self.state.cache, batch, self.experts.for_prefill(self.model_config, batch.tokens_BT.size)
+        )
         self.state = dataclasses.replace(self.state, cache=cache)
         return logits
 
@@ -421,9 +424,9 @@ class ModelRunner:
         """(prefill step, argument shapes) of a chunk of `rows` × T tokens for each T in `chunks`."""
         st, jobs = shapes(self.state, committed=True), []
         for T in chunks:
-            step, with_slots = self._prefill_fn(rows * T)
+            step, with_slots, experts = self._prefill_fn(rows * T)
             args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, *self.tables))
-            jobs.append((step, args + ((st.slots, self.experts) if with_slots else (self.experts,))))
+            jobs.append((step, args + ((st.slots, experts) if with_slots else (experts,))))
         return jobs
 
     def prompt_jobs(self, prompt_len: int) -> list[tuple]:

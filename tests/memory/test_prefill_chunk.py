@@ -26,12 +26,12 @@ def expected(ecfg, free):
     return max(fits) if fits else DEFAULT_PREFILL_CHUNK
 
 
+@pytest.mark.parametrize("strategy", ["offload", "cpu"])  # cpu: its long chunks stream the banks to the device
 @pytest.mark.parametrize("budget_gb", [0.01, 0.02, 0.05, 0.2, 1.0, 8.0])
 @pytest.mark.parametrize("max_context", [2048, 16384])
-def test_the_largest_chunk_that_fits_what_the_plan_leaves(budget_gb, max_context):
-    ecfg = EngineConfig(
-        dtype="float32", moe_strategy="offload", expert_slots=8, max_context=max_context, max_batch=1, total_vram_gb=budget_gb
-    )
+def test_the_largest_chunk_that_fits_what_the_plan_leaves(strategy, budget_gb, max_context):
+    slots = dict(expert_slots=8) if strategy == "offload" else {}
+    ecfg = EngineConfig(dtype="float32", moe_strategy=strategy, **slots, max_context=max_context, max_batch=1, total_vram_gb=budget_gb)
     plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
     free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
     chunk, why = choose_prefill_chunk(CFG, ecfg, plan)
@@ -43,7 +43,7 @@ def test_given_chunks_and_other_strategies_keep_theirs():
     big = dict(dtype="float32", max_context=16384, max_batch=1, total_vram_gb=8.0)
     for ecfg in (
         EngineConfig(**big, moe_strategy="fused"),
-        EngineConfig(**big, moe_strategy="cpu"),
+        EngineConfig(dtype="float32", moe_strategy="cpu", max_batch=1),
         EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_batch=1),
     ):  # fmt: skip  (no budget: the default)
         plan = plan_memory(CFG, ecfg, 10_000, 20_000, 4, None)
@@ -75,9 +75,11 @@ def test_attention_scores_are_estimated_over_one_block():
     assert est(16 * ATTN_BLOCK) == 4 * (512 * per_token + 2 * rows * CFG.hidden_dim)
 
 
+@pytest.mark.parametrize("strategy", ["offload", "cpu"])  # cpu: "fetch" leaves every chunk on the CPU
 @pytest.mark.parametrize("budget_gb", [0.0002, 0.0005, 0.001, 0.01, 1.0])
-def test_whole_bank_copies_where_a_layer_fits_beside_the_activations(budget_gb):
-    ecfg = EngineConfig(dtype="float32", moe_strategy="offload", expert_slots=8, max_context=64, max_batch=1, total_vram_gb=budget_gb,
+def test_whole_bank_copies_where_a_layer_fits_beside_the_activations(strategy, budget_gb):
+    slots = dict(expert_slots=8) if strategy == "offload" else {}
+    ecfg = EngineConfig(dtype="float32", moe_strategy=strategy, **slots, max_context=64, max_batch=1, total_vram_gb=budget_gb,
                         prefill_chunk=16)  # fmt: skip
     plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
     free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes

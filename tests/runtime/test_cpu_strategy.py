@@ -38,3 +38,27 @@ def test_host_view_is_the_bank_itself():
     assert v.ctypes.data == bank.unsafe_buffer_pointer()  # no copy: the executor reads the bank
     np.testing.assert_array_equal(v, np.arange(24).reshape(4, 6))
     assert not v.flags.writeable
+
+
+def test_long_chunks_run_on_the_device(ckpt_root, monkeypatch):
+    """With prefill_load "copy" a chunk of at least CPU_PREFILL_PAIRS pairs an expert (16 tokens
+    of top-3 of 8 experts: 48 ≥ 32) runs on the device — each layer's bank copied in, counted
+    here — and a shorter one (4 tokens: 12) on the CPU; decode stays on the CPU. Tokens and
+    logits are fused's either way."""
+    from freetoken_jax.runtime import offload
+
+    path = make_checkpoint("qwen2_moe", ckpt_root)
+    copied = []
+    real = offload.OffloadExecutor._buffered_prefill_fn
+    monkeypatch.setattr(offload.OffloadExecutor, "_buffered_prefill_fn", lambda self, m: copied.append(m) or real(self, m))
+    fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
+    cpu = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="cpu", prefill_load="copy"))
+    assert offload.device_prefill_pays(cpu.model_config, 16) and not offload.device_prefill_pays(cpu.model_config, 4)
+    np.testing.assert_allclose(cpu.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
+    assert copied == list(range(cpu.model_config.num_moe_layers))  # one traced chunk: every MoE layer copied in
+    np.testing.assert_allclose(cpu.logits(PROMPTS[1]), fused.logits(PROMPTS[1]), atol=1e-5, rtol=0)
+    assert len(copied) == cpu.model_config.num_moe_layers  # the short chunk: on the CPU
+    assert cpu.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True) == fused.generate_batch(
+        PROMPTS, max_new_tokens=12, ignore_eos=True
+    )
+    assert not cpu.experts.on_device and cpu.plan.slots == 0 and cpu.compilations()["decode"] == 1
