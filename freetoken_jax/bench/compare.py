@@ -18,7 +18,9 @@ Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
 baselines for the buffered prefill of offload / hybrid, and `offload-copy` / `offload-fetch` (the
 buffered prefill loading whole banks by device_put, or the missing experts by the Pallas fetch:
-`prefill_load="copy"` / `"fetch"`; plain offload takes the engine's choice).
+`prefill_load="copy"` / `"fetch"`; plain offload takes the engine's choice); `cpu-fetch` is cpu
+with every chunk on the CPU (plain cpu computes long chunks on the device, as the engine does on a
+GPU).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q*, tokens/s as a multiple of the naive baseline's (when it ran at that batch and skew) and the
@@ -58,7 +60,7 @@ from freetoken_jax.runtime.steps import shapes
 from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
-PREFILL_VARIANTS = ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token", "cpu", "fused")
+PREFILL_VARIANTS = ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token", "cpu", "cpu-fetch", "fused")
 SLOT_PREFILLS = ("offload", "offload-copy", "offload-fetch", "hybrid", "per-token")  # prefill through a slot cache
 
 
@@ -151,8 +153,8 @@ class Bench:
             weights, experts = self._fused.weights, FUSED
         elif variant == "hybrid":
             experts = Hybrid(self.views, handoff, self.ecfg.hybrid_overhead, self.ecfg.prefill_load, float(q))
-        elif variant == "cpu":
-            experts = Cpu(self.views, handoff, self.ecfg.prefill_load)
+        elif variant in ("cpu", "cpu-fetch"):
+            experts = Cpu(self.views, handoff, "fetch" if variant == "cpu-fetch" else self.ecfg.prefill_load)
         elif variant in ("layer", "stream"):
             experts = LayerStreaming(self.ecfg.prefill_load)
         elif variant == "per-token":
@@ -369,7 +371,8 @@ class Bench:
             runner.close()
         chunks = -(-prompt_len // chunk)  # the bound is the buffered path's, at the chosen chunk size
         all_experts = cfg.num_moe_layers * cfg.num_experts * self.expert_bytes
-        bound = chunks * all_experts / self.bp if variant in SLOT_PREFILLS or variant == "stream" else None
+        cpu_streams = variant == "cpu" and wx[1].for_prefill(cfg, chunk).on_device
+        bound = chunks * all_experts / self.bp if variant in SLOT_PREFILLS or variant == "stream" or cpu_streams else None
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None, routing_skew=skew,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first, first_margin=margin,

@@ -167,9 +167,11 @@ class Cpu(ExpertBackend):
     strategy: ClassVar[Strategy] = Strategy.CPU
 
     def for_prefill(self, cfg, tokens):
-        from freetoken_jax.runtime.offload import device_prefill_pays
+        from freetoken_jax.runtime.offload import device_prefill_pays, host_memory_kind
 
-        return dataclasses.replace(self, on_device=self.prefill_load == "copy" and device_prefill_pays(cfg, tokens))
+        # "auto" left unresolved (no memory budget) copies on a GPU, as offload's executor does
+        copy = self.prefill_load == "copy" or (self.prefill_load == "auto" and host_memory_kind() is not None)
+        return dataclasses.replace(self, on_device=copy and device_prefill_pays(cfg, tokens))
 
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
         from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor

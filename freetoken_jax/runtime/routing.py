@@ -175,6 +175,11 @@ class SyntheticRouting(ExpertBackend):
     def for_prefill(self, cfg, tokens):
         return dataclasses.replace(self, inner=self.inner.for_prefill(cfg, tokens))
 
+    @property
+    def on_device(self) -> bool:
+        """Whether a `Cpu` backend inside computes its prefill chunks on the device."""
+        return getattr(self.inner, "on_device", False)
+
     # hybrid's variants (the `auto` probe's candidates), routed the same way
     def with_q(self, q: float) -> SyntheticRouting:
         return dataclasses.replace(self, inner=self.inner.with_q(q))
