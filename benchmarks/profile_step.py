@@ -40,7 +40,7 @@ from freetoken_jax.bench.presets import preset_config  # noqa: E402
 from freetoken_jax.memory.kv_cache import init_cache  # noqa: E402
 from freetoken_jax.runtime.experts import Fused  # noqa: E402
 from freetoken_jax.runtime.runner import _traced  # noqa: E402
-from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step  # noqa: E402
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling, decode_step_plain  # noqa: E402
 
 TIMELINE = 0  # --timeline: how many events of the middle of the last profiled step to list in order
 
@@ -167,7 +167,7 @@ def host_bank_strategies(args) -> list:
     for B, s, sampling, order in [(B, s, m, o) for B in args.batch for s in args.strategies for m in args.sampling for o in args.token]:
         use_sampling(bench, sampling)
         if order == "first":  # the token as the step's first output, with the donated buffers it takes (`runner._token_last`)
-            bench.steps.decode = jax.jit(_traced(decode_step, args.dtype, {}), donate_argnums=(1,))
+            bench.steps.decode = jax.jit(_traced(decode_step_plain, args.dtype, {}), donate_argnums=(1,))
         runner = bench._runner(*bench.variant(s, q, args.routing_skew), B, bench._decode_slots(s, B, args.slots_gb))
         t = time.perf_counter()
         step, shapes = runner.decode_job()
@@ -246,22 +246,27 @@ def handoff_stats():
 
 
 def use_sampling(bench, how: str) -> None:
-    """Retraces `bench`'s steps with the engine's sampler (`where`: both paths computed, each
-    row selects), with that sampler behind a `lax.cond` that takes argmax when no row samples
-    (`cond`: the engine's sampler before it lost the conditional), or greedy only."""
+    """Retraces `bench`'s steps with the engine's decode sampler (`plain`: greedy or temperature,
+    no sort of the vocabulary), with the sampler of top-k and top-p (`sort`: its sort computed at
+    every step and each row selecting, as the decode step sampled before `plain`), with that
+    sampler behind a `lax.cond` that takes argmax when no row samples (`cond`: the engine's
+    sampler before it lost the conditional), or greedy only."""
     from freetoken_jax.runtime import sampling, steps
     from freetoken_jax.runtime.runner import StepSet
 
-    def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B):
+    def sample_plain(logits_BV, seeds_B, positions_B, temperature_B):
+        B = logits_BV.shape[0]
         greedy = lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)  # noqa: E731
-        engine = lambda: sampling.sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B)  # noqa: E731
+        sort = lambda: sampling.sample(logits_BV, seeds_B, positions_B, temperature_B, jnp.zeros(B, jnp.int32), jnp.ones(B))  # noqa: E731
         if how == "greedy":
             return greedy()
         if how == "cond":
-            return jax.lax.cond(jnp.any(temperature_B > 0), engine, greedy)
-        return engine()
+            return jax.lax.cond(jnp.any(temperature_B > 0), sort, greedy)
+        if how == "sort":
+            return sort()
+        return sampling.sample_plain(logits_BV, seeds_B, positions_B, temperature_B)
 
-    steps.sample = sample
+    steps.sample_plain = sample_plain
     bench.steps = StepSet(bench.ecfg.dtype)  # fresh jitted functions: traced with this sampler
 
 
@@ -330,7 +335,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="keep the preset's first layers")
     ap.add_argument("--no-profile", action="store_true", help="no CUPTI profile (wall time only)")
     ap.add_argument("--out", default=".")
-    ap.add_argument("--sampling", nargs="+", default=["where"], choices=["where", "cond", "greedy"],
+    ap.add_argument("--sampling", nargs="+", default=["plain"], choices=["plain", "sort", "cond", "greedy"],
                     help="host-bank strategies: how the sampler picks greedy or stochastic (see use_sampling)")  # fmt: skip
     ap.add_argument("--token", nargs="+", default=["last"], choices=["last", "first"],
                     help="host-bank strategies: the decode step's sampled token as its last output (the engine's) or first")  # fmt: skip
@@ -364,7 +369,7 @@ def main() -> int:
             impl = variant
             if impl == "slices" and B * cfg.top_k > 16:
                 continue
-            step = jax.jit(functools.partial(decode_step), donate_argnums=(1,))
+            step = jax.jit(functools.partial(decode_step_plain), donate_argnums=(1,))
             cache = init_cache(cfg, ecfg, jnp.dtype(args.dtype))
             state = DecodeState.start(cache, np.arange(B), np.full(B, 64))
             t = time.perf_counter()

@@ -49,7 +49,7 @@ from freetoken_jax.runtime.steps import (
     Sampling,
     Weights,
     decode_forward,
-    decode_step,
+    decode_step_plain,
     on_device,
     prefill_step,
     prefill_step_buffered,
@@ -118,10 +118,11 @@ class _TokenFirst:
 
 
 class StepSet:
-    """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`,
+    """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`
+    (`steps.decode_step_plain`: greedy or temperature alone),
     `prefill(weights, cache, batch, experts)`, `prefill_buffered` / `prefill_slots(weights, cache,
     batch, slots, experts)` and `score(weights, cache, batch, experts)`; and the decode step in
-    two halves for batches with rows that ask for more than temperature, top-k and top-p,
+    two halves for batches with rows that ask for more than a temperature,
     `decode_logits` (`steps.decode_forward`) and `sample` (`steps.sample_step`: penalties, bias,
     log-probabilities, grammar masks, which the host computes while the model half runs)."""
 
@@ -129,7 +130,7 @@ class StepSet:
         self.traces: dict[str, int] = {}
         jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
         sampled = lambda f, donate, **kw: _TokenFirst(jit(_token_last(f), donate, **kw))  # noqa: E731
-        self.decode = sampled(decode_step, (1,))
+        self.decode = sampled(decode_step_plain, (1,))
         self.prefill = sampled(prefill_step, (1,))
         self.prefill_buffered = sampled(prefill_step_buffered, (1, 3))
         self.prefill_slots = sampled(prefill_step_slots, (1, 3))
@@ -142,7 +143,7 @@ class StepSet:
         t = self.traces
         return dict(
             prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0) + t.get("prefill_step_slots", 0),
-            decode=t.get("decode_step", 0) + t.get("decode_forward", 0),
+            decode=t.get("decode_step_plain", 0) + t.get("decode_forward", 0),
             score=t.get("score_step", 0),
         )
 

@@ -5,8 +5,9 @@ Each row has its own parameters (arrays, so one executable serves every mix of s
 its own key, derived from the request's seed and the position being sampled: a request's
 output does not depend on what else is in the batch.
 
-Two samplers share these arrays. `sample` (temperature, top-k, top-p) is what prefill chunks
-and a state without token counts use. `sample_full` first processes the logits as each row asks
+Three samplers share these arrays. `sample_plain` (greedy or temperature alone: no sort of the
+vocabulary) is the engine's decode step's; `sample` (temperature, top-k, top-p) is what prefill
+chunks and a state without token counts use. `sample_full` first processes the logits as each row asks
 — repetition penalty over the prompt and output tokens (divides positive logits, multiplies
 negative ones, as Hugging Face's), frequency and presence penalties over the output tokens
 (OpenAI's definitions), the logit bias, stop tokens banned until `min_tokens` are out, a
@@ -56,10 +57,11 @@ class GenerationParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its tokens need `sample_full` (anything beyond temperature, top-k, top-p)."""
+        """Whether its tokens need `sample_full` (anything beyond temperature: the plain decode
+        step samples without sorting the vocabulary, `sample_plain`)."""
         return bool(
-            self.min_p or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
-            or self.min_tokens or self.logprobs is not None
+            self.top_k or self.top_p < 1 or self.min_p or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            or self.logit_bias or self.min_tokens or self.logprobs is not None
         )  # fmt: skip
 
     def check(self, prompt: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
@@ -171,10 +173,28 @@ class Logprobs:
     top_BN: jax.Array  # float32
 
 
+def _gumbel(seeds_B, positions_B, V: int) -> jax.Array:
+    """Each row's Gumbel noise over the vocabulary [B, V], by token id, from its seed and the
+    position being sampled: a token's noise does not depend on which filters a row asks for."""
+    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds_B, positions_B)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+
+
+def sample_plain(logits_BV, seeds_B, positions_B, temperature_B) -> jax.Array:
+    """`sample` for rows without top-k, top-p or min-p: greedy at temperature <= 0, else the
+    token whose scaled logit plus its Gumbel noise is largest — the token `sample` draws for the
+    same row with its filters off, without sorting the vocabulary."""
+    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    scaled = logits_BV / jnp.maximum(temperature_B, 1e-6)[:, None]
+    tok = jnp.argmax(scaled + _gumbel(seeds_B, positions_B, logits_BV.shape[-1]), axis=-1).astype(jnp.int32)
+    return jnp.where(temperature_B > 0, tok, greedy)
+
+
 def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B, min_p_B=None) -> jax.Array:
     """Next token per row. temperature <= 0 means greedy; top_k <= 0, top_p >= 1 and min_p <= 0
     disable those filters (min-p keeps tokens at least `min_p` times as likely as the most likely
-    one after temperature)."""
+    one after temperature). Among the tokens the filters keep, the one whose scaled logit plus its
+    Gumbel noise (`_gumbel`) is largest: a draw from their renormalised distribution."""
     greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     # Both paths run and each row selects: a `lax.cond` on "any row samples" would skip the sort
     # for greedy batches, but XLA's GPU runtime reads a conditional's predicate on the host, so
@@ -191,8 +211,8 @@ def sample(logits_BV, seeds_B, positions_B, temperature_B, top_k_B, top_p_B, min
     probs = jax.nn.softmax(jnp.where(keep, sorted_l, -jnp.inf), axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before each candidate
     keep &= (before < top_p_B[:, None]) | (rank == 0)
-    keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.PRNGKey(s), p))(seeds_B, positions_B)
-    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_l, -jnp.inf))
+    noise = jnp.take_along_axis(_gumbel(seeds_B, positions_B, V), order, axis=-1)
+    pick = jnp.argmax(jnp.where(keep, sorted_l + noise, -jnp.inf), axis=-1)
     tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
     return jnp.where(temperature_B > 0, tok, greedy)
 

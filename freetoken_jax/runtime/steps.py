@@ -18,7 +18,7 @@ from flax import nnx
 from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.memory.slot_cache import SlotCache
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
-from freetoken_jax.runtime.sampling import Sampling, count_tokens, sample, sample_full
+from freetoken_jax.runtime.sampling import Sampling, count_tokens, sample, sample_full, sample_plain
 
 
 @jax.tree_util.register_dataclass
@@ -204,10 +204,26 @@ def decode_step(weights: Weights, state: DecodeState, batch: DecodeBatch, expert
     """One token for every active row with temperature, top-k and top-p (`sampling.sample`):
     returns the sampled tokens [B] and the next state (its token counts untouched). Rows that
     ask for more go through `decode_forward` and `sample_step`."""
+    s = batch.sampling
+    return _decode(
+        weights, state, batch, experts, lambda logits, pos: sample(logits, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B)
+    )
+
+
+def decode_step_plain(
+    weights: Weights, state: DecodeState, batch: DecodeBatch, experts: ExpertBackend = FUSED
+) -> tuple[jax.Array, DecodeState]:
+    """`decode_step` for rows that are greedy or ask for a temperature alone (it ignores top-k
+    and top-p): the same tokens without sorting the vocabulary (`sampling.sample_plain`). The
+    engine's decode step; its rows with filters go through `decode_forward` and `sample_step`."""
+    s = batch.sampling
+    return _decode(weights, state, batch, experts, lambda logits, pos: sample_plain(logits, s.seeds_B, pos, s.temperature_B))
+
+
+def _decode(weights, state, batch, experts, sampler):
     logits, st = decode_forward(weights, state, batch, experts)
-    s, active = batch.sampling, batch.active_B
-    nxt = sample(logits, s.seeds_B, st.positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B)
-    nxt = jnp.where(active, nxt, st.tokens_B)
+    active = batch.active_B
+    nxt = jnp.where(active, sampler(logits, st.positions_B + 1), st.tokens_B)
     return nxt, dataclasses.replace(st, tokens_B=nxt, positions_B=st.positions_B + active.astype(jnp.int32))
 
 

@@ -242,6 +242,6 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     best = max(got, key=lambda k: (float(got[k]), k == "hybrid", k == "offload"))
     assert e.engine_config.moe_strategy == best
     # four values of q and offload: two executables; cpu over the slots a third (and a fourth without them)
-    assert e.runner.steps.traces.get("decode_step") == (4 if best == "cpu" else 3)
+    assert e.runner.steps.traces.get("decode_step_plain") == (4 if best == "cpu" else 3)
     m = e.get_metrics()
     assert m["requests"] == 0 and m["generated_tokens"] == 0  # the probe's tokens are not the user's

@@ -20,15 +20,20 @@ def test_compiles_once_per_bucket():
     list(engine.generate(list(range(1, 10)), max_new_tokens=5, ignore_eos=True))
     first = engine.compilations()
     assert first == {"prefill": 1, "decode": 1, "score": 0}
-    # Same buckets (B=1, T=16, 2 pages of 8): other prompt lengths, sampling settings, seeds.
+    # Same buckets (B=1, T=16, 2 pages of 8): other prompt lengths, temperatures, seeds.
     for n, temp in ((5, 0.0), (9, 0.8), (4, 1.3)):
-        list(engine.generate(list(range(1, n + 1)), max_new_tokens=5, temperature=temp, top_k=4, seed=n, ignore_eos=True))
+        list(engine.generate(list(range(1, n + 1)), max_new_tokens=5, temperature=temp, seed=n, ignore_eos=True))
+    assert engine.compilations() == first
+    # top-k / top-p take the decode step's two halves (their sort), compiled once for any values
+    for n, k, p in ((5, 4, 1.0), (9, 0, 0.9), (4, 7, 0.5)):
+        list(engine.generate(list(range(1, n + 1)), max_new_tokens=5, temperature=0.8, top_k=k, top_p=p, seed=n, ignore_eos=True))
+    first = {**first, "decode": 2}
     assert engine.compilations() == first
     # Two prompts prefilled together are a new prefill bucket, compiled once; decode always runs
     # every row (the idle ones masked) in its one executable.
     engine.generate_batch([[1, 2], [3, 4, 5]], max_new_tokens=6)
     engine.generate_batch([[7], [8, 9]], max_new_tokens=8)
-    assert engine.compilations() == {"prefill": 2, "decode": 1, "score": 0}
+    assert engine.compilations() == {"prefill": 2, "decode": 2, "score": 0}
 
 
 @contextlib.contextmanager
@@ -48,7 +53,7 @@ def backend_compiles():
 
 
 STEPS = (
-    "jit(decode_step)",
+    "jit(decode_step_plain)",
     "jit(prefill_step)",
     "jit(prefill_step_slots)",
     "jit(prefill_step_buffered)",
@@ -65,7 +70,7 @@ def test_first_steps_share_the_later_steps_executables(demo_scheduler):
     engine = FreeTokenEngine.from_pretrained("demo", ec)
     with backend_compiles() as first:
         list(engine.generate([1, 2, 3, 4, 5], max_new_tokens=6, ignore_eos=True))
-    assert first["jit(decode_step)"] == 1
+    assert first["jit(decode_step_plain)"] == 1
     with backend_compiles() as again:
         list(engine.generate([7, 8, 9], max_new_tokens=6, ignore_eos=True))  # same buckets
     assert not any(again[s] for s in STEPS), again
@@ -78,10 +83,10 @@ def test_first_steps_share_the_later_steps_executables(demo_scheduler):
     assert not any(second[s] for s in STEPS), second
     with backend_compiles() as resize:
         sched.rebuild_cache(expert_slots=12)
-    assert resize["jit(decode_step)"] == 1
+    assert resize["jit(decode_step_plain)"] == 1
     with backend_compiles() as after:
         sched.submit([1, 2, 3, 4, 5], p).result(60)
-    assert after["jit(decode_step)"] == 0, after
+    assert after["jit(decode_step_plain)"] == 0, after
 
 
 def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
@@ -93,7 +98,7 @@ def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
     with backend_compiles() as warm:
         out = sched.warm_up(workers=2)
     assert out["steps"] == 4 + 3  # decode, its two halves (sampling with and without log-probabilities), prefill chunks of 16, 32, 64
-    assert warm["jit(decode_step)"] == 1 and warm["jit(prefill_step_slots)"] == 1 and warm["jit(prefill_step_buffered)"] == 2
+    assert warm["jit(decode_step_plain)"] == 1 and warm["jit(prefill_step_slots)"] == 1 and warm["jit(prefill_step_buffered)"] == 2
     assert warm["jit(decode_forward)"] == 1 and warm["jit(sample_step)"] == 2
     p = GenerationParams(max_new_tokens=4, ignore_eos=True)
     full = GenerationParams(max_new_tokens=4, ignore_eos=True, presence_penalty=0.5)  # the two halves

@@ -205,3 +205,17 @@ def test_stream_text_yields_whole_characters(engine):
     want = "héllo こんにちは 🙂"
     deltas = list(engine.stream_text(PROMPT, max_new_tokens=40, regex=want))
     assert "".join(deltas) == want and not any("\ufffd" in d for d in deltas) and len(deltas) > 1
+
+
+def test_sampled_rows_beside_a_top_p_row_keep_their_tokens(engine):
+    """A row with top-p sends its batch through the two-half step (sorting the vocabulary); a
+    sampling row beside it draws the tokens it draws alone through the plain decode step."""
+    prompts = [PROMPT, [256] + list(b"other prompt")]
+    free = GenerationParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
+    alone = list(engine.generate(prompts[0], **vars(free)))
+    ps = [free, GenerationParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, top_p=0.5, seed=6)]
+    out = [[], []]
+    for i, ev in engine._drive(engine._submit(prompts, ps, [None, None])):
+        if ev.kind == "token":
+            out[i].append(ev.token)
+    assert out[0] == alone and len(set(alone)) > 3
