@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.runtime.sampling import GenerationParams, process_logits, sample, sample_full, sampling_rows
+from freetoken_jax.runtime.sampling import GenerationParams, process_logits, sample, sample_full, sample_plain, sampling_rows
 
 
 def timed(f, x, n: int = 50) -> float:
@@ -30,7 +30,8 @@ def main() -> None:
         s = sampling_rows([GenerationParams(temperature=1.0)] * B)
         c, pos = jnp.zeros((B, V), jnp.int32), jnp.zeros(B, jnp.int32)
         fs = {
-            "sample": lambda x, s=s, pos=pos: sample(x, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B),
+            "sample_plain (the decode step's)": lambda x, s=s, pos=pos: sample_plain(x, s.seeds_B, pos, s.temperature_B),
+            "sample (top-k, top-p: one sort)": lambda x, s=s, pos=pos: sample(x, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B),
             "sample_full": lambda x, s=s, c=c, pos=pos: sample_full(x, s, c, pos),
             "sample_full, no logprobs": lambda x, s=s, c=c, pos=pos: sample_full(x, s, c, pos, logprobs=False),
             "process_logits": lambda x, s=s, c=c, pos=pos: process_logits(x, s, c, pos),
