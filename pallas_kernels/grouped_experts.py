@@ -170,6 +170,8 @@ def _check_weights(name: str, w, E: int, N: int, K: int, fmt: str | None) -> Non
         return
     if fmt not in FORMATS:
         raise ValueError(f"the grouped expert kernels decode {'/'.join(FORMATS)} blocks, not {fmt}")
+    if K % 32:
+        raise ValueError(f"{name}: rows of {K} inputs are not whole blocks of 32")
     n = get_format(fmt).nbytes(N, K)
     if w.ndim != 2 or w.shape[0] != E or w.dtype != jnp.uint8 or w.shape[1] < n:
         raise ValueError(f"{name} {w.shape} {w.dtype} cannot hold {E} {fmt} [{N}, {K}] matrices of {n} bytes")

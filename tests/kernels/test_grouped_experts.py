@@ -186,6 +186,14 @@ def test_kernels_decode_4bit_banks_as_they_load_them(fmt, T, K, E, D, F, bm, dty
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
+def test_rows_of_whole_blocks_only():
+    """Rows of inputs that are not whole blocks of 32 are refused before anything runs (the
+    formats store no such matrix either)."""
+    b = jnp.zeros((4, 1024), jnp.uint8)
+    with pytest.raises(ValueError, match="not whole blocks of 32"):
+        ge.gate_up(jnp.zeros((32, 48)), b, b, jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, F=64, fmt="q4_0", interpret=True)
+
+
 def test_kernels_lower_to_triton_for_the_gpu():
     """At Qwen3-30B-A3B's shape and an 8192-token chunk: two Triton calls."""
     sds = jax.ShapeDtypeStruct
