@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 
 from freetoken_jax.models.grouping import pair_rows
 from freetoken_jax.quant.formats import get_format, nibble_codec
+from pallas_kernels import call_params
 from pallas_kernels.gathered_experts import FORMATS, HeadBytes
 
 BLOCK_K = 64  # the most a program's loop step contracts; columns a program: 64 (gate/up), 128 (down)
@@ -136,7 +137,7 @@ def _matmul_tile(x_ref, w_refs, e, t, n, *, bm: int, bn: int, bk: int, nk: int, 
     return jax.lax.fori_loop(0, nk, body, (zero,) * len(w_refs))
 
 
-def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, bias: bool, **mm):
+def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, P: int, bias: bool, **mm):
     h_ref = refs[-1]
     n, t = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
@@ -152,7 +153,7 @@ def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, bi
         h_ref[rows, cols] = jnp.where(w != 0, act(g, u) * w, 0.0).astype(h_ref.dtype)
 
 
-def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, **mm):
+def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, P: int, **mm):
     n, t = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
     bm, bn = mm["bm"], mm["bn"]
@@ -177,12 +178,29 @@ def _check_weights(name: str, w, E: int, N: int, K: int, fmt: str | None) -> Non
         raise ValueError(f"{name} {w.shape} {w.dtype} cannot hold {E} {fmt} [{N}, {K}] matrices of {n} bytes")
 
 
-def _params(interpret: bool, num_warps: int, num_stages: int) -> dict:
-    if interpret:
-        return {"interpret": True}
-    from jax.experimental.pallas import triton as pltriton
+def _plan(P: int, tile_E, weights: dict, N: int, K: int, block_n: int, block_k: int | None, fmt: str | None) -> dict:
+    """The static arguments of a kernel over P rows in tiles (`tile_E`) with `weights` (name ->
+    array) of [N, K] matrices: E, the blocks, the loop's steps, the format; checked first."""
+    E, bm = next(iter(weights.values())).shape[0], P // tile_E.shape[0]
+    block_k = block_k or _block(K, BLOCK_K)
+    check_shapes(P, N, K, bm, block_n, block_k)
+    for name, w in weights.items():
+        _check_weights(name, w, E, N, K, fmt)
+    return dict(E=E, bm=bm, bn=block_n, bk=block_k, nk=K // block_k, fmt=fmt, K=K, P=P)
 
-    return {"compiler_params": pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+def _call(kernel, name: str, N: int, out_dtype, args, mm: dict, num_warps: int, num_stages: int, interpret: bool):
+    """One kernel over (column block, tile) writing [P, N] of `out_dtype`; every operand in place."""
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        grid=(N // mm["bn"], mm["P"] // mm["bm"]),
+        in_specs=[any_spec] * len(args),
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((mm["P"], N), out_dtype),
+        name=name,
+        **call_params(interpret, num_warps, num_stages),
+    )(*args)
 
 
 def gate_up(x_PD, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None, block_n: int | None = None,
@@ -191,26 +209,12 @@ def gate_up(x_PD, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None
     None; `act(g, u)` in float32. gate and up: [E, F, D] in x's dtype, or with `fmt` (a name in
     `FORMATS`) the banks' bytes [E, ≥ nbytes(F, D)] (then F must be given). Blocks: by default
     the largest powers of two up to 64 that divide F and D."""
-    P, D = x_PD.shape
-    E, F = gate.shape[0], F or gate.shape[1]
-    bm = P // tile_E.shape[0]
-    block_n, block_k = block_n or _block(F, 64), block_k or _block(D, BLOCK_K)
-    check_shapes(P, F, D, bm, block_n, block_k)
-    _check_weights("gate", gate, E, F, D, fmt)
-    _check_weights("up", up, E, F, D, fmt)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    extra = () if bias is None else tuple(bias)
-    mm = dict(bm=bm, bn=block_n, bk=block_k, nk=D // block_k, fmt=fmt, K=D)
-    kernel = functools.partial(_gate_up_kernel, act=act, E=E, bias=bias is not None, **mm)
-    return pl.pallas_call(
-        kernel,
-        grid=(F // block_n, P // bm),
-        in_specs=[any_spec] * (5 + len(extra)),
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((P, F), x_PD.dtype),
-        name="grouped_gate_up",
-        **_params(interpret, num_warps, num_stages),
-    )(tile_E, x_PD, gate, up, w_P.astype(jnp.float32), *extra)
+    D = x_PD.shape[1]
+    F = F or gate.shape[1]
+    mm = _plan(x_PD.shape[0], tile_E, {"gate": gate, "up": up}, F, D, block_n or _block(F, 64), block_k, fmt)
+    kernel = functools.partial(_gate_up_kernel, act=act, bias=bias is not None, **mm)
+    args = (tile_E, x_PD, gate, up, w_P.astype(jnp.float32), *(() if bias is None else bias))
+    return _call(kernel, "grouped_gate_up", F, x_PD.dtype, args, mm, num_warps, num_stages, interpret)
 
 
 def down(h_PF, down_w, tile_E, *, D: int | None = None, fmt: str | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -218,22 +222,11 @@ def down(h_PF, down_w, tile_E, *, D: int | None = None, fmt: str | None = None, 
     """h·downᵀ of each row's expert, float32 [P, D]; down: [E, D, F] in h's dtype, or with `fmt`
     the banks' bytes (then D must be given). Blocks: by default the largest powers of two up to
     128 dividing D and up to 64 dividing F."""
-    P, F = h_PF.shape
-    E, D = down_w.shape[0], D or down_w.shape[1]
-    bm = P // tile_E.shape[0]
-    block_n, block_k = block_n or _block(D, 128), block_k or _block(F, BLOCK_K)
-    check_shapes(P, D, F, bm, block_n, block_k)
-    _check_weights("down", down_w, E, D, F, fmt)
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    return pl.pallas_call(
-        functools.partial(_down_kernel, E=E, bm=bm, bn=block_n, bk=block_k, nk=F // block_k, fmt=fmt, K=F),
-        grid=(D // block_n, P // bm),
-        in_specs=[any_spec] * 3,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((P, D), jnp.float32),
-        name="grouped_down",
-        **_params(interpret, num_warps, num_stages),
-    )(tile_E, h_PF, down_w)
+    F = h_PF.shape[1]
+    D = D or down_w.shape[1]
+    mm = _plan(h_PF.shape[0], tile_E, {"down": down_w}, D, F, block_n or _block(D, 128), block_k, fmt)
+    kernel = functools.partial(_down_kernel, **mm)
+    return _call(kernel, "grouped_down", D, jnp.float32, (tile_E, h_PF, down_w), mm, num_warps, num_stages, interpret)
 
 
 def _row_experts(tile_E, P: int, E: int):
