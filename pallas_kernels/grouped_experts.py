@@ -165,6 +165,8 @@ def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, P: int, **mm):
 
 
 def _check_weights(name: str, w, E: int, N: int, K: int, fmt: str | None) -> None:
+    if w.size >= 2**31:
+        raise ValueError(f"{name} {w.shape}: 2^31 elements or more, past the kernels' 32-bit offsets")
     if fmt is None:
         if w.shape != (E, N, K):
             raise ValueError(f"{name} {w.shape} is not [{E}, {N}, {K}]")

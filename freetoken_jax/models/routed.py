@@ -85,7 +85,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
                                             interpret=jax.default_backend() == "cpu")  # fmt: skip
         impl = "grouped"
     if impl == "auto":
-        impl = "gather" if T * K <= E else many_pairs_impl(layout)
+        impl = "gather" if T * K <= E else many_pairs_impl(layout, E)
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl == "tiles":
@@ -110,18 +110,21 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
 PREFILL_EXPERTS = ("grouped", "tiles", "ragged")
 
 
-def many_pairs_impl(layout: ExpertLayout) -> str:
+def many_pairs_impl(layout: ExpertLayout, E: int) -> str:
     """How "auto" computes a step of more token-expert pairs than experts
     (FREETOKEN_PREFILL_EXPERTS, default "grouped"): "tiles" where `tiles_fit`, "ragged"; else
     "grouped"."""
     how = env_choice("FREETOKEN_PREFILL_EXPERTS", "grouped", PREFILL_EXPERTS)
-    return "grouped" if how == "tiles" and not tiles_fit(layout) else how
+    return "grouped" if how == "tiles" and not tiles_fit(layout, E) else how
 
 
-def tiles_fit(layout: ExpertLayout) -> bool:
-    """Whether "tiles" computes this layer's experts: an activation the kernels lower (not
-    exact-erf "gelu"), F and D multiples of Triton's smallest block (16)."""
-    return layout.act in gathered_experts.ACTS and not layout.F % grouped_experts.MIN_BLOCK and not layout.D % grouped_experts.MIN_BLOCK
+def tiles_fit(layout: ExpertLayout, E: int) -> bool:
+    """Whether "tiles" computes this layer's E experts: an activation the kernels lower (not
+    exact-erf "gelu"), F and D multiples of Triton's smallest block (16), and a bank of fewer
+    than 2³¹ weights (the kernels' offsets are 32-bit: DeepSeek-V3's 256 experts of 7168 × 2048
+    are 3.8 × 10⁹)."""
+    return (layout.act in gathered_experts.ACTS and not layout.F % grouped_experts.MIN_BLOCK and not layout.D % grouped_experts.MIN_BLOCK
+            and E * layout.F * layout.D < 2**31)  # fmt: skip
 
 
 def kernel_fits(layout: ExpertLayout, bias=None) -> bool:
