@@ -2,7 +2,9 @@
 decides the candidates, the engine's decode probe measures them, and the chosen strategy's
 decode rate is then timed like a user's generation (the same 16-token prompt and 64 tokens as
 `bench decode --prompt-len 16 --gen-len 64`) and routing (`--routing-skew`, uniform by default),
-for comparison with `bench decode`'s rows of the same lease. Prints one JSON line.
+for comparison with `bench decode`'s rows of the same lease: over every decode step of the request
+(`decode_tok_s`), and after the first quarter of the steps, at most 16, as `bench decode` times
+its rows (`decode_tok_s_after_warmup`). Prints one JSON line.
 
     python benchmarks/auto_choice.py --preset qwen3-30b-a3b --layers 24 --slots-gb 16
 """
@@ -43,14 +45,20 @@ def main() -> None:
     tokens = engine.generate(prompt, max_new_tokens=a.gen_len, ignore_eos=True)
     out = [next(tokens)]
     ttft = time.perf_counter() - t1
-    out += list(tokens)
+    at = []  # each later token's arrival
+    for t in tokens:
+        out.append(t)
+        at.append(time.perf_counter())
     wall = time.perf_counter() - t1
+    warm = min(16, a.gen_len // 4)  # as `bench decode` times its rows: after the first quarter, at most 16 steps
+    after = (len(at) - 1 - warm) / (at[-1] - at[warm]) if len(at) > warm + 1 else None
     m = engine.get_metrics()
     print(json.dumps(dict(preset=a.preset, layers=cfg.num_layers, slots_gb=a.slots_gb, strategy=engine.engine_config.moe_strategy.value,
                           q=engine.engine_config.hybrid_q, reason=engine.strategy_reason, start_s=round(started, 1),
                           prefill_chunk=engine.engine_config.prefill_chunk, prompt_len=len(prompt), ttft_s=round(ttft, 3),
                           prefill_tok_s=round(len(prompt) / ttft, 1),
-                          decode_tok_s=round(m["decode_tokens_per_second"], 2), wall_tok_s=round(len(out) / wall, 2))))  # fmt: skip
+                          decode_tok_s=round(m["decode_tokens_per_second"], 2), wall_tok_s=round(len(out) / wall, 2),
+                          decode_tok_s_after_warmup=after and round(after, 2))))  # fmt: skip
 
 
 if __name__ == "__main__":
