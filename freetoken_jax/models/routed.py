@@ -71,8 +71,9 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
       says which layers): each gathered block's scale and codes read together;
-    - "auto": gather when T·k ≤ E, else `many_pairs_impl` (grouped unless
-      FREETOKEN_PREFILL_EXPERTS asks for tiles or ragged).
+    - "auto": gather when T·k ≤ E (a quantized layer: ≤ GATHER_QUANTIZED · E unless the many
+      pairs go through "tiles"), else `many_pairs_impl` (grouped unless FREETOKEN_PREFILL_EXPERTS
+      asks for tiles or ragged).
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
@@ -85,7 +86,8 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
                                             interpret=jax.default_backend() == "cpu")  # fmt: skip
         impl = "grouped"
     if impl == "auto":
-        impl = "gather" if T * K <= E else many_pairs_impl(layout, E)
+        many = many_pairs_impl(layout, E)
+        impl = "gather" if T * K <= E * (GATHER_QUANTIZED if layout.quantized and many != "tiles" else 1) else many
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl == "tiles":
@@ -108,6 +110,13 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
 
 
 PREFILL_EXPERTS = ("grouped", "tiles", "ragged")
+
+# "auto" gathers a quantized layer's pairs up to this many times its experts. Past E pairs a bf16
+# layer's matmuls read each expert once where the gather reads it once a pair; but grouped and
+# ragged first write and read a dequantized copy of a quantized bank (q4_0: 1.2 GB of bf16 for its
+# 340 MB of blocks at Qwen3-30B-A3B's shape, about 8 × the blocks' bytes moved: as much as
+# gathering 8 pairs an expert). Fused q4_0 decode at batch 17-64 (top-8 of 128) gathers.
+GATHER_QUANTIZED = 4
 
 
 def many_pairs_impl(layout: ExpertLayout, E: int) -> str:

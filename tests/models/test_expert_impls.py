@@ -154,6 +154,31 @@ def test_auto_computes_many_pairs_as_the_switch_says(how, F, want, monkeypatch):
         routed.many_pairs_impl(layout, E)
 
 
+@pytest.mark.parametrize("how", ["grouped", "tiles", "ragged"])
+def test_quantized_layers_gather_up_to_four_pairs_an_expert(how, monkeypatch):
+    """A quantized layer's pairs are gathered up to GATHER_QUANTIZED · E of them (grouped and ragged
+    would dequantize the whole bank first), unless the many pairs go through "tiles", which reads
+    the blocks as stored; a bf16 layer's up to E."""
+    from freetoken_jax.models import routed
+    from freetoken_jax.quant.formats import get_format
+
+    monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", how)
+    marks = {"grouped": 1.0, "tiled": 2.0, "ragged": 3.0, "gathered": 4.0}
+    for name, mark in marks.items():
+        monkeypatch.setattr(routed, f"_{name}", lambda x, *a, mark=mark: jnp.full(x.shape, mark, x.dtype))
+    E, K, F, D = 8, 2, 32, 64
+    q = tuple(jnp.zeros((E, get_format("q4_0").nbytes(o, i)), jnp.uint8) for o, i in ((F, D), (F, D), (D, F)))
+    b = (jnp.zeros((E, F, D)), jnp.zeros((E, F, D)), jnp.zeros((E, D, F)))
+    quantized, plain = ExpertLayout(("q4_0",) * 3, F, D, "silu"), ExpertLayout(("bf16",) * 3, F, D, "silu")
+    assert quantized.quantized and routed.GATHER_QUANTIZED == 4
+    many = marks["tiled" if how == "tiles" else how]
+    for T, want_q, want_b in ((4, 4.0, 4.0), (16, 4.0 if how != "tiles" else many, many), (17, many, many)):  # 8, 32, 34 pairs
+        ids = jnp.asarray(np.arange(T * K).reshape(T, K) % E, jnp.int32)
+        for banks, layout, want in ((q, quantized, want_q), (b, plain, want_b)):
+            got = float(routed_experts(jnp.ones((T, D)), ids, jnp.ones((T, K)), banks, layout)[0, 0])
+            assert got == want, (how, T, layout.fmts[0], got)
+
+
 def test_group_plans():
     """The plans' rows, and which plan holds which routing, restated."""
     from freetoken_jax.models.grouping import GroupPlan, group_plans
