@@ -60,8 +60,8 @@ def _block(n: int, most: int) -> int:
 def block_m_for(pairs: int, experts: int) -> int:
     """Rows a tile for `pairs` over `experts`: Triton's smallest (16) while an expert gets up to 16
     pairs on average (decode-sized steps), 32 up to 64, 64 below 256, else 128 — the padding,
-    about half a tile an expert, stays at most half the pairs' own rows from 16 pairs an expert
-    on, an eighth from 256 (larger tiles multiply at a higher rate)."""
+    about half a tile an expert, stays at most half the pairs' own rows from 32 pairs an expert
+    on, a quarter from 256 (larger tiles multiply at a higher rate)."""
     mean = pairs / experts
     return 16 if mean <= 16 else 32 if mean <= 64 else 64 if mean < 256 else 128
 
