@@ -3,7 +3,7 @@
 # on q4_0 experts, measure the CPU executor per format, then decode side by side at the shape of
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
-# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|formats|mla|
+# Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
 # lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
@@ -80,6 +80,11 @@ for what in "$@"; do
         FREETOKEN_PREFILL_EXPERTS=$how $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 \
           --prompt-len 8192 --chunk 2048 8192 --routing-skew $skew --strategy offload --json "$OUT/experts_${how}_$skew.json" 2>&1 |
           grep -v "it/s\]" | tail -3; done; done ;;
+    # batch: fused q4_0 decode at batch 8 and 32 (32 × top-8 > 128 experts: many pairs), the experts by auto (gather up to
+    # 4 pairs an expert), grouped (the bank dequantized each step) and tiles
+    batch) for impl in auto grouped tiles; do echo "== --expert-impl $impl"
+        $B decode $SHAPE --expert-format q4_0 --strategy fused --batch 8 32 --expert-impl $impl --json "$OUT/batch_$impl.json" 2>&1 |
+          grep -v "it/s\]" | tail -3; done ;;
     # cpuprefill: strategy cpu's prefill, every chunk on the CPU (cpu-fetch) against long chunks on the device (cpu), beside
     # offload's, q4_0 (FMT) at 512, 2048 and 8192 tokens in one chunk
     cpuprefill) $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 --prompt-len 512 2048 8192 \
