@@ -8,8 +8,9 @@ an expert — P ≤ T·K + E·(block_m − 1) — where `models.grouping`'s plan
 same power of two over twice the mean (2 × the pairs under uniform routing, 4-5 × under a trained
 router's skew).
 
-- `gate_up(x_PD, gate, up, tile_E, w_P, act)`: h = act(x·gateᵀ + b_g, x·upᵀ + b_u) · w per row,
-  0 where w is 0, in x's dtype [P, F] (gate and up accumulated in float32 side by side);
+- `gate_up(x_TD, tok_P, gate, up, tile_E, w_P, act)`: h = act(x·gateᵀ + b_g, x·upᵀ + b_u) · w
+  per row, x the row's token's (`tok_P`: read where it lies, no [P, D] copy of the rows is
+  made), 0 where w is 0, in x's dtype [P, F] (gate and up accumulated in float32 side by side);
 - `down(h_PF, down, tile_E)`: h·downᵀ in float32 [P, D].
 
 The weights are matrices in x's dtype, or (`fmt`: q4_0, mxfp4) the banks' bytes as the slots hold
@@ -101,26 +102,29 @@ def _dot(x, w):
     return jax.lax.dot_general(x, w.astype(x.dtype), _NT, preferred_element_type=jnp.float32)
 
 
-def _matmul_tile(x_ref, w_refs, e, t, n, *, bm: int, bn: int, bk: int, nk: int, fmt: str | None, K: int):
-    """float32 x[tile t's rows] · w[e, column block n]ᵀ for each ref in `w_refs`, over nk blocks
-    of bk inputs. `fmt` None: w [E, N, K] in x's dtype; else a format of
+def _matmul_tile(x_ref, rows, w_refs, e, t, n, *, bm: int, bn: int, bk: int, nk: int, fmt: str | None, K: int):
+    """float32 x[rows] · w[e, column block n]ᵀ for each ref in `w_refs`, over nk blocks of bk
+    inputs; `rows`: tile t's rows of x, a slice, or [bm, 1] indices of x's rows. `fmt` None: w
+    [E, N, K] in x's dtype; else a format of
     `gathered_experts.FORMATS` whose [N, K] matrices are the first bytes of each expert's row: a
     block of weights is decoded as it is loaded (in x's dtype, as `Format.dequantize` would give
     it), weights 0-15 of each 32 (the low nibbles) against their inputs and 16-31 against theirs."""
     zero = jnp.zeros((bm, bn), jnp.float32)
+    gathered = not isinstance(rows, pl.Slice)
     if fmt is None:
-        rows, cols = pl.ds(pl.multiple_of(t * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)
+        cols = pl.ds(pl.multiple_of(n * bn, bn), bn)
 
         def body(i, accs):
-            k = pl.ds(pl.multiple_of(i * bk, bk), bk)
-            x = x_ref[rows, k]
-            return tuple(a + _dot(x, w[e, cols, k]) for a, w in zip(accs, w_refs))
+            k0 = pl.multiple_of(i * bk, bk)
+            x = x_ref[rows, (k0 + jnp.arange(bk, dtype=jnp.int32))[None, :]] if gathered else x_ref[rows, pl.ds(k0, bk)]
+            return tuple(a + _dot(x, w[e, cols, pl.ds(k0, bk)]) for a, w in zip(accs, w_refs))
 
         return jax.lax.fori_loop(0, nk, body, (zero,) * len(w_refs))
 
     head, scale_of, value = nibble_codec(fmt)
     block, row_bytes = head + 16, K // 32 * (head + 16)
-    rows = (t * bm + jnp.arange(bm, dtype=jnp.int32))[:, None]
+    if not gathered:
+        rows = (rows.start + jnp.arange(bm, dtype=jnp.int32))[:, None]
     out = (n * bn + jnp.arange(bn, dtype=jnp.int32))[:, None] * row_bytes
     c = jnp.arange(bk // 2, dtype=jnp.int32)
     j = c % 16
@@ -140,7 +144,7 @@ def _matmul_tile(x_ref, w_refs, e, t, n, *, bm: int, bn: int, bk: int, nk: int, 
     return jax.lax.fori_loop(0, nk, body, (zero,) * len(w_refs))
 
 
-def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, P: int, bias: bool, **mm):
+def _gate_up_kernel(tile_ref, x_ref, tok_ref, g_ref, u_ref, w_ref, *refs, act, E: int, P: int, bias: bool, **mm):
     h_ref = refs[-1]
     n, t = pl.program_id(0), pl.program_id(1)
     e = tile_ref[t]
@@ -148,8 +152,8 @@ def _gate_up_kernel(tile_ref, x_ref, g_ref, u_ref, w_ref, *refs, act, E: int, P:
 
     @pl.when(e < E)
     def _():
-        g, u = _matmul_tile(x_ref, (g_ref, u_ref), e, t, n, **mm)
         rows, cols = pl.ds(pl.multiple_of(t * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)
+        g, u = _matmul_tile(x_ref, tok_ref[rows][:, None], (g_ref, u_ref), e, t, n, **mm)
         if bias:
             g, u = g + refs[0][rows, cols].astype(jnp.float32), u + refs[1][rows, cols].astype(jnp.float32)
         w = w_ref[rows][:, None]
@@ -163,8 +167,9 @@ def _down_kernel(tile_ref, h_ref, d_ref, y_ref, *, E: int, P: int, **mm):
 
     @pl.when(e < E)
     def _():
-        (y,) = _matmul_tile(h_ref, (d_ref,), e, t, n, **mm)
-        y_ref[pl.ds(pl.multiple_of(t * bm, bm), bm), pl.ds(pl.multiple_of(n * bn, bn), bn)] = y
+        rows = pl.ds(pl.multiple_of(t * bm, bm), bm)
+        (y,) = _matmul_tile(h_ref, rows, (d_ref,), e, t, n, **mm)
+        y_ref[rows, pl.ds(pl.multiple_of(n * bn, bn), bn)] = y
 
 
 def _check_weights(name: str, w, E: int, N: int, K: int, fmt: str | None) -> None:
@@ -208,18 +213,20 @@ def _call(kernel, name: str, N: int, out_dtype, args, mm: dict, num_warps: int, 
     )(*args)
 
 
-def gate_up(x_PD, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None, block_n: int | None = None,
-            block_k: int | None = None, num_warps: int = 4, num_stages: int = 3, interpret: bool = False) -> jax.Array:  # fmt: skip
-    """h [P, F] in x's dtype (module docstring); `bias`: (gate [P, F], up [P, F]) of each row, or
-    None; `act(g, u)` in float32. gate and up: [E, F, D] in x's dtype, or with `fmt` (a name in
+def gate_up(x_TD, tok_P, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None,
+            block_n: int | None = None, block_k: int | None = None, num_warps: int = 4, num_stages: int = 3,
+            interpret: bool = False) -> jax.Array:  # fmt: skip
+    """h [P, F] in x's dtype (module docstring): row p multiplies token tok_P[p]'s x (a valid
+    index also in the rows nobody reads); `bias`: (gate [P, F], up [P, F]) of each row, or None;
+    `act(g, u)` in float32. gate and up: [E, F, D] in x's dtype, or with `fmt` (a name in
     `FORMATS`) the banks' bytes [E, ≥ nbytes(F, D)] (then F must be given). Blocks: by default
     the largest powers of two up to 64 that divide F and D."""
-    D = x_PD.shape[1]
+    D = x_TD.shape[1]
     F = F or gate.shape[1]
-    mm = _plan(x_PD.shape[0], tile_E, {"gate": gate, "up": up}, F, D, block_n or _block(F, 64), block_k, fmt)
+    mm = _plan(tok_P.shape[0], tile_E, {"gate": gate, "up": up}, F, D, block_n or _block(F, 64), block_k, fmt)
     kernel = functools.partial(_gate_up_kernel, act=act, bias=bias is not None, **mm)
-    args = (tile_E, x_PD, gate, up, w_P.astype(jnp.float32), *(() if bias is None else bias))
-    return _call(kernel, "grouped_gate_up", F, x_PD.dtype, args, mm, num_warps, num_stages, interpret)
+    args = (tile_E, x_TD, tok_P.astype(jnp.int32), gate, up, w_P.astype(jnp.float32), *(() if bias is None else bias))
+    return _call(kernel, "grouped_gate_up", F, x_TD.dtype, args, mm, num_warps, num_stages, interpret)
 
 
 def down(h_PF, down_w, tile_E, *, D: int | None = None, fmt: str | None = None, block_n: int | None = None, block_k: int | None = None,
@@ -246,9 +253,10 @@ def _matrices(w, N: int | None, K: int, fmt: str | None, dtype):
     return get_format(fmt).dequantize(w[:, : get_format(fmt).nbytes(N, K)], N, K, dtype)
 
 
-def gate_up_ref(x_PD, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None) -> jax.Array:
+def gate_up_ref(x_TD, tok_P, gate, up, tile_E, w_P, act, bias=None, *, F: int | None = None, fmt: str | None = None) -> jax.Array:
     """Reference of `gate_up`: each row against its tile's expert in jnp (a format's blocks
     dequantized to x's dtype first); unused tiles' rows 0."""
+    x_PD = x_TD[tok_P]
     D = x_PD.shape[1]
     gate_EFD, up_EFD = (_matrices(w, F, D, fmt, x_PD.dtype) for w in (gate, up))
     P, E = x_PD.shape[0], gate_EFD.shape[0]

@@ -201,7 +201,7 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
     starts = jnp.asarray(plan.starts())
     start_E = jnp.zeros((E,), jnp.int32).at[order_E].set(starts) if plan.ranked else starts  # first row of each expert
     pair_of_row, row_of_pair = pair_rows(ids_TK, counts, start_E, R)
-    x_RD, w_R, b = _rows(x_TD, w_TK, bias, pair_of_row, K)
+    x_RD, w_R, b, _ = _rows(x_TD, w_TK, bias, pair_of_row, K)
     mats = None if plan.ranked else layout.matrices(banks, dt)
 
     def group(r0, e0, n, C):  # experts e0 .. e0+n of the plan's order, C rows each from row r0
@@ -234,7 +234,7 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
 def _rows(x_TD, w_TK, bias, pair_of_row, K: int):
     """The inputs of each row of a layout of pairs (`pair_of_row`: the flat pair t·K + k of a
     row, T·K for an empty one): x of the pair's token, its routing weight (float32) and its
-    biases, zeros in the empty rows."""
+    biases, zeros in the empty rows; and the row's token (0 in an empty row)."""
     N = w_TK.size
     filled = pair_of_row < N
     pair = jnp.where(filled, pair_of_row, 0)
@@ -243,7 +243,7 @@ def _rows(x_TD, w_TK, bias, pair_of_row, K: int):
         return jnp.where(filled.reshape(-1, *(1,) * (v.ndim - 1)), v[at], 0)
 
     b = None if bias is None else tuple(place(v.reshape(N, -1), pair) for v in bias)
-    return place(x_TD, pair // K), place(w_TK.reshape(-1).astype(jnp.float32), pair), b
+    return place(x_TD, pair // K), place(w_TK.reshape(-1).astype(jnp.float32), pair), b, pair // K
 
 
 def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=None, down_kw=None) -> jax.Array:
@@ -253,7 +253,7 @@ def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=Non
     T, K = ids_TK.shape
     E, D, dt = banks[0].shape[0], x_TD.shape[1], x_TD.dtype
     pair_of_row, row_of_pair, tile_E = grouped_experts.tile_layout(ids_TK, E, grouped_experts.block_m_for(T * K, E))
-    x_PD, w_P, b = _rows(x_TD, w_TK, bias, pair_of_row, K)
+    _, w_P, b, tok_P = _rows(x_TD, w_TK, bias, pair_of_row, K)  # x read where it lies, row by row
 
     def read(k, decode=True):  # as stored where the kernels decode the format's blocks, else dequantized
         f = layout.fmts[k]
@@ -263,7 +263,7 @@ def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=Non
     if fg != fu:  # one kernel reads gate and up: one way for both
         (g, fg), (u, fu) = read(0, False), read(1, False)
     interpret = jax.default_backend() == "cpu"
-    h_PF = grouped_experts.gate_up(x_PD, g, u, tile_E, w_P, activation(layout.act), None if b is None else b[:2], F=layout.F, fmt=fg,
+    h_PF = grouped_experts.gate_up(x_TD, tok_P, g, u, tile_E, w_P, activation(layout.act), None if b is None else b[:2], F=layout.F, fmt=fg,
                                    interpret=interpret, **gate_up_kw or {})  # fmt: skip
     y_PD = grouped_experts.down(h_PF, d, tile_E, D=D, fmt=fd, interpret=interpret, **down_kw or {})
     if b is not None:
@@ -278,7 +278,7 @@ def _ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
     flat = ids_TK.reshape(-1)
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-    x_ND, w_N, b = _rows(x_TD, w_TK, bias, order, K)
+    x_ND, w_N, b, _ = _rows(x_TD, w_TK, bias, order, K)
     gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
     f = activation(layout.act)
 

@@ -63,8 +63,8 @@ def _case(rng, T, K, E, D, F, dtype, bm, bias: bool, skew=0.0):
     P = pair_of_row.shape[0]
     b = tuple(rng.standard_normal((P, n)).astype(np.float32) * 0.1 for n in (F, F)) if bias else None
     cast = lambda a: jnp.asarray(a, dtype)  # noqa: E731
-    return dict(x_P=cast(x_P), w_P=jnp.asarray(w_P), mats=[cast(m) for m in mats], tile_E=tile_E, bias=b and tuple(map(cast, b)),
-                np=(x_P, w_P, mats, np.asarray(tile_E), b), cast=cast)  # fmt: skip
+    return dict(x=cast(x), tok_P=jnp.asarray(pair // K), w_P=jnp.asarray(w_P), mats=[cast(m) for m in mats], tile_E=tile_E,
+                bias=b and tuple(map(cast, b)), np=(x_P, w_P, mats, np.asarray(tile_E), b), cast=cast)  # fmt: skip
 
 
 def _float64(x_P, w_P, mats, tile_E, b, bm):
@@ -101,11 +101,11 @@ def test_kernels_match_float64_and_reference(T, K, E, D, F, bm, dtype, bias, ske
     rng = np.random.default_rng(T * K + D)
     c = _case(rng, T, K, E, D, F, dtype, bm, bias, skew)
     g, u, d = c["mats"]
-    h = ge.gate_up(c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], interpret=not GPU)
+    h = ge.gate_up(c["x"], c["tok_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], interpret=not GPU)
     y = ge.down(h, d, c["tile_E"], interpret=not GPU)
     assert h.dtype == dtype and y.dtype == jnp.float32
     used = np.repeat(np.asarray(c["tile_E"]) < E, bm)
-    h_ref = ge.gate_up_ref(c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"])
+    h_ref = ge.gate_up_ref(c["x"], c["tok_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"])
     y_ref = ge.down_ref(h_ref, d, c["tile_E"])
     x_P, w_P, mats, tile_E, b = c["np"]
     if dtype == jnp.float32:  # float64 from the same inputs
@@ -128,7 +128,7 @@ def test_blocks_give_the_same_rows(block_n, block_k):
     c = _case(rng, T, K, E, D, F, jnp.float32, bm, True)
     g, u, d = c["mats"]
     used = np.repeat(np.asarray(c["tile_E"]) < E, bm)
-    args = (c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"])
+    args = (c["x"], c["tok_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"])
     h0, h1 = ge.gate_up(*args, interpret=not GPU), ge.gate_up(*args, block_n=block_n, block_k=block_k, interpret=not GPU)
     np.testing.assert_allclose(np.asarray(h1)[used], np.asarray(h0)[used], rtol=1e-5, atol=1e-6)
     y0, y1 = (
@@ -139,12 +139,12 @@ def test_blocks_give_the_same_rows(block_n, block_k):
 
 
 def test_bad_shapes_raise():
-    x, w = jnp.zeros((32, 40)), jnp.zeros((2, 64, 40))
+    x, w, tok = jnp.zeros((32, 40)), jnp.zeros((2, 64, 40)), jnp.zeros((32,), jnp.int32)
     with pytest.raises(ValueError, match="multiple of 16"):
-        ge.gate_up(x, w, w, jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, interpret=True)
+        ge.gate_up(x, tok, w, w, jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, interpret=True)
     x, w = jnp.zeros((32, 64)), jnp.zeros((2, 64, 64))
     with pytest.raises(ValueError, match=r"up \(2, 32, 64\) is not \[2, 64, 64\]"):
-        ge.gate_up(x, w, jnp.zeros((2, 32, 64)), jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, interpret=True)
+        ge.gate_up(x, tok, w, jnp.zeros((2, 32, 64)), jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, interpret=True)
     with pytest.raises(ValueError, match="block_m=15 must be a power of two"):
         ge.down(jnp.zeros((30, 64)), w, jnp.zeros((2,), jnp.int32), interpret=True)
     with pytest.raises(ValueError, match="not whole blocks of 16 rows, 32 outputs"):
@@ -170,7 +170,7 @@ def test_kernels_decode_4bit_banks_as_they_load_them(fmt, T, K, E, D, F, bm, dty
         mats.append(np.stack([Q.dequantize_ref(r, o, i) for r in b]))
         banks.append(jnp.asarray(np.concatenate([b, rng.integers(0, 256, (E, extra), dtype=np.uint8)], axis=1)))
     g, u, d = banks
-    h = ge.gate_up(c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], F=F, fmt=fmt, interpret=not GPU)
+    h = ge.gate_up(c["x"], c["tok_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], F=F, fmt=fmt, interpret=not GPU)
     y = ge.down(h, d, c["tile_E"], D=D, fmt=fmt, interpret=not GPU)
     used = np.repeat(np.asarray(c["tile_E"]) < E, bm)
     x_P, w_P, _, tile_E, b = c["np"]
@@ -178,7 +178,7 @@ def test_kernels_decode_4bit_banks_as_they_load_them(fmt, T, K, E, D, F, bm, dty
         h64, y64 = _float64(x_P, w_P, mats, tile_E, b, bm)
         for got, want in ((h, h64), (y, y64)):
             np.testing.assert_allclose(np.asarray(got, np.float64)[used], want[used], rtol=1e-4, atol=1e-4 * np.abs(want).max())
-    h_ref = ge.gate_up_ref(c["x_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], F=F, fmt=fmt)
+    h_ref = ge.gate_up_ref(c["x"], c["tok_P"], g, u, c["tile_E"], c["w_P"], silu, c["bias"], F=F, fmt=fmt)
     y_ref = ge.down_ref(h_ref, d, c["tile_E"], D=D, fmt=fmt)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     for got, want in ((h, h_ref), (y, y_ref)):
@@ -191,7 +191,8 @@ def test_rows_of_whole_blocks_only():
     formats store no such matrix either)."""
     b = jnp.zeros((4, 1024), jnp.uint8)
     with pytest.raises(ValueError, match="not whole blocks of 32"):
-        ge.gate_up(jnp.zeros((32, 48)), b, b, jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, F=64, fmt="q4_0", interpret=True)
+        ge.gate_up(jnp.zeros((32, 48)), jnp.zeros((32,), jnp.int32), b, b, jnp.zeros((2,), jnp.int32), jnp.zeros((32,)), silu, F=64,
+                   fmt="q4_0", interpret=True)  # fmt: skip
 
 
 def test_kernels_lower_to_triton_for_the_gpu():
@@ -201,23 +202,23 @@ def test_kernels_lower_to_triton_for_the_gpu():
     bm = ge.block_m_for(T * K, E)
     P = ge.padded_rows(T * K, E, bm)
 
-    def f(x, g, u, d, tile_E, w):
-        return ge.down(ge.gate_up(x, g, u, tile_E, w, silu), d, tile_E)
+    def f(x, tok, g, u, d, tile_E, w):
+        return ge.down(ge.gate_up(x, tok, g, u, tile_E, w, silu), d, tile_E)
 
-    args = (sds((P, D), jnp.bfloat16), sds((E, F, D), jnp.bfloat16), sds((E, F, D), jnp.bfloat16), sds((E, D, F), jnp.bfloat16),
-            sds((P // bm,), jnp.int32), sds((P,), jnp.float32))  # fmt: skip
+    args = (sds((T, D), jnp.bfloat16), sds((P,), jnp.int32), sds((E, F, D), jnp.bfloat16), sds((E, F, D), jnp.bfloat16),
+            sds((E, D, F), jnp.bfloat16), sds((P // bm,), jnp.int32), sds((P,), jnp.float32))  # fmt: skip
     exp = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         *args
     )
     text = exp.mlir_module()
     assert bm == 128 and text.count("__gpu$xla.gpu.triton") == 2 and "grouped_gate_up" in text and "grouped_down" in text
 
-    def q(x, g, u, d, tile_E, w):  # q4_0 banks as the slots hold them
-        return ge.down(ge.gate_up(x, g, u, tile_E, w, silu, F=F, fmt="q4_0"), d, tile_E, D=D, fmt="q4_0")
+    def q(x, tok, g, u, d, tile_E, w):  # q4_0 banks as the slots hold them
+        return ge.down(ge.gate_up(x, tok, g, u, tile_E, w, silu, F=F, fmt="q4_0"), d, tile_E, D=D, fmt="q4_0")
 
     banks = (sds((E, 884736), jnp.uint8),) * 3
     exp = export.export(jax.jit(q), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
-        args[0], *banks, *args[4:]
+        *args[:2], *banks, *args[5:]
     )
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 2
 
