@@ -91,6 +91,9 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl == "tiles":
+        if not tiles_fit(layout, E):
+            raise ValueError(f"the 'tiles' expert implementation takes F and D in multiples of {grouped_experts.MIN_BLOCK}, one of "
+                             f"{gathered_experts.ACTS} and fewer than 2^31 weights a bank, not {E} x [{layout.F}, {layout.D}] {layout.act}")  # fmt: skip
         return _tiled(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl == "ragged":
         return _ragged(x_TD, ids_TK, w_TK, banks, layout, bias)

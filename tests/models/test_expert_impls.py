@@ -149,6 +149,9 @@ def test_auto_computes_many_pairs_as_the_switch_says(how, F, want, monkeypatch):
     assert float(routed_experts(jnp.ones((2, D)), ids[:2], jnp.ones((2, K)), bank, layout)[0, 0]) == marks["gathered"]
     if how == "tiles" and want == "tiles":  # DeepSeek-V3's bank (256 experts of 7168 × 2048): past the kernels' offsets
         assert routed.many_pairs_impl(ExpertLayout(("bf16",) * 3, 2048, 7168, "silu"), 256) == "grouped"
+    if F % 16:
+        with pytest.raises(ValueError, match="'tiles' expert implementation takes F and D in multiples of 16"):
+            routed_experts(jnp.ones((T, D)), ids, jnp.ones((T, K)), bank, layout, impl="tiles")
     monkeypatch.setenv("FREETOKEN_PREFILL_EXPERTS", "fast")
     with pytest.raises(ValueError, match="FREETOKEN_PREFILL_EXPERTS='fast': use grouped, tiles or ragged"):
         routed.many_pairs_impl(layout, E)
