@@ -191,8 +191,9 @@ def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPla
 
 def choose_prefill_chunk(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan) -> tuple[int, str]:
     """(prefill chunk, why) for an `ecfg` that leaves it to be chosen: under offload / hybrid /
-    cpu (whose long chunks go to the device, `runtime/offload.device_prefill_pays`), with a known budget, the largest of `PREFILL_CHUNKS` no longer than the context whose
-    activations take at most `ACTIVATION_SHARE` of what the plan leaves free; else the default."""
+    cpu (whose long chunks go to the device, `runtime/offload.device_prefill_pays`), with a known
+    budget, the largest of `PREFILL_CHUNKS` no longer than the context whose activations take at
+    most `ACTIVATION_SHARE` of what the plan leaves free; else the default."""
     if ecfg.prefill_chunk is not None:
         return ecfg.prefill_chunk, "prefill_chunk was given"
     default = ecfg.chunk
