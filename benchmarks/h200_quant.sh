@@ -71,9 +71,10 @@ for what in "$@"; do
         FREETOKEN_PREFILL_COPY_WAIT=$w python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 \
           --slots-gb 2.2482 --prefill-tokens 8192 --variants grouped --top 4 2>&1 | grep -E "^== |copies "; done ;;
     # experts: a prefill chunk's routed experts by grouped / tiles (Triton over whole tiles) / ragged (Mosaic GPU): the GPU
-    # tests, one layer's experts at 8192 tokens (uniform and Zipf 1 routing; two of tiles' block settings), then offload
+    # tests (with the sort-free sampler's and cpu's prefill on the device), one layer's experts at 8192 tokens (uniform and Zipf 1 routing; two of tiles' block settings), then offload
     # prefill of the q4_0 shape (slots of -ncmoe 17) under each FREETOKEN_PREFILL_EXPERTS of HOWS at each routing skew of SKEWS
-    experts) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_experts.py tests/models/test_expert_impls.py 2>&1 | tail -2
+    experts) python3 -m pytest -q -p no:cacheprovider tests/kernels/test_grouped_experts.py tests/models/test_expert_impls.py \
+        tests/runtime/test_sampling.py tests/runtime/test_cpu_strategy.py 2>&1 | tail -2
       python3 benchmarks/bench_prefill_experts.py --tokens 8192 --format ${FMT:-q4_0} --configs 32,4,4:64,4,4 64,8,3:128,8,3 2>&1 |
         tee "$OUT/prefill_experts.txt"
       for skew in ${SKEWS:-0}; do for how in ${HOWS:-grouped tiles ragged}; do echo "== FREETOKEN_PREFILL_EXPERTS=$how skew $skew"
