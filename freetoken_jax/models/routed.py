@@ -67,7 +67,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       instead of a plan's power of two (`tiles_fit` says which layers);
     - "ragged" (many pairs): the pairs sorted by expert, unpadded, through jax's Mosaic GPU
       grouped matmul for Hopper where it fits (`grouped_experts.ragged_dot`), else XLA's
-      `ragged_dot_general`; gate and up come out rounded to x's dtype;
+      `ragged_dot_general`; gate, up and each pair's down come out rounded to x's dtype;
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
       says which layers): each gathered block's scale and codes read together;
