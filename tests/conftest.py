@@ -54,3 +54,13 @@ def demo_scheduler():
     yield start
     for s in made:
         s.shutdown()
+
+
+@pytest.fixture
+def full_float32_products():
+    """float32 products in float32 on a GPU too (XLA's default there rounds them through TF32,
+    three decimal digits; the element-wise tests that use this compare to 1e-5 or finer)."""
+    import jax
+
+    with jax.default_matmul_precision("highest"):
+        yield

@@ -16,6 +16,8 @@ from pallas_kernels import grouped_experts as ge
 GPU = jax.default_backend() == "gpu"
 silu = ACTIVATIONS["silu"]
 
+pytestmark = pytest.mark.usefixtures("full_float32_products")  # (conftest: references compared to 1e-5)
+
 
 def _ids(rng, T, K, E, skew=0.0):
     """Top-K of E a token; with `skew`, expert 0 first for that share of tokens, expert E-1 never."""

@@ -16,12 +16,7 @@ from freetoken_jax.models.attention import attend, attend_chunk, attend_latent, 
 PAGE = 4
 
 
-@pytest.fixture(autouse=True)
-def _full_float32_products():
-    """float32 products in float32 on a GPU too (XLA's default there rounds them through TF32,
-    three decimal digits: these tests compare to 2e-6)."""
-    with jax.default_matmul_precision("highest"):
-        yield
+pytestmark = pytest.mark.usefixtures("full_float32_products")  # (conftest: these tests compare to 2e-6)
 
 
 def _case(rng, B, T, K, G, P, start, valid_len):

@@ -9,6 +9,8 @@ from freetoken_jax.bench.expert_impls import named
 from freetoken_jax.models.routed import routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 
+pytestmark = pytest.mark.usefixtures("full_float32_products")  # (conftest: references compared to 1e-5)
+
 
 def reference(x, ids, w, gate, up, down, bias=None):
     """float64; `bias`: per-expert (gate [E, F], up [E, F], down [E, D]) or None."""
