@@ -49,6 +49,7 @@ from freetoken_jax.runtime.steps import (
     Sampling,
     Weights,
     decode_forward,
+    decode_step,
     decode_step_plain,
     on_device,
     prefill_step,
@@ -119,10 +120,11 @@ class _TokenFirst:
 
 class StepSet:
     """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`
-    (`steps.decode_step_plain`: greedy or temperature alone),
+    (`steps.decode_step_plain`: greedy or temperature alone) and `decode_filtered` (`steps.decode_step`:
+    top-k and top-p besides, which sort the vocabulary),
     `prefill(weights, cache, batch, experts)`, `prefill_buffered` / `prefill_slots(weights, cache,
     batch, slots, experts)` and `score(weights, cache, batch, experts)`; and the decode step in
-    two halves for batches with rows that ask for more than a temperature,
+    two halves for batches with rows that ask for more than temperature, top-k and top-p,
     `decode_logits` (`steps.decode_forward`) and `sample` (`steps.sample_step`: penalties, bias,
     log-probabilities, grammar masks, which the host computes while the model half runs)."""
 
@@ -131,6 +133,7 @@ class StepSet:
         jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
         sampled = lambda f, donate, **kw: _TokenFirst(jit(_token_last(f), donate, **kw))  # noqa: E731
         self.decode = sampled(decode_step_plain, (1,))
+        self.decode_filtered = sampled(decode_step, (1,))
         self.prefill = sampled(prefill_step, (1,))
         self.prefill_buffered = sampled(prefill_step_buffered, (1, 3))
         self.prefill_slots = sampled(prefill_step_slots, (1, 3))
@@ -143,7 +146,7 @@ class StepSet:
         t = self.traces
         return dict(
             prefill=t.get("prefill_step", 0) + t.get("prefill_step_buffered", 0) + t.get("prefill_step_slots", 0),
-            decode=t.get("decode_step_plain", 0) + t.get("decode_forward", 0),
+            decode=t.get("decode_step_plain", 0) + t.get("decode_step", 0) + t.get("decode_forward", 0),
             score=t.get("score_step", 0),
         )
 
@@ -172,10 +175,12 @@ def table_widths(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[int, int]:
     return ecfg.pages_per_sequence, ring_pages(cfg, ecfg)
 
 
-def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, tables: tuple[int, int]) -> tuple:
+def decode_job(steps: StepSet, weights: Weights, experts: ExpertBackend, state: DecodeState, tables: tuple[int, int],
+               filters: bool = False) -> tuple:  # fmt: skip
     """(decode step, its argument shapes) for a state of these shapes (`steps.shapes`) and
-    batches of `tables` (`table_widths`)."""
-    return steps.decode, (weights, state, DecodeBatch.shapes(state.tokens_B.shape[0], *tables), experts)
+    batches of `tables` (`table_widths`); `filters`: the step that samples with top-k / top-p."""
+    step = steps.decode_filtered if filters else steps.decode
+    return step, (weights, state, DecodeBatch.shapes(state.tokens_B.shape[0], *tables), experts)
 
 
 class ModelRunner:
@@ -333,10 +338,12 @@ class ModelRunner:
         self.state = dataclasses.replace(st, cache=cache, slots=slots)
         return tok
 
-    def decode(self, batch: DecodeBatch) -> jax.Array:
-        """One decode step over all rows (inactive rows masked) with temperature, top-k and
-        top-p; returns the tokens [rows]."""
-        tok, self.state = self.steps.decode(self.weights, self.state, batch, self.experts)
+    def decode(self, batch: DecodeBatch, filters: bool = False) -> jax.Array:
+        """One decode step over all rows (inactive rows masked), greedy or with a temperature, and
+        with `filters` top-k and top-p too (a step that sorts the vocabulary); returns the tokens
+        [rows]."""
+        step = self.steps.decode_filtered if filters else self.steps.decode
+        tok, self.state = step(self.weights, self.state, batch, self.experts)
         self.logprobs = None
         self._rebalance()
         return tok
@@ -403,11 +410,11 @@ class ModelRunner:
                 self.ring_pool.release(ring)
 
     # Ahead-of-time compiles ------------------------------------------------------------------------
-    def decode_job(self, state: DecodeState | None = None) -> tuple:
+    def decode_job(self, state: DecodeState | None = None, filters: bool = False) -> tuple:
         """(decode step, argument shapes) placed as the calls place them; `state`: the shapes of
-        another geometry's state."""
+        another geometry's state; `filters`: the step with top-k / top-p."""
         st = state or shapes(self.state, committed=True)
-        return decode_job(self.steps, self.weights, self.experts, st, self.tables)
+        return decode_job(self.steps, self.weights, self.experts, st, self.tables, filters)
 
     def sample_jobs(self) -> list[tuple]:
         """(step, argument shapes[, static arguments]) of the decode step's two halves (rows
@@ -444,10 +451,16 @@ class ModelRunner:
         return sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)})
 
     def warm_up(self, workers: int = 4, prefill_rows: int = 1) -> dict:
-        """Compiles the decode step and the prefill step of every chunk bucket before any request
-        arrives (on `workers` threads); returns {"steps": n, "seconds": s}."""
+        """Compiles the decode steps (with and without top-k / top-p, and in two halves) and the
+        prefill step of every chunk bucket before any request arrives (on `workers` threads);
+        returns {"steps": n, "seconds": s}."""
         t0 = time.perf_counter()
-        jobs = [self.decode_job(), *self.sample_jobs(), *self.prefill_jobs(self.chunk_buckets(), prefill_rows)]
+        jobs = [
+            self.decode_job(),
+            self.decode_job(filters=True),
+            *self.sample_jobs(),
+            *self.prefill_jobs(self.chunk_buckets(), prefill_rows),
+        ]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)

@@ -6,8 +6,9 @@ its own key, derived from the request's seed and the position being sampled: a r
 output does not depend on what else is in the batch.
 
 Three samplers share these arrays. `sample_plain` (greedy or temperature alone: no sort of the
-vocabulary) is the engine's decode step's; `sample` (temperature, top-k, top-p) is what prefill
-chunks and a state without token counts use. `sample_full` first processes the logits as each row asks
+vocabulary) is the engine's decode step's while no row asks for more; `sample` (temperature,
+top-k, top-p) is the decode step's for rows with those filters, and what prefill chunks use.
+`sample_full` first processes the logits as each row asks
 — repetition penalty over the prompt and output tokens (divides positive logits, multiplies
 negative ones, as Hugging Face's), frequency and presence penalties over the output tokens
 (OpenAI's definitions), the logit bias, stop tokens banned until `min_tokens` are out, a
@@ -57,12 +58,17 @@ class GenerationParams:
 
     @property
     def processed(self) -> bool:
-        """Whether its tokens need `sample_full` (anything beyond temperature: the plain decode
-        step samples without sorting the vocabulary, `sample_plain`)."""
+        """Whether its tokens need `sample_full` (anything beyond temperature, top-k, top-p)."""
         return bool(
-            self.top_k or self.top_p < 1 or self.min_p or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-            or self.logit_bias or self.min_tokens or self.logprobs is not None
+            self.min_p or self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1 or self.logit_bias
+            or self.min_tokens or self.logprobs is not None
         )  # fmt: skip
+
+    @property
+    def filters(self) -> bool:
+        """Whether it samples with top-k or top-p (`sample`, which sorts the vocabulary) rather than
+        greedily or with a temperature alone (`sample_plain`)."""
+        return bool(self.temperature > 0 and (self.top_k or self.top_p < 1))
 
     def check(self, prompt: Sequence[int], vocab_size: int, max_context: int) -> list[int]:
         """The prompt as a list of ints, or `RequestError` saying what is wrong."""

@@ -426,7 +426,7 @@ class Batcher:
                 if any(r.full for r in rows):  # penalties, bias, log-probabilities: the full sampler
                     nxt = self.runner.sample(self.runner.decode_logits(batch), batch, self._all_tokens(), self._logprobs(rows))
                 else:
-                    nxt = self.runner.decode(batch)
+                    nxt = self.runner.decode(batch, filters=any(r.handle.params.filters for r in rows))
                 self._dispatched(nxt, active)
             stoppable = any(r is not None and r.stops for r in self.rows)
             keep = (1 if stoppable else LENGTH_ONLY_AHEAD) if busy else 0

@@ -24,7 +24,7 @@ def test_compiles_once_per_bucket():
     for n, temp in ((5, 0.0), (9, 0.8), (4, 1.3)):
         list(engine.generate(list(range(1, n + 1)), max_new_tokens=5, temperature=temp, seed=n, ignore_eos=True))
     assert engine.compilations() == first
-    # top-k / top-p take the decode step's two halves (their sort), compiled once for any values
+    # top-k / top-p take the decode step that sorts the vocabulary, compiled once for any values
     for n, k, p in ((5, 4, 1.0), (9, 0, 0.9), (4, 7, 0.5)):
         list(engine.generate(list(range(1, n + 1)), max_new_tokens=5, temperature=0.8, top_k=k, top_p=p, seed=n, ignore_eos=True))
     first = {**first, "decode": 2}
@@ -54,6 +54,7 @@ def backend_compiles():
 
 STEPS = (
     "jit(decode_step_plain)",
+    "jit(decode_step)",
     "jit(prefill_step)",
     "jit(prefill_step_slots)",
     "jit(prefill_step_buffered)",
@@ -97,20 +98,22 @@ def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
     sched = demo_scheduler(ec)
     with backend_compiles() as warm:
         out = sched.warm_up(workers=2)
-    assert out["steps"] == 4 + 3  # decode, its two halves (sampling with and without log-probabilities), prefill chunks of 16, 32, 64
-    assert warm["jit(decode_step_plain)"] == 1 and warm["jit(prefill_step_slots)"] == 1 and warm["jit(prefill_step_buffered)"] == 2
+    # decode with and without top-k / top-p, its two halves (sampling with and without log-probabilities), prefill chunks of 16, 32, 64
+    assert out["steps"] == 5 + 3
+    assert warm["jit(decode_step)"] == warm["jit(decode_step_plain)"] == warm["jit(prefill_step_slots)"] == 1
+    assert warm["jit(prefill_step_buffered)"] == 2
     assert warm["jit(decode_forward)"] == 1 and warm["jit(sample_step)"] == 2
     p = GenerationParams(max_new_tokens=4, ignore_eos=True)
     full = GenerationParams(max_new_tokens=4, ignore_eos=True, presence_penalty=0.5)  # the two halves
     lp = GenerationParams(max_new_tokens=4, ignore_eos=True, logprobs=2)
+    nucleus = GenerationParams(max_new_tokens=4, ignore_eos=True, temperature=0.8, top_p=0.9)  # the decode step that sorts
     with backend_compiles() as serving:
         for n in (5, 20, 40, 100):
-            sched.submit(list(range(1, n + 1)), p).result(120)
-            sched.submit(list(range(1, n + 1)), full).result(120)
-            sched.submit(list(range(1, n + 1)), lp).result(120)
+            for params in (p, full, lp, nucleus):
+                sched.submit(list(range(1, n + 1)), params).result(120)
     assert not any(serving[s] for s in STEPS), serving
     # A resize of a warmed-up server compiles the new geometry's steps with it.
-    assert sched.rebuild_cache(expert_slots=48)["warm_up"]["steps"] == 7
+    assert sched.rebuild_cache(expert_slots=48)["warm_up"]["steps"] == 8
     with backend_compiles() as resized:
         for n in (5, 20, 40, 100):
             sched.submit(list(range(1, n + 1)), p).result(120)

@@ -81,8 +81,9 @@ def test_plain_sampler_follows_softmax():
     assert np.abs(freq - p).max() < 4 * np.sqrt(p.max() * (1 - p.max()) / n)
 
 
-def test_rows_with_filters_take_the_full_sampler():
+def test_rows_with_filters_take_the_sorting_sampler():
     from freetoken_jax.runtime.sampling import GenerationParams
 
-    assert not GenerationParams(temperature=0.7).processed
-    assert GenerationParams(temperature=0.7, top_p=0.9).processed and GenerationParams(top_k=40).processed
+    assert not GenerationParams(temperature=0.7).filters and not GenerationParams(top_p=0.5).filters  # greedy: no filter applies
+    assert GenerationParams(temperature=0.7, top_p=0.9).filters and GenerationParams(temperature=1.0, top_k=40).filters
+    assert not GenerationParams(temperature=0.7, top_p=0.9).processed  # one step, not the two halves

@@ -208,8 +208,9 @@ def test_stream_text_yields_whole_characters(engine):
 
 
 def test_sampled_rows_beside_a_top_p_row_keep_their_tokens(engine):
-    """A row with top-p sends its batch through the two-half step (sorting the vocabulary); a
-    sampling row beside it draws the tokens it draws alone through the plain decode step."""
+    """A row with top-p sends its batch through the decode step that sorts the vocabulary; a
+    sampling row beside it draws the tokens it draws alone through the plain decode step. The
+    two steps are the engine's two decode executables."""
     prompts = [PROMPT, [256] + list(b"other prompt")]
     free = GenerationParams(max_new_tokens=12, ignore_eos=True, temperature=1.0, seed=5)
     alone = list(engine.generate(prompts[0], **vars(free)))
@@ -219,3 +220,4 @@ def test_sampled_rows_beside_a_top_p_row_keep_their_tokens(engine):
         if ev.kind == "token":
             out[i].append(ev.token)
     assert out[0] == alone and len(set(alone)) > 3
+    assert engine.runner.steps.traces.get("decode_step") and engine.runner.steps.traces.get("decode_step_plain")
