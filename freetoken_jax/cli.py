@@ -53,6 +53,13 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
 
 
+def _filters(args) -> bool:
+    """Whether the sampling flags ask for top-k / top-p (the decode step that sorts the vocabulary)."""
+    from freetoken_jax.runtime.sampling import GenerationParams
+
+    return GenerationParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).filters
+
+
 def _compile(engine, jobs: list, what: str) -> None:
     """Compiles `jobs` (the steps about to run) with a line saying so, so that a first run's
     wait is explained and its decode rate excludes compiling."""
@@ -94,7 +101,7 @@ def cmd_generate(args) -> int:
 
     engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args), require_tokenizer=True)
     ids = engine.tokenizer.encode(args.prompt)
-    _compile(engine, engine.runner.prompt_jobs(len(ids)), "the prefill and decode steps")
+    _compile(engine, engine.runner.prompt_jobs(len(ids), _filters(args)), "the prefill and decode steps")
     print(printable(args.prompt), end="", flush=True)
     _, first = _stream(engine, ids, args)
     m = engine.get_metrics()
@@ -116,7 +123,7 @@ def cmd_chat(args) -> int:
     # the decode step now; each prompt length's prefill compiles on its first turn (every bucket
     # up front would take minutes on a large model)
     harmony = detect(template).name == "harmony"  # gpt-oss: its reasoning is shown apart and not sent back
-    _compile(engine, [engine.runner.decode_job()], "the decode step")
+    _compile(engine, [engine.runner.decode_job(filters=_filters(args))], "the decode step")
     print("chat: /reset starts over, /exit leaves", file=sys.stderr)
     while True:
         try:

@@ -437,14 +437,15 @@ class ModelRunner:
             jobs.append((step, args + ((st.slots, experts) if with_slots else (experts,))))
         return jobs
 
-    def prompt_jobs(self, prompt_len: int) -> list[tuple]:
-        """The steps one prompt of `prompt_len` tokens runs: its prefill chunks and the decode step."""
+    def prompt_jobs(self, prompt_len: int, filters: bool = False) -> list[tuple]:
+        """The steps one prompt of `prompt_len` tokens runs: its prefill chunks and the decode step
+        (with `filters`, the one that samples with top-k / top-p)."""
         Ts, left = set(), prompt_len
         while left > 0:
             T = buckets.chunk_bucket(left, self.engine_config.chunk)
             Ts.add(T)
             left -= T
-        return [self.decode_job(), *self.prefill_jobs(sorted(Ts))]
+        return [self.decode_job(filters=filters), *self.prefill_jobs(sorted(Ts))]
 
     def chunk_buckets(self) -> list[int]:
         chunk = self.engine_config.chunk
