@@ -215,7 +215,7 @@ def decode_step_plain(
 ) -> tuple[jax.Array, DecodeState]:
     """`decode_step` for rows that are greedy or ask for a temperature alone (it ignores top-k
     and top-p): the same tokens without sorting the vocabulary (`sampling.sample_plain`). The
-    engine's decode step; its rows with filters go through `decode_forward` and `sample_step`."""
+    engine's decode step while no active row asks for top-k or top-p (then `decode_step`)."""
     s = batch.sampling
     return _decode(weights, state, batch, experts, lambda logits, pos: sample_plain(logits, s.seeds_B, pos, s.temperature_B))
 
