@@ -275,13 +275,12 @@ def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=Non
 
 
 def _ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
-    # The pairs sorted by expert, unpadded: row i is pair order[i].
+    # The pairs sorted by expert, unpadded: each expert's group starts where the one before ends.
     T, K = ids_TK.shape
     E, D, dt = banks[0].shape[0], x_TD.shape[1], x_TD.dtype
-    flat = ids_TK.reshape(-1)
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    sizes = jnp.zeros((E,), jnp.int32).at[flat].add(1)
-    x_ND, w_N, b, _ = _rows(x_TD, w_TK, bias, order, K)
+    sizes = jnp.zeros((E,), jnp.int32).at[ids_TK.reshape(-1)].add(1)
+    pair_of_row, row_of_pair = pair_rows(ids_TK, sizes, jnp.cumsum(sizes) - sizes, T * K)
+    x_ND, w_N, b, _ = _rows(x_TD, w_TK, bias, pair_of_row, K)
     gate_EFD, up_EFD, down_EDF = layout.matrices(banks, dt)
     f = activation(layout.act)
 
@@ -297,5 +296,4 @@ def _ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
     y = rdot(h, down_EDF)
     if b is not None:
         y = y + jnp.where(w != 0, b[2] * w, 0.0)
-    row_of_pair = jnp.zeros_like(order).at[order].set(jnp.arange(order.size, dtype=jnp.int32))
     return y[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
