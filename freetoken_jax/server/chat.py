@@ -27,7 +27,7 @@ def _text(content, where: str) -> str:
         raise ApiError(400, f"{where}: {e}", param=where) from e
 
 
-def _arguments(args, where: str):
+def call_arguments(args, where: str):
     """Tool-call arguments as templates take them: an object (OpenAI sends JSON text)."""
     if isinstance(args, str):
         try:
@@ -55,7 +55,7 @@ def openai_messages(messages) -> list[dict]:
                 )
             msg["tool_calls"] = [
                 {"id": c.get("id"), "type": "function",
-                 "function": {"name": c["function"].get("name"), "arguments": _arguments(c["function"].get("arguments", {}), f"{where}.tool_calls.{i}")}}
+                 "function": {"name": c["function"].get("name"), "arguments": call_arguments(c["function"].get("arguments", {}), f"{where}.tool_calls.{i}")}}
                 for i, c in enumerate(calls)
             ]  # fmt: skip
         if m.role == "tool":
@@ -88,7 +88,7 @@ def anthropic_messages(messages, system: str | None) -> list[dict]:
                     {
                         "id": b.get("id"),
                         "type": "function",
-                        "function": {"name": b.get("name"), "arguments": _arguments(b.get("input", {}), f"{where}.{j}")},
+                        "function": {"name": b.get("name"), "arguments": call_arguments(b.get("input", {}), f"{where}.{j}")},
                     }
                 )
             elif kind == "tool_result" and m.role == "user":

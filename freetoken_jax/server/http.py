@@ -1,7 +1,8 @@
 """The OpenAI/Anthropic-compatible HTTP front end: FastAPI routes served by uvicorn.
 
 Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` and
-`POST /v1/chat/completions` (OpenAI, SSE streaming with usage), `POST /v1/messages` and
+`POST /v1/chat/completions` (OpenAI, SSE streaming with usage), OpenAI's Responses API
+(`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: `responses.py`), `POST /v1/messages` and
 `POST /v1/messages/count_tokens` (Anthropic), `POST /tokenize`, `POST /detokenize` (vLLM's),
 `GET /metrics` (Prometheus), `GET /v1/metrics` (JSON), and the admin routes `GET /v1/cache/status`,
 `POST /v1/cache/rebuild`.
@@ -47,7 +48,7 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "i
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-           "/tokenize", "/detokenize", "/v1/metrics", "/v1/cache/status", "/v1/cache/rebuild")  # fmt: skip
+           "/v1/responses", "/tokenize", "/detokenize", "/v1/metrics", "/v1/cache/status", "/v1/cache/rebuild")  # fmt: skip
 
 
 def _is_anthropic(path: str) -> bool:
@@ -307,8 +308,14 @@ def _chat_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
     """An OpenAI chat body's prompt ids, its `Tools` and whether the prompt opened a reasoning
     section (the template ended it with <think>)."""
     tools = Tools.of([_dump(t) for t in body.tools or []], _dump(body.tool_choice), body.parallel_tool_calls, s.tool_format)
-    text = render_messages(s.template, openai_messages(body.messages), tools)
+    text = render_messages(s.template, openai_messages(body.messages), tools, **effort(body.reasoning_effort))
     return s.encode(text), tools, text.rstrip().endswith("<think>")
+
+
+def effort(level: str | None) -> dict:
+    """A request's reasoning effort as the chat template's `reasoning_effort` (gpt-oss's template
+    writes it into its system message; templates that do not read it render as without)."""
+    return {} if level is None else {"reasoning_effort": level}
 
 
 def _anthropic_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
@@ -652,6 +659,10 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             yield sse({"type": "message_stop"}, "message_stop")
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    from freetoken_jax.server.responses import install  # imports this module
+
+    install(app, body_of, limits)
 
     @app.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
     async def unknown(request: Request, rest: str):

@@ -9,7 +9,7 @@ other unknown fields pass.
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator, model_validator
 
@@ -42,11 +42,12 @@ _NOT_YET = {
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
+    not_yet: ClassVar[dict] = _NOT_YET
 
     @model_validator(mode="after")
     def _nothing_ignored(self):
         for name, value in (self.model_extra or {}).items():
-            if name in _NOT_YET and not any(value == ok and type(value) is type(ok) or value is ok for ok in _NOT_YET[name]):
+            if name in self.not_yet and not any(value == ok and type(value) is type(ok) or value is ok for ok in self.not_yet[name]):
                 raise ValueError(f"'{name}' is not supported by this server yet; leave it out")
         return self
 
@@ -87,7 +88,19 @@ class ResponseFormat(BaseModel):
         return self
 
 
-class _OpenAI(_Body):
+class _Guided(_Body):
+    """vLLM's structured-output fields and llama.cpp's GBNF `grammar`."""
+
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark
+    grammar: str | None = None  # GBNF
+
+
+GUIDED = tuple(k for k in _Guided.model_fields if k not in _Body.model_fields)
+
+
+class _OpenAI(_Guided):
     n: StrictInt | None = Field(None, ge=1, le=16)  # choices, sharing the prompt's KV pages
     stop: Stop = None
     stream_options: StreamOptions | None = None
@@ -98,12 +111,7 @@ class _OpenAI(_Body):
     min_p: FiniteFloat | None = Field(None, ge=0, le=1)  # vLLM's
     min_tokens: StrictInt | None = Field(None, ge=0)  # vLLM's
     logit_bias: dict[str, FiniteFloat] | None = None
-    # Structured output: OpenAI's response_format, vLLM's guided_* and llama.cpp's GBNF `grammar`
-    response_format: ResponseFormat | None = None
-    guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_grammar: str | None = None  # Lark
-    grammar: str | None = None  # GBNF
+    response_format: ResponseFormat | None = None  # structured output, besides `_Guided`'s
 
 
 class CompletionRequest(_OpenAI):
@@ -145,6 +153,9 @@ class AnthropicTool(BaseModel):
     input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
 
 
+ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -160,12 +171,82 @@ class ChatRequest(_OpenAI):
     tools: Annotated[list[ToolSpec], Field(max_length=256)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
+    reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort` (gpt-oss's reads it)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
+
+
+# OpenAI's Responses API ---------------------------------------------------------------------------
+class ResponsesTool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]  # built-in tools (web search, files, ...) are OpenAI's own services
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ResponsesToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    name: ToolName
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("type 'json_schema' needs 'schema'")
+        return self
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    format: TextFormat | None = None
+
+
+class ReasoningOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # reasoning comes back whole, not summarised
+
+
+RESPONSES_INCLUDE = ("message.output_text.logprobs", "reasoning.encrypted_content")
+
+
+class ResponsesRequest(_Guided):
+    not_yet: ClassVar[dict] = {**_NOT_YET, "background": (None, False), "conversation": (None,), "prompt": (None,), "max_tool_calls": (None,),
+                               "truncation": (None, "disabled"), "service_tier": (None, "auto", "default")}  # fmt: skip
+
+    input: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[dict[str, Any]], Field(min_length=1)]
+    instructions: str | None = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    tools: Annotated[list[ResponsesTool], Field(max_length=256)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ResponsesToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextOptions | None = None
+    reasoning: ReasoningOptions | None = None
+    store: StrictBool = True
+    previous_response_id: str | None = None
+    include: list[Literal[RESPONSES_INCLUDE]] | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
 
 
 class AnthropicMessage(BaseModel):
