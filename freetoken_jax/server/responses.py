@@ -149,7 +149,9 @@ def _format(body: S.ResponsesRequest) -> S.ResponseFormat | None:
         return None
     if f.type == "json_object":
         return S.ResponseFormat(type="json_object")
-    return S.ResponseFormat(type="json_schema", json_schema=S.JsonSchemaFormat(name=f.name, schema=f.schema_, strict=f.strict))
+    return S.ResponseFormat(
+        type="json_schema", json_schema=S.JsonSchemaFormat.model_validate(f.model_dump(by_alias=True, exclude={"type"}))
+    )
 
 
 # Reply events -> output items --------------------------------------------------------------------
@@ -201,7 +203,13 @@ class OutputItems:
     def _start(self, kind: str, ev: tuple) -> list[str]:
         if kind == "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item = {"id": "msg_" + secrets.token_hex(12), "type": "message", "role": "assistant", "status": "in_progress", "content": [part]}
+            item = {
+                "id": "msg_" + secrets.token_hex(12),
+                "type": "message",
+                "role": "assistant",
+                "status": "in_progress",
+                "content": [part],
+            }
         elif kind == "reasoning":
             part = {"type": "reasoning_text", "text": ""}
             item = {"id": "rs_" + secrets.token_hex(12), "type": "reasoning", "summary": [], "status": "in_progress", "content": [part]}
@@ -213,7 +221,9 @@ class OutputItems:
         where = {"output_index": len(self.items) - 1}
         out = [self.event("response.output_item.added", **where, item={**item, "content": []} if kind != "function_call" else dict(item))]
         if kind != "function_call":
-            out.append(self.event("response.content_part.added", **where, item_id=item["id"], content_index=0, part=dict(item["content"][0])))
+            out.append(
+                self.event("response.content_part.added", **where, item_id=item["id"], content_index=0, part=dict(item["content"][0]))
+            )
         return out
 
     def close(self, status: str = "completed") -> list[str]:

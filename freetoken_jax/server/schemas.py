@@ -198,14 +198,12 @@ class ResponsesToolChoice(BaseModel):
     name: ToolName
 
 
-class TextFormat(BaseModel):
+class TextFormat(JsonSchemaFormat):
+    """`text.format`: chat's `response_format` with the schema's fields beside its type."""
+
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
 
     @model_validator(mode="after")
     def _schema_given(self):
