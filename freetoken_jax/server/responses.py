@@ -13,6 +13,7 @@ output items — `reasoning` (its text whole in `content`; no summary is written
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import secrets
 import threading
@@ -24,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from freetoken_jax.server import schemas as S
 from freetoken_jax.server.chat import Reply, Tools, call_arguments, render_messages
-from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, effort, error_body, sse
+from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, effort, sse
 from freetoken_jax.server.logprobs import chat_logprobs
 from freetoken_jax.server.service import ApiError, Service
 
@@ -196,6 +197,11 @@ class OutputItems:
             out.append(self.event("response.function_call_arguments.delta", **where, delta=ev[2]))
         return out
 
+    def add_records(self, records: list[tuple]) -> None:
+        """Log-probability records of tokens generated since the last call."""
+        self.records += records
+        self.all_records += records
+
     def _take_records(self) -> list:
         recs, self.records = self.records, []
         return self.logprobs(recs) if self.logprobs else []
@@ -272,7 +278,9 @@ def install(app, body_of, limits: S.Limits) -> None:
         max_tokens = body.max_output_tokens or max(1, s.max_context - len(ids))
         params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens, (body.top_logprobs or 0) if logprobs else None)
         fmt = _format(body)
-        grammar = _grammar(s, types.SimpleNamespace(response_format=fmt, **{f: getattr(body, f) for f in S.GUIDED}), tools)
+        grammar = await asyncio.to_thread(
+            _grammar, s, types.SimpleNamespace(response_format=fmt, **{f: getattr(body, f) for f in S.GUIDED}), tools
+        )
         gen = Generation(app.state, request, ids, params, [], grammar, keep_special=(tools is not None and tools.parse) or s.harmony)
         reply = Reply(tools, s.reasoning_parser, text.rstrip().endswith("<think>"), s.harmony)
         out = OutputItems()
@@ -312,7 +320,7 @@ def install(app, body_of, limits: S.Limits) -> None:
 
         if not body.stream:
             text_out = await gen.text(limits.request_timeout_s)
-            out.all_records = out.records = list(gen.out.records)
+            out.add_records(gen.out.records)
             feed(reply.push(text_out))
             return finished()[0]
 
@@ -321,15 +329,12 @@ def install(app, body_of, limits: S.Limits) -> None:
             yield out.event("response.in_progress", response=response("in_progress"))
             try:
                 async for d in gen.deltas():
-                    new = gen.new_records()
-                    out.records += new
-                    out.all_records += new
+                    out.add_records(gen.new_records())
                     for e in feed(reply.push(d)):
                         yield e
             except ApiError as e:
-                err = error_body(request.url.path, e)["error"]
                 yield out.event("error", code=e.kind, message=e.message, param=e.param)
-                yield out.event("response.failed", response=response("failed", {"code": err["type"], "message": err["message"]}))
+                yield out.event("response.failed", response=response("failed", {"code": e.kind, "message": e.message}))
                 return
             r, events = finished()
             for e in events:

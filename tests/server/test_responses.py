@@ -285,3 +285,15 @@ def test_harmony_reasoning_comes_back_as_a_reasoning_item(tmp_path):
     assert message.type == "message" and r.output_text == "yes"
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning.content[0].text
     assert [o.type for o in events[-1].response.output] == ["reasoning", "message"] and events[-1].response.output_text == "yes"
+
+
+def test_a_failure_mid_stream_ends_it_with_error_and_failed(server, monkeypatch):
+    client, service = server
+    tok = service.tokenizer
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad")))
+    events = list(client.responses.create(model="demo", input="x", max_output_tokens=4, stream=True))
+    monkeypatch.setattr(tok, "decode", real)
+    assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert "RuntimeError" in events[2].message and events[3].response.status == "failed" and events[3].response.error.message
+    assert client.responses.create(model="demo", input="x", max_output_tokens=2).status == "incomplete"  # the server goes on
