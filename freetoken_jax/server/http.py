@@ -294,10 +294,9 @@ def sse(obj, event: str | None = None) -> str:
     return (f"event: {event}\n" if event else "") + f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-def _usage(u: dict | None) -> dict:
-    u = u or {}
-    p, c = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+def cached_tokens(gen: Generation) -> int:
+    """The prompt tokens a finished generation read from the prefix cache (whole pages)."""
+    return (gen.out.usage or {}).get("prefix_hit_tokens", 0)
 
 
 def _dump(x):
@@ -466,10 +465,10 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         prefix = s.decode(ids) if echo else ""
         text_sent = [0] * len(gens)
 
-        def usage():
-            return _usage(
-                {"prompt_tokens": len(ids), "completion_tokens": sum((g.out.usage or {}).get("completion_tokens", 0) for g in gens)}
-            )
+        def usage():  # choices after the first read the prompt's pages the first prefilled: its hits are the request's
+            c = sum((g.out.usage or {}).get("completion_tokens", 0) for g in gens)
+            return {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c,
+                    "prompt_tokens_details": {"cached_tokens": cached_tokens(gens[0])}}  # fmt: skip
 
         def finish_of(i):
             f = gens[i].out.finish

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from freetoken_jax.server import schemas as S
 from freetoken_jax.server.chat import Reply, Tools, call_arguments, render_messages
-from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, effort, sse
+from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, cached_tokens, effort, sse
 from freetoken_jax.server.logprobs import chat_logprobs
 from freetoken_jax.server.service import ApiError, Service
 
@@ -300,7 +300,8 @@ def install(app, body_of, limits: S.Limits) -> None:
                 "reasoning": _dump(body.reasoning) or {"effort": None, "summary": None}, "store": body.store,
                 "temperature": params.temperature, "top_p": params.top_p, "text": {"format": _dump(body.text.format) if body.text and body.text.format else {"type": "text"}},
                 "tool_choice": _dump(body.tool_choice) or "auto", "tools": [_dump(t) for t in body.tools or []], "truncation": "disabled",
-                "usage": {"input_tokens": len(ids), "output_tokens": used, "total_tokens": len(ids) + used} if done else None,
+                "usage": {"input_tokens": len(ids), "input_tokens_details": {"cached_tokens": cached_tokens(gen)}, "output_tokens": used,
+                          "total_tokens": len(ids) + used} if done else None,
             }  # fmt: skip
 
         def feed(events) -> list[str]:

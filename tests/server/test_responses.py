@@ -297,3 +297,22 @@ def test_a_failure_mid_stream_ends_it_with_error_and_failed(server, monkeypatch)
     assert [e.type for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
     assert "RuntimeError" in events[2].message and events[3].response.status == "failed" and events[3].response.error.message
     assert client.responses.create(model="demo", input="x", max_output_tokens=2).status == "incomplete"  # the server goes on
+
+
+def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server):
+    client, service = server
+    hits = lambda: service.scheduler.get_metrics()["prefix_hit_tokens"]  # noqa: E731
+    prompt = "A prompt that is long enough to fill a few pages of the cache: " * 3
+    seen = []
+    for _ in range(2):
+        before = hits()
+        r = client.responses.create(model="demo", input=prompt, max_output_tokens=2)
+        seen.append((r.usage.input_tokens_details.cached_tokens, hits() - before, r.usage.input_tokens))
+    before = hits()
+    chat = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": prompt}], max_tokens=2)
+    seen.append((chat.usage.prompt_tokens_details.cached_tokens, hits() - before, chat.usage.prompt_tokens))
+    before = hits()
+    done = client.completions.create(model="demo", prompt=prompt, max_tokens=2)
+    seen.append((done.usage.prompt_tokens_details.cached_tokens, hits() - before, done.usage.prompt_tokens))
+    assert seen[0][0] == 0 and all(c == h for c, h, _ in seen)  # a new prompt reads nothing; each says what the cache gave it
+    assert all(0 < c <= n and c % EC.page_size == 0 for c, _, n in seen[1:3]) and seen[1][0] == seen[2][0]  # the same rendered prompt
