@@ -307,14 +307,29 @@ def _chat_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
     """An OpenAI chat body's prompt ids, its `Tools` and whether the prompt opened a reasoning
     section (the template ended it with <think>)."""
     tools = Tools.of([_dump(t) for t in body.tools or []], _dump(body.tool_choice), body.parallel_tool_calls, s.tool_format)
-    text = render_messages(s.template, openai_messages(body.messages), tools, **effort(body.reasoning_effort))
+    text = render_messages(
+        s.template, openai_messages(body.messages), tools, **template_vars(body.reasoning_effort, body.chat_template_kwargs)
+    )
     return s.encode(text), tools, text.rstrip().endswith("<think>")
 
 
-def effort(level: str | None) -> dict:
-    """A request's reasoning effort as the chat template's `reasoning_effort` (gpt-oss's template
-    writes it into its system message; templates that do not read it render as without)."""
-    return {} if level is None else {"reasoning_effort": level}
+def template_vars(effort: str | None = None, kwargs: dict | None = None) -> dict:
+    """The variables a request gives the chat template besides its messages and tools: its
+    reasoning effort as `reasoning_effort` (gpt-oss's template writes it into its system message)
+    and vLLM's `chat_template_kwargs` (Qwen3's template reads `enable_thinking`). A template that
+    does not read one renders as without it."""
+    out = dict(kwargs or {})
+    taken = sorted({"messages", "tools", "add_generation_prompt"} & out.keys())
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    return out
+
+
+def thinks(body) -> bool:
+    """Whether an Anthropic request asks for extended thinking."""
+    return body.thinking is not None and body.thinking.type == "enabled"
 
 
 def _anthropic_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
@@ -329,7 +344,8 @@ def _anthropic_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
         if body.tools or body.tool_choice
         else None
     )
-    text = render_messages(s.template, anthropic_messages(body.messages, system), tools)
+    enable = None if body.thinking is None else {"enable_thinking": thinks(body)}
+    text = render_messages(s.template, anthropic_messages(body.messages, system), tools, **template_vars(kwargs=enable))
     return s.encode(text), tools, text.rstrip().endswith("<think>")
 
 
@@ -417,11 +433,12 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
     async def tokenize(request: Request):
         body = await body_of(request, S.TokenizeRequest)
         if body.messages is not None:
-            ids = s.encode(render_messages(s.template, openai_messages(body.messages), None))
+            text = render_messages(s.template, openai_messages(body.messages), None, **template_vars(kwargs=body.chat_template_kwargs))
         elif body.prompt is not None:
-            ids = s.encode(body.prompt)
+            text = body.prompt
         else:
             raise ApiError(400, "give 'prompt' or 'messages'")
+        ids = s.encode(text, add_bos=body.add_special_tokens)  # the ids a request of the same text is given, by default
         return {"count": len(ids), "max_model_len": s.max_context, "tokens": ids}
 
     @app.post("/detokenize")
@@ -590,7 +607,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         grammar = await asyncio.to_thread(_grammar, s, body, tools)
         gen = Generation(app.state, request, ids, params, S.stops_of(body, "stop_sequences", limits), grammar,
                          keep_special=(tools is not None and tools.parse) or s.harmony)  # fmt: skip
-        reply = Reply(tools, s.reasoning_parser, opened, s.harmony)
+        reply = Reply(tools, s.reasoning_parser or thinks(body), opened, s.harmony)
         mid = "msg_" + secrets.token_hex(12)
 
         def reason(f):

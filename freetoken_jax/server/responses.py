@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from freetoken_jax.server import schemas as S
 from freetoken_jax.server.chat import Reply, Tools, call_arguments, render_messages
-from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, cached_tokens, effort, sse
+from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, cached_tokens, sse, template_vars
 from freetoken_jax.server.logprobs import chat_logprobs
 from freetoken_jax.server.service import ApiError, Service
 
@@ -270,7 +270,9 @@ def install(app, body_of, limits: S.Limits) -> None:
             raise ApiError(400, f"at most {limits.max_messages} input items (with the previous response's)", param="input")
         tools = _tools(s, body)
         level = body.reasoning.effort if body.reasoning is not None else None
-        text = render_messages(s.template, chat_messages(items, body.instructions), tools, **effort(level))
+        text = render_messages(
+            s.template, chat_messages(items, body.instructions), tools, **template_vars(level, body.chat_template_kwargs)
+        )
         ids = s.encode(text)
         logprobs = "message.output_text.logprobs" in (body.include or ())
         if body.top_logprobs and not logprobs:

@@ -35,7 +35,7 @@ class Limits:
 # nothing a client asks for is silently ignored.
 _NOT_YET = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "suffix": (None, ""), "prediction": (None,), "thinking": (None,), "tool_use": (None,), "guided_choice": (None,),
+    "suffix": (None, ""), "prediction": (None,), "tool_use": (None,), "guided_choice": (None,),
     "structured_outputs": (None,), "guided_decoding_backend": (None,),
 }  # fmt: skip
 
@@ -154,6 +154,7 @@ class AnthropicTool(BaseModel):
 
 
 ReasoningEffort = Literal["minimal", "low", "medium", "high"]
+TemplateKwargs = Annotated[dict[str, Any], Field(max_length=32)]
 
 
 class ChatMessage(BaseModel):
@@ -172,6 +173,7 @@ class ChatRequest(_OpenAI):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     reasoning_effort: ReasoningEffort | None = None  # the chat template's `reasoning_effort` (gpt-oss's reads it)
+    chat_template_kwargs: TemplateKwargs | None = None  # vLLM's: more variables for the template (Qwen3's `enable_thinking`)
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self):
@@ -245,6 +247,7 @@ class ResponsesRequest(_Guided):
     include: list[Literal[RESPONSES_INCLUDE]] | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
     metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    chat_template_kwargs: TemplateKwargs | None = None  # as chat's (vLLM's extension)
 
 
 class AnthropicMessage(BaseModel):
@@ -254,13 +257,37 @@ class AnthropicMessage(BaseModel):
     content: str | list[dict[str, Any]]
 
 
-class MessagesRequest(_Body):
+class AnthropicThinking(BaseModel):
+    """Anthropic's extended thinking: the template's `enable_thinking` (Qwen3's reads it) and the
+    reply's reasoning in `thinking` blocks; `budget_tokens` is checked as Anthropic checks it but
+    bounds nothing beyond `max_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["enabled", "disabled"]
+    budget_tokens: StrictInt | None = Field(None, ge=1024)
+
+    @model_validator(mode="after")
+    def _budget_given(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("type 'enabled' needs 'budget_tokens' (at least 1024)")
+        return self
+
+
+class MessagesRequest(_Guided):
     messages: Annotated[list[AnthropicMessage], Field(min_length=1)]
     max_tokens: StrictInt = Field(ge=1)
     system: str | list[dict[str, Any]] | None = None
     stop_sequences: list[str] | None = None
     tools: Annotated[list[AnthropicTool], Field(max_length=256)] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
+
+    @model_validator(mode="after")
+    def _budget_under_max(self):
+        if self.thinking is not None and self.thinking.type == "enabled" and self.thinking.budget_tokens >= self.max_tokens:
+            raise ValueError("thinking.budget_tokens must be less than max_tokens")
+        return self
 
 
 class CountTokensRequest(BaseModel):
@@ -271,13 +298,15 @@ class CountTokensRequest(BaseModel):
     system: str | list[dict[str, Any]] | None = None
     tools: Annotated[list[AnthropicTool], Field(max_length=256)] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: AnthropicThinking | None = None
 
 
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool = True  # the tokenizer's BOS, where it has one
+    chat_template_kwargs: TemplateKwargs | None = None
 
     @field_validator("messages")
     @classmethod

@@ -70,10 +70,10 @@ class Service:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}", "not_found_error", "model")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ApiError(400, "this model has no tokenizer: send token ids")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_bos=add_bos)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:

@@ -27,6 +27,12 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather", "
 CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}}]
 
 
+def post(client, path: str, body: dict) -> tuple[int, dict]:
+    """A POST to the server's route outside /v1 (vLLM's /tokenize): status and JSON body."""
+    r = client._client.post(str(client.base_url).removesuffix("/v1/") + path, json=body)
+    return r.status_code, r.json()
+
+
 @pytest.fixture(scope="module")
 def server():
     with demo_server(EC) as (url, service):
@@ -240,20 +246,28 @@ def test_json_schema_format_and_logprobs(server):
     assert [e.token for e in deltas] == [e.token for e in got] and max(abs(a - b) for a, b in zip(flat(deltas), flat(got))) < 1e-4
 
 
-def test_reasoning_effort_reaches_the_template(server):
+def test_reasoning_effort_and_template_kwargs_reach_the_template(server):
     client, service = server
     kept = service.template
-    service.template = "{{ reasoning_effort or '' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    service.template = "{{ reasoning_effort or '' }}{{ 'T' if enable_thinking is defined and enable_thinking else '' }}{% for m in messages %}{{ m['content'] }}{% endfor %}"  # fmt: skip
+    msgs = [{"role": "user", "content": "x"}]
+    on = {"chat_template_kwargs": {"enable_thinking": True}}
     try:
         plain = client.responses.create(model="demo", input="x", max_output_tokens=1)
         high = client.responses.create(model="demo", input="x", max_output_tokens=1, reasoning={"effort": "high", "summary": "auto"})
-        chat = client.chat.completions.create(
-            model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=1, reasoning_effort="high"
-        )
+        chat = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1, reasoning_effort="high")
+        both = client.responses.create(model="demo", input="x", max_output_tokens=1, reasoning={"effort": "low"}, extra_body=on)
+        chat_on = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1, extra_body=on)
+        status, tokenized = post(client, "/tokenize", {"messages": msgs, **on})
+        _, bare = post(client, "/tokenize", {"prompt": "x", "add_special_tokens": False})
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="demo", messages=msgs, max_tokens=1, extra_body={"chat_template_kwargs": {"messages": []}})
     finally:
         service.template = kept
     assert plain.usage.input_tokens == len(service.encode("x"))
     assert high.usage.input_tokens == len(service.encode("highx")) == chat.usage.prompt_tokens
+    assert both.usage.input_tokens == len(service.encode("lowTx")) and chat_on.usage.prompt_tokens == len(service.encode("Tx"))
+    assert status == 200 and tokenized["tokens"] == service.encode("Tx") and bare["tokens"] == service.encode("x", add_bos=False)
 
 
 @pytest.mark.parametrize(

@@ -228,3 +228,36 @@ def test_qwen_template_forced_calls_and_reasoning(qwen):
     assert on.content == "yes" and on.model_extra["reasoning_content"].startswith("\nab")
     assert "".join(d.model_extra.get("reasoning_content") or "" for d in streamed) == on.model_extra["reasoning_content"]
     assert "".join(d.content or "" for d in streamed) == "yes"
+
+
+def test_qwen_thinking_switches(qwen):
+    client, service = qwen
+    msgs = [{"role": "user", "content": "x"}]
+    # vLLM's chat_template_kwargs: Qwen3's template closes an empty think section when thinking is off
+    text = render_messages(TEMPLATE, openai_messages(ChatRequest.model_validate({"messages": msgs}).messages), None, enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    empty = len(service.encode("<think>\n\n</think>\n\n", add_bos=False))
+    off = client.chat.completions.create(
+        model="qwen", messages=msgs, max_tokens=1, extra_body={"chat_template_kwargs": {"enable_thinking": False}}
+    )
+    plain = client.chat.completions.create(model="qwen", messages=msgs, max_tokens=1)
+    assert off.usage.prompt_tokens == plain.usage.prompt_tokens + empty
+    # Anthropic's thinking: the template's enable_thinking, and the reasoning in thinking blocks (no --reasoning-parser here)
+    a = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x", max_retries=0, timeout=120)
+    grammar = 'start: <think> "\\nab" "b"* </think> "\\n\\nyes"'
+    kw = dict(model="qwen", max_tokens=1100, messages=msgs, extra_body={"guided_grammar": grammar, "seed": 1, "temperature": 1.0})
+    on = a.messages.create(thinking={"type": "enabled", "budget_tokens": 1024}, **kw)
+    assert (
+        [b.type for b in on.content] == ["thinking", "text"] and on.content[0].thinking.startswith("\nab") and on.content[1].text == "yes"
+    )
+    with a.messages.stream(thinking={"type": "enabled", "budget_tokens": 1024}, **kw) as s:
+        assert [(b.type, getattr(b, "thinking", None)) for b in s.get_final_message().content] == [
+            (b.type, getattr(b, "thinking", None)) for b in on.content
+        ]
+    written = a.messages.create(**kw)  # without thinking the reply is the text as the model wrote it
+    assert [b.type for b in written.content] == ["text"] and written.content[0].text.startswith("<think>\nab")
+    count = lambda **k: a.messages.count_tokens(model="qwen", messages=msgs, **k).input_tokens  # noqa: E731
+    assert count(thinking={"type": "disabled"}) == count() + empty == count(thinking={"type": "enabled", "budget_tokens": 1024}) + empty
+    for bad in ({"type": "enabled", "budget_tokens": 1100}, {"type": "enabled"}, {"type": "enabled", "budget_tokens": 100}):
+        with pytest.raises(anthropic.BadRequestError):
+            a.messages.create(thinking=bad, **kw)
