@@ -37,6 +37,7 @@ _NOT_YET = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
     "suffix": (None, ""), "prediction": (None,), "tool_use": (None,), "guided_choice": (None,),
     "structured_outputs": (None,), "guided_decoding_backend": (None,),
+    "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,), "verbosity": (None, "medium"),
 }  # fmt: skip
 
 

@@ -86,13 +86,14 @@ def test_bad_bodies_are_400_not_500(server):
 
 def test_unsupported_parameters_are_refused_by_name(server):
     _, _, port = server
-    asks = {"functions": [{"name": "f"}], "function_call": {"name": "f"}, "prediction": {"type": "content", "content": "x"}}
+    asks = {"functions": [{"name": "f"}], "function_call": {"name": "f"}, "prediction": {"type": "content", "content": "x"},
+            "modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}, "web_search_options": {}, "verbosity": "low"}  # fmt: skip
     for name, value in asks.items():
         status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, name: value})
         assert status == 400 and f"'{name}' is not supported" in out["error"]["message"], (name, out)
     # The values clients send by default ask for nothing: accepted.
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False, "n": 1, "tools": None, "tool_choice": "none",
-               "functions": [], "function_call": "none"}  # fmt: skip
+               "functions": [], "function_call": "none", "modalities": ["text"], "verbosity": "medium"}  # fmt: skip
     status, _, out = post(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, **neutral})
     assert status == 200 and out["usage"]["completion_tokens"] == 2
     status, _, out = post(
