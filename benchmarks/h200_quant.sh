@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
-# lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|pab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -130,6 +130,12 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
           var=${var/#-/}; env ${var//+/ } timeout 240 $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${strats//,/ } --compile-workers 2 \
             --json "$OUT/ab_$tag.json" > "$OUT/ab_$tag.log" 2>&1
           echo "== $var: ${strats//,/ } rc=$?"; grep -v "it/s\]" "$OUT/ab_$tag.log" | tail -8
+        done ;;
+    # pab: offload prefill of 8192 tokens in one chunk (FMT, q4_0 unless set; slots of -ncmoe 17), one process per setting of
+    # PAB (as ab's: VAR=VALUE pairs joined by +, "-" for none), e.g. PAB="- XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"
+    pab) n=0; for var in $PAB; do n=$((n + 1)); var=${var/#-/}; echo "== ${var:-defaults}"
+          env ${var//+/ } timeout 300 $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 \
+            --prompt-len 8192 --chunk 8192 --routing-skew 0 --strategy offload --json "$OUT/pab_$n.json" 2>&1 | grep -v "it/s\]" | tail -2
         done ;;
     qsweep) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid --q 0.3 0.35 0.4 0.45 0.5 --json "$OUT/q4_qsweep.json" 2>&1 | grep -v "it/s\]" | tail -7 ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench
