@@ -613,6 +613,11 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         def reason(f):
             return "max_tokens" if f == "length" else "tool_use" if reply.calls else {"stop_string": "stop_sequence"}.get(f, "end_turn")
 
+        def usage():  # Anthropic's input_tokens leave out those read from the cache
+            hit = cached_tokens(gen)
+            return {"input_tokens": len(ids) - hit, "cache_read_input_tokens": hit,
+                    "output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}  # fmt: skip
+
         def tool_use(c):
             try:
                 args = json.loads(c.arguments) if c.arguments else {}
@@ -630,12 +635,12 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             content += [tool_use(c) for c in reply.calls]
             return {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": content,
                     "stop_reason": reason(gen.out.finish), "stop_sequence": gen.out.stop_string,
-                    "usage": {"input_tokens": len(ids), "output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}}  # fmt: skip
+                    "usage": usage()}  # fmt: skip
 
         async def stream():
             msg = {"id": mid, "type": "message", "role": "assistant", "model": s.model_name, "content": [], "stop_reason": None,
                    "stop_sequence": None, "usage": {"input_tokens": len(ids), "output_tokens": 0}}  # fmt: skip
-            yield sse({"type": "message_start", "message": msg}, "message_start")
+            yield sse({"type": "message_start", "message": msg}, "message_start")  # the split by the cache comes with message_delta
             yield sse({"type": "ping"}, "ping")
             block = {"index": -1, "kind": None, "call": None}  # the open content block
 
@@ -671,7 +676,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                     yield e
             yield sse({"type": "content_block_stop", "index": block["index"]}, "content_block_stop")
             yield sse({"type": "message_delta", "delta": {"stop_reason": reason(gen.out.finish), "stop_sequence": gen.out.stop_string},
-                       "usage": {"output_tokens": (gen.out.usage or {}).get("completion_tokens", 0)}}, "message_delta")  # fmt: skip
+                       "usage": usage()}, "message_delta")  # fmt: skip
             yield sse({"type": "message_stop"}, "message_stop")
 
         return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

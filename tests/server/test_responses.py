@@ -8,6 +8,7 @@ built from a reply's events checked against plain models of both."""
 import json
 import os
 
+import anthropic
 import jsonschema
 import openai
 import pytest
@@ -328,5 +329,18 @@ def test_usage_counts_the_prompt_tokens_read_from_the_prefix_cache(server):
     before = hits()
     done = client.completions.create(model="demo", prompt=prompt, max_tokens=2)
     seen.append((done.usage.prompt_tokens_details.cached_tokens, hits() - before, done.usage.prompt_tokens))
+    a = anthropic.Anthropic(base_url=str(client.base_url).removesuffix("/v1/"), api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="demo", max_tokens=2, messages=[{"role": "user", "content": prompt}])
+    total = a.messages.count_tokens(model="demo", messages=kw["messages"]).input_tokens
+    for stream in (False, True):  # Anthropic's input_tokens leave out what was read from the cache
+        before = hits()
+        if stream:
+            with a.messages.stream(**kw) as st:
+                u = st.get_final_message().usage
+        else:
+            u = a.messages.create(**kw).usage
+        seen.append((u.cache_read_input_tokens, hits() - before, total))
+        assert u.input_tokens + u.cache_read_input_tokens == total
     assert seen[0][0] == 0 and all(c == h for c, h, _ in seen)  # a new prompt reads nothing; each says what the cache gave it
+    assert seen[-1][0] == seen[-2][0] == seen[1][0]  # Anthropic's rendering of the same message is the chat's
     assert all(0 < c <= n and c % EC.page_size == 0 for c, _, n in seen[1:3]) and seen[1][0] == seen[2][0]  # the same rendered prompt
