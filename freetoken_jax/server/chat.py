@@ -131,6 +131,20 @@ def render_messages(template: str, messages: list[dict], tools: Tools | None, **
         raise ApiError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}") from e
 
 
+def template_vars(effort: str | None = None, kwargs: dict | None = None) -> dict:
+    """The variables a request gives the chat template besides its messages and tools: its
+    reasoning effort as `reasoning_effort` (gpt-oss's template writes it into its system message)
+    and vLLM's `chat_template_kwargs` (Qwen3's template reads `enable_thinking`). A template that
+    does not read one renders as without it."""
+    out = dict(kwargs or {})
+    taken = sorted({"messages", "tools", "add_generation_prompt"} & out.keys())
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
+    if effort is not None:
+        out["reasoning_effort"] = effort
+    return out
+
+
 @dataclasses.dataclass
 class Tools:
     """A request's tools (OpenAI's form) and what `tool_choice` asks: `render` them into the
@@ -235,4 +249,4 @@ class Reply:
         return ev
 
 
-__all__ = ["Reply", "ToolCall", "Tools", "anthropic_messages", "openai_messages", "render_messages"]
+__all__ = ["Reply", "ToolCall", "Tools", "anthropic_messages", "openai_messages", "render_messages", "template_vars"]

@@ -1,8 +1,9 @@
 """The gRPC service (`proto/freetoken.proto`) over the same `Service` as the HTTP shim.
 
-`Generate` streams one `Chunk` per token (its id, the text it completes and, if asked, its
-log-probabilities) and ends with `Done` (finish reason and usage); with `n` choices, each chunk
-and end carries its choice's index. A client that cancels the call cancels the request, which
+`Generate` takes text, token ids or a chat (messages the model's template renders) and streams
+one `Chunk` per token (its id, the text it completes — for a chat, its reasoning apart where the
+server reads it so — and, if asked, its log-probabilities), ending with `Done` (finish reason
+and usage); with `n` choices, each chunk and end carries its choice's index. A client that cancels the call cancels the request, which
 frees its KV pages at the next step. Bad requests end with INVALID_ARGUMENT, an unknown model
 with NOT_FOUND, a full queue with RESOURCE_EXHAUSTED.
 """
@@ -18,13 +19,22 @@ from concurrent import futures
 
 import grpc
 
+from freetoken_jax.server.chat import Reply, openai_messages, render_messages, template_vars
 from freetoken_jax.server.pb import freetoken_pb2 as pb
 from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
-from freetoken_jax.server.schemas import Limits
+from freetoken_jax.server.schemas import ChatMessage, Limits
 from freetoken_jax.server.service import ApiError, Service
 
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
           503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
+
+
+def _split(reply: Reply | None, delta: str, last: bool = False) -> tuple[str, str]:
+    """A text delta as (text, reasoning) through a chat input's `Reply` (as it is, without one)."""
+    if reply is None:
+        return delta, ""
+    events = reply.push(delta) + (reply.finish() if last else [])
+    return "".join(e[1] for e in events if e[0] == "content"), "".join(e[1] for e in events if e[0] == "reasoning")
 
 
 class FreeTokenServicer(pb_grpc.FreeTokenServicer):
@@ -34,17 +44,41 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
     def _abort(self, context, e: ApiError):
         context.abort(_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
 
-    def _request(self, request) -> tuple[list[int], list, list]:
-        """(prompt ids, parameters per choice, grammar per choice) of a Generate request."""
+    def _chat(self, chat) -> tuple[list[int], bool]:
+        """A `Chat`'s prompt ids, rendered by the model's template, and whether the template opened
+        a reasoning section (ended the prompt with <think>)."""
+        msgs = [
+            ChatMessage(role=m.role, content=m.content, **({"reasoning_content": m.reasoning} if m.reasoning else {}))
+            for m in chat.messages
+        ]
+        if not msgs or any(m.role == "tool" for m in msgs):
+            raise ApiError(400, "chat.messages: at least one message, none of role 'tool' (tool calls are the HTTP APIs')")
+        kwargs = None
+        if chat.template_kwargs_json:
+            try:
+                kwargs = json.loads(chat.template_kwargs_json)
+            except ValueError as e:
+                raise ApiError(400, f"chat.template_kwargs_json is not valid JSON: {e}") from e
+            if not isinstance(kwargs, dict):
+                raise ApiError(400, "chat.template_kwargs_json must be a JSON object")
+        text = render_messages(self.s.template, openai_messages(msgs), None, **template_vars(kwargs=kwargs))
+        return self.s.encode(text), text.rstrip().endswith("<think>")
+
+    def _request(self, request) -> tuple[list[int], list, list, bool | None]:
+        """(prompt ids, parameters per choice, grammar per choice, and for chat input whether its
+        prompt opened a reasoning section) of a Generate request."""
         s, limits = self.s, self.limits
         s.check_model(request.model or None)
         which = request.WhichOneof("input")
+        opened = None
         if which == "text":
             ids = s.encode(request.text)
         elif which == "tokens":
             ids = list(request.tokens.ids)
+        elif which == "chat":
+            ids, opened = self._chat(request.chat)
         else:
-            raise ApiError(400, "give 'text' or 'tokens'")
+            raise ApiError(400, "give 'text', 'tokens' or 'chat'")
         if request.max_new_tokens <= 0:
             raise ApiError(400, "max_new_tokens must be at least 1")
         if request.n > 16:
@@ -75,13 +109,13 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
         elif kind is not None:
             grammar = s.compile(f"constraint.{kind}", kind, getattr(request.constraint, kind))
         ps = [dataclasses.replace(params, seed=(params.seed + i) % (1 << 32)) for i in range(n)]
-        return ids, ps, [grammar if i == 0 or grammar is None else grammar.fork() for i in range(n)]
+        return ids, ps, [grammar if i == 0 or grammar is None else grammar.fork() for i in range(n)], opened
 
     def Generate(self, request, context):  # noqa: N802
         s = self.s
         handles = []
         try:
-            ids, ps, grammars = self._request(request)
+            ids, ps, grammars, opened = self._request(request)
             for p, g in zip(ps, grammars):  # choices after the first reuse its prompt's KV pages
                 handles.append(s.submit(ids, p, g, handles[0] if handles else None))
         except ApiError as e:
@@ -91,7 +125,9 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
             return
         for h in handles:
             context.add_callback(h.cancel)
-        outs = [s.output(h, list(request.stop)) for h in handles]
+        chat = opened is not None  # its replies read by the HTTP chat path's `Reply` (reasoning apart; harmony's channels)
+        outs = [s.output(h, list(request.stop), keep_special=chat and s.harmony) for h in handles]
+        replies = [Reply(None, s.reasoning_parser, opened, s.harmony) if chat else None for _ in handles]
         ready: queue.Queue = queue.Queue()  # indices of choices with events queued
         for i, h in enumerate(handles):
             h.notify = functools.partial(ready.put, i)
@@ -111,10 +147,14 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
                     if ev.kind == "token" and not stopped:
                         lp = [] if ev.logprobs is None else [pb.TokenLogprob(token_id=ev.token, logprob=ev.logprobs[0],
                                                                              top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in ev.logprobs[1]])]  # fmt: skip
-                        yield pb.GenerateResponse(chunk=pb.Chunk(index=i, token_ids=[ev.token], text=text, logprobs=lp))
+                        text, reasoning = _split(replies[i], text)
+                        yield pb.GenerateResponse(
+                            chunk=pb.Chunk(index=i, token_ids=[ev.token], text=text, reasoning=reasoning, logprobs=lp)
+                        )
                     elif ev.kind == "done":
-                        if text:
-                            yield pb.GenerateResponse(chunk=pb.Chunk(index=i, text=text))
+                        text, reasoning = _split(replies[i], text, last=True)
+                        if text or reasoning:
+                            yield pb.GenerateResponse(chunk=pb.Chunk(index=i, text=text, reasoning=reasoning))
                         u = out.usage or {}
                         usage = pb.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
                                          prefix_hit_tokens=u.get("prefix_hit_tokens", 0))  # fmt: skip

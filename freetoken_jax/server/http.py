@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from freetoken_jax.server import schemas as S
-from freetoken_jax.server.chat import Reply, Tools, anthropic_messages, openai_messages, render_messages
+from freetoken_jax.server.chat import Reply, Tools, anthropic_messages, openai_messages, render_messages, template_vars
 from freetoken_jax.server.logprobs import chat_logprobs, completion_logprobs
 from freetoken_jax.server.metrics import ServerMetrics
 from freetoken_jax.server.service import ApiError, Output, Service
@@ -311,20 +311,6 @@ def _chat_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
         s.template, openai_messages(body.messages), tools, **template_vars(body.reasoning_effort, body.chat_template_kwargs)
     )
     return s.encode(text), tools, text.rstrip().endswith("<think>")
-
-
-def template_vars(effort: str | None = None, kwargs: dict | None = None) -> dict:
-    """The variables a request gives the chat template besides its messages and tools: its
-    reasoning effort as `reasoning_effort` (gpt-oss's template writes it into its system message)
-    and vLLM's `chat_template_kwargs` (Qwen3's template reads `enable_thinking`). A template that
-    does not read one renders as without it."""
-    out = dict(kwargs or {})
-    taken = sorted({"messages", "tools", "add_generation_prompt"} & out.keys())
-    if taken:
-        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
-    if effort is not None:
-        out["reasoning_effort"] = effort
-    return out
 
 
 def thinks(body) -> bool:

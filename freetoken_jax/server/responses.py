@@ -24,8 +24,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from freetoken_jax.server import schemas as S
-from freetoken_jax.server.chat import Reply, Tools, call_arguments, render_messages
-from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, cached_tokens, sse, template_vars
+from freetoken_jax.server.chat import Reply, Tools, call_arguments, render_messages, template_vars
+from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, cached_tokens, sse
 from freetoken_jax.server.logprobs import chat_logprobs
 from freetoken_jax.server.service import ApiError, Service
 

@@ -18,6 +18,7 @@ from freetoken_jax.server.grpc_service import serve_grpc
 from freetoken_jax.server.pb import freetoken_pb2 as pb
 from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
 from freetoken_jax.server.service import Service
+from freetoken_jax.server.text import render_chat
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -155,3 +156,35 @@ def test_generate_controls_choices_and_constraints(stub):
     with pytest.raises(grpc.RpcError) as e:
         generate(s, text="x", max_new_tokens=3, constraint=pb.Constraint(regex="([a"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_chat_input_renders_through_the_template(stub):
+    s, service = stub
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+            {"role": "user", "content": "More"}]  # fmt: skip
+    chat = pb.Chat(messages=[pb.ChatMessage(**m) for m in msgs])
+    chunks, done = generate(s, chat=chat, max_new_tokens=6, sampling=pb.SamplingParams(temperature=0.0), ignore_eos=True)
+    prompt = service.encode(render_chat(service.template, msgs))
+    want = list(
+        FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=128)).generate(
+            prompt, max_new_tokens=6, ignore_eos=True
+        )
+    )
+    assert [t for c in chunks for t in c.token_ids] == want and done.usage.prompt_tokens == len(prompt)
+    assert "".join(c.text for c in chunks) == service.tokenizer.decode(want) and not any(c.reasoning for c in chunks)
+    kept = service.template
+    service.template = "{{ flag | default('') }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        _, plain = generate(s, chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")]), max_new_tokens=1)
+        _, flagged = generate(s, chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], template_kwargs_json='{"flag": "yes"}'),
+                              max_new_tokens=1)  # fmt: skip
+    finally:
+        service.template = kept
+    assert (plain.usage.prompt_tokens, flagged.usage.prompt_tokens) == (len(service.encode("x")), len(service.encode("yesx")))
+    for bad in (pb.Chat(), pb.Chat(messages=[pb.ChatMessage(role="tool", content="x")]), pb.Chat(messages=[pb.ChatMessage(role="wizard", content="x")]),
+                pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], template_kwargs_json="{bad"),
+                pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], template_kwargs_json="[1]"),
+                pb.Chat(messages=[pb.ChatMessage(role="user", content="x")], template_kwargs_json='{"messages": []}')):  # fmt: skip
+        with pytest.raises(grpc.RpcError) as e:
+            generate(s, chat=bad, max_new_tokens=1)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT

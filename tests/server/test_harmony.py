@@ -127,3 +127,24 @@ def test_cli_chat_shows_reasoning_apart(capsys):
     reply, _ = _stream(Engine(), [1], args, harmony=True)
     out, err = capsys.readouterr()
     assert reply == "2 + 2 = 4." and out == reply + "\n" and err == SAMPLES[0][1]
+
+
+def test_harmony_chat_over_grpc_splits_reasoning(harmony):
+    import grpc
+
+    from freetoken_jax.server.grpc_service import serve_grpc
+    from freetoken_jax.server.pb import freetoken_pb2 as pb
+    from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
+
+    _, service = harmony
+    server, port = serve_grpc(service, "127.0.0.1", 0)
+    grammar = 'start: <|channel|> "analysis" <|message|> "pl" "a"* "n" <|end|> <|start|> "assistant" <|channel|> "final" <|message|> "yes" <|return|>'
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            req = pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="x")]), max_new_tokens=60,
+                                     sampling=pb.SamplingParams(temperature=1.0, seed=1), constraint=pb.Constraint(lark=grammar))  # fmt: skip
+            chunks = [r.chunk for r in pb_grpc.FreeTokenStub(channel).Generate(req) if r.WhichOneof("event") == "chunk"]
+    finally:
+        server.stop(None)
+    reasoning, text = "".join(c.reasoning for c in chunks), "".join(c.text for c in chunks)
+    assert text == "yes" and reasoning.startswith("pla") and reasoning.endswith("n") and set(reasoning[2:-1]) <= {"a"}
