@@ -28,6 +28,27 @@ def _engine_config(args):
                         expert_slots_gb=args.slots_gb)  # fmt: skip
 
 
+def _template_vars(args) -> dict:
+    """`chat`'s extra chat-template variables (--template-kwargs, --reasoning-effort), checked as
+    the HTTP APIs check theirs."""
+    import json
+
+    from freetoken_jax.config import ConfigError
+    from freetoken_jax.server.chat import template_vars
+    from freetoken_jax.server.service import ApiError
+
+    try:
+        kwargs = json.loads(args.template_kwargs) if args.template_kwargs else None
+    except ValueError as e:
+        raise ConfigError(f"--template-kwargs is not valid JSON: {e}") from e
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ConfigError("--template-kwargs must be a JSON object")
+    try:
+        return template_vars(args.reasoning_effort, kwargs)
+    except ApiError as e:
+        raise ConfigError(e.message.replace("chat_template_kwargs", "--template-kwargs")) from e
+
+
 def one_line_errors(fn, debug: bool = False) -> int:
     """Runs `fn()` for a subcommand: a user's error (config, checkpoint, request, missing file)
     is one line on stderr and exit status 2; its traceback only with `debug`."""
@@ -116,6 +137,7 @@ def cmd_chat(args) -> int:
     from freetoken_jax import FreeTokenEngine
     from freetoken_jax.server.text import chat_template, render_chat
 
+    extra = _template_vars(args)  # before loading: a bad flag is said at once
     engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args), require_tokenizer=True)
     template = getattr(engine.tokenizer, "chat_template", None) or chat_template(engine.model_path)
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -139,7 +161,7 @@ def cmd_chat(args) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        ids = engine.tokenizer.encode(render_chat(template, messages))
+        ids = engine.tokenizer.encode(render_chat(template, messages, **extra))
         if len(ids) + args.max_new_tokens > engine.engine_config.max_context:
             print(f"(the conversation is {len(ids)} tokens: past --max-context with the reply; /reset)", file=sys.stderr)
             messages.pop()
@@ -238,6 +260,17 @@ def cmd_ctl(args) -> int:
         return 2
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in --help, once: not where its help already says its default, nor
+    for the defaults that say nothing (None, a switch's False)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="freetoken-jax", description="MoE serving beyond GPU memory, on JAX/XLA.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -253,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="device memory the engine may use, GiB (default: the device's); offload/hybrid plan expert slots from it")  # fmt: skip
     memory.add_argument("--slots-gb", type=float, default=None,
                         help="device memory for expert slots, GB = 1e9 bytes (offload/hybrid; as `bench --slots-gb`; default: what --vram-gb leaves)")  # fmt: skip
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = HelpFormatter
     for name, fn, helptext in (("generate", cmd_generate, "generate text from a prompt"), ("chat", cmd_chat, "chat in the terminal")):
         g = sub.add_parser(name, help=helptext, parents=[compiled, memory, debug], formatter_class=fmt)
         g.add_argument("--model", required=True, help="checkpoint directory, GGUF file, or 'demo'")
@@ -261,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
             g.add_argument("--prompt", required=True, help="the text to continue")
         else:
             g.add_argument("--system", default=None, help="a system message")
+            g.add_argument("--template-kwargs", default=None, metavar="JSON",
+                           help='more chat-template variables, a JSON object: \'{"enable_thinking": false}\' turns Qwen3\'s thinking off')  # fmt: skip
+            g.add_argument("--reasoning-effort", default=None, choices=["low", "medium", "high"],
+                           help="the template's reasoning_effort (gpt-oss's template reads it)")  # fmt: skip
         g.add_argument("--max-new-tokens", type=int, default=48 if name == "generate" else 256, help="tokens to generate (per turn)")
         g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         g.add_argument("--top-k", type=int, default=0, help="0: off")

@@ -159,3 +159,19 @@ def test_a_missing_tokenizer_is_said_before_any_weight_is_read(ckpt_root, capsys
     assert main(["generate", "--model", gguf_path, "--prompt", "Hi", "--no-compile-cache"]) == 2
     err = capsys.readouterr().err
     assert "has no tokenizer" in err and "Traceback" not in err
+
+
+def test_chat_gives_the_template_its_variables(capsys, monkeypatch):
+    import io
+
+    from freetoken_jax.server import text
+
+    seen, real = [], text.render_chat
+    monkeypatch.setattr(text, "render_chat", lambda t, m, **kw: seen.append(kw) or real(t, m, **kw))
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n/exit\n"))
+    argv = ["chat", "--model", "demo", "--max-new-tokens", "2", "--dtype", "float32", "--max-context", "128", "--no-compile-cache"]
+    assert main(argv + ["--template-kwargs", '{"enable_thinking": false}', "--reasoning-effort", "high"]) == 0
+    assert seen == [{"enable_thinking": False, "reasoning_effort": "high"}]
+    capsys.readouterr()
+    for bad, says in (("[1]", "a JSON object"), ("{bad", "not valid JSON"), ('{"messages": []}', "cannot set messages")):
+        assert main(argv + ["--template-kwargs", bad]) == 2 and says in capsys.readouterr().err

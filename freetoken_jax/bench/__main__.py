@@ -20,7 +20,8 @@ from freetoken_jax.config import EXPERT_FORMATS
 
 
 def main(argv: list[str] | None = None) -> int:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    from freetoken_jax.cli import HelpFormatter as fmt
+
     ap = argparse.ArgumentParser(prog="freetoken-jax bench", description="Measure the machine (bw), then the strategies (decode, prefill).",
                                  formatter_class=fmt)  # fmt: skip
     ap.add_argument("--debug", action="store_true", help="show the traceback of an error (default: one line)")

@@ -201,9 +201,11 @@ def export_orbax(cfg: MoEModelConfig, params, path: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
+    from freetoken_jax.cli import HelpFormatter
+
     ap = argparse.ArgumentParser(
         prog="freetoken-jax convert",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         description="Convert a Hugging Face safetensors directory, a GGUF file or an Orbax checkpoint to FTW.",
     )
     ap.add_argument("src", help="a Hugging Face directory, a .gguf file or an Orbax checkpoint")
