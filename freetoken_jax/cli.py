@@ -31,22 +31,14 @@ def _engine_config(args):
 def _template_vars(args) -> dict:
     """`chat`'s extra chat-template variables (--template-kwargs, --reasoning-effort), checked as
     the HTTP APIs check theirs."""
-    import json
-
     from freetoken_jax.config import ConfigError
-    from freetoken_jax.server.chat import template_vars
+    from freetoken_jax.server.chat import template_kwargs, template_vars
     from freetoken_jax.server.service import ApiError
 
     try:
-        kwargs = json.loads(args.template_kwargs) if args.template_kwargs else None
-    except ValueError as e:
-        raise ConfigError(f"--template-kwargs is not valid JSON: {e}") from e
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ConfigError("--template-kwargs must be a JSON object")
-    try:
-        return template_vars(args.reasoning_effort, kwargs)
+        return template_vars(args.reasoning_effort, template_kwargs(args.template_kwargs, "--template-kwargs"), param="--template-kwargs")
     except ApiError as e:
-        raise ConfigError(e.message.replace("chat_template_kwargs", "--template-kwargs")) from e
+        raise ConfigError(e.message) from e
 
 
 def one_line_errors(fn, debug: bool = False) -> int:

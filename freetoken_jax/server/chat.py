@@ -131,7 +131,21 @@ def render_messages(template: str, messages: list[dict], tools: Tools | None, **
         raise ApiError(400, f"the chat template rejected the messages: {type(e).__name__}: {e}") from e
 
 
-def template_vars(effort: str | None = None, kwargs: dict | None = None) -> dict:
+def template_kwargs(text: str | None, param: str) -> dict | None:
+    """Template variables given as the text of a JSON object (gRPC's `template_kwargs_json`, the
+    CLI's `--template-kwargs`); None for none. Errors name `param`."""
+    if not text:
+        return None
+    try:
+        kwargs = json.loads(text)
+    except ValueError as e:
+        raise ApiError(400, f"{param} is not valid JSON: {e}", param=param) from e
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, f"{param} must be a JSON object", param=param)
+    return kwargs
+
+
+def template_vars(effort: str | None = None, kwargs: dict | None = None, param: str = "chat_template_kwargs") -> dict:
     """The variables a request gives the chat template besides its messages and tools: its
     reasoning effort as `reasoning_effort` (gpt-oss's template writes it into its system message)
     and vLLM's `chat_template_kwargs` (Qwen3's template reads `enable_thinking`). A template that
@@ -139,7 +153,7 @@ def template_vars(effort: str | None = None, kwargs: dict | None = None) -> dict
     out = dict(kwargs or {})
     taken = sorted({"messages", "tools", "add_generation_prompt"} & out.keys())
     if taken:
-        raise ApiError(400, f"chat_template_kwargs cannot set {', '.join(taken)}", param="chat_template_kwargs")
+        raise ApiError(400, f"{param} cannot set {', '.join(taken)}", param=param)
     if effort is not None:
         out["reasoning_effort"] = effort
     return out
@@ -249,4 +263,4 @@ class Reply:
         return ev
 
 
-__all__ = ["Reply", "ToolCall", "Tools", "anthropic_messages", "openai_messages", "render_messages", "template_vars"]
+__all__ = ["Reply", "ToolCall", "Tools", "anthropic_messages", "openai_messages", "render_messages", "template_kwargs", "template_vars"]

@@ -3,8 +3,8 @@
 `Generate` takes text, token ids or a chat (messages the model's template renders) and streams
 one `Chunk` per token (its id, the text it completes — for a chat, its reasoning apart where the
 server reads it so — and, if asked, its log-probabilities), ending with `Done` (finish reason
-and usage); with `n` choices, each chunk and end carries its choice's index. A client that cancels the call cancels the request, which
-frees its KV pages at the next step. Bad requests end with INVALID_ARGUMENT, an unknown model
+and usage); with `n` choices, each chunk and end carries its choice's index. A client that
+cancels the call cancels the request, which frees its KV pages at the next step. Bad requests end with INVALID_ARGUMENT, an unknown model
 with NOT_FOUND, a full queue with RESOURCE_EXHAUSTED.
 """
 
@@ -19,7 +19,7 @@ from concurrent import futures
 
 import grpc
 
-from freetoken_jax.server.chat import Reply, openai_messages, render_messages, template_vars
+from freetoken_jax.server.chat import Reply, openai_messages, render_messages, template_kwargs, template_vars
 from freetoken_jax.server.pb import freetoken_pb2 as pb
 from freetoken_jax.server.pb import freetoken_pb2_grpc as pb_grpc
 from freetoken_jax.server.schemas import ChatMessage, Limits
@@ -53,15 +53,9 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
         ]
         if not msgs or any(m.role == "tool" for m in msgs):
             raise ApiError(400, "chat.messages: at least one message, none of role 'tool' (tool calls are the HTTP APIs')")
-        kwargs = None
-        if chat.template_kwargs_json:
-            try:
-                kwargs = json.loads(chat.template_kwargs_json)
-            except ValueError as e:
-                raise ApiError(400, f"chat.template_kwargs_json is not valid JSON: {e}") from e
-            if not isinstance(kwargs, dict):
-                raise ApiError(400, "chat.template_kwargs_json must be a JSON object")
-        text = render_messages(self.s.template, openai_messages(msgs), None, **template_vars(kwargs=kwargs))
+        where = "chat.template_kwargs_json"
+        extra = template_vars(kwargs=template_kwargs(chat.template_kwargs_json, where), param=where)
+        text = render_messages(self.s.template, openai_messages(msgs), None, **extra)
         return self.s.encode(text), text.rstrip().endswith("<think>")
 
     def _request(self, request) -> tuple[list[int], list, list, bool | None]:
