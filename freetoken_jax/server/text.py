@@ -64,23 +64,41 @@ class TextStream:
     """Turns generated token ids into text deltas, holding back what might still become a stop
     string or an incomplete UTF-8 character. `push` returns (delta, stopped). `keep_special`:
     special tokens are text too (tool-call markers that are special tokens), but for those in
-    `drop` (the request's stop tokens)."""
+    `drop` (the request's stop tokens).
+
+    Text is decoded incrementally, as Hugging Face's text-generation-inference does: each token
+    decodes the few tokens since the last complete character (`prefix` .. the end) and keeps what
+    they add to the text of `prefix` .. `read` — a token costs the same at the end of a long reply
+    as at its start (decoding every token so far each time cost 3.5 ms a token by 30 000 tokens),
+    and both decodes start at the same token, so a tokenizer that drops a leading space at the
+    start of what it decodes does so in both."""
 
     def __init__(self, tokenizer, stops: list[str], keep_special: bool = False, drop: frozenset = frozenset()):
         self.tok, self.stops = tokenizer, [s for s in stops if s]
         self.skip_special, self.drop = not keep_special, drop
         self.ids: list[int] = []
+        self.prefix = self.read = 0  # ids[prefix:read] decode to the end of `text`; ids[read:] to nothing whole yet
+        self.text = ""  # the text of ids[:read]
         self.sent = 0
         self.stop_string: str | None = None
 
-    def _text(self) -> str:
-        return self.tok.decode(self.ids, skip_special_tokens=self.skip_special)
+    def _decode(self, ids) -> str:
+        return self.tok.decode(ids, skip_special_tokens=self.skip_special)
+
+    def _advance(self, last: bool = False) -> None:
+        """Adds to `text` what the ids since `read` complete (with `last`, whatever they decode to)."""
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if len(after) > len(before) and (last or not after.endswith("\ufffd")):
+            self.text += after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
 
     def push(self, token: int) -> tuple[str, bool]:
         if token in self.drop:
             return "", False
         self.ids.append(token)
-        text = self._text()
+        self._advance()
+        text = self.text
         for s in self.stops:
             k = text.find(s, max(0, self.sent - len(s)))
             if k >= 0:
@@ -89,8 +107,6 @@ class TextStream:
                 self.sent = max(self.sent, k)
                 return delta, True
         hold = len(text)
-        if text.endswith("\ufffd"):
-            hold = len(text) - 1
         for s in self.stops:
             for n in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:n]):
@@ -103,7 +119,7 @@ class TextStream:
     def flush(self) -> str:
         if self.stop_string is not None:
             return ""
-        text = self._text()
-        delta = text[self.sent :]
-        self.sent = len(text)
+        self._advance(last=True)
+        delta = self.text[self.sent :]
+        self.sent = len(self.text)
         return delta
