@@ -1,10 +1,12 @@
-"""The incremental detokenizer's cost per token (`server.text.TextStream`, what every streamed
-reply goes through on the server's event loop) over a long reply, against decoding every token so
-far at each token (as it did before).
+"""What a streamed reply costs the server's host beyond the model: the incremental detokenizer
+(`server.text.TextStream`) per token over a long reply, against decoding every token so far at
+each token (as it did before); then each tool-call format's stream (`server.tools.ToolStream`)
+reading one long call (write_file with 66 KB of code) in deltas of 4 characters.
 
     python benchmarks/bench_detokenize.py [--tokens 1000 10000 30000]
 
-A byte-level BPE of single bytes (a token a byte: the most tokens for a text), one stop string.
+The detokenizer's tokenizer: a byte-level BPE of single bytes (a token a byte: the most tokens
+for a text), one stop string.
 """
 
 from __future__ import annotations
@@ -49,6 +51,31 @@ def main() -> None:
             row.append((time.perf_counter() - t0) / n * 1e6)
             assert "".join(out) == tok.decode(ids[:n])
         print(f"{n:>8} {row[0]:>21.1f} {row[1]:>22.1f}")
+    tool_calls()
+
+
+def tool_calls() -> None:
+    from freetoken_jax.server.tools import FORMATS, ToolStream
+
+    content = "def f(x):\n    return x + 1  # a line of code\n" * 1500
+    args = json.dumps({"path": "a.py", "content": content})
+    texts = {
+        "hermes": "Writing it.\n<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"path": "a.py", "content": content}}) + "\n</tool_call>",
+        "mistral": "Writing it.[TOOL_CALLS][" + json.dumps({"name": "write_file", "arguments": {"path": "a.py", "content": content}}) + "]",
+        "deepseek_v3": "Writing it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write_file\n```json\n" + args
+        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "glm45": "Writing it.<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content</arg_key>\n<arg_value>"
+        + content + "</arg_value>\n</tool_call>",
+    }  # fmt: skip
+    print(f"{'format':>12} {'call chars':>10} {'s for the call':>15} {'us a delta':>11}")
+    for fmt, text in texts.items():
+        ts, t0, events = ToolStream(FORMATS[fmt]), time.perf_counter(), []
+        for k in range(0, len(text), 4):
+            events += ts.push(text[k : k + 4])
+        events += ts.finish()[0]
+        dt = time.perf_counter() - t0
+        assert json.loads("".join(e[2] for e in events if e[0] == "arguments")) == json.loads(args)
+        print(f"{fmt:>12} {len(text):>10} {dt:>15.2f} {dt / (len(text) / 4) * 1e6:>11.1f}")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,10 @@
 token sequences of a byte-level BPE with special and added tokens, of a Llama-style
 SentencePiece tokenizer (byte fallback, a decoder that strips the leading space) and of the demo's
 byte tokenizer, split characters and invalid bytes included; stop strings against the text's
-first occurrence; and the cost of a token late in a long reply."""
+first occurrence; and how many tokens a token late in a long reply decodes."""
 
 import json
 import random
-import time
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
@@ -115,15 +114,13 @@ def test_stop_strings_end_the_text_at_their_first_occurrence(tokenizer):
     assert not stopped and got == full
 
 
-def test_a_token_late_in_a_long_reply_costs_what_an_early_one_does(tmp_path):
+def test_a_token_late_in_a_long_reply_decodes_as_few_tokens_as_an_early_one(tmp_path):
     tok = byte_level(tmp_path)
     ids = tok.encode("The quick brown fox jumps over the lazy dog. 🙂 " * 600, add_bos=False)  # 30 000 tokens
+    decoded = []
+    real = tok.decode
+    tok.decode = lambda ids, **kw: decoded.append(len(ids)) or real(ids, **kw)
     ts = TextStream(tok, ["STOP"])
-    times = []
-    for k, t in enumerate(ids):
-        t0 = time.perf_counter()
-        ts.push(t)
-        if k < 2000 or k >= len(ids) - 2000:
-            times.append(time.perf_counter() - t0)
-    early, late = sorted(times[:2000])[1000], sorted(times[2000:])[1000]  # medians
-    assert late < 4 * early + 20e-6, (early, late)  # decoding everything each token: ~400 x by here
+    out = [ts.push(t)[0] for t in ids] + [ts.flush()]
+    assert "".join(out) == real(ids)
+    assert max(decoded) <= 8 and sum(decoded) <= 4 * len(ids)  # every token so far at each token: 4.5e8 ids

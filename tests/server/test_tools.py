@@ -61,6 +61,41 @@ def test_tool_stream_reads_calls_as_they_come(fmt, step):
         assert len(starts) == 1 and all(k > starts[0] for k, e in enumerate(events) if e[0] == "arguments" and e[1] == i)
 
 
+def long_call(fmt: str, content: str) -> str:
+    """A reply with one call to write_file whose `content` argument is long, in `fmt`'s form."""
+    args = json.dumps({"path": "a.py", "content": content})
+    return {
+        "hermes": 'Writing it.\n<tool_call>\n{"name": "write_file", "arguments": ' + args + "}\n</tool_call>",
+        "mistral": 'Writing it.[TOOL_CALLS][{"name": "write_file", "arguments": ' + args + "}]",
+        "deepseek_v3": "Writing it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write_file\n```json\n" + args
+        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+        "glm45": "Writing it.<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content</arg_key>\n<arg_value>"
+        + json.dumps(content) + "</arg_value>\n</tool_call>",
+    }[fmt]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+def test_a_long_call_streams_without_reading_its_section_at_every_delta(fmt):
+    content = "def f(x):\n    return {'a': [x]}  # code, with the braces and brackets JSON closes with\n" * 300
+    text = long_call(fmt, content)
+    f = FORMATS[fmt]
+    read = []
+    real = f.partial
+    f.partial = lambda section: read.append(len(section)) or real(section)
+    try:
+        ts = ToolStream(f)
+        events = [e for k in range(0, len(text), 4) for e in ts.push(text[k : k + 4])]
+    finally:
+        del f.partial
+    last, content_text, calls = ts.finish()
+    events += last
+    assert content_text.startswith("Writing it.") and [c.name for c in calls] == ["write_file"]
+    assert json.loads("".join(e[2] for e in events if e[0] == "arguments")) == {"path": "a.py", "content": content}
+    if not f.streams_arguments:  # read again only where one of the format's `closes` arrived
+        closers = sum(text.count(c) for c in f.closes)
+        assert len(read) <= closers + 1 and sum(read) <= (closers + 1) * len(text), (len(read), closers)
+
+
 def test_glm45_is_told_from_hermes_and_its_grammar_forces_calls_that_parse():
     assert detect("{{ '<tool_call>' }}{{ '<arg_key>' }}").name == "glm45" and detect("{{ '<tool_call>' }}").name == "hermes"
     fmt = FORMATS["glm45"]
