@@ -316,8 +316,8 @@ class ToolStream:
 
     def _may_have_closed(self) -> bool:
         """Whether the section may hold a call that was not complete when last read: always for
-        a format that streams arguments, else when one of its `closes` arrived since."""
-        if self.fmt.streams_arguments:
+        a format that streams arguments or names no `closes`, else when one of them arrived since."""
+        if self.fmt.streams_arguments or not self.fmt.closes:
             return True
         back = max(map(len, self.fmt.closes), default=1) - 1
         new = self.text[max(self.section, self.looked - back) :]
