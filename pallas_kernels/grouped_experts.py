@@ -306,6 +306,10 @@ def ragged_dot(x_MK, w_GNK, sizes_G, *, implementation: str = "ref") -> jax.Arra
         return jax.lax.ragged_dot_general(x_MK, w_GNK, sizes_G, dims, preferred_element_type=jnp.float32).astype(x_MK.dtype)
     if implementation != "mosaic":
         raise ValueError(f"ragged_dot implementation {implementation!r}: mosaic or ref")
-    N = w_GNK.shape[1]
-    return _mosaic_ragged_dot()(x_MK, w_GNK.astype(x_MK.dtype), group_sizes=sizes_G.astype(jnp.int32), block_m=128, block_n=128,
-                                block_k=BLOCK_K, max_concurrent_steps=4, grid_block_n=2 if N % 256 == 0 else 1, transpose_rhs=True)  # fmt: skip
+    M, N = x_MK.shape[0], w_GNK.shape[1]
+    pad = -M % 8  # the kernel takes rows in whole tiles of 8: zero rows more, in the last group, cut off after
+    x = jnp.pad(x_MK, ((0, pad), (0, 0)))
+    sizes = sizes_G.astype(jnp.int32).at[-1].add(pad)
+    y = _mosaic_ragged_dot()(x, w_GNK.astype(x_MK.dtype), group_sizes=sizes, block_m=128, block_n=128, block_k=BLOCK_K,
+                             max_concurrent_steps=4, grid_block_n=2 if N % 256 == 0 else 1, transpose_rhs=True)  # fmt: skip
+    return y[:M]
