@@ -696,10 +696,16 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+KEEP_ALIVE_S = 75.0
+"""How long an idle kept-alive connection stays open. Longer than clients keep theirs (httpx,
+under the openai and anthropic clients: 5 s), so a client never sends on a connection the server
+is closing at that moment — equal timeouts lose a request now and then."""
+
+
 class HttpServer:
     """uvicorn serving the app on a background thread; `server_address` is (host, bound port)."""
 
-    def __init__(self, app, host: str, port: int, *, max_connections: int = 512, max_header_bytes: int = 16384, keep_alive_s: float = 5.0,
+    def __init__(self, app, host: str, port: int, *, max_connections: int = 512, max_header_bytes: int = 16384, keep_alive_s: float = KEEP_ALIVE_S,
                  sock: socket.socket | None = None):  # fmt: skip
         sock = sock or bind(host, port)
         self.server_address = sock.getsockname()[:2]

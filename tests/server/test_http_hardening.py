@@ -159,6 +159,19 @@ def test_protocol_abuse(server):
     c.close()
 
 
+def test_a_connection_idle_as_long_as_clients_keep_theirs_is_still_served(server):
+    # httpx (under the openai and anthropic clients) reuses a connection idle up to 5 s: the
+    # server must not close it at the same moment, or the next request is lost in flight.
+    _, _, port = server
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    for pause in (5.5, 0):
+        c.request("GET", "/health")
+        r = c.getresponse()
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+        time.sleep(pause)
+    c.close()
+
+
 def test_streaming_errors_come_before_the_stream(server):
     url, service, port = server
     c = oa(url)
