@@ -14,17 +14,28 @@ import json
 
 from freetoken_jax.server.harmony import HarmonyStream
 from freetoken_jax.server.service import ApiError
-from freetoken_jax.server.text import message_text
 from freetoken_jax.server.tools import ThinkStream, ToolCall, ToolFormat, ToolStream, template_takes_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
-def _text(content, where: str) -> str:
-    try:
-        return message_text(content if content is not None else "")
-    except ValueError as e:
-        raise ApiError(400, f"{where}: {e}", param=where) from e
+def content_text(content, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's content: a string, or a list of parts whose `type` is one of `kinds`, joined
+    (a "refusal" part's text is its `refusal`); None is empty. Else a 400 naming the part."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
+    out = []
+    for j, p in enumerate(content):
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind not in kinds:
+            raise ApiError(400, f"{where}.{j}: content parts of type {kind!r} are not supported (text only)", param=f"{where}.{j}")
+        text = p.get("refusal" if kind == "refusal" else "text")
+        if not isinstance(text, str):
+            raise ApiError(400, f"{where}.{j}: a {kind} part needs its text", param=f"{where}.{j}")
+        out.append(text)
+    return "".join(out)
 
 
 def call_arguments(args, where: str):
@@ -45,7 +56,7 @@ def openai_messages(messages) -> list[dict]:
         where = f"messages.{k}"
         if m.role not in ROLES:
             raise ApiError(400, f"{where}.role: {m.role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role")
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content, f"{where}.content")}
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content, f"{where}.content")}
         extra = m.model_extra or {}
         if m.role == "assistant" and extra.get("tool_calls"):
             calls = extra["tool_calls"]
@@ -96,7 +107,7 @@ def anthropic_messages(messages, system: str | None) -> list[dict]:
                     out.append({"role": "user", "content": "".join(text)})
                     text = []
                 content = b.get("content", "")
-                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": _text(content, f"{where}.{j}.content")})
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id"), "content": content_text(content, f"{where}.{j}.content")})
             elif kind in ("thinking", "redacted_thinking") and m.role == "assistant":
                 reasoning.append(b.get("thinking", ""))
             else:

@@ -35,11 +35,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from freetoken_jax.server import schemas as S
-from freetoken_jax.server.chat import Reply, Tools, anthropic_messages, openai_messages, render_messages, template_vars
+from freetoken_jax.server.chat import Reply, Tools, anthropic_messages, content_text, openai_messages, render_messages, template_vars
 from freetoken_jax.server.logprobs import chat_logprobs, completion_logprobs
 from freetoken_jax.server.metrics import ServerMetrics
 from freetoken_jax.server.service import ApiError, Output, Service
-from freetoken_jax.server.text import message_text
 
 log = logging.getLogger("freetoken_jax.http")
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty",
@@ -321,10 +320,7 @@ def thinks(body) -> bool:
 def _anthropic_prompt(s: Service, body) -> tuple[list[int], Tools | None, bool]:
     system = body.system
     if system is not None:
-        try:
-            system = message_text(system)
-        except ValueError as e:
-            raise ApiError(400, f"system: {e}", param="system") from e
+        system = content_text(system, "system")
     tools = (
         Tools.from_anthropic([_dump(t) for t in body.tools or []], body.tool_choice, s.tool_format)
         if body.tools or body.tool_choice

@@ -24,7 +24,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from freetoken_jax.server import schemas as S
-from freetoken_jax.server.chat import Reply, Tools, call_arguments, render_messages, template_vars
+from freetoken_jax.server.chat import Reply, Tools, call_arguments, content_text, render_messages, template_vars
 from freetoken_jax.server.http import SAMPLING_FIELDS, Generation, _dump, _grammar, cached_tokens, sse
 from freetoken_jax.server.logprobs import chat_logprobs
 from freetoken_jax.server.service import ApiError, Service
@@ -61,22 +61,7 @@ class ResponseStore:
 
 
 # Input items -> chat messages --------------------------------------------------------------------
-def _text(content, where: str, kinds=("input_text", "output_text", "text", "refusal")) -> str:
-    """A message's (or tool output's) content: a string or a list of text parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out = []
-        for j, p in enumerate(content):
-            kind = p.get("type") if isinstance(p, dict) else None
-            if kind not in kinds:
-                raise ApiError(400, f"{where}.{j}: content parts of type {kind!r} are not supported (text only)", param=f"{where}.{j}")
-            text = p.get("refusal" if kind == "refusal" else "text")
-            if not isinstance(text, str):
-                raise ApiError(400, f"{where}.{j}: a {kind} part needs its text", param=f"{where}.{j}")
-            out.append(text)
-        return "".join(out)
-    raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
+TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
 
 
 def _field(item: dict, key: str, where: str) -> str:
@@ -111,7 +96,7 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
             role = it.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise ApiError(400, f"{where}.role: {role!r} is not one of user, assistant, system, developer", param=f"{where}.role")
-            text = _text(it.get("content"), f"{where}.content")
+            text = content_text(it.get("content"), f"{where}.content", TEXT_PARTS)
             if role == "assistant":
                 assistant(text)
             else:
@@ -124,11 +109,11 @@ def chat_messages(items: list[dict], instructions: str | None) -> list[dict]:
                 last = assistant("")
             last.setdefault("tool_calls", []).append(call)
         elif kind == "function_call_output":
-            output = _text(it.get("output"), f"{where}.output", kinds=("input_text", "text"))
+            output = content_text(it.get("output"), f"{where}.output", kinds=("input_text", "text"))
             msgs.append({"role": "tool", "tool_call_id": _field(it, "call_id", where), "content": output})
         elif kind == "reasoning":
             parts = it.get("content") or it.get("summary") or []
-            reasoning += _text(parts, f"{where}.content", kinds=("reasoning_text", "summary_text"))
+            reasoning += content_text(parts, f"{where}.content", kinds=("reasoning_text", "summary_text"))
         else:
             raise ApiError(400, f"{where}: input items of type {kind!r} are not supported", param=f"{where}.type")
     return msgs

@@ -46,20 +46,6 @@ def render_chat(template: str, messages: list[dict], **extra) -> str:
     return env.from_string(template).render(messages=messages, add_generation_prompt=True, **extra)
 
 
-def message_text(content) -> str:
-    """OpenAI/Anthropic message content: a string, or a list of parts of which text is kept."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise ValueError("only text content parts are supported")
-            parts.append(p["text"])
-        return "".join(parts)
-    raise ValueError("message content must be a string or a list of text parts")
-
-
 class TextStream:
     """Turns generated token ids into text deltas, holding back what might still become a stop
     string or an incomplete UTF-8 character. `push` returns (delta, stopped). `keep_special`:

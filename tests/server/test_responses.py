@@ -15,9 +15,9 @@ import pytest
 from helpers import chat_checkpoint, demo_server, model_server
 
 from freetoken_jax import EngineConfig
-from freetoken_jax.server.chat import Tools, openai_messages, render_messages
-from freetoken_jax.server.responses import OutputItems, ResponseStore, chat_messages
-from freetoken_jax.server.schemas import ChatRequest
+from freetoken_jax.server.chat import Tools, anthropic_messages, content_text, openai_messages, render_messages
+from freetoken_jax.server.responses import TEXT_PARTS, OutputItems, ResponseStore, chat_messages
+from freetoken_jax.server.schemas import AnthropicMessage, ChatMessage, ChatRequest
 from freetoken_jax.server.service import ApiError
 from freetoken_jax.server.tools import FORMATS, ToolCall
 
@@ -88,6 +88,26 @@ def test_bad_input_items_name_their_place(item):
     with pytest.raises(ApiError) as e:
         chat_messages([{"role": "user", "content": "hi"}, item], None)
     assert e.value.status == 400 and e.value.param.startswith("input.1")
+
+
+def test_each_api_reads_content_parts_with_one_reader_that_names_the_bad_part():
+    parts = [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}, {"type": "output_text", "text": "c"}]
+    assert content_text(parts, "x", TEXT_PARTS) == "abc" and content_text(None, "x") == ""
+    image = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}]
+    bad = [
+        lambda: content_text(parts, "x"),  # chat and Anthropic take text parts only
+        lambda: openai_messages([ChatMessage(role="user", content=image)]),
+        lambda: anthropic_messages(
+            [AnthropicMessage(role="user", content=[{"type": "tool_result", "tool_use_id": "t", "content": image}])], None
+        ),
+        lambda: chat_messages([{"role": "user", "content": [{"type": "input_text"}]}], None),
+    ]
+    params = []
+    for f in bad:
+        with pytest.raises(ApiError) as e:
+            f()
+        params.append(e.value.param)
+    assert params == ["x.1", "messages.0.content.1", "messages.0.content.0.content.1", "input.0.content.0"]
 
 
 # Reply events -> output items --------------------------------------------------------------------
