@@ -1,7 +1,8 @@
 """What a streamed reply costs the server's host beyond the model: the incremental detokenizer
 (`server.text.TextStream`) per token over a long reply, against decoding every token so far at
 each token (as it did before); then each tool-call format's stream (`server.tools.ToolStream`)
-reading one long call (write_file with 66 KB of code) in deltas of 4 characters.
+reading one long call (write_file with 66 KB of code), then forty calls at once (write_file
+with 1.5 KB each), in deltas of 4 characters.
 
     python benchmarks/bench_detokenize.py [--tokens 1000 10000 30000]
 
@@ -54,28 +55,43 @@ def main() -> None:
     tool_calls()
 
 
+def reply(fmt: str, calls: list[dict]) -> str:
+    """A reply making `calls` ({"name", "arguments"}) at once, in `fmt`'s form."""
+    if fmt == "hermes":
+        return "Writing it.\n" + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
+    if fmt == "mistral":
+        return "Writing it.[TOOL_CALLS]" + json.dumps(calls)
+    if fmt == "deepseek_v3":
+        one = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
+        return (
+            "Writing it.<｜tool▁calls▁begin｜>"
+            + "".join(one.format(c["name"], json.dumps(c["arguments"])) for c in calls)
+            + "<｜tool▁calls▁end｜>"
+        )
+    pairs = lambda a: "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in a.items())  # noqa: E731
+    return "Writing it." + "".join(f"<tool_call>{c['name']}\n{pairs(c['arguments'])}</tool_call>" for c in calls)
+
+
 def tool_calls() -> None:
     from freetoken_jax.server.tools import FORMATS, ToolStream
 
-    content = "def f(x):\n    return x + 1  # a line of code\n" * 1500
-    args = json.dumps({"path": "a.py", "content": content})
-    texts = {
-        "hermes": "Writing it.\n<tool_call>\n" + json.dumps({"name": "write_file", "arguments": {"path": "a.py", "content": content}}) + "\n</tool_call>",
-        "mistral": "Writing it.[TOOL_CALLS][" + json.dumps({"name": "write_file", "arguments": {"path": "a.py", "content": content}}) + "]",
-        "deepseek_v3": "Writing it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write_file\n```json\n" + args
-        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        "glm45": "Writing it.<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content</arg_key>\n<arg_value>"
-        + content + "</arg_value>\n</tool_call>",
-    }  # fmt: skip
-    print(f"{'format':>12} {'call chars':>10} {'s for the call':>15} {'us a delta':>11}")
-    for fmt, text in texts.items():
-        ts, t0, events = ToolStream(FORMATS[fmt]), time.perf_counter(), []
-        for k in range(0, len(text), 4):
-            events += ts.push(text[k : k + 4])
-        events += ts.finish()[0]
-        dt = time.perf_counter() - t0
-        assert json.loads("".join(e[2] for e in events if e[0] == "arguments")) == json.loads(args)
-        print(f"{fmt:>12} {len(text):>10} {dt:>15.2f} {dt / (len(text) / 4) * 1e6:>11.1f}")
+    one = [{"name": "write_file", "arguments": {"path": "a.py", "content": "def f(x):\n    return x + 1  # a line of code\n" * 1500}}]
+    many = [
+        {"name": "write_file", "arguments": {"path": f"f{i}.py", "content": "def f(x):\n    return x + 1  # a line\n" * 40}}
+        for i in range(40)
+    ]
+    print(f"{'format':>12} {'calls':>5} {'chars':>7} {'s for the calls':>16} {'us a delta':>11}")
+    for calls in (one, many):
+        for fmt in ("hermes", "mistral", "deepseek_v3", "glm45"):
+            text = reply(fmt, calls)
+            ts, t0, events = ToolStream(FORMATS[fmt]), time.perf_counter(), []
+            for k in range(0, len(text), 4):
+                events += ts.push(text[k : k + 4])
+            events += ts.finish()[0]
+            dt = time.perf_counter() - t0
+            for i, c in enumerate(calls):
+                assert json.loads("".join(e[2] for e in events if e[0] == "arguments" and e[1] == i)) == c["arguments"]
+            print(f"{fmt:>12} {len(calls):>5} {len(text):>7} {dt:>16.2f} {dt / (len(text) / 4) * 1e6:>11.1f}")
 
 
 if __name__ == "__main__":

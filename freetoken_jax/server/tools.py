@@ -87,6 +87,12 @@ class ToolFormat:
         except ValueError:
             return []
 
+    def after(self, section: str, done: int) -> int:
+        """Where in `section` the calls after its first `done` (all complete) begin, as a section
+        of their own that `partial` reads as it reads the whole, less those calls: a stream need
+        not read them again. 0 where the format cannot say."""
+        return 0
+
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         """A Lark grammar of one call (or, with `many`, one or more) to `tools`; `token_id`:
         the id of a marker that is one (special) token of the vocabulary, else None."""
@@ -143,6 +149,14 @@ class Hermes(ToolFormat):
             out.append(PartialCall(json.loads(f'"{name.group(1)}"'), text, False))
             break
         return out
+
+    def after(self, section: str, done: int) -> int:
+        at = -1
+        for _ in range(done + 1):  # `partial` splits at every start marker: the (done + 1)-th opens the next call
+            at = section.find(self.start, at + 1)
+            if at < 0:
+                return 0
+        return at
 
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         more = ' ("\\n" call)*' if many else ""
@@ -313,6 +327,7 @@ class ToolStream:
         self.calls: list[ToolCall] = []
         self.sent_args: list[str] = []
         self.looked = 0  # how far `text` was looked at for the format's `closes`
+        self.read_from = self.calls_before = 0  # the section is read from here on, after this many calls
 
     def _may_have_closed(self) -> bool:
         """Whether the section may hold a call that was not complete when last read: always for
@@ -342,9 +357,12 @@ class ToolStream:
                 return ev
         if not self._may_have_closed():
             return ev
-        for i, p in enumerate(self.fmt.partial(self.text[self.section :])):
+        start = self.section + self.read_from
+        parts = self.fmt.partial(self.text[start:])
+        for j, p in enumerate(parts):
             if p.name is None:
                 break
+            i = self.calls_before + j
             if i == len(self.calls):
                 self.calls.append(ToolCall(p.name, ""))
                 self.sent_args.append("")
@@ -352,6 +370,10 @@ class ToolStream:
             if p.arguments.startswith(self.sent_args[i]) and len(p.arguments) > len(self.sent_args[i]):
                 ev.append(("arguments", i, p.arguments[len(self.sent_args[i]) :]))
                 self.sent_args[i] = p.arguments
+        done = next((j for j, p in enumerate(parts) if not p.done), len(parts))
+        at = self.fmt.after(self.text[start:], done) if done else 0
+        if at:  # the complete calls before `at` are not read again
+            self.read_from, self.calls_before = self.read_from + at, self.calls_before + done
         return ev
 
     def finish(self) -> tuple[list[tuple], str, list[ToolCall]]:

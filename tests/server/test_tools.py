@@ -74,26 +74,48 @@ def long_call(fmt: str, content: str) -> str:
     }[fmt]  # fmt: skip
 
 
-@pytest.mark.parametrize("fmt", sorted(SAMPLES))
-def test_a_long_call_streams_without_reading_its_section_at_every_delta(fmt):
-    content = "def f(x):\n    return {'a': [x]}  # code, with the braces and brackets JSON closes with\n" * 300
-    text = long_call(fmt, content)
-    f = FORMATS[fmt]
+def stream_counting_reads(f, text: str, step: int):
+    """`text` streamed through a `ToolStream` of format `f` in deltas of `step` characters: (events,
+    content, calls, the length of each section `f.partial` read)."""
     read = []
     real = f.partial
     f.partial = lambda section: read.append(len(section)) or real(section)
     try:
         ts = ToolStream(f)
-        events = [e for k in range(0, len(text), 4) for e in ts.push(text[k : k + 4])]
+        events = [e for k in range(0, len(text), step) for e in ts.push(text[k : k + step])]
     finally:
         del f.partial
-    last, content_text, calls = ts.finish()
-    events += last
+    last, content, calls = ts.finish()
+    return events + last, content, calls, read
+
+
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+def test_a_long_call_streams_without_reading_its_section_at_every_delta(fmt):
+    content = "def f(x):\n    return {'a': [x]}  # code, with the braces and brackets JSON closes with\n" * 300
+    text = long_call(fmt, content)
+    f = FORMATS[fmt]
+    events, content_text, calls, read = stream_counting_reads(f, text, 4)
     assert content_text.startswith("Writing it.") and [c.name for c in calls] == ["write_file"]
     assert json.loads("".join(e[2] for e in events if e[0] == "arguments")) == {"path": "a.py", "content": content}
     if not f.streams_arguments:  # read again only where one of the format's `closes` arrived
         closers = sum(text.count(c) for c in f.closes)
         assert len(read) <= closers + 1 and sum(read) <= (closers + 1) * len(text), (len(read), closers)
+
+
+def test_many_calls_stream_without_reading_the_complete_ones_again():
+    # Forty calls at once (an agent writing forty files): a Hermes stream, which reads the open
+    # call's arguments at every delta, reads from the call being written, not from the first.
+    calls = [
+        {"name": "write_file", "arguments": {"path": f"f{i}.txt", "content": "{x: [1]}\n" * (i % 3) + "x" * (40 + i)}} for i in range(40)
+    ]
+    one = [f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls]
+    text = "On it.\n" + "".join(one)
+    events, content, got, read = stream_counting_reads(FORMATS["hermes"], text, 3)
+    assert content == "On it.\n" and [(c.name, json.loads(c.arguments)) for c in got] == [(c["name"], c["arguments"]) for c in calls]
+    for i, c in enumerate(got):
+        assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c.arguments
+    assert [e[1] for e in events if e[0] == "call"] == list(range(40))
+    assert max(read) <= 3 * max(map(len, one)), max(read)
 
 
 def test_glm45_is_told_from_hermes_and_its_grammar_forces_calls_that_parse():
