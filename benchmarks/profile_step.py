@@ -58,6 +58,7 @@ def kernel_profile(run, n=5, top=8):
     rows = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
     idle(events, n, top)
     overlap(events, n)
+    exposed(events, n, top)
     timeline(events, n)
     return len(events) / n, sum(e.device_time for e in events) / n / 1e3, [(sum(t) / n / 1e3, len(t) / n, k) for k, t in rows]
 
@@ -124,6 +125,30 @@ def overlap(events, n: int) -> None:
     ms = lambda us: us / n / 1e3  # noqa: E731
     print(f"   host->device copies {ms(c):.3f} ms, compute {ms(k):.3f} ms a step; both at once {ms(both):.3f} ms, "
           f"copies only {ms(c - both):.3f} ms, compute only {ms(k - both):.3f} ms")  # fmt: skip
+
+
+def exposed_time(events) -> dict[str, float]:
+    """Per kernel name, the time its kernels ran while no host->device copy was in flight (µs,
+    summed): the compute a prefill's layer loads do not hide."""
+    copies = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Memcpy HtoD"))
+    out: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith("Memcpy"):
+            continue
+        span = [[e.time_range.start, e.time_range.end]]
+        out[e.name[:80]] = out.get(e.name[:80], 0.0) + _length(span) - _intersect(span, copies)
+    return out
+
+
+def exposed(events, n: int, top: int) -> None:
+    """The kernels that ran with no host->device copy in flight, heaviest first, per step (only
+    where the step copies anything)."""
+    if not any(e.name.startswith("Memcpy HtoD") for e in events):
+        return
+    rows = sorted(((t, k) for k, t in exposed_time(events).items() if t > 0), reverse=True)
+    print(f"   kernel time outside the copies: {sum(t for t, _ in rows) / n / 1e3:.3f} ms a step, heaviest:")
+    for t, k in rows[:top]:
+        print(f"   {t / n / 1e3:7.3f} ms  {k}")
 
 
 def timeline(events, n: int) -> None:
