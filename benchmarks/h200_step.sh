@@ -11,8 +11,9 @@
 #   pgrouped: the same under uniform synthetic routing (--routing-skew 0: a preset's random router
 #            sends a chunk's tokens to a few experts, and grouped falls back to dense), each layer
 #            loaded by whole-bank copies (the default on a GPU) and by the Pallas fetch;
-#   pprofile: one 2048-token q4_0 prefill chunk through the two layer buffers, dense and grouped,
-#            uniform synthetic routing, under the kernel profiler (profile_step --prefill-tokens);
+#   pprofile: one q4_0 prefill chunk of PTOK (2048) tokens through the two layer buffers, PVARS
+#            (dense grouped), uniform synthetic routing, under the kernel profiler (profile_step
+#            --prefill-tokens), with the kernels that ran while no layer copy was in flight;
 #   pflags:  the grouped 2048-token chunk of pprofile with XLA's default command buffers and with
 #            conditionals and while loops recorded into them too (the attention's block loop and
 #            grouped's capacity switch, whose predicates read on the host are the likely source of
@@ -41,7 +42,7 @@ for what in "$@"; do
     # (test_bad_calls_raise checks the CPU backend's handlers: a CUDA job's errors are printed, not raised)
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
-    pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens 2048 --variants dense grouped --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
+    pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens ${PTOK:-2048} --variants ${PVARS:-dense grouped} --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
     pflags) for f in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"; do
         echo "== XLA_FLAGS=$f"
         XLA_FLAGS="$f" timeout 200 ${P/--no-profile/} --prefill-tokens 2048 --variants grouped --top 6 2>&1 | grep -v "it/s\]" | cut -c1-200 | tail -12
