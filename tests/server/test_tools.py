@@ -118,6 +118,25 @@ def test_many_calls_stream_without_reading_the_complete_ones_again():
     assert max(read) <= 3 * max(map(len, one)), max(read)
 
 
+@pytest.mark.parametrize("inner", ["<tool_call>", "</tool_call>", "a <tool_call>\n{} </tool_call> b", "</tool_call>\n<tool_call>"])
+def test_a_hermes_marker_inside_an_argument_is_text(inner):
+    # An agent writing a file about tool calls: the markers in its content are not calls.
+    calls = [{"name": "write_file", "arguments": {"path": "a.md", "content": f"see {inner} here"}}, {"name": "get_time", "arguments": {}}]
+    text = "Ok.\n" + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
+    f = FORMATS["hermes"]
+    assert [(c.name, json.loads(c.arguments)) for c in f.parse(text[4:])] == [(c["name"], c["arguments"]) for c in calls]
+    for step in (1, 5, 1000):
+        events, content, got, _ = stream_counting_reads(f, text, step)
+        assert content == "Ok.\n" and [(c.name, json.loads(c.arguments)) for c in got] == [(c["name"], c["arguments"]) for c in calls]
+        assert [e[1] for e in events if e[0] == "call"] == [0, 1]
+        for i, c in enumerate(got):
+            assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c.arguments
+    for bad in ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> and prose', '<tool_call>\n{"name": "f", "arguments": {}}',
+                '<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "f", "arguments": {"a": "<tool_call>"}\n</tool_call>'):  # fmt: skip
+        with pytest.raises(ValueError):
+            f.parse(bad)
+
+
 def test_glm45_is_told_from_hermes_and_its_grammar_forces_calls_that_parse():
     assert detect("{{ '<tool_call>' }}{{ '<arg_key>' }}").name == "glm45" and detect("{{ '<tool_call>' }}").name == "hermes"
     fmt = FORMATS["glm45"]
