@@ -55,25 +55,8 @@ def main() -> None:
     tool_calls()
 
 
-def reply(fmt: str, calls: list[dict]) -> str:
-    """A reply making `calls` ({"name", "arguments"}) at once, in `fmt`'s form."""
-    if fmt == "hermes":
-        return "Writing it.\n" + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
-    if fmt == "mistral":
-        return "Writing it.[TOOL_CALLS]" + json.dumps(calls)
-    if fmt == "deepseek_v3":
-        one = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
-        return (
-            "Writing it.<｜tool▁calls▁begin｜>"
-            + "".join(one.format(c["name"], json.dumps(c["arguments"])) for c in calls)
-            + "<｜tool▁calls▁end｜>"
-        )
-    pairs = lambda a: "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>\n" for k, v in a.items())  # noqa: E731
-    return "Writing it." + "".join(f"<tool_call>{c['name']}\n{pairs(c['arguments'])}</tool_call>" for c in calls)
-
-
 def tool_calls() -> None:
-    from freetoken_jax.server.tools import FORMATS, ToolStream
+    from freetoken_jax.server.tools import FORMATS, ToolCall, ToolStream
 
     one = [{"name": "write_file", "arguments": {"path": "a.py", "content": "def f(x):\n    return x + 1  # a line of code\n" * 1500}}]
     many = [
@@ -83,7 +66,7 @@ def tool_calls() -> None:
     print(f"{'format':>12} {'calls':>5} {'chars':>7} {'s for the calls':>16} {'us a delta':>11}")
     for calls in (one, many):
         for fmt in ("hermes", "mistral", "deepseek_v3", "glm45"):
-            text = reply(fmt, calls)
+            text = "Writing it." + FORMATS[fmt].write([ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls])
             ts, t0, events = ToolStream(FORMATS[fmt]), time.perf_counter(), []
             for k in range(0, len(text), 4):
                 events += ts.push(text[k : k + 4])

@@ -33,9 +33,12 @@ class PartialCall:
     done: bool
 
 
+_WS = re.compile(r"\s*")
+
+
 def _json_value(text: str, start: int) -> tuple[object, int] | None:
     """The JSON value at `text[start:]` (after whitespace) and where it ends, or None."""
-    m = re.compile(r"\s*").match(text, start)
+    m = _WS.match(text, start)
     try:
         return json.JSONDecoder().raw_decode(text, m.end())
     except ValueError:
@@ -87,6 +90,10 @@ class ToolFormat:
         except ValueError:
             return []
 
+    def write(self, calls: list[ToolCall]) -> str:
+        """`calls` as a section the model writes (what `parse` reads back)."""
+        raise NotImplementedError
+
     def after(self, section: str, done: int) -> int:
         """Where in `section` the calls after its first `done` (all complete) begin, as a section
         of their own that `partial` reads as it reads the whole, less those calls: a stream need
@@ -123,7 +130,7 @@ class Hermes(ToolFormat):
         calls, at = [], 0
         while (k := section.find(self.start, at)) >= 0:
             v = _json_value(section, k + len(self.start))
-            end = re.compile(r"\s*").match(section, v[1]).end() if v is not None else k
+            end = _WS.match(section, v[1]).end() if v is not None else k
             if v is None or not section.startswith(self.end, end):
                 raise ValueError("unfinished or malformed tool call")
             call = self._call(section[k + len(self.start) : v[1]])
@@ -142,7 +149,7 @@ class Hermes(ToolFormat):
             return None
         args = re.search(r'"arguments"\s*:', body)
         a = _json_value(body, args.end()) if args else None
-        text = body[re.compile(r"\s*").match(body, args.end()).end() : a[1]] if a is not None else json.dumps(v[0].get("arguments", {}))
+        text = body[_WS.match(body, args.end()).end() : a[1]] if a is not None else json.dumps(v[0].get("arguments", {}))
         return PartialCall(v[0]["name"], text, True)
 
     def partial(self, section: str) -> list[PartialCall]:
@@ -163,7 +170,7 @@ class Hermes(ToolFormat):
                 break
             text = ""
             if args and name.start() < args.start():  # arguments after the name: stream them, less what may close the object
-                text = body[re.compile(r"\s*").match(body, args.end()).end() :]
+                text = body[_WS.match(body, args.end()).end() :]
                 text = _rstrip_close(text[: len(text) - _held(text, self.end)])
             out.append(PartialCall(json.loads(f'"{name.group(1)}"'), text, False))
             break
@@ -176,6 +183,9 @@ class Hermes(ToolFormat):
             if at < 0:
                 return 0
         return at
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return "".join(f'{self.start}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{self.end}\n' for c in calls)
 
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         more = ' ("\\n" call)*' if many else ""
@@ -190,23 +200,27 @@ class Mistral(ToolFormat):
     closes = ("]", "}")
 
     def parse(self, section: str) -> list[ToolCall]:
-        calls = []
-        for part in section.split(self.start)[1:]:
-            part = part.strip()
-            if part.startswith("["):
-                v = _json_value(part, 0)
+        calls, at = [], 0
+        while (k := section.find(self.start, at)) >= 0:  # the JSON is read as JSON: a marker inside a string is text
+            i = _WS.match(section, k + len(self.start)).end()
+            if section.startswith("[", i):
+                v = _json_value(section, i)
                 if v is None or not isinstance(v[0], list):
                     raise ValueError("malformed [TOOL_CALLS] list")
                 calls += [ToolCall(c["name"], json.dumps(c.get("arguments", {}), ensure_ascii=False)) for c in v[0]]
             else:
-                name, sep, args = part.partition("[ARGS]")
-                v = _json_value(args, 0) if sep else None
+                j = section.find("[ARGS]", i)
+                v = _json_value(section, j + len("[ARGS]")) if j >= 0 else None
                 if v is None:
                     raise ValueError("malformed [TOOL_CALLS] call")
-                calls.append(ToolCall(name.strip(), args.strip()[: v[1]]))
+                calls.append(ToolCall(section[i:j].strip(), section[_WS.match(section, j + len("[ARGS]")).end() : v[1]]))
+            at = v[1]
         if not calls:
             raise ValueError("no tool call")
         return calls
+
+    def write(self, calls: list[ToolCall]) -> str:
+        return self.start + "[" + ", ".join(f'{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}' for c in calls) + "]"
 
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         item = json.dumps(_call_schema(tools))
@@ -233,6 +247,10 @@ class DeepSeekV3(ToolFormat):
             json.loads(c.arguments)
         return calls
 
+    def write(self, calls: list[ToolCall]) -> str:
+        one = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{}\n```<｜tool▁call▁end｜>"
+        return self.start + "".join(one.format(c.name, c.arguments) for c in calls) + "<｜tool▁calls▁end｜>"
+
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         lit = lambda t: _lit(t, token_id)  # noqa: E731
         fns = [
@@ -252,22 +270,48 @@ class Glm45(ToolFormat):
     start = "<tool_call>"
     closes = ("</tool_call>",)
     marker = "<arg_key>"  # what tells its templates from Hermes' (the same <tool_call>)
-    _call = re.compile(r"<tool_call>\s*([^\n<]+?)\s*(?:\n|(?=<arg_key>|</tool_call>))(.*?)</tool_call>", re.S)
-    _arg = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+    _name = re.compile(r"\s*([^\n<]+?)\s*(?:\n|(?=<arg_key>|</tool_call>))")
+    _key = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>", re.S)
+    _close = re.compile(r"\s*</tool_call>")
 
     def parse(self, section: str) -> list[ToolCall]:
-        calls = []
-        for m in self._call.finditer(section):
-            args = {}
-            for k, v in self._arg.findall(m.group(2)):
+        """Pair by pair: a value runs to its `</arg_value>`, so a `</tool_call>` inside one is text."""
+        calls, at = [], 0
+        while (k := section.find(self.start, at)) >= 0:
+            m = self._name.match(section, k + len(self.start))
+            if m is None:
+                raise ValueError("a tool call needs a name")
+            args, at = {}, m.end()
+            while (p := self._key.match(section, at)) is not None:
+                end = section.find("</arg_value>", p.end())
+                if end < 0:
+                    raise ValueError("an unfinished argument")
+                v = section[p.end() : end]
                 try:
-                    args[k.strip()] = json.loads(v)
+                    args[p.group(1).strip()] = json.loads(v)
                 except ValueError:
-                    args[k.strip()] = v
+                    args[p.group(1).strip()] = v
+                at = end + len("</arg_value>")
+            close = self._close.match(section, at)
+            if close is None:
+                raise ValueError("an unfinished or malformed tool call")
             calls.append(ToolCall(m.group(1).strip(), json.dumps(args, ensure_ascii=False)))
-        if not calls or section.rstrip()[-len("</tool_call>") :] != "</tool_call>":
+            at = close.end()
+        if not calls or section[at:].strip():
             raise ValueError("no tool call, or an unfinished one")
         return calls
+
+    def write(self, calls: list[ToolCall]) -> str:
+        def value(v) -> str:  # a string as written, unless it would read back as another JSON value
+            if isinstance(v, str):
+                try:
+                    json.loads(v)
+                except ValueError:
+                    return v
+            return json.dumps(v, ensure_ascii=False)
+
+        pairs = lambda a: "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{value(v)}</arg_value>\n" for k, v in a.items())  # noqa: E731
+        return "".join(f"{self.start}{c.name}\n{pairs(json.loads(c.arguments))}</tool_call>" for c in calls)
 
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         """Each tool's name, then at most one `<arg_key>`/`<arg_value>` pair per property of its
@@ -303,6 +347,10 @@ class Harmony(ToolFormat):
         if not s.calls:
             raise ValueError("no tool call")
         return s.calls
+
+    def write(self, calls: list[ToolCall]) -> str:
+        (c,) = calls  # one call a turn
+        return f"{self.start}commentary to=functions.{c.name} <|constrain|>json<|message|>{c.arguments}<|call|>"
 
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         """One call (harmony has one per turn, whatever `many` says), straight away: no analysis first."""

@@ -15,7 +15,7 @@ from helpers import chat_checkpoint, demo_server, model_server
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.server.chat import Tools, openai_messages, render_messages
 from freetoken_jax.server.schemas import ChatRequest
-from freetoken_jax.server.tools import FORMATS, ThinkStream, ToolStream, detect
+from freetoken_jax.server.tools import FORMATS, ThinkStream, ToolCall, ToolStream, detect
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
            "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
@@ -61,17 +61,9 @@ def test_tool_stream_reads_calls_as_they_come(fmt, step):
         assert len(starts) == 1 and all(k > starts[0] for k, e in enumerate(events) if e[0] == "arguments" and e[1] == i)
 
 
-def long_call(fmt: str, content: str) -> str:
-    """A reply with one call to write_file whose `content` argument is long, in `fmt`'s form."""
-    args = json.dumps({"path": "a.py", "content": content})
-    return {
-        "hermes": 'Writing it.\n<tool_call>\n{"name": "write_file", "arguments": ' + args + "}\n</tool_call>",
-        "mistral": 'Writing it.[TOOL_CALLS][{"name": "write_file", "arguments": ' + args + "}]",
-        "deepseek_v3": "Writing it.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>write_file\n```json\n" + args
-        + "\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
-        "glm45": "Writing it.<tool_call>write_file\n<arg_key>path</arg_key>\n<arg_value>a.py</arg_value>\n<arg_key>content</arg_key>\n<arg_value>"
-        + json.dumps(content) + "</arg_value>\n</tool_call>",
-    }[fmt]  # fmt: skip
+def writing(fmt: str, calls: list[dict]) -> str:
+    """A reply making `calls` ({"name", "arguments"}) in `fmt`'s form, after a line of text."""
+    return "Writing it." + FORMATS[fmt].write([ToolCall(c["name"], json.dumps(c["arguments"])) for c in calls])
 
 
 def stream_counting_reads(f, text: str, step: int):
@@ -92,7 +84,7 @@ def stream_counting_reads(f, text: str, step: int):
 @pytest.mark.parametrize("fmt", sorted(SAMPLES))
 def test_a_long_call_streams_without_reading_its_section_at_every_delta(fmt):
     content = "def f(x):\n    return {'a': [x]}  # code, with the braces and brackets JSON closes with\n" * 300
-    text = long_call(fmt, content)
+    text = writing(fmt, [{"name": "write_file", "arguments": {"path": "a.py", "content": content}}])
     f = FORMATS[fmt]
     events, content_text, calls, read = stream_counting_reads(f, text, 4)
     assert content_text.startswith("Writing it.") and [c.name for c in calls] == ["write_file"]
@@ -108,33 +100,47 @@ def test_many_calls_stream_without_reading_the_complete_ones_again():
     calls = [
         {"name": "write_file", "arguments": {"path": f"f{i}.txt", "content": "{x: [1]}\n" * (i % 3) + "x" * (40 + i)}} for i in range(40)
     ]
-    one = [f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls]
-    text = "On it.\n" + "".join(one)
+    one = [writing("hermes", [c]).removeprefix("Writing it.") for c in calls]
+    text = "Writing it." + "".join(one)
     events, content, got, read = stream_counting_reads(FORMATS["hermes"], text, 3)
-    assert content == "On it.\n" and [(c.name, json.loads(c.arguments)) for c in got] == [(c["name"], c["arguments"]) for c in calls]
+    assert content == "Writing it." and [(c.name, json.loads(c.arguments)) for c in got] == [(c["name"], c["arguments"]) for c in calls]
     for i, c in enumerate(got):
         assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c.arguments
     assert [e[1] for e in events if e[0] == "call"] == list(range(40))
     assert max(read) <= 3 * max(map(len, one)), max(read)
 
 
-@pytest.mark.parametrize("inner", ["<tool_call>", "</tool_call>", "a <tool_call>\n{} </tool_call> b", "</tool_call>\n<tool_call>"])
-def test_a_hermes_marker_inside_an_argument_is_text(inner):
+@pytest.mark.parametrize("fmt", sorted(SAMPLES))
+@pytest.mark.parametrize("inner", ["<tool_call>", "</tool_call>\n<tool_call>", "[TOOL_CALLS]", "]}]", "<arg_key>k</arg_key>", "```\n"])
+def test_a_marker_inside_an_argument_is_text(fmt, inner):
     # An agent writing a file about tool calls: the markers in its content are not calls.
-    calls = [{"name": "write_file", "arguments": {"path": "a.md", "content": f"see {inner} here"}}, {"name": "get_time", "arguments": {}}]
-    text = "Ok.\n" + "".join(f"<tool_call>\n{json.dumps(c)}\n</tool_call>\n" for c in calls)
-    f = FORMATS["hermes"]
-    assert [(c.name, json.loads(c.arguments)) for c in f.parse(text[4:])] == [(c["name"], c["arguments"]) for c in calls]
+    calls = [
+        {"name": "write_file", "arguments": {"path": "a.md", "content": f"see {inner} here"}},
+        {"name": "get_time", "arguments": {"zone": "UTC"}},
+    ]
+    text = writing(fmt, calls)
+    f = FORMATS[fmt]
+    assert [(c.name, json.loads(c.arguments)) for c in f.parse(text[len("Writing it.") :])] == [(c["name"], c["arguments"]) for c in calls]
     for step in (1, 5, 1000):
         events, content, got, _ = stream_counting_reads(f, text, step)
-        assert content == "Ok.\n" and [(c.name, json.loads(c.arguments)) for c in got] == [(c["name"], c["arguments"]) for c in calls]
+        assert content.rstrip() == "Writing it." and [(c.name, json.loads(c.arguments)) for c in got] == [
+            (c["name"], c["arguments"]) for c in calls
+        ]
         assert [e[1] for e in events if e[0] == "call"] == [0, 1]
         for i, c in enumerate(got):
             assert "".join(e[2] for e in events if e[0] == "arguments" and e[1] == i) == c.arguments
-    for bad in ('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> and prose', '<tool_call>\n{"name": "f", "arguments": {}}',
-                '<tool_call>\n{"arguments": {}}\n</tool_call>', '<tool_call>\n{"name": "f", "arguments": {"a": "<tool_call>"}\n</tool_call>'):  # fmt: skip
-        with pytest.raises(ValueError):
-            f.parse(bad)
+
+
+@pytest.mark.parametrize(
+    "fmt, bad",
+    [("hermes", '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call> and prose'), ("hermes", '<tool_call>\n{"name": "f", "arguments": {}}'),
+     ("hermes", '<tool_call>\n{"arguments": {}}\n</tool_call>'), ("hermes", '<tool_call>\n{"name": "f", "arguments": {"a": "<tool_call>"}\n</tool_call>'),
+     ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</tool_call>"), ("glm45", "<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>"),
+     ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {}}'), ("mistral", '[TOOL_CALLS]f[ARGS]{"a": ')],
+)  # fmt: skip
+def test_an_unfinished_or_malformed_section_does_not_parse(fmt, bad):
+    with pytest.raises((ValueError, KeyError)):
+        FORMATS[fmt].parse(bad)
 
 
 def test_glm45_is_told_from_hermes_and_its_grammar_forces_calls_that_parse():
