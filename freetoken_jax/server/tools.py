@@ -31,6 +31,7 @@ class PartialCall:
     name: str | None  # None until the name is complete
     arguments: str  # the part of the arguments' JSON text that can no longer change
     done: bool
+    end: int | None = None  # a complete call's: where its text ends in the section read (a stream reads on from there)
 
 
 _WS = re.compile(r"\s*")
@@ -82,9 +83,10 @@ class ToolFormat:
         """The calls of a finished section (text from `start` on); `ValueError` if malformed."""
         raise NotImplementedError
 
-    def partial(self, section: str) -> list[PartialCall]:
+    def partial(self, section: str, memo: dict | None = None) -> list[PartialCall]:
         """What can be read of a section still being written: by default each call only once
-        the whole section parses."""
+        the whole section parses. `memo`: the format's own notes on this section between reads
+        (a stream passes the same dict while the text it reads only grows)."""
         try:
             return [PartialCall(c.name, c.arguments, True) for c in self.parse(section)]
         except ValueError:
@@ -93,12 +95,6 @@ class ToolFormat:
     def write(self, calls: list[ToolCall]) -> str:
         """`calls` as a section the model writes (what `parse` reads back)."""
         raise NotImplementedError
-
-    def after(self, section: str, done: int) -> int:
-        """Where in `section` the calls after its first `done` (all complete) begin, as a section
-        of their own that `partial` reads as it reads the whole, less those calls: a stream need
-        not read them again. 0 where the format cannot say."""
-        return 0
 
     def grammar(self, tools: list[dict], many: bool, token_id=lambda text: None) -> str:
         """A Lark grammar of one call (or, with `many`, one or more) to `tools`; `token_id`:
@@ -152,37 +148,41 @@ class Hermes(ToolFormat):
         text = body[_WS.match(body, args.end()).end() : a[1]] if a is not None else json.dumps(v[0].get("arguments", {}))
         return PartialCall(v[0]["name"], text, True)
 
-    def partial(self, section: str) -> list[PartialCall]:
-        out = []
-        for body in section.split(self.start)[1:]:
-            done = self.end in body
-            body = body.split(self.end)[0]
-            name = re.search(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"', body)
-            args = re.search(r'"arguments"\s*:', body)
-            if done:
-                call = self._call(body)
-                if call is None:
-                    return out  # malformed, or a marker inside a string (`parse` reads it at the end): stop here
-                out.append(call)
-                continue
-            if name is None:
+    def partial(self, section: str, memo: dict | None = None) -> list[PartialCall]:
+        """Each call's object is scanned as JSON, a marker inside a string being text; `memo`
+        keeps each object's scan, so that a stream scans each character once."""
+        memo = {} if memo is None else memo
+        out, at = [], 0
+        while (k := section.find(self.start, at)) >= 0:
+            j = _WS.match(section, k + len(self.start)).end()
+            if j == len(section):
                 out.append(PartialCall(None, "", False))
                 break
-            text = ""
-            if args and name.start() < args.start():  # arguments after the name: stream them, less what may close the object
-                text = body[_WS.match(body, args.end()).end() :]
-                text = _rstrip_close(text[: len(text) - _held(text, self.end)])
-            out.append(PartialCall(json.loads(f'"{name.group(1)}"'), text, False))
-            break
+            if section[j] != "{":
+                return out  # malformed: stop here
+            e = _object_end(section, j, memo)
+            if e is None:  # still being written: its name once complete, then its arguments less what may close the object
+                body = section[j:]
+                name, args = _NAME.search(body), _ARGS.search(body)
+                if name is None:
+                    out.append(PartialCall(None, "", False))
+                    break
+                text = _rstrip_close(body[_WS.match(body, args.end()).end() :]) if args and name.start() < args.start() else ""
+                out.append(PartialCall(json.loads(f'"{name.group(1)}"'), text, False))
+                break
+            call = self._call(section[j:e])
+            if call is None:
+                return out
+            m = _WS.match(section, e).end()
+            if section.startswith(self.end, m):
+                call.end = at = m + len(self.end)
+                out.append(call)
+                continue
+            if self.end.startswith(section[m:]):  # its end marker is still to come
+                out.append(PartialCall(call.name, call.arguments, False))
+                break
+            return out  # something else after the object: malformed
         return out
-
-    def after(self, section: str, done: int) -> int:
-        at = -1
-        for _ in range(done + 1):  # `partial` splits at every start marker: the (done + 1)-th opens the next call
-            at = section.find(self.start, at + 1)
-            if at < 0:
-                return 0
-        return at
 
     def write(self, calls: list[ToolCall]) -> str:
         return "".join(f'{self.start}\n{{"name": {json.dumps(c.name)}, "arguments": {c.arguments}}}\n{self.end}\n' for c in calls)
@@ -395,6 +395,7 @@ class ToolStream:
         self.sent_args: list[str] = []
         self.looked = 0  # how far `text` was looked at for the format's `closes`
         self.read_from = self.calls_before = 0  # the section is read from here on, after this many calls
+        self.memo: dict = {}  # the format's notes on the section read from `read_from`
 
     def _may_have_closed(self) -> bool:
         """Whether the section may hold a call that was not complete when last read: always for
@@ -425,7 +426,7 @@ class ToolStream:
         if not self._may_have_closed():
             return ev
         start = self.section + self.read_from
-        parts = self.fmt.partial(self.text[start:])
+        parts = self.fmt.partial(self.text[start:], self.memo)
         for j, p in enumerate(parts):
             if p.name is None:
                 break
@@ -438,9 +439,8 @@ class ToolStream:
                 ev.append(("arguments", i, p.arguments[len(self.sent_args[i]) :]))
                 self.sent_args[i] = p.arguments
         done = next((j for j, p in enumerate(parts) if not p.done), len(parts))
-        at = self.fmt.after(self.text[start:], done) if done else 0
-        if at:  # the complete calls before `at` are not read again
-            self.read_from, self.calls_before = self.read_from + at, self.calls_before + done
+        if done and parts[done - 1].end:  # the complete calls are not read again
+            self.read_from, self.calls_before, self.memo = self.read_from + parts[done - 1].end, self.calls_before + done, {}
         return ev
 
     def finish(self) -> tuple[list[tuple], str, list[ToolCall]]:
@@ -469,6 +469,43 @@ class ToolStream:
                 ev.append(("arguments", i, c.arguments[len(self.sent_args[i]) :]))
             self.calls[i].arguments = c.arguments if c.arguments.startswith(self.sent_args[i]) else self.sent_args[i]
         return ev, self.text[: self.section], self.calls
+
+
+_NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_ARGS = re.compile(r'"arguments"\s*:')
+_IN_STRING = re.compile(r'["\\]')
+_OUTSIDE = re.compile(r'["{}\[\]]')
+
+
+def _object_end(text: str, j: int, memo: dict) -> int | None:
+    """Where the JSON object opening at `text[j]` ends (after its brace), or None while it is
+    unfinished. Scans on from where `memo[j]` left off: (position, depth, inside a string)."""
+    got = memo.get(j, (j, 0, False))
+    if isinstance(got, int):
+        return got
+    i, depth, inside = got
+    while True:
+        m = (_IN_STRING if inside else _OUTSIDE).search(text, i)
+        if m is None:
+            memo[j] = (len(text), depth, inside)
+            return None
+        c = m.group()
+        if c == "\\":
+            if m.end() == len(text):  # the escaped character is still to come
+                memo[j] = (m.start(), depth, inside)
+                return None
+            i = m.end() + 1
+            continue
+        i = m.end()
+        if c == '"':
+            inside = not inside
+        elif c in "{[":
+            depth += 1
+        else:
+            depth -= 1
+            if depth == 0:
+                memo[j] = i
+                return i
 
 
 def _rstrip_close(text: str) -> str:
