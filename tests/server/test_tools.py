@@ -5,6 +5,7 @@ Qwen3's chat template and a tokenizer with its added tokens."""
 
 import json
 import os
+import random
 
 import anthropic
 import jsonschema
@@ -15,7 +16,7 @@ from helpers import chat_checkpoint, demo_server, model_server
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.server.chat import Tools, openai_messages, render_messages
 from freetoken_jax.server.schemas import ChatRequest
-from freetoken_jax.server.tools import FORMATS, ThinkStream, ToolCall, ToolStream, detect
+from freetoken_jax.server.tools import FORMATS, ThinkStream, ToolCall, ToolStream, _object_end, detect
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
            "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
@@ -92,6 +93,28 @@ def test_a_long_call_streams_without_reading_its_section_at_every_delta(fmt):
     if not f.streams_arguments:  # read again only where one of the format's `closes` arrived
         closers = sum(text.count(c) for c in f.closes)
         assert len(read) <= closers + 1 and sum(read) <= (closers + 1) * len(text), (len(read), closers)
+
+
+def test_the_incremental_object_scan_ends_where_json_does():
+    # _object_end, fed a growing text, against json's own reading of each prefix.
+    rng = random.Random(0)
+    pieces = ['"a\\"}"', '"\\\\"', "{", "}", "[", "]", '"<tool_call>"', '"x{[y"', "1", ", ", ": "]
+    for _ in range(300):
+        obj = {
+            "k": [rng.choice([{"s": "".join(rng.choice('ab{}[]"\\<>') for _ in range(rng.randint(0, 6)))}, [1, {}], "q\\"])],
+            "n": rng.random(),
+        }
+        text = "  " + json.dumps(obj) + rng.choice(["", " </tool_call>", "}"]) + "".join(rng.choice(pieces) for _ in range(2))
+        memo, j = {}, 2
+        for n in range(j, len(text) + 1):
+            got = _object_end(text[:n], j, memo)
+            try:
+                want = json.JSONDecoder().raw_decode(text[:n], j)[1]
+            except ValueError:
+                want = None
+            assert got == want, (text[:n], got, want)
+            if got is not None:
+                break
 
 
 def test_many_calls_stream_without_reading_the_complete_ones_again():
