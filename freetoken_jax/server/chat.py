@@ -21,9 +21,9 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def content_text(content, where: str, kinds: tuple[str, ...] = ("text",)) -> str:
     """A message's content: a string, or a list of parts whose `type` is one of `kinds`, joined
-    (a "refusal" part's text is its `refusal`); None is empty. Else a 400 naming the part."""
-    if content is None or isinstance(content, str):
-        return content or ""
+    (a "refusal" part's text is its `refusal`). Else a 400 naming the part."""
+    if isinstance(content, str):
+        return content
     if not isinstance(content, list):
         raise ApiError(400, f"{where}: content must be a string or a list of text parts", param=where)
     out = []
@@ -56,7 +56,7 @@ def openai_messages(messages) -> list[dict]:
         where = f"messages.{k}"
         if m.role not in ROLES:
             raise ApiError(400, f"{where}.role: {m.role!r} is not one of {', '.join(ROLES)}", param=f"{where}.role")
-        msg = {"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content, f"{where}.content")}
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content_text(m.content or "", f"{where}.content")}
         extra = m.model_extra or {}
         if m.role == "assistant" and extra.get("tool_calls"):
             calls = extra["tool_calls"]

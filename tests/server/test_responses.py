@@ -82,7 +82,8 @@ def test_input_items_are_the_chat_messages_of_the_same_conversation():
     "item",
     [{"type": "item_reference", "id": "x"}, {"role": "tool", "content": "x"}, {"role": "user", "content": [{"type": "input_image", "image_url": "u"}]},
      {"type": "function_call", "name": "f", "arguments": "{}"}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{bad"},
-     {"type": "function_call_output", "output": "x"}, {"role": "user", "content": 3}, "text"],
+     {"type": "function_call_output", "output": "x"}, {"type": "function_call_output", "call_id": "c1", "output": None},
+     {"role": "user", "content": 3}, {"role": "user", "content": None}, "text"],
 )  # fmt: skip
 def test_bad_input_items_name_their_place(item):
     with pytest.raises(ApiError) as e:
@@ -92,7 +93,7 @@ def test_bad_input_items_name_their_place(item):
 
 def test_each_api_reads_content_parts_with_one_reader_that_names_the_bad_part():
     parts = [{"type": "text", "text": "a"}, {"type": "refusal", "refusal": "b"}, {"type": "output_text", "text": "c"}]
-    assert content_text(parts, "x", TEXT_PARTS) == "abc" and content_text(None, "x") == ""
+    assert content_text(parts, "x", TEXT_PARTS) == "abc"
     image = [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "u"}}]
     bad = [
         lambda: content_text(parts, "x"),  # chat and Anthropic take text parts only
