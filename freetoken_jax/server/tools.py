@@ -121,29 +121,18 @@ class Hermes(ToolFormat):
     streams_arguments = True
 
     def parse(self, section: str) -> list[ToolCall]:
-        """Each call's JSON is read as JSON, so that a marker inside one of its strings (a file
-        being written that holds `<tool_call>`) is text, not a call's start or end."""
-        calls, at = [], 0
-        while (k := section.find(self.start, at)) >= 0:
-            v = _json_value(section, k + len(self.start))
-            end = _WS.match(section, v[1]).end() if v is not None else k
-            if v is None or not section.startswith(self.end, end):
-                raise ValueError("unfinished or malformed tool call")
-            call = self._call(section[k + len(self.start) : v[1]])
-            if call is None:
-                raise ValueError("a tool call needs a name")
-            calls.append(ToolCall(call.name, call.arguments))
-            at = end + len(self.end)
-        if not calls or section[at:].strip():
+        """What `partial` reads, every call complete and nothing after the last."""
+        calls = self.partial(section)
+        if not calls or not all(c.done for c in calls) or section[calls[-1].end :].strip():
             raise ValueError("unfinished or malformed tool call")
-        return calls
+        return [ToolCall(c.name, c.arguments) for c in calls]
 
     def _call(self, body: str) -> PartialCall | None:
         """A complete call's name and its arguments' JSON text as written; None if malformed."""
         v = _json_value(body, 0)
         if v is None or not isinstance(v[0], dict) or not isinstance(v[0].get("name"), str):
             return None
-        args = re.search(r'"arguments"\s*:', body)
+        args = _ARGS.search(body)
         a = _json_value(body, args.end()) if args else None
         text = body[_WS.match(body, args.end()).end() : a[1]] if a is not None else json.dumps(v[0].get("arguments", {}))
         return PartialCall(v[0]["name"], text, True)
