@@ -23,6 +23,10 @@ class ByteTokenizer:
     def token_id(self, text: str) -> int | None:
         return None
 
+    def token_text(self, token: int) -> str | None:
+        """The token's text: an ASCII byte's character; None for BOS, EOS and the other bytes."""
+        return chr(token) if 0 <= token < 128 else None
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers.Tokenizer`, with BOS handling and the model's chat template."""
@@ -72,6 +76,10 @@ class HFTokenizer:
     def token_id(self, text: str) -> int | None:
         """The id of the token that is exactly `text`, or None."""
         return self._tok.token_to_id(text)
+
+    def token_text(self, token: int) -> str | None:
+        """The token's own text in the vocabulary (`<|im_end|>`), or None."""
+        return self._tok.id_to_token(token)
 
 
 def load_tokenizer(path: str):

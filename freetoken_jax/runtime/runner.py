@@ -201,6 +201,7 @@ class ModelRunner:
         self.ring_pool = self._ring_pool(engine_config)
         self.state = self._fresh_state(engine_config, plan)
         self.logprobs: Logprobs | None = None  # the last `sample`'s (device arrays; None after `decode`)
+        self.prompt_logprobs: Logprobs | None = None  # the last scored prefill chunk's (`prefill`)
         self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
         self._prefill_note: str | None = None
         self._set_rows = jax.jit(
@@ -328,14 +329,16 @@ class ModelRunner:
 
     def prefill(self, batch: PrefillBatch) -> jax.Array:
         """One prefill chunk into the runner's KV (and slot) cache; returns each row's token after
-        its last valid position in the chunk."""
+        its last valid position in the chunk. A batch with targets leaves the chunk's
+        `steps.chunk_logprobs` in `prompt_logprobs` (device arrays; None after a batch without)."""
         step, with_slots, experts = self._prefill_fn(batch.tokens_BT.size)
         st = self.state
         if with_slots:
-            tok, cache, slots = step(self.weights, st.cache, batch, st.slots, experts)
+            tok, cache, slots, *scored = step(self.weights, st.cache, batch, st.slots, experts)
         else:
-            (tok, cache), slots = step(self.weights, st.cache, batch, experts), st.slots
+            (tok, cache, *scored), slots = step(self.weights, st.cache, batch, experts), st.slots
         self.state = dataclasses.replace(st, cache=cache, slots=slots)
+        self.prompt_logprobs = scored[0] if scored else None
         return tok
 
     def decode(self, batch: DecodeBatch, filters: bool = False) -> jax.Array:

@@ -55,6 +55,10 @@ class GenerationParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token, added to its logit)
     min_tokens: int = 0  # stop tokens (and EOS) are kept out until this many tokens are generated
     logprobs: int | None = None  # None: none; n: the chosen token's log-probability and the n most likely tokens'
+    # None: none; n: each prompt token's log-probability after the tokens before it, and the n
+    # most likely tokens' there (the first token has none). The prompt is then prefilled whole,
+    # never read from the prefix cache.
+    prompt_logprobs: int | None = None
 
     @property
     def processed(self) -> bool:
@@ -104,6 +108,10 @@ class GenerationParams:
             raise RequestError(f"min_tokens must be in [0, max_new_tokens = {self.max_new_tokens}], got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= TOP_LOGPROBS:
             raise RequestError(f"logprobs (the most likely tokens to return) must be in [0, {TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= TOP_LOGPROBS:
+            raise RequestError(
+                f"prompt_logprobs (the most likely tokens to return) must be in [0, {TOP_LOGPROBS}], got {self.prompt_logprobs}"
+            )
         sampling_row(self)  # every value fits the step's arrays
         return ids
 
@@ -172,7 +180,8 @@ def sampling_rows(rows: Sequence[SamplingRow | GenerationParams | None]) -> Samp
 @dataclasses.dataclass(frozen=True)
 class Logprobs:
     """Log-probabilities under the model's distribution at one step: the sampled token's and
-    the `TOP_LOGPROBS` most likely tokens' (most likely first)."""
+    the `TOP_LOGPROBS` most likely tokens' (most likely first). A prompt's (`steps.chunk_logprobs`)
+    have a position axis after the row's: [B, T] and [B, T, N]."""
 
     chosen_B: jax.Array  # float32
     top_ids_BN: jax.Array  # int32

@@ -18,7 +18,12 @@ from flax import nnx
 from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.memory.slot_cache import SlotCache
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
-from freetoken_jax.runtime.sampling import Sampling, count_tokens, sample, sample_full, sample_plain
+from freetoken_jax.runtime.sampling import TOP_LOGPROBS, Logprobs, Sampling, count_tokens, sample, sample_full, sample_plain
+
+# Positions whose logits a scored chunk computes at once (`chunk_logprobs`), at most 128 and at most
+# 256 MB of float32 logits for all its rows: a 152k vocabulary's are 78 MB a row at 128 positions,
+# where a whole 8192-token chunk's would be 5 GB.
+SCORE_BLOCK, SCORE_BLOCK_BYTES = 128, 256 << 20
 
 
 @jax.tree_util.register_dataclass
@@ -116,25 +121,39 @@ class PrefillBatch:
     page_table_BP: jax.Array  # int32
     sampling: Sampling
     ring_BR: jax.Array | None = None  # as `DecodeBatch.ring_BR`
+    # int32: the token that follows each position (-1: none to score). Given, the prefill steps
+    # also return each position's `Logprobs` of it (`chunk_logprobs`): a prompt's log-probabilities.
+    targets_BT: jax.Array | None = None
 
     @classmethod
-    def chunk(cls, segments, starts, table_BP, T: int, sampling: Sampling, ring_BR=None) -> PrefillBatch:
+    def chunk(cls, segments, starts, table_BP, T: int, sampling: Sampling, ring_BR=None, targets=None) -> PrefillBatch:
         """A chunk of `T` positions per row: row b holds the tokens `segments[b]` from position
-        `starts[b]` (the rest of its T padding); rows past `segments` are all padding."""
+        `starts[b]` (the rest of its T padding); rows past `segments` are all padding. `targets`:
+        per row, the tokens that follow its segment's positions (at most `len(segments[b])`; the
+        rest, and rows given None, score nothing), or None for a chunk that scores nothing."""
         B = table_BP.shape[0]
         tok, valid, pos = np.zeros((B, T), np.int32), np.zeros((B, T), bool), np.zeros((B, T), np.int32)
         for b, (seg, start) in enumerate(zip(segments, starts)):
             tok[b, : len(seg)], valid[b, : len(seg)] = seg, True
             pos[b] = np.arange(start, start + T)
         ring = None if ring_BR is None else jnp.asarray(ring_BR, jnp.int32)
-        return cls(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(table_BP, jnp.int32), sampling, ring)
+        tgt = None
+        if targets is not None:
+            tgt = np.full((B, T), -1, np.int32)
+            for b, t in enumerate(targets):
+                if t is not None:
+                    tgt[b, : len(t)] = t
+            tgt = jnp.asarray(tgt)
+        return cls(jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(valid), jnp.asarray(table_BP, jnp.int32), sampling, ring, tgt)
 
     @classmethod
-    def shapes(cls, B: int, T: int, P: int, R: int = 0) -> PrefillBatch:
-        """The shapes of a chunk of `B` rows × `T` tokens, `P` pages and rings of `R` built from fresh arrays."""
+    def shapes(cls, B: int, T: int, P: int, R: int = 0, scored: bool = False) -> PrefillBatch:
+        """The shapes of a chunk of `B` rows × `T` tokens, `P` pages and rings of `R` built from
+        fresh arrays; `scored`: with targets."""
         i32 = jax.ShapeDtypeStruct((B, T), jnp.int32)
         table = jax.ShapeDtypeStruct((B, P), jnp.int32)
-        return cls(i32, i32, jax.ShapeDtypeStruct((B, T), jnp.bool_), table, shapes(Sampling.greedy(B)), _ring_shape(B, R))
+        return cls(i32, i32, jax.ShapeDtypeStruct((B, T), jnp.bool_), table, shapes(Sampling.greedy(B)), _ring_shape(B, R),
+                   i32 if scored else None)  # fmt: skip
 
 
 def _ring_shape(B: int, R: int):
@@ -227,14 +246,15 @@ def _decode(weights, state, batch, experts, sampler):
     return nxt, dataclasses.replace(st, tokens_B=nxt, positions_B=st.positions_B + active.astype(jnp.int32))
 
 
-def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:
+def prefill_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple:
     """Writes a chunk of each row's prompt into the cache and samples the token that follows
-    each row's last valid position in this chunk (meaningful for the chunk that ends a prompt).
-    Host-bank backends stream each layer's whole bank here (no slot cache)."""
+    each row's last valid position in this chunk (meaningful for the chunk that ends a prompt):
+    (tokens [B], KV cache), and the chunk's `chunk_logprobs` after them when the batch has
+    `targets_BT`. Host-bank backends stream each layer's whole bank here (no slot cache)."""
     h, cache, _ = forward(
         weights, experts, cache, batch.tokens_BT, batch.positions_BT, batch.valid_BT, batch.page_table_BP, ring_BR=batch.ring_BR
     )
-    return _sample_last(weights, h, batch), cache
+    return _sample_last(weights, h, batch), cache, *_scored(weights, h, batch)
 
 
 def _sample_last(weights: Weights, h, batch: PrefillBatch) -> jax.Array:
@@ -247,24 +267,57 @@ def _sample_last(weights: Weights, h, batch: PrefillBatch) -> jax.Array:
     return sample(logits, s.seeds_B, pos, s.temperature_B, s.top_k_B, s.top_p_B)
 
 
+def _scored(weights: Weights, h, batch: PrefillBatch) -> tuple:
+    return () if batch.targets_BT is None else (chunk_logprobs(weights, h, batch.targets_BT),)
+
+
+def chunk_logprobs(weights: Weights, h_BTD, targets_BT, block: int | None = None) -> Logprobs:
+    """Each position's `Logprobs` under the model's distribution for what follows it: the
+    log-probability of its target ([B, T]; a target < 0 reads token 0, to be ignored) and the
+    `TOP_LOGPROBS` most likely tokens ([B, T, N]). The logits are computed `block` positions at a
+    time (default: `SCORE_BLOCK`, fewer for many rows), so a long chunk never holds all of its
+    float32 logits."""
+    model = weights.model()
+    B, T, D = h_BTD.shape
+    if block is None:
+        block = max(1, min(SCORE_BLOCK, SCORE_BLOCK_BYTES // (B * model.embed.embedding.shape[0] * 4)))
+
+    def one(h, t):
+        lp = jax.nn.log_softmax(model.logits(h).astype(jnp.float32), axis=-1)
+        top, ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
+        return jnp.take_along_axis(lp, jnp.maximum(t, 0)[..., None], axis=-1)[..., 0], ids.astype(jnp.int32), top
+
+    if T <= block:
+        return Logprobs(*one(h_BTD, targets_BT))
+    n = -(-T // block)
+    pad = n * block - T
+    hb = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, block, D).swapaxes(0, 1)
+    tb = jnp.pad(targets_BT, ((0, 0), (0, pad)), constant_values=-1).reshape(B, n, block).swapaxes(0, 1)
+    chosen, ids, top = jax.lax.map(lambda a: one(*a), (hb, tb))  # [n, B, block(, N)]
+    unblock = lambda x: x.swapaxes(0, 1).reshape(B, n * block, *x.shape[3:])[:, :T]  # noqa: E731
+    return Logprobs(unblock(chosen), unblock(ids), unblock(top))
+
+
 def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch, slots: SlotCache, experts: ExpertBackend):
     """`prefill_step` under "offload"/"hybrid" with at least 2 × num_experts slots: layers are
     loaded into two borrowed slot buffers, layer L+1 while layer L computes (`OffloadExecutor`).
-    Returns (tokens, KV cache, slot cache) with the maps coherent again."""
+    Returns (tokens, KV cache, slot cache) with the maps coherent again (and, with targets, the
+    chunk's `chunk_logprobs`)."""
     b = batch
     h, cache, slots = forward(
         weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, buffered=True, ring_BR=b.ring_BR
     )
-    return _sample_last(weights, h, batch), cache, slots
+    return _sample_last(weights, h, batch), cache, slots, *_scored(weights, h, batch)
 
 
 def prefill_step_slots(weights: Weights, cache: KVCache, batch: PrefillBatch, slots: SlotCache, experts: ExpertBackend):
     """`prefill_step` through the slot cache as in decode: each token's routed experts looked up,
     the misses fetched (and, under "hybrid", shared with the CPU). For chunks too short to use
-    most of a layer's experts (`offload.slot_prefill_pays`). Returns (tokens, KV cache, slot cache)."""
+    most of a layer's experts (`offload.slot_prefill_pays`). Returns (tokens, KV cache, slot cache)
+    (and, with targets, the chunk's `chunk_logprobs`)."""
     b = batch
     h, cache, slots = forward(weights, experts, cache, b.tokens_BT, b.positions_BT, b.valid_BT, b.page_table_BP, slots, ring_BR=b.ring_BR)
-    return _sample_last(weights, h, batch), cache, slots
+    return _sample_last(weights, h, batch), cache, slots, *_scored(weights, h, batch)
 
 
 def score_step(weights: Weights, cache: KVCache, batch: PrefillBatch, experts: ExpertBackend = FUSED) -> tuple[jax.Array, KVCache]:

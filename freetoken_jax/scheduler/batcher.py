@@ -75,6 +75,9 @@ class RequestHandle:
         self.queue: queue.Queue[Event] = queue.Queue()
         self.cancelled = threading.Event()
         self.generated: list[int] = []
+        # with `params.prompt_logprobs`: (token, its log-probability, [(token, log-probability)]
+        # most likely first) of each prompt token after the first, all there before its first event
+        self.prompt_logprobs: list[tuple] = []
         self.prefix_hit_tokens = 0
         self.finished = False  # set by the batcher when its last event is queued
         self.sampling = None  # its row of the sampling arrays, made when admitted
@@ -185,6 +188,8 @@ class Batcher:
         if r.failed:
             raise RequestError(f"the engine is in a failed state: {r.failed}")
         ids = p.check(prompt, r.model_config.vocab_size, r.engine_config.max_context)
+        if p.prompt_logprobs is not None and self.prompt_by_decode:
+            raise RequestError("prompt log-probabilities come from the prefill; this batcher feeds prompts through the decode step")
         need, pool = r.pages.pages_for(len(ids) + p.max_new_tokens), r.pages.num_pages - 1
         if need > pool:
             raise RequestError(f"this request needs {need} KV pages; the pool has {pool} in all")
@@ -283,7 +288,8 @@ class Batcher:
                     self.waiting.remove(h)
                 self._finish(h, Event("error", message=f"bad request parameters: {type(e).__name__}: {e}"))
                 continue
-            nodes = self.radix.match(h.prompt, max_pages=(len(h.prompt) - 1) // self.page_size) if self.radix else []
+            scored = h.params.prompt_logprobs is not None  # computes every prompt position: nothing read from the cache
+            nodes = self.radix.match(h.prompt, max_pages=(len(h.prompt) - 1) // self.page_size) if self.radix and not scored else []
             cached = [n.page for n in nodes]
             total = pages.pages_for(len(h.prompt) + h.params.max_new_tokens)
             need = total - len(cached)
@@ -337,7 +343,12 @@ class Batcher:
 
         table, ring = padded(self.table), None if self.ring is None else padded(self.ring)
         sampling = sampling_rows([r.handle.sampling for r in rows] + [None] * (Bp - len(rows)))
-        first = self.runner.prefill(PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling, ring))
+        scored = [r.handle.params.prompt_logprobs is not None for r in rows]
+        targets = [r.handle.prompt[r.start + 1 : r.start + 1 + len(seg)] if sc else None for r, seg, sc in zip(rows, segs, scored)]
+        batch = PrefillBatch.chunk(segs, [r.start for r in rows], table, T, sampling, ring, targets if any(scored) else None)
+        first = self.runner.prefill(batch)
+        if any(scored):
+            self._prompt_records(rows, targets)
         ends = np.full(Bp, self.B, np.int32)  # rows whose prompt this chunk ends (padding: B, dropped)
         lengths = np.zeros(Bp, np.int32)
         for b, (i, r, seg) in enumerate(zip(idx, rows, segs)):
@@ -357,6 +368,19 @@ class Batcher:
                 self._emit(int(ends[b]), int(toks[b]))
         self.metrics["prefill_seconds"] += time.perf_counter() - t0
         return True
+
+    def _prompt_records(self, rows: list[_Row], targets: list) -> None:
+        """Adds a scored chunk's log-probabilities to its rows' `prompt_logprobs` (a read of the
+        step's result: the host waits for this chunk)."""
+        lp = self.runner.prompt_logprobs
+        chosen, ids, top = (np.asarray(a) for a in (lp.chosen_B, lp.top_ids_BN, lp.top_BN))
+        for b, (r, tgt) in enumerate(zip(rows, targets)):
+            if tgt is None:
+                continue
+            n = r.handle.params.prompt_logprobs
+            r.handle.prompt_logprobs += [
+                (int(t), float(chosen[b, j]), [(int(ids[b, j, k]), float(top[b, j, k])) for k in range(n)]) for j, t in enumerate(tgt)
+            ]
 
     def _publish(self, r: _Row) -> None:
         """Puts a prefilled prompt's full pages in the prefix cache while its request runs (the

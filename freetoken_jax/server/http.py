@@ -3,7 +3,7 @@
 Routes: `GET /health`, `GET /v1/models`, `GET /v1/models/{id}`, `POST /v1/completions` and
 `POST /v1/chat/completions` (OpenAI, SSE streaming with usage), OpenAI's Responses API
 (`POST /v1/responses`, `GET` / `DELETE /v1/responses/{id}`: `responses.py`), `POST /v1/messages` and
-`POST /v1/messages/count_tokens` (Anthropic), `POST /tokenize`, `POST /detokenize` (vLLM's),
+`POST /v1/messages/count_tokens` (Anthropic), `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info` (vLLM's),
 `GET /metrics` (Prometheus), `GET /v1/metrics` (JSON), and the admin routes `GET /v1/cache/status`,
 `POST /v1/cache/rebuild`.
 
@@ -47,7 +47,7 @@ SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "seed", "stop_token_ids", "i
 _ANTHROPIC_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}  # fmt: skip
 _ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
-           "/v1/responses", "/tokenize", "/detokenize", "/v1/metrics", "/v1/cache/status", "/v1/cache/rebuild")  # fmt: skip
+           "/v1/responses", "/tokenize", "/detokenize", "/tokenizer_info", "/v1/metrics", "/v1/cache/status", "/v1/cache/rebuild")  # fmt: skip
 
 
 def _is_anthropic(path: str) -> bool:
@@ -166,8 +166,8 @@ async def read_body(request: Request, model: type[BaseModel], limits: S.Limits) 
         return model.model_validate(obj)
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise ApiError(400, f"{where}: {err['msg']}" if where else err["msg"], param=where or None) from e
+        where, msg = ".".join(str(p) for p in err["loc"]), err["msg"].removeprefix("Value error, ")
+        raise ApiError(400, f"{where}: {msg}" if where else msg, param=where or None) from e
 
 
 # Generation ----------------------------------------------------------------------------------------
@@ -428,8 +428,22 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         body = await body_of(request, S.DetokenizeRequest)
         return {"prompt": s.decode(body.tokens)}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():  # vLLM's: what a client needs to tokenize as the server does (lm-evaluation-harness asks)
+        tok = s.tokenizer
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer")
+        eos = s.engine.model_config.eos_token_ids
+        bos = getattr(tok, "bos_token_id", None)
+        text = lambda t: None if t is None else tok.token_text(t)  # noqa: E731
+        return {"tokenizer_class": type(tok).__name__, "eos_token": text(eos[0] if eos else None), "bos_token": text(bos),
+                "add_bos_token": bool(s.encode("", add_bos=True)), "pad_token": None, "chat_template": s.template,
+                "model_max_length": s.max_context}  # fmt: skip
+
     # OpenAI --------------------------------------------------------------------------------------
-    async def openai(request: Request, body, ids: list[int], chat: bool, tools: Tools | None = None, opened: bool = False):
+    async def openai(request: Request, body, prompts: list[list[int]], chat: bool, tools: Tools | None = None, opened: bool = False):
+        """An OpenAI completion of each prompt (chat: one), `n` choices each: choice i·n + k is
+        prompt i's k-th."""
         max_tokens = next(
             (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
@@ -439,21 +453,29 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         if best_of < n or (best_of > n and body.stream):
             raise ApiError(400, "best_of must be at least n, and cannot be streamed when larger", param="best_of")
         echo = bool(getattr(body, "echo", False))
-        if echo and n_logprobs is not None:
-            raise ApiError(400, "echo with logprobs (the prompt's log-probabilities) is not supported; leave one out", param="echo")
-        # best_of ranks candidates by their log-probability: they are computed (and returned only if asked)
-        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max_tokens, n_logprobs if best_of == n else (n_logprobs or 0))
+        scored = echo and n_logprobs is not None  # the prompt's own log-probabilities, before the completion's
+        if scored and body.stream:
+            raise ApiError(400, "echo with logprobs (the prompt's log-probabilities) is not streamed; ask without stream", param="stream")
+        if max_tokens == 0 and chat:
+            raise ApiError(400, "max_tokens must be at least 1", param="max_tokens")
+        if max_tokens == 0 and (not echo or body.stream):
+            raise ApiError(400, "max_tokens 0 (the prompt alone) needs echo, without stream; else ask for at least 1", param="max_tokens")
+        # best_of ranks candidates by their log-probability: they are computed (and returned only if asked).
+        # max_tokens 0: the engine samples one token, which is left out
+        params = s.params(body.model_dump(include=SAMPLING_FIELDS), max(1, max_tokens), n_logprobs if best_of == n else (n_logprobs or 0))
         grammar = await asyncio.to_thread(_grammar, s, body, tools)
         parse_tools = tools is not None and tools.parse
         stops = S.stops_of(body, "stop", limits)
         gens: list[Generation] = []
         try:
-            for i in range(best_of):  # choice i is seeded seed + i; choices after the first reuse its prompt's KV pages
-                p = dataclasses.replace(params, seed=(params.seed + i) % (1 << 32))
-                g = grammar if i == 0 or grammar is None else grammar.fork()
-                gens.append(
-                    Generation(app.state, request, ids, p, stops, g, keep_special=parse_tools or s.harmony, after=gens[0] if gens else None)
-                )
+            for ids in prompts:
+                for i in range(best_of):  # choice i is seeded seed + i; choices after the first reuse its prompt's KV pages
+                    p = dataclasses.replace(
+                        params, seed=(params.seed + i) % (1 << 32), prompt_logprobs=n_logprobs if scored and i == 0 else None
+                    )
+                    g = grammar if not gens or grammar is None else grammar.fork()
+                    first = gens[-i] if i else None
+                    gens.append(Generation(app.state, request, ids, p, stops, g, keep_special=parse_tools or s.harmony, after=first))
         except ApiError:
             for g in gens:
                 g.handle.cancel()
@@ -461,16 +483,18 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
         replies = [Reply(tools, s.reasoning_parser, opened, s.harmony) if chat else None for _ in gens]
-        prefix = s.decode(ids) if echo else ""
+        prompt_of = [j // best_of for j in range(len(gens))]
+        prefixes = [s.decode(ids) if echo else "" for ids in prompts]
         text_sent = [0] * len(gens)
 
-        def usage():  # choices after the first read the prompt's pages the first prefilled: its hits are the request's
-            c = sum((g.out.usage or {}).get("completion_tokens", 0) for g in gens)
-            return {"prompt_tokens": len(ids), "completion_tokens": c, "total_tokens": len(ids) + c,
-                    "prompt_tokens_details": {"cached_tokens": cached_tokens(gens[0])}}  # fmt: skip
+        def usage():  # choices after a prompt's first read the pages it prefilled: its hits are the prompt's
+            c = 0 if max_tokens == 0 else sum((g.out.usage or {}).get("completion_tokens", 0) for g in gens)
+            p = sum(len(ids) for ids in prompts)
+            return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                    "prompt_tokens_details": {"cached_tokens": sum(cached_tokens(gens[j]) for j in range(0, len(gens), best_of))}}  # fmt: skip
 
         def finish_of(i):
-            f = gens[i].out.finish
+            f = "length" if max_tokens == 0 else gens[i].out.finish
             return "length" if f == "length" else "tool_calls" if replies[i] is not None and replies[i].calls else "stop"
 
         def logprobs(i, records):
@@ -482,14 +506,23 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             text_sent[i] += sum(len(t) for t in out["tokens"])
             return out
 
+        def prompt_records(i) -> list[tuple]:  # the prompt's tokens as log-probability records (the first has none)
+            ids = prompts[prompt_of[i]]
+            return [(ids[0], None, None)] + gens[i - i % best_of].handle.prompt_logprobs
+
         if not body.stream:
             outs = await texts(gens, limits.request_timeout_s)
-            order = list(range(len(gens)))
-            if best_of > n:  # the n candidates of highest log-probability
-                order = sorted(order, key=lambda i: -sum(r[1] for r in gens[i].out.records))[:n]
+            if max_tokens == 0:
+                outs = [""] * len(gens)
+
+            def best(j):  # prompt j's n choices: of its best_of candidates, those of highest log-probability
+                group = range(j * best_of, (j + 1) * best_of)
+                return sorted(group, key=lambda i: -sum(r[1] for r in gens[i].out.records))[:n] if best_of > n else group
+
             choices = []
-            for k, i in enumerate(order):
-                choice = {"index": k, "logprobs": logprobs(i, gens[i].out.records) if n_logprobs is not None else None}
+            for k, i in enumerate(i for j in range(len(prompts)) for i in best(j)):
+                records = (prompt_records(i) if scored else []) + ([] if max_tokens == 0 else gens[i].out.records)
+                choice = {"index": k, "logprobs": logprobs(i, records)}
                 if chat:
                     reply = replies[i]
                     reply.push(outs[i])
@@ -503,7 +536,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                         ]
                     choice["message"] = msg
                 else:
-                    choice["text"] = prefix + outs[i]
+                    choice["text"] = prefixes[prompt_of[i]] + outs[i]
                 choice["finish_reason"] = finish_of(i)
                 choices.append(choice)
             return {"id": rid, "object": obj, "created": created, "model": s.model_name, "choices": choices, "usage": usage()}
@@ -536,8 +569,8 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             for i in range(len(gens)):
                 if chat:
                     yield chunk(i, {"role": "assistant", "content": ""})
-                elif prefix:
-                    yield chunk(i, {"content": prefix})
+                elif prefixes[prompt_of[i]]:
+                    yield chunk(i, {"content": prefixes[prompt_of[i]]})
             records = [[] for _ in gens]
             try:
                 async for i, d in merged(gens):
@@ -564,8 +597,8 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await body_of(request, S.CompletionRequest)
-        ids = s.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        return await openai(request, body, ids, chat=False)
+        prompts = [body.prompt] if isinstance(body.prompt, str) or isinstance(body.prompt[0], int) else body.prompt
+        return await openai(request, body, [s.encode(p) if isinstance(p, str) else list(p) for p in prompts], chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -573,7 +606,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         if len(body.messages) > limits.max_messages:
             raise ApiError(400, f"at most {limits.max_messages} messages", param="messages")
         ids, tools, opened = _chat_prompt(s, body)
-        return await openai(request, body, ids, chat=True, tools=tools, opened=opened)
+        return await openai(request, body, [ids], chat=True, tools=tools, opened=opened)
 
     # Anthropic -----------------------------------------------------------------------------------
     @app.post("/v1/messages/count_tokens")

@@ -105,7 +105,7 @@ class _OpenAI(_Guided):
     n: StrictInt | None = Field(None, ge=1, le=16)  # choices, sharing the prompt's KV pages
     stop: Stop = None
     stream_options: StreamOptions | None = None
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: the prompt alone (completions with echo)
     presence_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
     frequency_penalty: FiniteFloat | None = Field(None, ge=-2, le=2)
     repetition_penalty: FiniteFloat | None = Field(None, gt=0, le=10)  # vLLM's
@@ -115,8 +115,24 @@ class _OpenAI(_Guided):
     response_format: ResponseFormat | None = None  # structured output, besides `_Guided`'s
 
 
+MAX_PROMPTS = 1024  # prompts of one completions request (each its own request to the engine)
+
+
+def _one_prompt(p) -> bool:
+    return isinstance(p, str) and p != "" or isinstance(p, list) and p != [] and all(type(t) is int for t in p)
+
+
 class CompletionRequest(_OpenAI):
-    prompt: Annotated[str, StringConstraints(min_length=1)] | Annotated[list[StrictInt], Field(min_length=1)]
+    # one prompt (text or token ids), or a batch of them: choice i * n + k is prompt i's k-th
+    prompt: str | list
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, v):
+        if _one_prompt(v) or isinstance(v, list) and 0 < len(v) <= MAX_PROMPTS and all(_one_prompt(p) for p in v):
+            return v
+        raise ValueError(f"give a non-empty string or list of token ids, or a list of 1 to {MAX_PROMPTS} of them")
+
     logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
     echo: StrictBool = False
     best_of: StrictInt | None = Field(None, ge=1, le=16)

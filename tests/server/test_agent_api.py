@@ -185,3 +185,71 @@ def test_best_of_keeps_the_most_likely_and_echo_prepends_the_prompt(server, refe
     assert len(r.choices) == 1 and r.choices[0].text == service.tokenizer.decode(cands[int(np.argmax(score))])
     e = client.completions.create(model="demo", prompt="Echo me", max_tokens=3, temperature=0, echo=True)
     assert e.choices[0].text.startswith("Echo me") and len(e.choices[0].text) > len("Echo me")
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, reference):
+    """lm-evaluation-harness's `local-completions` scores a continuation by sending context and
+    continuation as token ids with echo, logprobs 1 and max_tokens 1, and summing
+    token_logprobs[len(context):-1]; two prompts in one request, one longer than a prefill chunk."""
+    client, service = server
+    ctx = service.encode("Question: which word follows? The long answer is spread over several chunks of the prefill:")
+    prompts = [ctx + service.encode(" blue", add_bos=False), service.encode("Short one")]
+    assert len(prompts[0]) > EC.prefill_chunk
+    r = client.completions.create(model="demo", prompt=prompts, max_tokens=1, logprobs=2, echo=True, temperature=0)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.prompt_tokens == sum(map(len, prompts))
+    for c, p in zip(r.choices, prompts):
+        lp = log_softmax(reference.logits(p))
+        got = c.logprobs
+        assert len(got.token_logprobs) == len(p) + 1 and got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        np.testing.assert_allclose(got.token_logprobs[1 : len(p)], lp[np.arange(len(p) - 1), p[1:]], atol=1e-4)
+        for k in range(1, len(p)):
+            expect = {}
+            for t in np.argsort(-lp[k - 1])[:2]:
+                expect.setdefault(service.tokenizer.decode([t]), float(lp[k - 1, t]))
+            assert got.top_logprobs[k] == pytest.approx(expect, abs=1e-4)
+        nxt = int(np.argmax(lp[-1]))  # the generated token, greedy, after the prompt
+        assert got.token_logprobs[-1] == pytest.approx(float(lp[-1, nxt]), abs=1e-4)
+        assert c.text == service.decode(p) + service.tokenizer.decode([nxt])
+    cont = sum(r.choices[0].logprobs.token_logprobs[len(ctx) : -1])
+    want = log_softmax(reference.logits(prompts[0]))[len(ctx) - 1 : -1]
+    assert cont == pytest.approx(float(sum(want[np.arange(len(prompts[0]) - len(ctx)), prompts[0][len(ctx) :]])), abs=1e-3)
+    # the first prompt is in the prefix cache now: a scored prompt is computed again, not read from it
+    again = client.completions.create(model="demo", prompt=prompts[0], max_tokens=0, logprobs=0, echo=True)
+    assert again.usage.prompt_tokens_details.cached_tokens == 0 and again.usage.completion_tokens == 0
+    assert again.choices[0].text == service.decode(prompts[0]) and again.choices[0].finish_reason == "length"
+    assert again.choices[0].logprobs.token_logprobs == pytest.approx(r.choices[0].logprobs.token_logprobs[:-1], abs=1e-5)
+    assert again.choices[0].logprobs.top_logprobs[1:] == [{}] * (len(prompts[0]) - 1)
+
+
+def test_a_batch_of_prompts_gives_each_its_choices(server, reference):
+    client, service = server
+    texts = ["A batch", "of three", "prompts"]
+    r = client.completions.create(model="demo", prompt=texts, max_tokens=5, temperature=0.8, seed=11, n=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    total = 0
+    for i, t in enumerate(texts):
+        p = service.encode(t)
+        total += len(p)
+        for k in range(2):
+            want = list(reference.generate(p, max_new_tokens=5, temperature=0.8, seed=11 + k, ignore_eos=True))
+            assert r.choices[2 * i + k].text == service.tokenizer.decode(want)
+    assert r.usage.prompt_tokens == total and r.usage.completion_tokens == 30
+    ids = [service.encode(t) for t in texts[:2]]
+    assert [c.text for c in client.completions.create(model="demo", prompt=ids, max_tokens=5, temperature=0.8, seed=11,
+                                                      extra_body={"ignore_eos": True}).choices] == [r.choices[0].text, r.choices[2].text]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"prompt": [], "max_tokens": 2}, {"prompt": [[]], "max_tokens": 2}, {"prompt": ["x", 5], "max_tokens": 2},
+     {"prompt": [True], "max_tokens": 2}, {"prompt": ["x"] * 1025, "max_tokens": 2}, {"prompt": "x", "max_tokens": 0},
+     {"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, {"prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True},
+     {"prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 21}],
+)  # fmt: skip
+def test_bad_prompts_and_scoring_requests_are_400(server, body):
+    client, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", **body)
+    assert e.value.body["param"] in ("prompt", "max_tokens", "stream", "logprobs")
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
+        client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=0)

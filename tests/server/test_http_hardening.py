@@ -351,6 +351,12 @@ def test_metrics_tokenize_and_models(server, caplog):
     assert status == 200 and out["tokens"] == service.tokenizer.encode("Hello there") and out["count"] == len(out["tokens"])
     assert post(port, "/detokenize", {"tokens": out["tokens"]})[2]["prompt"] == service.tokenizer.decode(out["tokens"])
     assert post(port, "/detokenize", {"tokens": [10**9]})[0] == 400
+    c.request("GET", "/tokenizer_info")  # vLLM's, as lm-evaluation-harness reads it before using /tokenize
+    info = json.loads(c.getresponse().read())
+    assert info["chat_template"] == service.template and info["model_max_length"] == service.max_context
+    assert (
+        info["eos_token"] is None and info["bos_token"] is None and info["add_bos_token"] is True
+    )  # the demo's bytes have no text for them
     assert oa(url).models.retrieve("demo").id == "demo"
     with pytest.raises(openai.NotFoundError):
         oa(url).models.retrieve("other")

@@ -90,6 +90,15 @@ def stream(tok, ids, stops=(), keep_special=False):
     return "".join(out), stopped
 
 
+def test_token_text_names_the_token(tokenizer):
+    for t in range(tokenizer.vocab_size):
+        text = tokenizer.token_text(t)
+        if isinstance(tokenizer, ByteTokenizer):
+            assert text == (chr(t) if t < 128 else None) and tokenizer.encode(text or "", add_bos=False) == ([t] if text else [])
+        else:
+            assert text is not None and tokenizer.token_id(text) == t
+
+
 @pytest.mark.parametrize("keep_special", [False, True])
 def test_deltas_add_up_to_the_whole_decode(tokenizer, keep_special):
     rng = random.Random(1)
