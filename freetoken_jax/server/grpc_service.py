@@ -29,6 +29,12 @@ _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
           503: grpc.StatusCode.UNAVAILABLE}  # fmt: skip
 
 
+def _token_logprob(record: tuple) -> pb.TokenLogprob:
+    """A (token, log-probability, [(token, log-probability)]) record as its message."""
+    token, lp, top = record
+    return pb.TokenLogprob(token_id=token, logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top])
+
+
 def _split(reply: Reply | None, delta: str, last: bool = False) -> tuple[str, str]:
     """A text delta as (text, reasoning) through a chat input's `Reply` (as it is, without one)."""
     if reply is None:
@@ -77,8 +83,9 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
             raise ApiError(400, "max_new_tokens must be at least 1")
         if request.n > 16:
             raise ApiError(400, f"n must be at most 16, got {request.n}")
-        if request.HasField("logprobs") and request.logprobs > 20:
-            raise ApiError(400, f"logprobs must be at most 20, got {request.logprobs}")
+        for field in ("logprobs", "prompt_logprobs"):
+            if request.HasField(field) and getattr(request, field) > 20:
+                raise ApiError(400, f"{field} must be at most 20, got {getattr(request, field)}")
         sp = request.sampling
         body = {"temperature": float(sp.temperature), "top_k": int(sp.top_k), "top_p": float(sp.top_p) or 1.0, "min_p": float(sp.min_p),
                 "presence_penalty": float(sp.presence_penalty), "frequency_penalty": float(sp.frequency_penalty),
@@ -102,7 +109,8 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
             grammar = s.compile("constraint.json_schema", "json_schema", schema)
         elif kind is not None:
             grammar = s.compile(f"constraint.{kind}", kind, getattr(request.constraint, kind))
-        ps = [dataclasses.replace(params, seed=(params.seed + i) % (1 << 32)) for i in range(n)]
+        scored = int(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None  # computed by the first choice
+        ps = [dataclasses.replace(params, seed=(params.seed + i) % (1 << 32), prompt_logprobs=None if i else scored) for i in range(n)]
         return ids, ps, [grammar if i == 0 or grammar is None else grammar.fork() for i in range(n)], opened
 
     def Generate(self, request, context):  # noqa: N802
@@ -126,7 +134,7 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
         for i, h in enumerate(handles):
             h.notify = functools.partial(ready.put, i)
             ready.put(i)
-        left = len(handles)
+        left, prompt_sent = len(handles), False
         try:
             while left:
                 i = ready.get(timeout=self.limits.request_timeout_s)
@@ -138,9 +146,11 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
                         break
                     stopped = out.finish == "stop_string"
                     text = out.feed(ev)  # an error event raises ApiError
+                    if i == 0 and h.params.prompt_logprobs is not None and not prompt_sent:  # complete before its first event
+                        prompt_sent = True
+                        yield pb.GenerateResponse(chunk=pb.Chunk(index=0, prompt_logprobs=[_token_logprob(r) for r in h.prompt_logprobs]))
                     if ev.kind == "token" and not stopped:
-                        lp = [] if ev.logprobs is None else [pb.TokenLogprob(token_id=ev.token, logprob=ev.logprobs[0],
-                                                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in ev.logprobs[1]])]  # fmt: skip
+                        lp = [] if ev.logprobs is None else [_token_logprob((ev.token, *ev.logprobs))]
                         text, reasoning = _split(replies[i], text)
                         yield pb.GenerateResponse(
                             chunk=pb.Chunk(index=i, token_ids=[ev.token], text=text, reasoning=reasoning, logprobs=lp)

@@ -188,3 +188,21 @@ def test_chat_input_renders_through_the_template(stub):
         with pytest.raises(grpc.RpcError) as e:
             generate(s, chat=bad, max_new_tokens=1)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prompt_logprobs_come_first(stub):
+    s, service = stub
+    ref = FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=128))
+    prompt = service.tokenizer.encode("a prompt longer than one prefill chunk of thirty-two tokens")
+    rs = list(s.Generate(pb.GenerateRequest(tokens=pb.TokenIds(ids=prompt), max_new_tokens=3, n=2, prompt_logprobs=2,
+                                            sampling=pb.SamplingParams(temperature=0.0))))  # fmt: skip
+    first = rs[0].chunk
+    assert first.index == 0 and not first.token_ids and [lp.token_id for lp in first.prompt_logprobs] == prompt[1:]
+    logits = ref.logits(prompt)[:-1]
+    lp = logits - (np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1))[:, None]
+    np.testing.assert_allclose([p.logprob for p in first.prompt_logprobs], lp[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+    assert [[t.token_id for t in p.top] for p in first.prompt_logprobs] == np.argsort(-lp, axis=-1)[:, :2].tolist()
+    assert sum(len(r.chunk.prompt_logprobs) for r in rs if r.WhichOneof("event") == "chunk") == len(prompt) - 1  # once, not per choice
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s, text="x", max_new_tokens=2, prompt_logprobs=21)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt_logprobs" in e.value.details()
