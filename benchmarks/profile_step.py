@@ -57,8 +57,9 @@ def kernel_profile(run, n=5, top=8):
         agg.setdefault(e.name[:80], []).append(e.device_time)
     rows = sorted(agg.items(), key=lambda kv: -sum(kv[1]))[:top]
     idle(events, n, top)
-    overlap(events, n)
-    exposed(events, n, top)
+    copies = copy_spans(events)
+    overlap(events, n, copies)
+    exposed(events, n, top, copies)
     timeline(events, n)
     return len(events) / n, sum(e.device_time for e in events) / n / 1e3, [(sum(t) / n / 1e3, len(t) / n, k) for k, t in rows]
 
@@ -113,11 +114,15 @@ def _intersect(a, b) -> float:
     return total
 
 
-def overlap(events, n: int) -> None:
-    """How far host->device copies and the other kernels run under each other, per step: the time
-    each keeps the GPU busy (their intervals merged), both at once, and only one of them — a
-    prefill that hides its compute under the copies has little "compute only"."""
-    copies = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Memcpy HtoD"))
+def copy_spans(events):
+    """The merged intervals during which some host->device copy was in flight."""
+    return _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Memcpy HtoD"))
+
+
+def overlap(events, n: int, copies) -> None:
+    """How far host->device copies (`copy_spans`) and the other kernels run under each other, per
+    step: the time each keeps the GPU busy (their intervals merged), both at once, and only one of
+    them — a prefill that hides its compute under the copies has little "compute only"."""
     compute = _union((e.time_range.start, e.time_range.end) for e in events if not e.name.startswith("Memcpy"))
     if not copies or not compute:
         return
@@ -127,10 +132,10 @@ def overlap(events, n: int) -> None:
           f"copies only {ms(c - both):.3f} ms, compute only {ms(k - both):.3f} ms")  # fmt: skip
 
 
-def exposed_time(events) -> dict[str, float]:
+def exposed_time(events, copies=None) -> dict[str, float]:
     """Per kernel name, the time its kernels ran while no host->device copy was in flight (µs,
-    summed): the compute a prefill's layer loads do not hide."""
-    copies = _union((e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Memcpy HtoD"))
+    summed): the compute a prefill's layer loads do not hide. `copies`: `copy_spans(events)`."""
+    copies = copy_spans(events) if copies is None else copies
     out: dict[str, float] = {}
     for e in events:
         if e.name.startswith("Memcpy"):
@@ -140,12 +145,12 @@ def exposed_time(events) -> dict[str, float]:
     return out
 
 
-def exposed(events, n: int, top: int) -> None:
-    """The kernels that ran with no host->device copy in flight, heaviest first, per step (only
-    where the step copies anything)."""
-    if not any(e.name.startswith("Memcpy HtoD") for e in events):
+def exposed(events, n: int, top: int, copies) -> None:
+    """The kernels that ran with no host->device copy (`copy_spans`) in flight, heaviest first,
+    per step (only where the step copies anything)."""
+    if not copies:
         return
-    rows = sorted(((t, k) for k, t in exposed_time(events).items() if t > 0), reverse=True)
+    rows = sorted(((t, k) for k, t in exposed_time(events, copies).items() if t > 0), reverse=True)
     print(f"   kernel time outside the copies: {sum(t for t, _ in rows) / n / 1e3:.3f} ms a step, heaviest:")
     for t, k in rows[:top]:
         print(f"   {t / n / 1e3:7.3f} ms  {k}")
