@@ -185,7 +185,7 @@ def cmd_serve(args) -> int:
     print(f"model {engine.name}", file=sys.stderr)  # its memory plan is logged by the engine
     sched = Scheduler(engine, max_queue=args.max_queue)
     if not args.no_warm_up:  # the ports open once the steps serving runs are compiled
-        sched.warm_up(workers=args.warm_up_workers)
+        sched.warm_up(workers=args.warm_up_workers, scoring=args.warm_up_scoring)
     template = args.chat_template  # a template file, or the template itself
     if template and os.path.isfile(template):
         template = pathlib.Path(template).read_text()
@@ -339,6 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     v.add_argument("--no-warm-up", action="store_true", help="compile steps when first needed instead of before serving")
     v.add_argument("--warm-up-workers", type=int, default=4, help="threads compiling the steps before serving")
+    v.add_argument("--warm-up-scoring", action="store_true",
+                   help="also compile the prefill steps that score prompts (echo with logprobs: lm-evaluation-harness) before serving")  # fmt: skip
     v.add_argument("--max-queue", type=int, default=64, help="waiting requests before new ones are refused")
     v.add_argument("--max-model-len", "--max-context", dest="max_context", type=int, default=4096, help="prompt + generated tokens")
     v.add_argument("--dtype", default="bfloat16", type=_dtype, choices=["bfloat16", "float32"], help="bf16, f32 also")

@@ -431,12 +431,13 @@ class ModelRunner:
         return [(self.steps.decode_logits, (self.weights, st, batch, self.experts)), (self.steps.sample, args, {"logprobs": False}),
                 (self.steps.sample, args, {"logprobs": True})]  # fmt: skip
 
-    def prefill_jobs(self, chunks: list[int], rows: int = 1) -> list[tuple]:
-        """(prefill step, argument shapes) of a chunk of `rows` × T tokens for each T in `chunks`."""
+    def prefill_jobs(self, chunks: list[int], rows: int = 1, scored: bool = False) -> list[tuple]:
+        """(prefill step, argument shapes) of a chunk of `rows` × T tokens for each T in `chunks`;
+        `scored`: of a chunk that scores its prompt (`PrefillBatch.targets_BT`)."""
         st, jobs = shapes(self.state, committed=True), []
         for T in chunks:
             step, with_slots, experts = self._prefill_fn(rows * T)
-            args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, *self.tables))
+            args = (self.weights, st.cache, PrefillBatch.shapes(rows, T, *self.tables, scored=scored))
             jobs.append((step, args + ((st.slots, experts) if with_slots else (experts,))))
         return jobs
 
@@ -454,9 +455,10 @@ class ModelRunner:
         chunk = self.engine_config.chunk
         return sorted({buckets.chunk_bucket(n, chunk) for n in range(1, chunk + 1)})
 
-    def warm_up(self, workers: int = 4, prefill_rows: int = 1) -> dict:
+    def warm_up(self, workers: int = 4, prefill_rows: int = 1, scoring: bool = False) -> dict:
         """Compiles the decode steps (with and without top-k / top-p, and in two halves) and the
-        prefill step of every chunk bucket before any request arrives (on `workers` threads);
+        prefill step of every chunk bucket before any request arrives (on `workers` threads), and
+        with `scoring` the prefill steps that score a prompt (`GenerationParams.prompt_logprobs`);
         returns {"steps": n, "seconds": s}."""
         t0 = time.perf_counter()
         jobs = [
@@ -464,6 +466,7 @@ class ModelRunner:
             self.decode_job(filters=True),
             *self.sample_jobs(),
             *self.prefill_jobs(self.chunk_buckets(), prefill_rows),
+            *(self.prefill_jobs(self.chunk_buckets(), prefill_rows, scored=True) if scoring else []),
         ]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)

@@ -45,7 +45,7 @@ class Scheduler:
         self.wake = threading.Event()
         self.stopping = False
         self.control: queue.Queue = queue.Queue()  # (fn, reply queue) run on the loop thread when idle
-        self.warm_workers = 0  # set by `warm_up`
+        self.warm_workers, self.warm_scoring = 0, False  # set by `warm_up`
         self.rejected = 0
         limit = self.running_limit()
         if limit < self.batcher.B:
@@ -64,13 +64,14 @@ class Scheduler:
     def radix(self):
         return self.batcher.radix
 
-    def warm_up(self, workers: int = 4) -> dict:
+    def warm_up(self, workers: int = 4, scoring: bool = False) -> dict:
         """Compiles, before any request arrives, the steps serving will run: the decode step and
         the prefill step of every chunk bucket (on `workers` threads, with the arguments placed
-        as the loop places them, so the loop finds them compiled). Call it before submitting;
-        returns {"steps": n, "seconds": s}."""
-        out = self.engine.runner.warm_up(workers, self.batcher.prefill_rows)
-        self.warm_workers = workers  # a resize warms the new geometry up too
+        as the loop places them, so the loop finds them compiled), and with `scoring` the prefill
+        steps that score prompts (else the first such request of a chunk size compiles its step
+        while the loop waits). Call it before submitting; returns {"steps": n, "seconds": s}."""
+        out = self.engine.runner.warm_up(workers, self.batcher.prefill_rows, scoring)
+        self.warm_workers, self.warm_scoring = workers, scoring  # a resize warms the new geometry up too
         return out
 
     def running_limit(self) -> int:
@@ -185,7 +186,7 @@ class Scheduler:
         out = self.batcher.resize(expert_slots, kv_pages, prepared)
         if self.warm_workers:
             try:
-                out["warm_up"] = self.warm_up(self.warm_workers)
+                out["warm_up"] = self.warm_up(self.warm_workers, self.warm_scoring)
             except Exception as e:  # noqa: BLE001 - steps then compile when first needed
                 log.warning("warm-up after the resize failed (%s: %s); steps compile when first needed", type(e).__name__, e)
                 out["warm_up"] = f"failed: {type(e).__name__}: {e}"

@@ -120,6 +120,21 @@ def test_warm_up_compiles_every_step_serving_runs(demo_scheduler):
     assert not any(resized[s] for s in STEPS), resized
 
 
+def test_warm_up_for_scoring_compiles_the_scored_prefills(demo_scheduler):
+    """`warm_up(scoring=True)` compiles the prefill steps that score prompts too: requests with
+    prompt log-probabilities of every chunk bucket then compile nothing."""
+    ec = EngineConfig(dtype="float32", max_context=128, max_batch=2, page_size=8, prefill_chunk=64, moe_strategy="offload", expert_slots=40)
+    sched = demo_scheduler(ec)
+    assert sched.warm_up(workers=2, scoring=True)["steps"] == 5 + 3 + 3
+    scored = GenerationParams(max_new_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    with backend_compiles() as serving:
+        for n in (5, 20, 40, 100):
+            h = sched.submit(list(range(1, n + 1)), scored)
+            h.result(120)
+            assert [r[0] for r in h.prompt_logprobs] == list(range(2, n + 1))
+    assert not any(serving[s] for s in STEPS), serving
+
+
 def _addresses(tree) -> dict:
     return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer() for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
