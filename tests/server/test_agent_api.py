@@ -234,6 +234,12 @@ def test_a_batch_of_prompts_gives_each_its_choices(server, reference):
             want = list(reference.generate(p, max_new_tokens=5, temperature=0.8, seed=11 + k, ignore_eos=True))
             assert r.choices[2 * i + k].text == service.tokenizer.decode(want)
     assert r.usage.prompt_tokens == total and r.usage.completion_tokens == 30
+    streamed = ["", "", "", "", "", ""]
+    for c in client.completions.create(model="demo", prompt=texts, max_tokens=5, temperature=0.8, seed=11, n=2, stream=True,
+                                       extra_body={"ignore_eos": True}):  # fmt: skip
+        for ch in c.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [c.text for c in r.choices]
     ids = [service.encode(t) for t in texts[:2]]
     assert [c.text for c in client.completions.create(model="demo", prompt=ids, max_tokens=5, temperature=0.8, seed=11,
                                                       extra_body={"ignore_eos": True}).choices] == [r.choices[0].text, r.choices[2].text]  # fmt: skip
