@@ -100,7 +100,7 @@ def test_corrupt_config(ckpt_copy, small_engine_config):
         ([1] * 120, dict(max_new_tokens=16), "exceeds the configured context"),
         ([1, 2], dict(top_p=0.0), "top_p"),
     ],
-    ids=["empty", "id-over-vocab", "negative-id", "zero-new", "negative-new", "over-context", "zero-top-p"],
+    ids=["empty", "id_over_vocab", "negative_id", "zero_new", "negative_new", "over_context", "zero_top_p"],
 )
 def test_bad_requests_leave_engine_working(demo_engine, prompt, kw, match):
     free = demo_engine.pages.free_pages
