@@ -1,6 +1,7 @@
 """The `freetoken-jax` command line: `generate` (one prompt), `chat` (a conversation in the
-terminal), `serve` (HTTP and gRPC), `bench` (`python -m freetoken_jax.bench`), `convert`
-(`python -m freetoken_jax.convert`) and `ctl` (a running server's cache)."""
+terminal), `serve` (HTTP and gRPC), `perplexity` (of a text file), `bench` (`python -m
+freetoken_jax.bench`), `convert` (`python -m freetoken_jax.convert`) and `ctl` (a running
+server's cache)."""
 
 from __future__ import annotations
 
@@ -21,11 +22,11 @@ def _dtype(name: str) -> str:
     return DTYPE_NAMES.get(name, name)
 
 
-def _engine_config(args):
+def _engine_config(args, max_context: int | None = None, max_batch: int = 1):
     from freetoken_jax import EngineConfig
 
-    return EngineConfig(dtype=args.dtype, max_context=args.max_context, max_batch=1, moe_strategy=args.strategy, total_vram_gb=args.vram_gb,
-                        expert_slots_gb=args.slots_gb)  # fmt: skip
+    return EngineConfig(dtype=args.dtype, max_context=max_context or args.max_context, max_batch=max_batch, moe_strategy=args.strategy,
+                        total_vram_gb=args.vram_gb, expert_slots_gb=args.slots_gb)  # fmt: skip
 
 
 def _template_vars(args) -> dict:
@@ -120,6 +121,34 @@ def cmd_generate(args) -> int:
     m = engine.get_metrics()
     print(f"[{m['generated_tokens']} tokens; first text after {first:.2f} s; decode "
           f"{m['decode_tokens_per_second']:.1f} tok/s; prompt {len(ids)} tokens]", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_perplexity(args) -> int:
+    """The model's perplexity over a text file (`freetoken_jax/perplexity.py`)."""
+    import dataclasses
+    import json
+
+    from freetoken_jax import FreeTokenEngine
+    from freetoken_jax.config import ConfigError
+    from freetoken_jax.perplexity import perplexity
+    from freetoken_jax.progress import progress
+
+    text = sys.stdin.read() if args.file == "-" else pathlib.Path(args.file).read_text(encoding="utf-8", errors="replace")
+    engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args, args.ctx + 1, args.batch), require_tokenizer=True)
+    ids = engine.tokenizer.encode(text, add_bos=False)
+    n = len(ids) // args.ctx if args.max_windows is None else min(len(ids) // args.ctx, args.max_windows)
+    if n < 1:
+        raise ConfigError(f"{args.file} has {len(ids)} tokens: fewer than one window of --ctx {args.ctx}")
+    print(f"{len(ids)} tokens; scoring {n} windows of {args.ctx} (the first ones compile the steps)", file=sys.stderr)
+    t0 = time.perf_counter()
+    with progress(n, "scoring", unit="window") as bar:
+        r = perplexity(engine, ids, args.ctx, args.max_windows, on_window=lambda: bar.update(1))
+    dt = time.perf_counter() - t0
+    print(f"perplexity {r.ppl:.4f} ± {r.error:.4f} ({r.tokens} tokens scored, the second halves of {r.windows} windows of {r.ctx}; "
+          f"{r.windows * r.ctx / dt:.0f} tok/s)")  # fmt: skip
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps({**dataclasses.asdict(r), "model": args.model, "seconds": dt}, indent=1))
     return 0
 
 
@@ -305,6 +334,17 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument("--max-context", type=int, default=4096, help="prompt + generated tokens")
         g.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES, help="where the experts run")
         g.set_defaults(fn=fn)
+    pp = sub.add_parser("perplexity", help="a model's perplexity over a text file (as llama-perplexity)", parents=[compiled, memory, debug],
+                        formatter_class=fmt)  # fmt: skip
+    pp.add_argument("--model", required=True, help="checkpoint directory, GGUF file, or 'demo'")
+    pp.add_argument("--file", required=True, help="a UTF-8 text file ('-': standard input)")
+    pp.add_argument("--ctx", type=int, default=512, help="tokens a window (llama-perplexity's -c); each scores its second half")
+    pp.add_argument("--max-windows", type=int, default=None, help="score at most this many windows (default: the whole text)")
+    pp.add_argument("--batch", type=int, default=4, help="windows prefilled at once")
+    pp.add_argument("--dtype", default="bfloat16", type=_dtype, choices=["bfloat16", "float32"], help="bf16, f32 also")
+    pp.add_argument("--strategy", default="fused", choices=SUPPORTED_STRATEGIES, help="where the experts run")
+    pp.add_argument("--json", default=None, help="also write the result here")
+    pp.set_defaults(fn=cmd_perplexity)
     for name, helptext in (("bench", "benchmarks (python -m freetoken_jax.bench; `freetoken-jax bench --help` lists them)"),
                            ("convert", "convert a checkpoint to FTW (python -m freetoken_jax.convert)")):  # fmt: skip
         sub.add_parser(name, help=helptext, add_help=False)  # listed here; `main` hands their arguments over

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -436,6 +436,22 @@ class FreeTokenEngine:
         return out
 
     # Scoring --------------------------------------------------------------------------------------
+    def score(self, prompts: Sequence[str | Sequence[int]], on_done: Callable[[int], None] | None = None) -> list[np.ndarray]:
+        """Each prompt's log-probabilities: entry i of prompt p's float32 array is token i + 1's
+        after the tokens before it (`len(p) - 1` entries; the first token has none). The prompts
+        are prefilled together (at most `max_batch` at once), their chunks scoring every position
+        (`GenerationParams.prompt_logprobs`), so that no [length, vocab] array is held — the terms
+        of a perplexity. Cached prefixes are not read (each prompt is computed whole). `on_done(i)`
+        is called as prompt i's scores are complete."""
+        ps = [GenerationParams(max_new_tokens=1, prompt_logprobs=0) for _ in prompts]
+        handles = self._submit(prompts, ps)
+        for i, ev in self._drive(handles):
+            if ev.kind == "error":
+                raise RequestError(ev.message)
+            if ev.kind == "done" and on_done is not None:
+                on_done(i)
+        return [np.asarray([r[1] for r in h.prompt_logprobs], np.float32) for h in handles]
+
     def logits(self, token_ids: str | Sequence[int]) -> np.ndarray:
         """Float32 logits at every position of `token_ids`: `[len(token_ids), vocab]`."""
         ids = self.check_request(token_ids, GenerationParams(max_new_tokens=1))

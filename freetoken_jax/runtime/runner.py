@@ -154,9 +154,14 @@ class StepSet:
     def precompile(jobs: list[tuple], workers: int = 1) -> None:
         """Compiles each (jitted step, argument shapes[, static keyword arguments]) on `workers`
         threads. The shapes must be placed as the calls' arguments will be (`steps.shapes`), so
-        the calls find them compiled."""
-        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(lambda job: job[0].lower(*job[1], **(job[2] if len(job) > 2 else {})).compile(), jobs))
+        the calls find them compiled. A bar counts the steps done (on a terminal)."""
+        from freetoken_jax.progress import progress
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool, progress(len(jobs), "compiling steps", unit="step") as bar:
+            todo = [pool.submit(lambda job: job[0].lower(*job[1], **(job[2] if len(job) > 2 else {})).compile(), job) for job in jobs]
+            for f in concurrent.futures.as_completed(todo):
+                f.result()
+                bar.update(1)
 
 
 def state_shapes(cfg: MoEModelConfig, ecfg: EngineConfig, slots: int | None, dtype) -> DecodeState:
