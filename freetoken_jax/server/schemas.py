@@ -35,8 +35,7 @@ class Limits:
 # nothing a client asks for is silently ignored.
 _NOT_YET = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "suffix": (None, ""), "prediction": (None,), "tool_use": (None,), "guided_choice": (None,),
-    "structured_outputs": (None,), "guided_decoding_backend": (None,),
+    "suffix": (None, ""), "prediction": (None,), "tool_use": (None,), "guided_decoding_backend": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,), "verbosity": (None, "medium"),
 }  # fmt: skip
 
@@ -89,13 +88,30 @@ class ResponseFormat(BaseModel):
         return self
 
 
+Choices = Annotated[list[Annotated[str, StringConstraints(min_length=1)]], Field(min_length=1, max_length=4096)]
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` (its newer spelling of the guided_* fields): one of them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Choices | None = None
+    grammar: str | None = None  # Lark, as guided_grammar
+    json_object: StrictBool | None = None
+
+
 class _Guided(_Body):
     """vLLM's structured-output fields and llama.cpp's GBNF `grammar`."""
 
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
+    guided_choice: Choices | None = None  # the output is one of these strings
     guided_grammar: str | None = None  # Lark
     grammar: str | None = None  # GBNF
+    structured_outputs: StructuredOutputs | None = None
 
 
 GUIDED = tuple(k for k in _Guided.model_fields if k not in _Body.model_fields)

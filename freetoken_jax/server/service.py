@@ -36,6 +36,13 @@ def _num(body: dict, key: str, typ, default, lo=None, hi=None):
     return v
 
 
+# The fields that ask for a grammar (vLLM's guided_* and llama.cpp's GBNF `grammar`; vLLM's
+# structured_outputs' own names), with the kind of grammar each gives: "choice" is one of its strings.
+_GUIDED = (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"), ("guided_grammar", "lark"),
+           ("grammar", "gbnf"))  # fmt: skip
+_STRUCTURED = (("json_", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "lark"), ("json_object", "json_object"))
+
+
 class Service:
     """What the HTTP handlers and the gRPC service share: the scheduler, tokenizer, template."""
 
@@ -128,8 +135,9 @@ class Service:
 
     def grammar(self, body) -> Constraint | None:
         """The grammar a request's output must follow (response_format, guided_json,
-        guided_regex, guided_grammar (Lark) or grammar (GBNF): at most one), compiled; None
-        without one."""
+        guided_regex, guided_choice, guided_grammar (Lark), grammar (GBNF) or one of
+        structured_outputs' json, regex, choice, grammar (Lark) and json_object: at most one),
+        compiled; None without one."""
         given = []
         rf = getattr(body, "response_format", None)
         if rf is not None and rf.type == "json_object":
@@ -137,15 +145,20 @@ class Service:
         elif rf is not None and rf.type == "json_schema":
             schema = rf.json_schema.schema_ if rf.json_schema.schema_ is not None else {}
             given.append(("response_format", "json_schema", schema))
-        for field, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "lark"), ("grammar", "gbnf")):
-            v = getattr(body, field, None)
-            if v is not None:
-                if kind == "json_schema" and isinstance(v, str):
-                    try:
-                        v = json.loads(v)
-                    except ValueError as e:
-                        raise ApiError(400, f"guided_json is not valid JSON: {e}", param=field) from e
-                given.append((field, kind, v))
+        so = getattr(body, "structured_outputs", None)
+        fields = [(f, getattr(body, f, None), kind) for f, kind in _GUIDED]
+        fields += [(f"structured_outputs.{f.rstrip('_')}", getattr(so, f), kind) for f, kind in _STRUCTURED] if so is not None else []
+        for field, v, kind in fields:
+            if v is None or v is False:  # json_object: false asks for nothing
+                continue
+            if kind == "json_schema" and isinstance(v, str):
+                try:
+                    v = json.loads(v)
+                except ValueError as e:
+                    raise ApiError(400, f"{field} is not valid JSON: {e}", param=field) from e
+            if kind == "choice":  # one of the strings, as a grammar of literals
+                kind, v = "lark", "start: " + " | ".join(json.dumps(c) for c in v)
+            given.append((field, kind, v))
         if not given:
             return None
         if len(given) > 1:

@@ -112,6 +112,36 @@ def test_json_object_regex_and_gbnf(server):
     assert r.choices[0].text in ("yes.", "no.")
 
 
+def test_guided_choice_and_structured_outputs(server):
+    """vLLM's guided_choice and its structured_outputs spelling of every guided field: the output
+    is one of the choices (quotes, backslashes, regex characters and non-ASCII taken literally)."""
+    client, _ = server
+    choices = ['yes "quoted"', "no\\back", "ünïcode ☃", "a|b (c)*"]
+    seen = set()
+    for seed in range(8):
+        r = client.completions.create(model="demo", prompt="Pick:", max_tokens=24, temperature=1.5, seed=seed,
+                                      extra_body={"guided_choice": choices})  # fmt: skip
+        assert r.choices[0].text in choices and r.choices[0].finish_reason == "stop"
+        seen.add(r.choices[0].text)
+    assert len(seen) > 1
+    chat = dict(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=40, temperature=1.0, seed=4)
+    so = lambda **kw: client.chat.completions.create(**chat, extra_body={"structured_outputs": kw}).choices[0].message.content  # noqa: E731
+    assert so(choice=["left", "right"]) in ("left", "right")
+    assert len(so(regex="[0-9]{3}")) == 3 and so(regex="[0-9]{3}").isdigit()
+    assert isinstance(json.loads(so(json_object=True)), dict)
+    assert json.loads(
+        so(
+            json={
+                "type": "object",
+                "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": ["k"],
+                "additionalProperties": False,
+            }
+        )
+    ).keys() == {"k"}
+    assert so(grammar='start: "ab" | "cd"') in ("ab", "cd")
+
+
 def test_penalties_and_bias_are_applied(server, reference):
     client, service = server
     prompt = service.encode("abcabcabc")
@@ -132,7 +162,8 @@ def test_penalties_and_bias_are_applied(server, reference):
     "extra",
     [{"logit_bias": {"abc": 1}}, {"logit_bias": {"5": 500}}, {"min_p": 2}, {"response_format": {"type": "json_schema"}},
      {"guided_regex": "([a-z"}, {"guided_json": {"type": "object"}, "guided_regex": "a"}, {"top_logprobs": 3}, {"n": 17},
-     {"presence_penalty": 9}, {"functions": [{"name": "f"}]}],
+     {"presence_penalty": 9}, {"functions": [{"name": "f"}]}, {"guided_choice": []}, {"guided_choice": ["a"], "guided_regex": "b"},
+     {"structured_outputs": {"structural_tag": "x"}}, {"structured_outputs": {"choice": ["a"], "regex": "b"}}],
 )  # fmt: skip
 def test_bad_or_unsupported_fields_are_400(server, extra):
     client, _ = server
