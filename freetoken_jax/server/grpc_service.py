@@ -107,6 +107,8 @@ class FreeTokenServicer(pb_grpc.FreeTokenServicer):
             except ValueError as e:
                 raise ApiError(400, f"constraint.json_schema is not valid JSON: {e}") from e
             grammar = s.compile("constraint.json_schema", "json_schema", schema)
+        elif kind == "choice":
+            grammar = s.compile("constraint.choice", "choice", list(request.constraint.choice.values))
         elif kind is not None:
             grammar = s.compile(f"constraint.{kind}", kind, getattr(request.constraint, kind))
         scored = int(request.prompt_logprobs) if request.HasField("prompt_logprobs") else None  # computed by the first choice

@@ -156,8 +156,6 @@ class Service:
                     v = json.loads(v)
                 except ValueError as e:
                     raise ApiError(400, f"{field} is not valid JSON: {e}", param=field) from e
-            if kind == "choice":  # one of the strings, as a grammar of literals
-                kind, v = "lark", "start: " + " | ".join(json.dumps(c) for c in v)
             given.append((field, kind, v))
         if not given:
             return None
@@ -166,8 +164,13 @@ class Service:
         return self.compile(*given[0])
 
     def compile(self, field: str, kind: str, spec) -> Constraint:
-        """A fresh `Constraint` of `kind` ("json_object", "json_schema", "regex", "lark", "gbnf");
-        errors are 400s naming `field`."""
+        """A fresh `Constraint` of `kind` ("json_object", "json_schema", "regex", "lark", "gbnf",
+        "choice": one of the strings `spec`, as a grammar of their literals); errors are 400s
+        naming `field`."""
+        if kind == "choice":
+            if not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ApiError(400, f"{field}: give one or more non-empty strings", param=field)
+            kind, spec = "lark", "start: " + " | ".join(json.dumps(c) for c in spec)
         try:
             g = self.engine.grammars
             text = g.json_object() if kind == "json_object" else getattr(g, kind)(spec)

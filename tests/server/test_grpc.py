@@ -156,6 +156,14 @@ def test_generate_controls_choices_and_constraints(stub):
     with pytest.raises(grpc.RpcError) as e:
         generate(s, text="x", max_new_tokens=3, constraint=pb.Constraint(regex="([a"))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    words = ["one (1)", 'two "2"', "drei ☃"]
+    for seed in range(4):
+        chunks, done = generate(s, text="x", max_new_tokens=20, sampling=pb.SamplingParams(temperature=1.5, seed=seed),
+                                constraint=pb.Constraint(choice=pb.Choices(values=words)))  # fmt: skip
+        assert "".join(c.text for c in chunks) in words and done.finish_reason == "stop"
+    with pytest.raises(grpc.RpcError) as e:
+        generate(s, text="x", max_new_tokens=3, constraint=pb.Constraint(choice=pb.Choices(values=["a", ""])))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "constraint.choice" in e.value.details()
 
 
 def test_chat_input_renders_through_the_template(stub):
