@@ -347,11 +347,12 @@ class FreeTokenEngine:
             self._grammars = Grammars(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
         return self._grammars
 
-    def _grammar(self, json_schema=None, regex=None, lark=None):
-        """A fresh `Constraint` for at most one of a JSON schema, a regex or a Lark grammar."""
-        given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark)) if v is not None]
+    def _grammar(self, json_schema=None, regex=None, lark=None, choice=None):
+        """A fresh `Constraint` for at most one of a JSON schema, a regex, a Lark grammar or a
+        choice of strings."""
+        given = [(k, v) for k, v in (("json_schema", json_schema), ("regex", regex), ("lark", lark), ("choice", choice)) if v is not None]
         if len(given) > 1:
-            raise RequestError("give at most one of json_schema, regex and lark")
+            raise RequestError("give at most one of json_schema, regex, lark and choice")
         if not given:
             return None
         from freetoken_jax.scheduler.grammar import GrammarError
@@ -384,15 +385,16 @@ class FreeTokenEngine:
 
     def generate(self, prompt_ids: str | Sequence[int], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, *, json_schema=None, regex: str | None = None,
-                 lark: str | None = None, logit_bias=None, **controls) -> Iterator[int]:  # fmt: skip
+                 lark: str | None = None, choice: Sequence[str] | None = None, logit_bias=None, **controls) -> Iterator[int]:  # fmt: skip
         """Yields the generated token ids one by one as they are produced (the stop token, if
         one ends the generation, is yielded last); the prompt is text (encoded with the model's
         tokenizer) or token ids. Cached prefixes of earlier requests are reused. `controls`:
         the other fields of `GenerationParams` (min_p, penalties, min_tokens); `json_schema`,
-        `regex` or `lark`: a grammar the output follows."""
+        `regex`, `lark` or `choice` (strings, one of which the output is): a grammar the output
+        follows."""
         p = GenerationParams(max_new_tokens, temperature, top_k, top_p, seed, tuple(stop_token_ids), ignore_eos,
                              logit_bias=_pairs(logit_bias), **controls)  # fmt: skip
-        grammar = self._grammar(json_schema, regex, lark)
+        grammar = self._grammar(json_schema, regex, lark, choice)
         for _, ev in self._drive(self._submit([prompt_ids], [p], [grammar])):
             if ev.kind == "token":
                 yield ev.token
@@ -417,7 +419,7 @@ class FreeTokenEngine:
 
     def generate_batch(self, prompts: Sequence[str | Sequence[int]], max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, seed: int = 0, stop_token_ids: Sequence[int] = (), ignore_eos: bool = False, *, json_schema=None,
-                       regex: str | None = None, lark: str | None = None, logit_bias=None,
+                       regex: str | None = None, lark: str | None = None, choice: Sequence[str] | None = None, logit_bias=None,
                        **controls) -> list[list[int]]:  # fmt: skip
         """Generates for several prompts together (continuous batching, at most `max_batch` rows
         at once); row i is seeded with `seed + i`. The other arguments are `generate`'s."""
@@ -426,7 +428,7 @@ class FreeTokenEngine:
                              logit_bias=_pairs(logit_bias), **controls)
             for i in range(len(prompts))
         ]  # fmt: skip
-        grammars = [self._grammar(json_schema, regex, lark) for _ in prompts]
+        grammars = [self._grammar(json_schema, regex, lark, choice) for _ in prompts]
         out: list[list[int]] = [[] for _ in prompts]
         for i, ev in self._drive(self._submit(prompts, ps, grammars)):
             if ev.kind == "token":

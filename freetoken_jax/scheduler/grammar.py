@@ -66,6 +66,12 @@ class Grammars:
     def lark(self, text: str) -> str:
         return self._ll.LLMatcher.grammar_from_lark(text)
 
+    def choice(self, values) -> str:
+        """One of the strings `values`, each taken literally."""
+        if isinstance(values, str) or not values or not all(isinstance(v, str) and v for v in values):
+            raise GrammarError("a choice needs one or more non-empty strings")
+        return self.lark("start: " + " | ".join(json.dumps(v) for v in values))
+
     def gbnf(self, text: str) -> str:
         """A llama.cpp GBNF grammar."""
         try:

@@ -165,12 +165,7 @@ class Service:
 
     def compile(self, field: str, kind: str, spec) -> Constraint:
         """A fresh `Constraint` of `kind` ("json_object", "json_schema", "regex", "lark", "gbnf",
-        "choice": one of the strings `spec`, as a grammar of their literals); errors are 400s
-        naming `field`."""
-        if kind == "choice":
-            if not spec or not all(isinstance(c, str) and c for c in spec):
-                raise ApiError(400, f"{field}: give one or more non-empty strings", param=field)
-            kind, spec = "lark", "start: " + " | ".join(json.dumps(c) for c in spec)
+        "choice": one of the strings `spec`); errors are 400s naming `field`."""
         try:
             g = self.engine.grammars
             text = g.json_object() if kind == "json_object" else getattr(g, kind)(spec)

@@ -173,6 +173,9 @@ def test_json_schema_and_regex_hold_on_random_weights(engine):
     out = list(engine.generate(PROMPT, max_new_tokens=20, temperature=1.0, seed=7, regex=r"[0-9]{3}-[a-z]{2}"))
     text = tok.decode(out)
     assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha()
+    words = ["cat", "catalogue", 'a "b" \\ c']  # one a prefix of another; quotes and a backslash taken literally
+    got = {tok.decode(list(engine.generate(PROMPT, max_new_tokens=20, temperature=1.5, seed=s, choice=words))) for s in range(6)}
+    assert got <= set(words) and len(got) > 1
 
 
 def test_grammar_rows_beside_free_rows(engine):
@@ -197,6 +200,9 @@ def test_bad_grammar_is_a_request_error(engine):
         list(engine.generate(PROMPT, regex="([a-z"))
     with pytest.raises(RequestError):
         list(engine.generate(PROMPT, json_schema=SCHEMA, regex="a"))
+    for bad in ([], [""], "cat"):
+        with pytest.raises(RequestError, match="choice"):
+            list(engine.generate(PROMPT, choice=bad))
 
 
 def test_stream_text_yields_whole_characters(engine):
