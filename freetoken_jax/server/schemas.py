@@ -35,7 +35,7 @@ class Limits:
 # nothing a client asks for is silently ignored.
 _NOT_YET = {
     "functions": (None, []), "function_call": (None, "none", "auto"),
-    "suffix": (None, ""), "prediction": (None,), "tool_use": (None,), "guided_decoding_backend": (None,),
+    "prediction": (None,), "tool_use": (None,), "guided_decoding_backend": (None,),
     "modalities": (None, ["text"]), "audio": (None,), "web_search_options": (None,), "verbosity": (None, "medium"),
 }  # fmt: skip
 
@@ -151,6 +151,7 @@ class CompletionRequest(_OpenAI):
 
     logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
     echo: StrictBool = False
+    suffix: str | None = None  # the text after the gap: fill in the middle (`fim.py`)
     best_of: StrictInt | None = Field(None, ge=1, le=16)
 
 

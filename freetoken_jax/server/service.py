@@ -51,6 +51,7 @@ class Service:
         """`tool_parser`: the format tool calls are read in (`tools.FORMATS`; None: the one the
         chat template shows); `reasoning_parser`: reasoning text (<think>…</think>) goes to its own
         field (`reasoning_content`, Anthropic `thinking` blocks) instead of the content."""
+        from freetoken_jax.server import fim
         from freetoken_jax.server.tools import FORMATS, detect
 
         self.scheduler, self.model_name = scheduler, model_name
@@ -63,6 +64,7 @@ class Service:
         # harmony (gpt-oss) always keeps its channels apart: analysis is reasoning, whatever the flag
         self.harmony = self.tool_format.name == "harmony"
         self.reasoning_parser = reasoning_parser or self.harmony
+        self.fim = fim.detect(self.tokenizer)  # how a `suffix` is written, where the vocabulary has the tokens
         self.created = int(time.time())
 
     @property

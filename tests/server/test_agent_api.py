@@ -281,12 +281,12 @@ def test_a_batch_of_prompts_gives_each_its_choices(server, reference):
     [{"prompt": [], "max_tokens": 2}, {"prompt": [[]], "max_tokens": 2}, {"prompt": ["x", 5], "max_tokens": 2},
      {"prompt": [True], "max_tokens": 2}, {"prompt": ["x"] * 1025, "max_tokens": 2}, {"prompt": "x", "max_tokens": 0},
      {"prompt": "x", "max_tokens": 0, "echo": True, "stream": True}, {"prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 1, "stream": True},
-     {"prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 21}],
+     {"prompt": "x", "max_tokens": 2, "echo": True, "logprobs": 21}, {"prompt": "x", "max_tokens": 2, "suffix": "y"}],
 )  # fmt: skip
 def test_bad_prompts_and_scoring_requests_are_400(server, body):
     client, _ = server
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="demo", **body)
-    assert e.value.body["param"] in ("prompt", "max_tokens", "stream", "logprobs")
+    assert e.value.body["param"] in ("prompt", "max_tokens", "stream", "logprobs", "suffix")  # suffix: the demo has no FIM tokens
     with pytest.raises(openai.BadRequestError, match="max_tokens must be at least 1"):
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}], max_tokens=0)
