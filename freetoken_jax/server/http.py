@@ -442,9 +442,9 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
 
     # OpenAI --------------------------------------------------------------------------------------
     async def openai(request: Request, body, prompts: list[list[int]], chat: bool, tools: Tools | None = None, opened: bool = False,
-                     stops_ids: tuple[int, ...] = ()):  # fmt: skip
+                     stop_ids: tuple[int, ...] = ()):  # fmt: skip
         """An OpenAI completion of each prompt (chat: one), `n` choices each: choice i·n + k is
-        prompt i's k-th; `stops_ids`: tokens that end it besides the request's."""
+        prompt i's k-th; `stop_ids`: tokens that end it besides the request's."""
         max_tokens = next(
             (v for v in (body.max_tokens, getattr(body, "max_completion_tokens", None)) if v is not None), 256 if chat else 16
         )
@@ -464,7 +464,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         # best_of ranks candidates by their log-probability: they are computed (and returned only if asked).
         # max_tokens 0: the engine samples one token, which is left out
         params = s.params(body.model_dump(include=SAMPLING_FIELDS), max(1, max_tokens), n_logprobs if best_of == n else (n_logprobs or 0))
-        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + stops_ids)
+        params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + stop_ids)
         grammar = await asyncio.to_thread(_grammar, s, body, tools)
         parse_tools = tools is not None and tools.parse
         stops = S.stops_of(body, "stop", limits)
@@ -608,7 +608,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             if body.echo or not all(isinstance(p, str) for p in prompts):
                 raise ApiError(400, "suffix needs the prompt as text, without echo", param="suffix")
             ids = [s.fim.ids(s.tokenizer, p, body.suffix) for p in prompts]
-            return await openai(request, body, ids, chat=False, stops_ids=s.fim.stops(s.tokenizer))
+            return await openai(request, body, ids, chat=False, stop_ids=s.fim.stops(s.tokenizer))
         return await openai(request, body, [s.encode(p) if isinstance(p, str) else list(p) for p in prompts], chat=False)
 
     @app.post("/v1/chat/completions")
