@@ -131,13 +131,13 @@ def cmd_perplexity(args) -> int:
 
     from freetoken_jax import FreeTokenEngine
     from freetoken_jax.config import ConfigError
-    from freetoken_jax.perplexity import perplexity
+    from freetoken_jax.perplexity import perplexity, window_count
     from freetoken_jax.progress import progress
 
     text = sys.stdin.read() if args.file == "-" else pathlib.Path(args.file).read_text(encoding="utf-8", errors="replace")
     engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args, args.ctx + 1, args.batch), require_tokenizer=True)
     ids = engine.tokenizer.encode(text, add_bos=False)
-    n = len(ids) // args.ctx if args.max_windows is None else min(len(ids) // args.ctx, args.max_windows)
+    n = window_count(len(ids), args.ctx, args.max_windows)
     if n < 1:
         raise ConfigError(f"{args.file} has {len(ids)} tokens: fewer than one window of --ctx {args.ctx}")
     print(f"{len(ids)} tokens; scoring {n} windows of {args.ctx} (the first ones compile the steps)", file=sys.stderr)

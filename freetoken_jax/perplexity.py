@@ -22,12 +22,17 @@ class Perplexity:
     ctx: int
 
 
+def window_count(tokens: int, ctx: int, max_windows: int | None = None) -> int:
+    """How many whole windows of `ctx` tokens a text of `tokens` gives (at most `max_windows`)."""
+    return tokens // ctx if max_windows is None else min(tokens // ctx, max_windows)
+
+
 def windows(ids: list[int], ctx: int, bos: int | None, max_windows: int | None = None) -> list[list[int]]:
     """The text's ids in whole windows of `ctx` tokens, each starting with `bos` in place of its
     first token when given (llama-perplexity's windows); the tail that fills no window is left out."""
     if ctx < 4:
         raise ValueError(f"ctx must be at least 4, got {ctx}")
-    n = len(ids) // ctx if max_windows is None else min(len(ids) // ctx, max_windows)
+    n = window_count(len(ids), ctx, max_windows)
     if n < 1:
         raise ValueError(f"the text has {len(ids)} tokens: fewer than one window of {ctx}")
     out = [list(ids[k * ctx : (k + 1) * ctx]) for k in range(n)]

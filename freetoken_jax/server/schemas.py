@@ -141,6 +141,10 @@ def _one_prompt(p) -> bool:
 class CompletionRequest(_OpenAI):
     # one prompt (text or token ids), or a batch of them: choice i * n + k is prompt i's k-th
     prompt: str | list
+    logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
+    echo: StrictBool = False
+    suffix: str | None = None  # the text after the gap: fill in the middle (`fim.py`)
+    best_of: StrictInt | None = Field(None, ge=1, le=16)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -148,11 +152,6 @@ class CompletionRequest(_OpenAI):
         if _one_prompt(v) or isinstance(v, list) and 0 < len(v) <= MAX_PROMPTS and all(_one_prompt(p) for p in v):
             return v
         raise ValueError(f"give a non-empty string or list of token ids, or a list of 1 to {MAX_PROMPTS} of them")
-
-    logprobs: StrictInt | None = Field(None, ge=0, le=20)  # the most likely tokens to list per position
-    echo: StrictBool = False
-    suffix: str | None = None  # the text after the gap: fill in the middle (`fim.py`)
-    best_of: StrictInt | None = Field(None, ge=1, le=16)
 
 
 ToolName = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9_.:-]{1,64}$")]
