@@ -250,6 +250,11 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_reads_it(server, refere
     assert again.choices[0].text == service.decode(prompts[0]) and again.choices[0].finish_reason == "length"
     assert again.choices[0].logprobs.token_logprobs == pytest.approx(r.choices[0].logprobs.token_logprobs[:-1], abs=1e-5)
     assert again.choices[0].logprobs.top_logprobs[1:] == [{}] * (len(prompts[0]) - 1)
+    # n choices share the first one's prompt log-probabilities (it alone computes them; the others read its pages)
+    two = client.completions.create(model="demo", prompt=prompts[1], max_tokens=2, logprobs=1, echo=True, n=2, temperature=1.0, seed=3)
+    assert [c.logprobs.token_logprobs[: len(prompts[1])] for c in two.choices] == [
+        r.choices[1].logprobs.token_logprobs[: len(prompts[1])]
+    ] * 2
 
 
 def test_a_batch_of_prompts_gives_each_its_choices(server, reference):
