@@ -280,7 +280,7 @@ def chunk_logprobs(weights: Weights, h_BTD, targets_BT, block: int | None = None
     model = weights.model()
     B, T, D = h_BTD.shape
     if block is None:
-        block = max(1, min(SCORE_BLOCK, SCORE_BLOCK_BYTES // (B * model.embed.embedding.shape[0] * 4)))
+        block = max(1, min(SCORE_BLOCK, SCORE_BLOCK_BYTES // (B * model.cfg.vocab_size * 4)))
 
     def one(h, t):
         lp = jax.nn.log_softmax(model.logits(h).astype(jnp.float32), axis=-1)

@@ -476,7 +476,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                         params, seed=(params.seed + i) % (1 << 32), prompt_logprobs=n_logprobs if scored and i == 0 else None
                     )
                     g = grammar if not gens or grammar is None else grammar.fork()
-                    first = gens[-i] if i else None
+                    first = gens[len(gens) - i] if i else None  # this prompt's first choice
                     gens.append(Generation(app.state, request, ids, p, stops, g, keep_special=parse_tools or s.harmony, after=first))
         except ApiError:
             for g in gens:
@@ -485,7 +485,6 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created, obj = int(time.time()), "chat.completion" if chat else "text_completion"
         replies = [Reply(tools, s.reasoning_parser, opened, s.harmony) if chat else None for _ in gens]
-        prompt_of = [j // best_of for j in range(len(gens))]
         prefixes = [s.decode(ids) if echo else "" for ids in prompts]
         text_sent = [0] * len(gens)
 
@@ -509,8 +508,8 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             return out
 
         def prompt_records(i) -> list[tuple]:  # the prompt's tokens as log-probability records (the first has none)
-            ids = prompts[prompt_of[i]]
-            return [(ids[0], None, None)] + gens[i - i % best_of].handle.prompt_logprobs
+            first = i - i % best_of  # its prompt's first choice, which scored it
+            return [(prompts[i // best_of][0], None, None)] + gens[first].handle.prompt_logprobs
 
         if not body.stream:
             outs = await texts(gens, limits.request_timeout_s)
@@ -538,7 +537,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
                         ]
                     choice["message"] = msg
                 else:
-                    choice["text"] = prefixes[prompt_of[i]] + outs[i]
+                    choice["text"] = prefixes[i // best_of] + outs[i]
                 choice["finish_reason"] = finish_of(i)
                 choices.append(choice)
             return {"id": rid, "object": obj, "created": created, "model": s.model_name, "choices": choices, "usage": usage()}
@@ -571,8 +570,8 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
             for i in range(len(gens)):
                 if chat:
                     yield chunk(i, {"role": "assistant", "content": ""})
-                elif prefixes[prompt_of[i]]:
-                    yield chunk(i, {"content": prefixes[prompt_of[i]]})
+                elif prefixes[i // best_of]:
+                    yield chunk(i, {"content": prefixes[i // best_of]})
             records = [[] for _ in gens]
             try:
                 async for i, d in merged(gens):
