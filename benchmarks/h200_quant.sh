@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
-# lcpp-build|lcpp|ik-build|ik-bg|ik-wait|ik|ab|pab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp-bg|lcpp-wait|lcpp|ik-build|ik-bg|ik-wait|ik|ab|pab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -20,6 +20,24 @@ ik_rows() { local I=/tmp/ik/build/bin/llama-bench
   $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
   $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1; }
 export -f ik_rows
+# llama.cpp's llama-bench from .llamacpp/llama-src.tar.gz (≈ 4 min on 16 cores) beside the comparison's GGUFs (lcpp_gguf:
+# the kit's Q4_0 at /tmp/q4.gguf and, unless Q4_ONLY is set, Q4_K and Q4_K_M files of the same shape)
+lcpp_gguf() { (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1
+  [ -z "$Q4_ONLY" ] || exit 0
+  python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1
+  python3 ../benchmarks/gen_gguf.py --out /tmp/q4km.gguf --layers 24 --experts q4_k_m >> /tmp/genk.log 2>&1); tail -1 /tmp/gen.log; }
+lcpp_build() { lcpp_gguf &
+  mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
+  (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
+    timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?); wait; }
+export -f lcpp_gguf lcpp_build
+# lcpp-bg (first, before the install): lcpp_build in its own process session, which outlives the call (measure nothing on
+# the CPU until it ends); `lcpp-wait` waits up to WAIT_S s for it and packs the build (below)
+if [ "$1" = lcpp-bg ]; then
+  (setsid nohup bash -c 'lcpp_build; echo lcpp_done' > /tmp/lcpp-bg.log 2>&1 < /dev/null &)
+  echo "llama.cpp build and GGUFs started in the background (/tmp/lcpp-bg.log)"; shift
+fi
 if [ "$1" = ik-bg ]; then
   (BUILD_S=${BUILD_S:-1500} setsid nohup bash -c '
     (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1) &
@@ -92,17 +110,9 @@ for what in "$@"; do
         --chunk 8192 --routing-skew 0 --strategy cpu-fetch cpu offload --json "$OUT/cpuprefill.json" 2>&1 | grep -v "it/s\]" | tail -11 ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
-    lcpp-build) (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1
-                 [ -z "$Q4_ONLY" ] || exit 0
-                 python3 ../benchmarks/gen_gguf.py --out /tmp/q4k.gguf --layers 24 --experts q4_k > /tmp/genk.log 2>&1;
-                 python3 ../benchmarks/gen_gguf.py --out /tmp/q4km.gguf --layers 24 --experts q4_k_m >> /tmp/genk.log 2>&1) &
-      unpack lcpp || {
-        mkdir -p /tmp/lcpp && tar xzf .llamacpp/llama-src.tar.gz -C /tmp/lcpp
-        (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
-          -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
-          timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?)
-        pack lcpp; }
-      wait; tail -1 /tmp/gen.log; tail -2 /tmp/genk.log; ls -la /tmp/q4*.gguf ;;
+    lcpp-build) unpack lcpp && (Q4_ONLY=1 lcpp_gguf) || { lcpp_build; pack lcpp; }; ls -la /tmp/q4*.gguf ;;
+    lcpp-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q lcpp_done /tmp/lcpp-bg.log 2> /dev/null && break; sleep 1; done
+      cat /tmp/lcpp-bg.log; pack lcpp; ls -la /tmp/q4*.gguf ;;
     gguf-*) f=/tmp/${what#gguf-}.gguf
       # slots for 847 of 3072 experts (the share -ncmoe 17 keeps on the GPU): q4_0 and q4_k 2 654 208 bytes an expert,
       # q4_k_m's slots 3 059 712 (down rows as wide as its Q6_K layers')

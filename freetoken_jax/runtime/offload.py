@@ -66,6 +66,15 @@ def copy_wait() -> str:
     return env_choice("FREETOKEN_PREFILL_COPY_WAIT", "experts", ("experts", "output"))
 
 
+def copies_ahead() -> int:
+    """How many layers' banks a buffered prefill keeps in flight ahead of the layer computing
+    (FREETOKEN_PREFILL_AHEAD, 1 or 2; only banks copied whole — the Pallas fetch has two buffers):
+    1 (the default) issues layer m+1's copy at layer m's experts; 2 issues layer m+2's there, so
+    that the copy queue never runs dry while a layer's compute is as long as its copy, at the cost
+    of one more layer's bank on the device."""
+    return int(env_choice("FREETOKEN_PREFILL_AHEAD", "1", ("1", "2")))
+
+
 def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
     """Whether a prefill chunk of `tokens` (rows × chunk length) should go through the slot cache
     token by token rather than load whole layers: when its routed experts fit in the slots and,
@@ -120,6 +129,7 @@ class OffloadExecutor:
                 self.cache, self.buffers = borrow_for_prefill(cache, cfg.num_experts)
             self.layer_slots: dict = {}  # MoE layer -> the slot of each of its experts
             self.layer_banks: dict = {}  # MoE layer -> its bank copied to the device, computed from as it is
+            self.in_flight: dict = {}  # MoE layer -> its bank's copy issued ahead, not yet taken up
         self.banks = [
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
@@ -187,20 +197,20 @@ class OffloadExecutor:
             else:
                 c, slots = self.cache, self.layer_slots.pop(m)
                 layer = tuple(a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR))
-            copied = None
             if m + 1 < n:
-                # Layer m+1's load is issued once layer m's input and weights exist, and before
-                # it computes: the two may overlap, and the load cannot run ahead of the compute
-                # (XLA would otherwise start every layer's load at once, keeping a version of the
-                # slot arrays alive for each). A bank copied whole goes through the barrier too.
-                copies = self._copies_bank(m + 1)
-                nxt = self.banks[m + 1] if copies else ()
+                # The next layers' loads are issued once layer m's input and weights exist, and
+                # before it computes: the two may overlap, and the loads cannot run ahead of the
+                # compute (XLA would otherwise start every layer's load at once, keeping a version
+                # of the slot arrays alive for each). Banks copied whole go through the barrier too.
+                ahead = copies_ahead() if self._copies_bank(m + 1) else 1
+                issue = [j for j in range(m + 1, min(n, m + 1 + ahead)) if j not in self.in_flight and self._copies_bank(j)]
+                nxt = tuple(self.banks[j] for j in issue)
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
-                if copies:
-                    copied = [self._on_device(b) for b in nxt]
-                else:
+                self.in_flight.update((j, [self._on_device(b) for b in bank]) for j, bank in zip(issue, nxt))
+                if m + 1 not in self.in_flight:
                     self._fetch_layer(m + 1)
             out = self.compute(x_TD, ids_TK, w_TK, layer, self.layouts[m], bias=pair_biases(bias, ids_TK))
+            copied = self.in_flight.pop(m + 1, None)
             if copied is not None:
                 # A copied bank is taken up at the next layer's experts (or, `copy_wait`, after
                 # this layer's output), so that nothing on the compute stream waits for it before.

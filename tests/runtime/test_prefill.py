@@ -191,8 +191,19 @@ def test_copy_wait_moves_the_barriers_not_the_numbers(ckpt_root, monkeypatch):
         text = buffered_step.lower(eng.weights, eng.experts, cache, batch, eng.runner.slots).as_text()
         assert text.count("stablehlo.optimization_barrier") == barriers, how
         got[how] = buffered_logits(eng, prompt, eng.runner.slots)[0]
+    # two layers' copies in flight: the same barriers (layer 0's issues two copies), the same numbers
+    monkeypatch.setenv("FREETOKEN_PREFILL_AHEAD", "2")
+    buffered_step.clear_cache()
+    cache, table = buffered_args(eng)
+    batch = PrefillBatch.chunk([prompt[:8]], [0], table, 8, Sampling.greedy(1))
+    text = buffered_step.lower(eng.weights, eng.experts, cache, batch, eng.runner.slots).as_text()
+    assert text.count("stablehlo.optimization_barrier") == 6
+    got["ahead"] = buffered_logits(eng, prompt, eng.runner.slots)[0]
+    monkeypatch.delenv("FREETOKEN_PREFILL_AHEAD")
+    buffered_step.clear_cache()
     np.testing.assert_allclose(got["output"], fused.logits(prompt), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(got["output"], got["experts"])
+    np.testing.assert_array_equal(got["output"], got["ahead"])
     monkeypatch.delenv("FREETOKEN_PREFILL_COPY_WAIT")
     assert copy_wait() == "experts"  # the default
     monkeypatch.setenv("FREETOKEN_PREFILL_COPY_WAIT", "later")
