@@ -365,13 +365,17 @@ class FreeTokenEngine:
             raise RequestError(str(e)) from e
 
     def _drive(self, handles: list[RequestHandle]) -> Iterator[tuple[int, Event]]:
-        """Steps the batcher in this thread, yielding (index, event) of `handles` as they come; a
-        request still open when the caller stops listening is cancelled and its pages released."""
+        """Steps the batcher in this thread, yielding (index, event) of `handles` as they come; an
+        error event raises `RequestError`. A request still open when the caller stops listening
+        (or an error raised) is cancelled and its pages released."""
         try:
             while True:
                 for i, h in enumerate(handles):
                     while not h.queue.empty():
-                        yield i, h.queue.get_nowait()
+                        ev = h.queue.get_nowait()
+                        if ev.kind == "error":
+                            raise RequestError(ev.message)
+                        yield i, ev
                 if all(h.finished and h.queue.empty() for h in handles):
                     self.batcher.flush()
                     return
@@ -398,8 +402,6 @@ class FreeTokenEngine:
         for _, ev in self._drive(self._submit([prompt_ids], [p], [grammar])):
             if ev.kind == "token":
                 yield ev.token
-            elif ev.kind == "error":
-                raise RequestError(ev.message)
 
     def stream_text(self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, special: bool = False, **kw) -> Iterator[str]:
         """Yields the generated text as it completes: whole characters only (a character split
@@ -433,8 +435,6 @@ class FreeTokenEngine:
         for i, ev in self._drive(self._submit(prompts, ps, grammars)):
             if ev.kind == "token":
                 out[i].append(ev.token)
-            elif ev.kind == "error":
-                raise RequestError(ev.message)
         return out
 
     # Scoring --------------------------------------------------------------------------------------
@@ -448,8 +448,6 @@ class FreeTokenEngine:
         ps = [GenerationParams(max_new_tokens=1, prompt_logprobs=0) for _ in prompts]
         handles = self._submit(prompts, ps)
         for i, ev in self._drive(handles):
-            if ev.kind == "error":
-                raise RequestError(ev.message)
             if ev.kind == "done" and on_done is not None:
                 on_done(i)
         return [np.asarray([r[1] for r in h.prompt_logprobs], np.float32) for h in handles]
