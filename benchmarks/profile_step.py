@@ -376,7 +376,7 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--timeline", type=int, default=0, metavar="N", help="list N events of the last profiled step's middle in time order")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
-    ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy"])
+    ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy", "copy2"])
     args = ap.parse_args()
     global TIMELINE
     TIMELINE = args.timeline

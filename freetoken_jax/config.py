@@ -294,6 +294,10 @@ def _hashable(v: Any) -> Any:
     return v
 
 
+# EngineConfig.prefill_load's values
+PREFILL_LOADS = ("auto", "fetch", "copy", "copy2")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Run-time choices of the engine.
@@ -347,12 +351,14 @@ class EngineConfig:
     # Strategies "offload" / "hybrid": how prefill brings a layer's experts into its borrowed
     # buffer: "fetch" (the Pallas kernel, per missing expert; resident experts are not copied),
     # "copy" (the whole bank in one in-jit device_put, which XLA runs on its own stream beside
-    # the compute) or "auto": on a GPU, copy where two layers' banks fit beside the chunk's
-    # activations in half of the device memory the plan leaves free, else fetch
-    # (`memory.budget.choose_prefill_load`; the log says which); on the CPU backend copy when an
-    # expert row is under 256 KB, else fetch. Strategy "cpu": "copy" (what "auto" becomes on a GPU
-    # with room for two layers' banks) computes a prefill chunk of at least 4 routed pairs an
-    # expert on the device, each layer's bank copied in while the layer before computes
+    # the compute; the next layer's bank in flight while a layer computes), "copy2" (the same, the
+    # next two layers' banks in flight: the copies never wait for a layer's compute to reach the
+    # point that issues the next one; one more bank on the device) or "auto": on a GPU, copy2
+    # where three layers' banks fit beside the chunk's activations in half of the device memory
+    # the plan leaves free, copy where two do, else fetch (`memory.budget.choose_prefill_load`;
+    # the log says which); on the CPU backend copy when an expert row is under 256 KB, else
+    # fetch. Strategy "cpu": "copy" or "copy2" computes a prefill chunk of at least 4 routed pairs
+    # an expert on the device, each layer's bank copied in while the layers before compute
     # (`runtime/offload.device_prefill_pays`); otherwise the CPU computes every chunk.
     prefill_load: str = "auto"
     # Strategy "auto": with a benchbw.json, the engine first decodes this many steps under hybrid,
@@ -406,8 +412,8 @@ class EngineConfig:
             raise ConfigError(f"auto_probe_q_offsets must be numbers in [-1, 1], got {self.auto_probe_q_offsets!r}")
         if self.auto_probe_steps < 0:
             raise ConfigError(f"auto_probe_steps must not be negative, got {self.auto_probe_steps}")
-        if self.prefill_load not in ("auto", "fetch", "copy"):
-            raise ConfigError(f"prefill_load must be auto, fetch or copy, got {self.prefill_load!r}")
+        if self.prefill_load not in PREFILL_LOADS:
+            raise ConfigError(f"prefill_load must be one of {', '.join(PREFILL_LOADS)}, got {self.prefill_load!r}")
         if self.hybrid_overhead < 0:
             raise ConfigError(f"hybrid_overhead must not be negative, got {self.hybrid_overhead}")
         if not 0.0 <= self.hybrid_q <= 1.0:

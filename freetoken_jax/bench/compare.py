@@ -16,9 +16,10 @@ over the same banks:
 
 Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and `per-token`
 (the decode path: each token's routed experts looked up in the slot cache and fetched) as
-baselines for the buffered prefill of offload / hybrid, and `offload-copy` / `offload-fetch` (the
-buffered prefill loading whole banks by device_put, or the missing experts by the Pallas fetch:
-`prefill_load="copy"` / `"fetch"`; plain offload takes the engine's choice); `cpu-fetch` is cpu
+baselines for the buffered prefill of offload / hybrid, and `offload-copy` / `offload-copy2` /
+`offload-fetch` (the buffered prefill loading whole banks by device_put, one or two layers ahead,
+or the missing experts by the Pallas fetch: `prefill_load="copy"` / `"copy2"` / `"fetch"`; plain
+offload takes the engine's choice); `cpu-fetch` is cpu
 with every chunk on the CPU (plain cpu computes long chunks on the device, as the engine does on a
 GPU).
 
@@ -60,8 +61,19 @@ from freetoken_jax.runtime.steps import shapes
 from freetoken_jax.scheduler.batcher import Batcher, RequestHandle
 
 VARIANTS = ("fused", "offload", "hybrid", "cpu", "naive", "layer", "transformers")
-PREFILL_VARIANTS = ("offload", "offload-copy", "offload-fetch", "hybrid", "stream", "per-token", "cpu", "cpu-fetch", "fused")
-SLOT_PREFILLS = ("offload", "offload-copy", "offload-fetch", "hybrid", "per-token")  # prefill through a slot cache
+PREFILL_VARIANTS = (
+    "offload",
+    "offload-copy",
+    "offload-copy2",
+    "offload-fetch",
+    "hybrid",
+    "stream",
+    "per-token",
+    "cpu",
+    "cpu-fetch",
+    "fused",
+)
+SLOT_PREFILLS = ("offload", "offload-copy", "offload-copy2", "offload-fetch", "hybrid", "per-token")  # prefill through a slot cache
 
 
 @jax.tree_util.register_dataclass
@@ -159,7 +171,7 @@ class Bench:
             experts = LayerStreaming(self.ecfg.prefill_load)
         elif variant == "per-token":
             experts = PerToken(self.ecfg.prefill_load)
-        else:  # offload, naive (few slots), offload-copy, offload-fetch
+        else:  # offload, naive (few slots), offload-copy, offload-copy2, offload-fetch
             experts = Offload(variant.removeprefix("offload-") if variant.startswith("offload-") else self.ecfg.prefill_load)
         if self.compute is not None and hasattr(experts, "compute"):
             experts = dataclasses.replace(experts, compute=self.compute)

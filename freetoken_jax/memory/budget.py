@@ -166,23 +166,24 @@ def plan_free_bytes(ecfg: EngineConfig, plan: MemoryPlan) -> int:
 
 
 def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPlan, gpu: bool) -> tuple[str, str]:
-    """(prefill_load, why) for an `ecfg` whose chunk is settled: "auto" becomes "copy" on a GPU
-    when two layers' banks fit beside the chunk's activations in `ACTIVATION_SHARE` of what the
-    plan leaves free (a layer computes from its copied bank while the next layer's copy lands in
-    a device buffer of its own), else "fetch" (into the borrowed buffers; nothing more; under
-    strategy cpu, the CPU computes every chunk). Unchanged where it was given, off a GPU, or
-    without a budget (the executor's own rule: `runtime/offload.py`)."""
+    """(prefill_load, why) for an `ecfg` whose chunk is settled: "auto" becomes "copy2" on a GPU
+    when three layers' banks fit beside the chunk's activations in `ACTIVATION_SHARE` of what the
+    plan leaves free (a layer computes from its copied bank while the next two layers' copies
+    land in device buffers of their own), "copy" when two do, else "fetch" (into the borrowed
+    buffers; nothing more; under strategy cpu, the CPU computes every chunk). Unchanged where it
+    was given, off a GPU, or without a budget (the executor's own rule: `runtime/offload.py`)."""
     streams = ecfg.moe_strategy.uses_slots or ecfg.moe_strategy is Strategy.CPU
     if ecfg.prefill_load != "auto" or not streams or plan.budget_bytes is None or not gpu:
         return ecfg.prefill_load, "as given, or the executor's rule"
     bank = cfg.num_experts * plan.expert_bytes
-    need = prefill_activation_bytes(cfg, ecfg, ecfg.chunk) + 2 * bank
+    activations = prefill_activation_bytes(cfg, ecfg, ecfg.chunk)
     free = plan_free_bytes(ecfg, plan)
-    if need <= ACTIVATION_SHARE * free:
-        return (
-            "copy",
-            f"two layers' banks ({2 * bank / GB:.2f} GiB) and the chunk's activations fit half of the {free / GB:.1f} GiB the plan leaves free",
-        )
+    for load, banks, many in (("copy2", 3, "three"), ("copy", 2, "two")):
+        if activations + banks * bank <= ACTIVATION_SHARE * free:
+            return (
+                load,
+                f"{many} layers' banks ({banks * bank / GB:.2f} GiB) and the chunk's activations fit half of the {free / GB:.1f} GiB the plan leaves free",
+            )
     return (
         "fetch",
         f"two layers' banks ({2 * bank / GB:.2f} GiB) and the chunk's activations do not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",

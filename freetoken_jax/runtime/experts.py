@@ -155,7 +155,7 @@ class Hybrid(ExpertBackend):
 @dataclasses.dataclass(frozen=True)
 class Cpu(ExpertBackend):
     """Every routed expert computed by the C++ executor from the host banks; no slots. With
-    `prefill_load` "copy" (a GPU with room for two layers' banks: `EngineConfig.prefill_load`) a
+    `prefill_load` "copy" or "copy2" (a GPU with room for two or three layers' banks: `EngineConfig.prefill_load`) a
     prefill chunk whose pairs would keep the CPU busier than the layer's copy over PCIe
     (`offload.device_prefill_pays`) runs on the device instead (`on_device`): each layer's bank
     copied in whole while the layer before computes, as offload's prefill copies them."""
@@ -170,14 +170,15 @@ class Cpu(ExpertBackend):
         from freetoken_jax.runtime.offload import device_prefill_pays, host_memory_kind
 
         # "auto" left unresolved (no memory budget) copies on a GPU, as offload's executor does
-        copy = self.prefill_load == "copy" or (self.prefill_load == "auto" and host_memory_kind() is not None)
+        copy = self.prefill_load in ("copy", "copy2") or (self.prefill_load == "auto" and host_memory_kind() is not None)
         return dataclasses.replace(self, on_device=copy and device_prefill_pays(cfg, tokens))
 
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
         from freetoken_jax.runtime.offload import CpuExpertExecutor, OffloadExecutor
 
         if self.on_device:
-            return OffloadExecutor(model.cfg, model, None, valid_T, prefill=True, prefill_load="copy").expert_fns(model), lambda: slots
+            load = "copy2" if self.prefill_load == "copy2" else "copy"
+            return OffloadExecutor(model.cfg, model, None, valid_T, prefill=True, prefill_load=load).expert_fns(model), lambda: slots
         return CpuExpertExecutor(model.cfg, self.host_banks, valid_T, self.handoff).expert_fns(model), lambda: slots
 
 

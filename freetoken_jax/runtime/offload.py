@@ -12,7 +12,8 @@ them): layer L+1 is loaded into one while layer L computes; experts already resi
 cache are used where they are (not sent again, not even copied) and the rest fetched from the
 host bank into the buffer by the Pallas kernel, or (`prefill_load`, on a GPU by default) the
 whole bank moves as one in-jit copy, which XLA runs on its own stream beside layer L's compute,
-and layer L+1 computes from that copy as it is. At the end the last two layers' experts stay
+and layer L+1 computes from that copy as it is ("copy2": layers L+1 and L+2 in flight, so that
+the copies run back to back while a layer's compute takes nearly as long as its copy). At the end the last two layers' experts stay
 resident in their buffers (`keep_buffer`; a copied bank of theirs is written into its buffer).
 Without 2E slots each layer's whole bank is copied to the device, used and dropped, and the
 slot cache is left as it was.
@@ -64,15 +65,6 @@ def copy_wait() -> str:
     it too (on the H200 an 8192-token q4_0 chunk took 213 ms this way against 193: RESULTS.md).
     The last two layers' banks, written into their buffers, wait as "output"."""
     return env_choice("FREETOKEN_PREFILL_COPY_WAIT", "experts", ("experts", "output"))
-
-
-def copies_ahead() -> int:
-    """How many layers' banks a buffered prefill keeps in flight ahead of the layer computing
-    (FREETOKEN_PREFILL_AHEAD, 1 or 2; only banks copied whole — the Pallas fetch has two buffers):
-    1 (the default) issues layer m+1's copy at layer m's experts; 2 issues layer m+2's there, so
-    that the copy queue never runs dry while a layer's compute is as long as its copy, at the cost
-    of one more layer's bank on the device."""
-    return int(env_choice("FREETOKEN_PREFILL_AHEAD", "1", ("1", "2")))
 
 
 def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
@@ -145,15 +137,15 @@ class OffloadExecutor:
         return moe_layer_fns(model, self._prefill_fn if self.cache is None else self._decode_fn)
 
     def _copies_bank(self, m: int) -> bool:
-        """Whether layer m's whole bank comes in by one in-jit `device_put` ("copy") rather than
-        the Pallas fetch of its missing experts. "auto" (the engine resolves it from its memory
+        """Whether layer m's whole bank comes in by one in-jit `device_put` ("copy", "copy2":
+        the next two layers' banks in flight) rather than the Pallas fetch of its missing experts. "auto" (the engine resolves it from its memory
         plan first: `memory.budget.choose_prefill_load`): always on a GPU, where XLA runs the
         copy on its own stream beside the compute while the fetch kernel runs on the compute
         stream, in series with it (H200: a 2048-token q4_0 chunk 316 against 381 ms); on the
         CPU backend for rows under 256 KB; always without a slot cache (strategy cpu's chunks)."""
         row = self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize
         auto = host_memory_kind() is not None or row < SMALL_ROW_BYTES
-        return self.cache is None or self.prefill_load == "copy" or (self.prefill_load == "auto" and auto)
+        return self.cache is None or self.prefill_load in ("copy", "copy2") or (self.prefill_load == "auto" and auto)
 
     def _fetch_layer(self, m: int) -> None:
         """Brings MoE layer m's experts in by the Pallas fetch: the resident ones are used where
@@ -201,8 +193,9 @@ class OffloadExecutor:
                 # The next layers' loads are issued once layer m's input and weights exist, and
                 # before it computes: the two may overlap, and the loads cannot run ahead of the
                 # compute (XLA would otherwise start every layer's load at once, keeping a version
-                # of the slot arrays alive for each). Banks copied whole go through the barrier too.
-                ahead = copies_ahead() if self._copies_bank(m + 1) else 1
+                # of the slot arrays alive for each). Banks copied whole go through the barrier too;
+                # under "copy2" layer m+2's is issued here, m+1's having been issued at layer m-1.
+                ahead = 2 if self.prefill_load == "copy2" and self._copies_bank(m + 1) else 1
                 issue = [j for j in range(m + 1, min(n, m + 1 + ahead)) if j not in self.in_flight and self._copies_bank(j)]
                 nxt = tuple(self.banks[j] for j in issue)
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))

@@ -83,10 +83,13 @@ def test_whole_bank_copies_where_a_layer_fits_beside_the_activations(strategy, b
                         prefill_chunk=16)  # fmt: skip
     plan = plan_memory(CFG, ecfg, dense_bytes=10_000, kv_bytes=20_000, itemsize=4, device_bytes=None)
     free = int(budget_gb * GB) - plan.dense_bytes - plan.kv_bytes - plan.slot_bytes
-    fits = prefill_activation_bytes(CFG, ecfg, 16) + 2 * CFG.num_experts * plan.expert_bytes <= 0.5 * free  # two banks
-    assert choose_prefill_load(CFG, ecfg, plan, gpu=True)[0] == ("copy" if fits else "fetch")
+
+    def fits(banks):
+        return prefill_activation_bytes(CFG, ecfg, 16) + banks * CFG.num_experts * plan.expert_bytes <= 0.5 * free
+
+    assert choose_prefill_load(CFG, ecfg, plan, gpu=True)[0] == ("copy2" if fits(3) else "copy" if fits(2) else "fetch")
     assert choose_prefill_load(CFG, ecfg, plan, gpu=False)[0] == "auto"  # the CPU backend: the executor's rule
-    for given in ("copy", "fetch"):
+    for given in ("copy", "copy2", "fetch"):
         assert choose_prefill_load(CFG, ecfg.replace(prefill_load=given), plan, gpu=True)[0] == given
     unknown = plan_memory(CFG, ecfg.replace(total_vram_gb=None), 10_000, 20_000, 4, None)
     assert choose_prefill_load(CFG, ecfg.replace(total_vram_gb=None), unknown, gpu=True)[0] == "auto"
