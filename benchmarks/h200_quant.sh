@@ -20,6 +20,13 @@ ik_rows() { local I=/tmp/ik/build/bin/llama-bench
   $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 24 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
   $I -m /tmp/q4.gguf -ngl 99 --n-cpu-moe 17 -t 16 -mmp 0 -fmoe 1 -rtr 1 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" | tail -1; }
 export -f ik_rows
+# A finished llama.cpp build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
+# 15 MiB); copied into .llamacpp/ here, later leases unpack them instead of building (the same image and CPUs).
+pack() { local b=/tmp/$1/build; [ -x $b/bin/llama-bench ] || return 0
+  (cd $b && XZ_OPT="-6 -T0" tar cJf - bin $(find . -name "*.so*" -not -path "./bin/*")) | split -b 15M - "$OUT/$1-bin.tar.xz."; ls -la "$OUT"/$1-bin.*; }
+unpack() { ls .llamacpp/$1-bin.tar.xz.* > /dev/null 2>&1 || return 1
+  mkdir -p /tmp/$1/build && cat .llamacpp/$1-bin.tar.xz.* | tar xJf - -C /tmp/$1/build && ! ldd /tmp/$1/build/bin/llama-bench | grep -q "not found" &&
+    echo "$1: llama-bench unpacked from .llamacpp/$1-bin.tar.xz.*"; }
 # llama.cpp's llama-bench from .llamacpp/llama-src.tar.gz (≈ 4 min on 16 cores) beside the comparison's GGUFs (lcpp_gguf:
 # the kit's Q4_0 at /tmp/q4.gguf and, unless Q4_ONLY is set, Q4_K and Q4_K_M files of the same shape)
 lcpp_gguf() { (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1
@@ -31,11 +38,12 @@ lcpp_build() { lcpp_gguf &
   (cd /tmp/lcpp && cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON \
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
     timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?); wait; }
-export -f lcpp_gguf lcpp_build
-# lcpp-bg (first, before the install): lcpp_build in its own process session, which outlives the call (measure nothing on
-# the CPU until it ends); `lcpp-wait` waits up to WAIT_S s for it and packs the build (below)
+export -f lcpp_gguf lcpp_build pack unpack
+# lcpp-bg (first, before the install): lcpp_build (or a packed build unpacked) in its own process session, which outlives
+# the call (measure nothing on the CPU until it ends), the Q4_0 GGUF alone unless Q4_ONLY is set empty; `lcpp-wait` waits
+# up to WAIT_S s for it and packs a fresh build
 if [ "$1" = lcpp-bg ]; then
-  (setsid nohup bash -c 'lcpp_build; echo lcpp_done' > /tmp/lcpp-bg.log 2>&1 < /dev/null &)
+  (Q4_ONLY=${Q4_ONLY-1} setsid nohup bash -c 'if unpack lcpp; then lcpp_gguf; else lcpp_build; fi; echo lcpp_done' > /tmp/lcpp-bg.log 2>&1 < /dev/null &)
   echo "llama.cpp build and GGUFs started in the background (/tmp/lcpp-bg.log)"; shift
 fi
 if [ "$1" = ik-bg ]; then
@@ -47,13 +55,6 @@ if [ "$1" = ik-bg ]; then
   echo "ik_llama.cpp build, GGUF and rows started in the background (/tmp/ik-bg.log)"; shift
 fi
 source benchmarks/h200_install.sh
-# A finished llama.cpp build's llama-bench and libraries come back under $OUT as NAME-bin.tar.xz.aa, .ab, ... (pieces of
-# 15 MiB); copied into .llamacpp/ here, later leases unpack them instead of building (the same image and CPUs).
-pack() { local b=/tmp/$1/build; [ -x $b/bin/llama-bench ] || return 0
-  (cd $b && XZ_OPT="-6 -T0" tar cJf - bin $(find . -name "*.so*" -not -path "./bin/*")) | split -b 15M - "$OUT/$1-bin.tar.xz."; ls -la "$OUT"/$1-bin.*; }
-unpack() { ls .llamacpp/$1-bin.tar.xz.* > /dev/null 2>&1 || return 1
-  mkdir -p /tmp/$1/build && cat .llamacpp/$1-bin.tar.xz.* | tar xJf - -C /tmp/$1/build && ! ldd /tmp/$1/build/bin/llama-bench | grep -q "not found" &&
-    echo "$1: llama-bench unpacked from .llamacpp/$1-bin.tar.xz.*"; }
 SHAPE="--preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode"
 for what in "$@"; do
   case $what in
@@ -110,9 +111,9 @@ for what in "$@"; do
         --chunk 8192 --routing-skew 0 --strategy cpu-fetch cpu offload --json "$OUT/cpuprefill.json" 2>&1 | grep -v "it/s\]" | tail -11 ;;
     check-k) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 2 --expert-format q4_k 2>&1 | tail -8 ;;
     check-km) python3 benchmarks/check_strategies.py --preset qwen3-30b-a3b --layers 3 --expert-format q4_k --down-format q6_k 2>&1 | tail -4 ;;
-    lcpp-build) unpack lcpp && (Q4_ONLY=1 lcpp_gguf) || { lcpp_build; pack lcpp; }; ls -la /tmp/q4*.gguf ;;
+    lcpp-build) if unpack lcpp; then lcpp_gguf; else lcpp_build; pack lcpp; fi; ls -la /tmp/q4*.gguf ;;
     lcpp-wait) for _ in $(seq ${WAIT_S:-480}); do grep -q lcpp_done /tmp/lcpp-bg.log 2> /dev/null && break; sleep 1; done
-      cat /tmp/lcpp-bg.log; pack lcpp; ls -la /tmp/q4*.gguf ;;
+      cat /tmp/lcpp-bg.log; ls .llamacpp/lcpp-bin.tar.xz.* > /dev/null 2>&1 || pack lcpp; ls -la /tmp/q4*.gguf ;;
     gguf-*) f=/tmp/${what#gguf-}.gguf
       # slots for 847 of 3072 experts (the share -ncmoe 17 keeps on the GPU): q4_0 and q4_k 2 654 208 bytes an expert,
       # q4_k_m's slots 3 059 712 (down rows as wide as its Q6_K layers')
