@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pflags|overlap|stacks|ekernels|attn|aprofile|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -43,6 +43,11 @@ for what in "$@"; do
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
     pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens ${PTOK:-2048} --variants ${PVARS:-dense grouped} --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
+    # ppgle: one q4_0 prefill chunk of PTOK (8192) tokens under prefill_load copy and copy2, each compiled as the engine
+    #        does and again with a profile of its own runs (XLA's profile-guided latency estimator: profile_step --pgle)
+    ppgle) for load in copy copy2; do echo "== prefill_load $load"
+        timeout 280 $P --prefill-tokens ${PTOK:-8192} --prefill-load $load --variants grouped --pgle 2>&1 | grep -E "PGLE|^== " | cut -c1-160
+      done ;;
     pflags) for f in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"; do
         echo "== XLA_FLAGS=$f"
         XLA_FLAGS="$f" timeout 200 ${P/--no-profile/} --prefill-tokens 2048 --variants grouped --top 6 2>&1 | grep -v "it/s\]" | cut -c1-200 | tail -12

@@ -16,7 +16,10 @@ buffers, loading layers by `--prefill-load`, for each expert implementation in `
 
     python benchmarks/profile_step.py --preset qwen3-30b-a3b --prefill-tokens 512 --slots-gb 16 --variants auto dense
 
-`--no-profile` runs everything but the CUPTI profile (for a machine without CUDA).
+`--pgle` compiles each prefill chunk again with a profile of its own runs, as jax's automatic PGLE
+would for a jitted call (the engine compiles ahead of time), and times that too: XLA's scheduler
+then knows how long each copy takes. `--no-profile` runs everything but the CUPTI profile (for a
+machine without CUDA).
 """
 
 from __future__ import annotations
@@ -346,9 +349,46 @@ def prefill_chunk(args) -> list:
         t = time.perf_counter()
         run(3)
         wall = (time.perf_counter() - t) / 3 * 1e3
+        pgle = pgle_profile(run) if args.pgle else None  # before the CUPTI profile: one profiler at a time
         profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
         report(summary, 1, f"prefill {T} {args.prefill_load} {impl}", wall, profile, compile_s)
+        if pgle is not None:
+            t = time.perf_counter()
+            compiled = step.lower(weights, box[0], batch, box[1], backend).compile({"fdo_profile": pgle})
+            compile_s = time.perf_counter() - t
+            with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}_pgle.hlo.txt"), "w") as f:
+                f.write(compiled.as_text())
+
+            def run(k, compiled=compiled, backend=backend):
+                tok = None
+                for _ in range(k):
+                    tok, box[0], box[1] = compiled(weights, box[0], batch, box[1], backend)
+                tok.block_until_ready()
+
+            run(1)
+            t = time.perf_counter()
+            run(3)
+            wall = (time.perf_counter() - t) / 3 * 1e3
+            profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
+            report(summary, 1, f"prefill {T} {args.prefill_load} {impl} pgle", wall, profile, compile_s)
     return summary
+
+
+def pgle_profile(run) -> bytes:
+    """A profile of three runs as XLA's latency-hiding scheduler reads it (`fdo_profile`: each
+    instruction's measured time, the copies' among them where the trace names them): what jax's
+    automatic PGLE collects, for executables compiled ahead of time."""
+    import tempfile
+
+    from jax.experimental.profiler import get_profiled_instructions_proto
+
+    with tempfile.TemporaryDirectory() as d:
+        jax.profiler.start_trace(d)
+        run(3)
+        jax.profiler.stop_trace()
+        proto = get_profiled_instructions_proto(d)
+    print(f"   PGLE profile: {len(proto)} bytes, {proto.count(b'copy-start')} copy-start and {proto.count(b'copy-done')} copy-done costs")
+    return proto
 
 
 def main() -> int:
@@ -377,6 +417,8 @@ def main() -> int:
     ap.add_argument("--timeline", type=int, default=0, metavar="N", help="list N events of the last profiled step's middle in time order")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
     ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy", "copy2"])
+    ap.add_argument("--pgle", action="store_true",
+                    help="prefill: compile the chunk again with a profile of its runs (XLA's profile-guided latency estimator) and time it too")  # fmt: skip
     args = ap.parse_args()
     global TIMELINE
     TIMELINE = args.timeline
