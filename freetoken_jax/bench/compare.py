@@ -19,9 +19,8 @@ Prefill adds `stream` (each layer's whole bank copied and dropped, no slots) and
 baselines for the buffered prefill of offload / hybrid, and `offload-copy` / `offload-copy2` /
 `offload-fetch` (the buffered prefill loading whole banks by device_put, one or two layers ahead,
 or the missing experts by the Pallas fetch: `prefill_load="copy"` / `"copy2"` / `"fetch"`; plain
-offload takes the engine's choice); `cpu-fetch` is cpu
-with every chunk on the CPU (plain cpu computes long chunks on the device, as the engine does on a
-GPU).
+offload takes the engine's choice); `cpu-fetch` is cpu with every chunk on the CPU (plain cpu
+computes long chunks on the device, as the engine does on a GPU).
 
 Decode rows report tokens/s, ms per token, time to first token, hit rate, GB fetched per token,
 q*, tokens/s as a multiple of the naive baseline's (when it ran at that batch and skew) and the

@@ -155,10 +155,11 @@ class Hybrid(ExpertBackend):
 @dataclasses.dataclass(frozen=True)
 class Cpu(ExpertBackend):
     """Every routed expert computed by the C++ executor from the host banks; no slots. With
-    `prefill_load` "copy" or "copy2" (a GPU with room for two or three layers' banks: `EngineConfig.prefill_load`) a
-    prefill chunk whose pairs would keep the CPU busier than the layer's copy over PCIe
-    (`offload.device_prefill_pays`) runs on the device instead (`on_device`): each layer's bank
-    copied in whole while the layer before computes, as offload's prefill copies them."""
+    `prefill_load` "copy" or "copy2" (a GPU with room for two or three layers' banks:
+    `EngineConfig.prefill_load`) a prefill chunk whose pairs would keep the CPU busier than the
+    layer's copy over PCIe (`offload.device_prefill_pays`) runs on the device instead
+    (`on_device`): each layer's bank copied in whole while the layers before compute, as
+    offload's prefill copies them."""
 
     host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
     handoff: str = dataclasses.field(default="callback", metadata=dict(static=True))

@@ -13,8 +13,9 @@ cache are used where they are (not sent again, not even copied) and the rest fet
 host bank into the buffer by the Pallas kernel, or (`prefill_load`, on a GPU by default) the
 whole bank moves as one in-jit copy, which XLA runs on its own stream beside layer L's compute,
 and layer L+1 computes from that copy as it is ("copy2": layers L+1 and L+2 in flight, so that
-the copies run back to back while a layer's compute takes nearly as long as its copy). At the end the last two layers' experts stay
-resident in their buffers (`keep_buffer`; a copied bank of theirs is written into its buffer).
+the copies run back to back while a layer's compute takes nearly as long as its copy). At the
+end the last two layers' experts stay resident in their buffers (`keep_buffer`; a copied bank of
+theirs is written into its buffer).
 Without 2E slots each layer's whole bank is copied to the device, used and dropped, and the
 slot cache is left as it was.
 
@@ -137,9 +138,10 @@ class OffloadExecutor:
         return moe_layer_fns(model, self._prefill_fn if self.cache is None else self._decode_fn)
 
     def _copies_bank(self, m: int) -> bool:
-        """Whether layer m's whole bank comes in by one in-jit `device_put` ("copy", "copy2":
-        the next two layers' banks in flight) rather than the Pallas fetch of its missing experts. "auto" (the engine resolves it from its memory
-        plan first: `memory.budget.choose_prefill_load`): always on a GPU, where XLA runs the
+        """Whether layer m's whole bank comes in by one in-jit `device_put` ("copy", "copy2": the
+        next two layers' banks in flight) rather than the Pallas fetch of its missing experts.
+        "auto" (the engine resolves it from its memory plan first:
+        `memory.budget.choose_prefill_load`): always on a GPU, where XLA runs the
         copy on its own stream beside the compute while the fetch kernel runs on the compute
         stream, in series with it (H200: a 2048-token q4_0 chunk 316 against 381 ms); on the
         CPU backend for rows under 256 KB; always without a slot cache (strategy cpu's chunks)."""

@@ -187,6 +187,7 @@ def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypa
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6, prefill_load=load))
         n = eng.model_config.num_moe_layers
         events.clear()
+        buffered_step.clear_cache()  # traced afresh: the events are the trace's
         cache, table = buffered_args(eng)
         batch = PrefillBatch.chunk([prompt[:8]], [0], table, 8, Sampling.greedy(1))
         buffered_step.lower(eng.weights, eng.experts, cache, batch, eng.runner.slots)
