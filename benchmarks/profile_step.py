@@ -332,31 +332,13 @@ def prefill_chunk(args) -> list:
     batch = PrefillBatch.chunk([rng.integers(0, cfg.vocab_size, T)], [0], table, T, Sampling.greedy(1))
     for impl in args.variants:
         step = jax.jit(lambda *a: prefill_step_buffered(*a), donate_argnums=(1, 3))  # a fresh trace per implementation
-        t = time.perf_counter()
         backend = SyntheticRouting(dataclasses.replace(experts, compute=named(impl)), jnp.float32(args.routing_skew))
-        compiled = step.lower(weights, box[0], batch, box[1], backend).compile()
-        compile_s = time.perf_counter() - t
-        with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}.hlo.txt"), "w") as f:
-            f.write(compiled.as_text())
-
-        def run(k, compiled=compiled, backend=backend):
-            tok = None
-            for _ in range(k):
-                tok, box[0], box[1] = compiled(weights, box[0], batch, box[1], backend)
-            tok.block_until_ready()
-
-        run(1)
-        t = time.perf_counter()
-        run(3)
-        wall = (time.perf_counter() - t) / 3 * 1e3
-        pgle = pgle_profile(run) if args.pgle else None  # before the CUPTI profile: one profiler at a time
-        profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
-        report(summary, 1, f"prefill {T} {args.prefill_load} {impl}", wall, profile, compile_s)
-        if pgle is not None:
+        pgle = None
+        for tag in ("", "_pgle") if args.pgle else ("",):
             t = time.perf_counter()
-            compiled = step.lower(weights, box[0], batch, box[1], backend).compile({"fdo_profile": pgle})
+            compiled = step.lower(weights, box[0], batch, box[1], backend).compile({"fdo_profile": pgle} if pgle else None)
             compile_s = time.perf_counter() - t
-            with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}_pgle.hlo.txt"), "w") as f:
+            with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}{tag}.hlo.txt"), "w") as f:
                 f.write(compiled.as_text())
 
             def run(k, compiled=compiled, backend=backend):
@@ -369,8 +351,10 @@ def prefill_chunk(args) -> list:
             t = time.perf_counter()
             run(3)
             wall = (time.perf_counter() - t) / 3 * 1e3
+            if args.pgle and not tag:
+                pgle = pgle_profile(run)  # before the CUPTI profile: one profiler at a time
             profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
-            report(summary, 1, f"prefill {T} {args.prefill_load} {impl} pgle", wall, profile, compile_s)
+            report(summary, 1, f"prefill {T} {args.prefill_load} {impl}{tag.replace('_', ' ')}", wall, profile, compile_s)
     return summary
 
 
