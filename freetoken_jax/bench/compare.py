@@ -119,6 +119,8 @@ class Bench:
         else:
             self.engine = FreeTokenEngine.from_pretrained(model, self.ecfg.replace(expert_slots=max_batch * 64))
         self.cfg = self.engine.model_config  # its runner stays small (B x k slots): rows bring their own
+        # the rows load prefill's layers as the engine chose from its memory plan (copy2 / copy / fetch on a GPU)
+        self.ecfg = self.ecfg.replace(prefill_load=self.engine.engine_config.prefill_load)
         self.build_s = time.perf_counter() - t0
         gpu = jax.default_backend() == "gpu"
         self.hbm = copy_bandwidth(4.0 if gpu else 0.05, 20 if gpu else 3)
@@ -486,7 +488,7 @@ def run(args) -> dict:
     q = bench.bp / (bench.bp + bench.bh_hybrid)  # q*, from this run's measured bandwidths (hybrid's executor threads)
     hybrid_qs = args.q or [q]
     out = dict(kind=args.cmd, model=args.model, device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-               dtype=args.dtype, expert_format=bench.cfg.expert_format, expert_bytes=bench.expert_bytes, expert_impl=getattr(args, "expert_impl", "auto"), time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
+               dtype=args.dtype, expert_format=bench.cfg.expert_format, expert_bytes=bench.expert_bytes, expert_impl=getattr(args, "expert_impl", "auto"), prefill_load=bench.ecfg.prefill_load, time=time.time(), copy_bw_gb_s=bench.hbm / 1e9, h2d_gb_s=bench.bp / 1e9,
                executor_gb_s=bench.bh / 1e9, hybrid_executor_gb_s=bench.bh_hybrid / 1e9, q=q, switches=switches(), rows=[])  # fmt: skip
 
     def write() -> None:

@@ -97,20 +97,22 @@ def test_prefill(tmp_path, monkeypatch):
     monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", "flash")  # recorded with the rows
     out = tmp_path / "prefill.json"
     # (offload loads a demo layer's bank by copy on the CPU backend, as offload-copy does)
-    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-fetch", "stream", "fused", "--slots-gb", "0.01",
+    argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-fetch", "offload-copy2", "stream", "fused", "--slots-gb", "0.01",
             "--prompt-len", "40", "--chunk", "16",
             "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["switches"].get("FREETOKEN_PREFILL_ATTENTION") == "flash"
+    assert record["prefill_load"] == "auto"  # the engine's choice: the CPU backend leaves it to the executor
     rows = record["rows"]
     assert [(r["strategy"], r["prompt_len"], r["chunks"], r["buffered"]) for r in rows] == [
         ("offload", 40, 3, True),  # 0.01 GB holds more than 2 x 16 demo experts: two layer buffers
         ("offload-fetch", 40, 3, True),
+        ("offload-copy2", 40, 3, True),
         ("stream", 40, 3, False),
         ("fused", 40, 3, False),
     ]
-    assert rows[0]["pcie_bound_ms"] > 0 and rows[3]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["pcie_bound_ms"] > 0 and rows[4]["pcie_bound_ms"] is None and all(r["tokens_per_s"] > 0 for r in rows)
     assert len({r["first_token"] for r in rows}) == 1  # every load path prefills the same prompt to the same token
     # ... with the same lead over the runner-up (greedy: the first token is the most likely one)
     margins = [r["first_margin"] for r in rows]
