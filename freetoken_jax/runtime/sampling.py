@@ -262,11 +262,15 @@ def sample_full(logits_BV, s: Sampling, counts_BV, positions_B, mask_BW=None, lo
     with min-p), and (with `logprobs`) its `Logprobs` under the unprocessed ones."""
     x = process_logits(logits_BV, s, counts_BV, positions_B, mask_BW)
     tok = sample(x, s.seeds_B, positions_B + 1, s.temperature_B, s.top_k_B, s.top_p_B, s.min_p_B)
-    if not logprobs:
-        return tok, None
-    lp = jax.nn.log_softmax(logits_BV.astype(jnp.float32), axis=-1)
+    return tok, (logprobs_of(logits_BV, tok) if logprobs else None)
+
+
+def logprobs_of(logits, tokens) -> Logprobs:
+    """`Logprobs` of `tokens` (any leading shape) under `logits` ([..., V]): each token's
+    log-probability and the `TOP_LOGPROBS` most likely tokens' ([..., N])."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top, top_ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
-    return tok, Logprobs(jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top)
+    return Logprobs(jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0], top_ids.astype(jnp.int32), top)
 
 
 def count_tokens(counts_BV, tokens_B, rows_B) -> jax.Array:

@@ -18,7 +18,7 @@ from flax import nnx
 from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.memory.slot_cache import SlotCache
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
-from freetoken_jax.runtime.sampling import TOP_LOGPROBS, Logprobs, Sampling, count_tokens, sample, sample_full, sample_plain
+from freetoken_jax.runtime.sampling import Logprobs, Sampling, count_tokens, logprobs_of, sample, sample_full, sample_plain
 
 # Positions whose logits a scored chunk computes at once (`chunk_logprobs`), at most 128 and at most
 # 256 MB of float32 logits for all its rows: a 152k vocabulary's are 78 MB a row at 128 positions,
@@ -283,19 +283,16 @@ def chunk_logprobs(weights: Weights, h_BTD, targets_BT, block: int | None = None
         block = max(1, min(SCORE_BLOCK, SCORE_BLOCK_BYTES // (B * model.cfg.vocab_size * 4)))
 
     def one(h, t):
-        lp = jax.nn.log_softmax(model.logits(h).astype(jnp.float32), axis=-1)
-        top, ids = jax.lax.top_k(lp, min(TOP_LOGPROBS, lp.shape[-1]))
-        return jnp.take_along_axis(lp, jnp.maximum(t, 0)[..., None], axis=-1)[..., 0], ids.astype(jnp.int32), top
+        return logprobs_of(model.logits(h), jnp.maximum(t, 0))
 
     if T <= block:
-        return Logprobs(*one(h_BTD, targets_BT))
+        return one(h_BTD, targets_BT)
     n = -(-T // block)
     pad = n * block - T
     hb = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, block, D).swapaxes(0, 1)
     tb = jnp.pad(targets_BT, ((0, 0), (0, pad)), constant_values=-1).reshape(B, n, block).swapaxes(0, 1)
-    chosen, ids, top = jax.lax.map(lambda a: one(*a), (hb, tb))  # [n, B, block(, N)]
-    unblock = lambda x: x.swapaxes(0, 1).reshape(B, n * block, *x.shape[3:])[:, :T]  # noqa: E731
-    return Logprobs(unblock(chosen), unblock(ids), unblock(top))
+    blocked = jax.lax.map(lambda a: one(*a), (hb, tb))  # each field [n, B, block(, N)]
+    return jax.tree.map(lambda x: x.swapaxes(0, 1).reshape(B, n * block, *x.shape[3:])[:, :T], blocked)
 
 
 def prefill_step_buffered(weights: Weights, cache: KVCache, batch: PrefillBatch, slots: SlotCache, experts: ExpertBackend):
