@@ -48,8 +48,8 @@ if [ "$1" = lcpp-bg ]; then
 fi
 if [ "$1" = ik-bg ]; then
   (BUILD_S=${BUILD_S:-1500} setsid nohup bash -c '
-    (cd .llamacpp && python3 gen_gguf.py --out /tmp/q4.gguf --layers 24 --experts q4_0 > /tmp/gen.log 2>&1) &
-    bash .llamacpp/device_build_ik.sh; wait; tail -1 /tmp/gen.log
+    Q4_ONLY=1 lcpp_gguf &
+    bash .llamacpp/device_build_ik.sh; wait
     [ -x /tmp/ik/build/bin/llama-bench ] && [ -f /tmp/q4.gguf ] && ik_rows > /tmp/ik-rows.md
     echo ik_done' > /tmp/ik-bg.log 2>&1 < /dev/null &)
   echo "ik_llama.cpp build, GGUF and rows started in the background (/tmp/ik-bg.log)"; shift

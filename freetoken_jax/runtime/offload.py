@@ -197,7 +197,7 @@ class OffloadExecutor:
                 # compute (XLA would otherwise start every layer's load at once, keeping a version
                 # of the slot arrays alive for each). Banks copied whole go through the barrier too;
                 # under "copy2" layer m+2's is issued here, m+1's having been issued at layer m-1.
-                ahead = 2 if self.prefill_load == "copy2" and self._copies_bank(m + 1) else 1
+                ahead = 2 if self.prefill_load == "copy2" else 1  # (copy2 copies every bank)
                 issue = [j for j in range(m + 1, min(n, m + 1 + ahead)) if j not in self.in_flight and self._copies_bank(j)]
                 nxt = tuple(self.banks[j] for j in issue)
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
