@@ -142,11 +142,13 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
             --json "$OUT/ab_$tag.json" > "$OUT/ab_$tag.log" 2>&1
           echo "== $var: ${strats//,/ } rc=$?"; grep -v "it/s\]" "$OUT/ab_$tag.log" | tail -8
         done ;;
-    # pab: offload prefill of 8192 tokens in one chunk (FMT, q4_0 unless set; slots of -ncmoe 17), one process per setting of
-    # PAB (as ab's: VAR=VALUE pairs joined by +, "-" for none), e.g. PAB="- XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"
+    # pab: prefill of 8192 tokens in one chunk (FMT, q4_0 unless set; SLOTS GB of slots, those of -ncmoe 17 unless set) by
+    # the strategies PSTRATS (offload: the engine's choice of load; offload-copy, offload-copy2: as named), one process per
+    # setting of PAB (as ab's: VAR=VALUE pairs joined by +, "-" for none), e.g. PAB="- XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"
     pab) n=0; for var in $PAB; do n=$((n + 1)); var=${var/#-/}; echo "== ${var:-defaults}"
-          env ${var//+/ } timeout 300 $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb 2.2482 \
-            --prompt-len 8192 --chunk 8192 --routing-skew 0 --strategy offload --json "$OUT/pab_$n.json" 2>&1 | grep -v "it/s\]" | tail -2
+          env ${var//+/ } timeout ${PAB_S:-300} $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb ${SLOTS:-2.2482} \
+            --prompt-len 8192 --chunk 8192 --routing-skew 0 --strategy ${PSTRATS:-offload} --json "$OUT/pab_${FMT:-q4_0}_$n.json" 2>&1 |
+            grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w)))
         done ;;
     qsweep) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid --q 0.3 0.35 0.4 0.45 0.5 --json "$OUT/q4_qsweep.json" 2>&1 | grep -v "it/s\]" | tail -7 ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench

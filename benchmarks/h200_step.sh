@@ -43,9 +43,9 @@ for what in "$@"; do
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
     pprofile) timeout 300 ${P/--no-profile/} --prefill-tokens ${PTOK:-2048} --variants ${PVARS:-dense grouped} --top 16 2>&1 | grep -v "it/s\]" | cut -c1-200 ;;
-    # ppgle: one q4_0 prefill chunk of PTOK (8192) tokens under prefill_load copy and copy2, each compiled as the engine
-    #        does and again with a profile of its own runs (XLA's profile-guided latency estimator: profile_step --pgle)
-    ppgle) for load in copy copy2; do echo "== prefill_load $load"
+    # ppgle: one q4_0 prefill chunk of PTOK (8192) tokens under each prefill_load of LOADS (copy copy2), each compiled as
+    #        the engine does and again with a profile of its own runs (XLA's profile-guided latency estimator: profile_step --pgle)
+    ppgle) for load in ${LOADS:-copy copy2}; do echo "== prefill_load $load"
         timeout 280 $P --prefill-tokens ${PTOK:-8192} --prefill-load $load --variants grouped --pgle 2>&1 | grep -E "PGLE|^== " | cut -c1-160
       done ;;
     pflags) for f in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"; do
