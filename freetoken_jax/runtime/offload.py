@@ -68,6 +68,19 @@ def copy_wait() -> str:
     return env_choice("FREETOKEN_PREFILL_COPY_WAIT", "experts", ("experts", "output"))
 
 
+COPY_SPLITS = {"none": (), "down": (2,), "up_down": (1, 2)}  # bank kinds (0 gate, 1 up, 2 down) issued late
+
+
+def copy_split() -> tuple[int, ...]:
+    """Which of the newest layer's banks a buffered prefill issues at layer m's output rather than
+    at its experts' barrier (FREETOKEN_PREFILL_COPY_SPLIT): "none" (the default) — all three at
+    the barrier; "down" — the down bank after layer m's output; "up_down" — up and down there.
+    XLA keeps at most two copies outstanding and three starts at one point leave the compute
+    waiting for the first copy before the third can start (RESULTS.md); starts spread over two
+    points give each copy a stretch of compute to run under."""
+    return COPY_SPLITS[env_choice("FREETOKEN_PREFILL_COPY_SPLIT", "none", tuple(COPY_SPLITS))]
+
+
 def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
     """Whether a prefill chunk of `tokens` (rows × chunk length) should go through the slot cache
     token by token rather than load whole layers: when its routed experts fit in the slots and,
@@ -197,16 +210,29 @@ class OffloadExecutor:
                 # compute (XLA would otherwise start every layer's load at once, keeping a version
                 # of the slot arrays alive for each). Banks copied whole go through the barrier too;
                 # under "copy2" layer m+2's is issued here, m+1's having been issued at layer m-1.
+                # `copy_split`: the newest layer's late kinds are issued after layer m's output.
                 ahead = 2 if self.prefill_load == "copy2" else 1  # (copy2 copies every bank)
-                issue = [j for j in range(m + 1, min(n, m + 1 + ahead)) if j not in self.in_flight and self._copies_bank(j)]
-                nxt = tuple(self.banks[j] for j in issue)
+                newest, late = m + ahead, copy_split()
+                issue = [
+                    (j, k)
+                    for j in range(m + 1, min(n, m + 1 + ahead))
+                    if self._copies_bank(j)
+                    for k in range(3)
+                    if k not in self.in_flight.get(j, {}) and not (j == newest and k in late)
+                ]
+                nxt = tuple(self.banks[j][k] for j, k in issue)
                 x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
-                self.in_flight.update((j, [self._on_device(b) for b in bank]) for j, bank in zip(issue, nxt))
+                self._issue(issue, nxt)
                 if m + 1 not in self.in_flight:
                     self._fetch_layer(m + 1)
             out = self.compute(x_TD, ids_TK, w_TK, layer, self.layouts[m], bias=pair_biases(bias, ids_TK))
+            if m + 1 < n and m + ahead < n and self._copies_bank(m + ahead) and late:
+                issue = [(m + ahead, k) for k in late]
+                out, nxt = jax.lax.optimization_barrier((out, tuple(self.banks[j][k] for j, k in issue)))
+                self._issue(issue, nxt)
             copied = self.in_flight.pop(m + 1, None)
             if copied is not None:
+                copied = [copied[k] for k in range(3)]
                 # A copied bank is taken up at the next layer's experts (or, `copy_wait`, after
                 # this layer's output), so that nothing on the compute stream waits for it before.
                 if copy_wait() == "output" or m + 1 >= n - 2:
@@ -218,6 +244,11 @@ class OffloadExecutor:
             return out
 
         return fn
+
+    def _issue(self, issue: list, host: tuple) -> None:
+        """Copies the host banks `host` (MoE layer, kind) of `issue` to the device, in flight."""
+        for (j, k), bank in zip(issue, host):
+            self.in_flight.setdefault(j, {})[k] = self._on_device(bank)
 
     @staticmethod
     def _on_device(bank):

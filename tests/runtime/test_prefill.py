@@ -169,11 +169,33 @@ def test_short_chunks_go_through_the_slot_cache(ckpt_root):
     assert slot_prefill_pays(big, 35, 4096) and not slot_prefill_pays(big, 36, 4096) and not slot_prefill_pays(big, 35, 279)
 
 
+def copies_before_each_layer(n: int, ahead: int, late: tuple) -> list[int]:
+    """A plain-Python model of the buffered prefill's copy issue: how many banks are copied
+    between layer m-1's experts and layer m's. Layer m's barrier issues layer 0's banks (m = 0)
+    and every bank of layers m+1 .. m+ahead not yet issued, less the newest layer's `late` kinds,
+    which layer m's output issues (counted before layer m+1)."""
+    issued, counts = set(), []
+    for m in range(n):
+        count = 3 if m == 0 else 0
+        if m > 0 and m - 1 + ahead < n:
+            count += len(late)
+            issued |= {(m - 1 + ahead, k) for k in late}
+        for j in range(m + 1, min(n, m + 1 + ahead)):
+            for k in range(3):
+                if (j, k) not in issued and not (j == m + ahead and k in late):
+                    issued.add((j, k))
+                    count += 1
+        counts.append(count)
+    assert len(issued) == 3 * (n - 1)  # every bank after layer 0's, once
+    return counts
+
+
 def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypatch):
     """prefill_load "copy2": layer m's barrier issues layer m+2's bank copy (layer 0's those of
     layers 1 and 2), so that the copies come two layers ahead of the compute; "copy" one layer
-    ahead. The banks copied before each layer's experts, as traced, follow that model, and the
-    logits equal "copy"'s bit for bit."""
+    ahead; FREETOKEN_PREFILL_COPY_SPLIT moves the newest layer's down (and up) bank to layer m's
+    output. The banks copied before each layer's experts, as traced, follow the plain-Python
+    model, and the logits equal "copy"'s bit for bit."""
     from freetoken_jax.runtime import offload
 
     path = make_checkpoint("mixtral_deep", ckpt_root)
@@ -183,7 +205,8 @@ def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypa
     monkeypatch.setattr(offload, "routed_experts", lambda *a, **k: events.append("compute") or routed(*a, **k))
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 96, 13)]
     got = {}
-    for load, ahead in (("copy", 1), ("copy2", 2)):
+    for load, ahead, split in (("copy", 1, "none"), ("copy2", 2, "none"), ("copy2", 2, "down"), ("copy2", 2, "up_down"), ("copy", 1, "down")):
+        monkeypatch.setenv("FREETOKEN_PREFILL_COPY_SPLIT", split)
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6, prefill_load=load))
         n = eng.model_config.num_moe_layers
         events.clear()
@@ -198,11 +221,14 @@ def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypa
                 run = 0
             else:
                 run += 1
-        # layers first issued before layer m computes, three banks (gate, up, down) each
-        want = [3 * min(n, 1 + ahead)] + [3 * (m + ahead < n) for m in range(1, n)]
-        assert counts == want, (load, counts)
-        got[load] = buffered_logits(eng, prompt)[0]
-    np.testing.assert_array_equal(got["copy"], got["copy2"])
+        assert counts == copies_before_each_layer(n, ahead, offload.COPY_SPLITS[split]), (load, split, counts)
+        assert run == 0  # nothing issued after the last layer's experts
+        got[load, split] = buffered_logits(eng, prompt)[0]
+    for key, logits in got.items():
+        np.testing.assert_array_equal(got["copy", "none"], logits, err_msg=str(key))
+    monkeypatch.setenv("FREETOKEN_PREFILL_COPY_SPLIT", "gate")
+    with pytest.raises(ValueError, match="FREETOKEN_PREFILL_COPY_SPLIT"):
+        offload.copy_split()
 
 
 def test_copy_wait_moves_the_barriers_not_the_numbers(ckpt_root, monkeypatch):
