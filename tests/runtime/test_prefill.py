@@ -205,7 +205,13 @@ def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypa
     monkeypatch.setattr(offload, "routed_experts", lambda *a, **k: events.append("compute") or routed(*a, **k))
     prompt = [int(t) for t in np.random.default_rng(3).integers(3, 96, 13)]
     got = {}
-    for load, ahead, split in (("copy", 1, "none"), ("copy2", 2, "none"), ("copy2", 2, "down"), ("copy2", 2, "up_down"), ("copy", 1, "down")):
+    for load, ahead, split in (
+        ("copy", 1, "none"),
+        ("copy2", 2, "none"),
+        ("copy2", 2, "down"),
+        ("copy2", 2, "up_down"),
+        ("copy", 1, "down"),
+    ):
         monkeypatch.setenv("FREETOKEN_PREFILL_COPY_SPLIT", split)
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6, prefill_load=load))
         n = eng.model_config.num_moe_layers
