@@ -72,13 +72,14 @@ COPY_SPLITS = {"none": (), "down": (2,), "up_down": (1, 2)}  # bank kinds (0 gat
 
 
 def copy_split() -> tuple[int, ...]:
-    """Which of the newest layer's banks a buffered prefill issues at layer m's output rather than
-    at its experts' barrier (FREETOKEN_PREFILL_COPY_SPLIT): "none" (the default) — all three at
-    the barrier; "down" — the down bank after layer m's output; "up_down" — up and down there.
-    XLA keeps at most two copies outstanding and three starts at one point leave the compute
-    waiting for the first copy before the third can start (RESULTS.md); starts spread over two
-    points give each copy a stretch of compute to run under."""
-    return COPY_SPLITS[env_choice("FREETOKEN_PREFILL_COPY_SPLIT", "none", tuple(COPY_SPLITS))]
+    """Which of layer m+2's banks a copy2 prefill issues at layer m's output rather than
+    at its experts' barrier (FREETOKEN_PREFILL_COPY_SPLIT): "down" (the default) — the down bank;
+    "up_down" — up and down; "none" — all three at the barrier. XLA keeps at most two copies
+    outstanding, so three starts at one point leave the compute there waiting for the first copy
+    before the third can start (RESULTS.md); starts at two points give each copy a stretch of
+    compute to run under (H100, an 8192-token q4_0 chunk under copy2: 180-182 ms with "down",
+    186 with "up_down", 184-185 with "none")."""
+    return COPY_SPLITS[env_choice("FREETOKEN_PREFILL_COPY_SPLIT", "down", tuple(COPY_SPLITS))]
 
 
 def slot_prefill_pays(cfg: MoEModelConfig, tokens: int, num_slots: int) -> bool:
@@ -210,9 +211,10 @@ class OffloadExecutor:
                 # compute (XLA would otherwise start every layer's load at once, keeping a version
                 # of the slot arrays alive for each). Banks copied whole go through the barrier too;
                 # under "copy2" layer m+2's is issued here, m+1's having been issued at layer m-1.
-                # `copy_split`: the newest layer's late kinds are issued after layer m's output.
+                # `copy_split` (copy2): the newest layer's late kinds are issued after layer m's
+                # output (one layer ahead they would have only the next layer's attention to run under).
                 ahead = 2 if self.prefill_load == "copy2" else 1  # (copy2 copies every bank)
-                newest, late = m + ahead, copy_split()
+                newest, late = m + ahead, copy_split() if ahead == 2 else ()
                 issue = [
                     (j, k)
                     for j in range(m + 1, min(n, m + 1 + ahead))

@@ -193,8 +193,8 @@ def copies_before_each_layer(n: int, ahead: int, late: tuple) -> list[int]:
 def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypatch):
     """prefill_load "copy2": layer m's barrier issues layer m+2's bank copy (layer 0's those of
     layers 1 and 2), so that the copies come two layers ahead of the compute; "copy" one layer
-    ahead; FREETOKEN_PREFILL_COPY_SPLIT moves the newest layer's down (and up) bank to layer m's
-    output. The banks copied before each layer's experts, as traced, follow the plain-Python
+    ahead; under copy2 FREETOKEN_PREFILL_COPY_SPLIT moves layer m+2's down (and up) bank to layer
+    m's output. The banks copied before each layer's experts, as traced, follow the plain-Python
     model, and the logits equal "copy"'s bit for bit."""
     from freetoken_jax.runtime import offload
 
@@ -227,11 +227,14 @@ def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypa
                 run = 0
             else:
                 run += 1
-        assert counts == copies_before_each_layer(n, ahead, offload.COPY_SPLITS[split]), (load, split, counts)
+        late = offload.COPY_SPLITS[split] if ahead == 2 else ()  # one layer ahead, all at the barrier
+        assert counts == copies_before_each_layer(n, ahead, late), (load, split, counts)
         assert run == 0  # nothing issued after the last layer's experts
         got[load, split] = buffered_logits(eng, prompt)[0]
     for key, logits in got.items():
         np.testing.assert_array_equal(got["copy", "none"], logits, err_msg=str(key))
+    monkeypatch.delenv("FREETOKEN_PREFILL_COPY_SPLIT")
+    assert offload.copy_split() == offload.COPY_SPLITS["down"]  # the default
     monkeypatch.setenv("FREETOKEN_PREFILL_COPY_SPLIT", "gate")
     with pytest.raises(ValueError, match="FREETOKEN_PREFILL_COPY_SPLIT"):
         offload.copy_split()
