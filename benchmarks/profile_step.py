@@ -322,7 +322,8 @@ def prefill_chunk(args) -> list:
     bench = Bench(args.preset, dtype=args.dtype, max_batch=1, max_context=T + 32, prefill_chunk=T, layers=args.layers,
                   expert_format=args.expert_format)  # fmt: skip
     cfg, ecfg, summary = bench.cfg, bench.ecfg, []
-    weights, experts = bench.engine.weights, Offload(args.prefill_load)
+    load = bench.ecfg.prefill_load if args.prefill_load == "auto" else args.prefill_load  # "auto": as the engine resolved it
+    weights, experts = bench.engine.weights, Offload(load)
     n = bench.slots_for(args.slots_gb, 1)
     if experts.prefill_path(cfg, T, n) != "buffered":
         raise SystemExit(f"{n} slots at {args.slots_gb} GB: a {T}-token chunk would not take the buffered prefill")
@@ -341,7 +342,7 @@ def prefill_chunk(args) -> list:
             options = {"fdo_profile": pgle, "xla_gpu_enable_latency_hiding_scheduler": True} if pgle else None
             compiled = step.lower(weights, box[0], batch, box[1], backend).compile(options)
             compile_s = time.perf_counter() - t
-            with open(os.path.join(args.out, f"prefill_t{T}_{args.prefill_load}_{impl}{tag}.hlo.txt"), "w") as f:
+            with open(os.path.join(args.out, f"prefill_t{T}_{load}_{impl}{tag}.hlo.txt"), "w") as f:
                 f.write(compiled.as_text())
 
             def run(k, compiled=compiled, backend=backend):
@@ -357,7 +358,7 @@ def prefill_chunk(args) -> list:
             if args.pgle and not tag:
                 pgle = pgle_profile(run)  # before the CUPTI profile: one profiler at a time
             profile = None if args.no_profile else kernel_profile(run, n=2, top=args.top)
-            report(summary, 1, f"prefill {T} {args.prefill_load} {impl}{tag.replace('_', ' ')}", wall, profile, compile_s)
+            report(summary, 1, f"prefill {T} {load} {impl}{tag.replace('_', ' ')}", wall, profile, compile_s)
     return summary
 
 
@@ -402,7 +403,8 @@ def main() -> int:
     ap.add_argument("--top", type=int, default=12, help="how many of the heaviest kernels to list")
     ap.add_argument("--timeline", type=int, default=0, metavar="N", help="list N events of the last profiled step's middle in time order")
     ap.add_argument("--prefill-tokens", type=int, default=None, help="profile one offload prefill chunk of this many tokens instead")
-    ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy", "copy2"])
+    ap.add_argument("--prefill-load", default="auto", choices=["auto", "fetch", "copy", "copy2"],
+                    help="prefill: how layers come in (auto: as the engine resolves it from its memory plan)")  # fmt: skip
     ap.add_argument("--pgle", action="store_true",
                     help="prefill: compile the chunk again with a profile of its runs (XLA's profile-guided latency estimator) and time it too")  # fmt: skip
     args = ap.parse_args()
