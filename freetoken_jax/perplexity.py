@@ -51,7 +51,7 @@ def scored_terms(logprobs: np.ndarray, ctx: int) -> np.ndarray:
 def perplexity(engine, ids: list[int], ctx: int = 512, max_windows: int | None = None, on_window=None) -> Perplexity:
     """The perplexity of `ids` (the text's tokens, no BOS) under `engine`'s model (module
     docstring); `on_window()` is called as each window is scored."""
-    added = engine.tokenizer.encode("", add_bos=True) if engine.tokenizer is not None else []  # the BOS a prompt starts with, if any
+    added = engine.tokenizer.prompt_start() if engine.tokenizer is not None else []  # the BOS a prompt starts with, if any
     ws = windows(ids, ctx, added[0] if added else None, max_windows)
     lps = engine.score(ws, on_done=None if on_window is None else lambda i: on_window())
     nll = -np.concatenate([scored_terms(lp.astype(np.float64), ctx) for lp in lps])

@@ -15,7 +15,11 @@ class ByteTokenizer:
     vocab_size = 258
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        return ([self.bos_token_id] if add_bos else []) + list(text.encode("utf-8"))
+        return self.prompt_start(add_bos) + list(text.encode("utf-8"))
+
+    def prompt_start(self, add_bos: bool = True) -> list[int]:
+        """The ids a prompt starts with: BOS."""
+        return [self.bos_token_id] if add_bos else []
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
@@ -65,10 +69,11 @@ class HFTokenizer:
             json.dump(cfg, f, indent=1)
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        if add_bos and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id] + ids
-        return ids
+        return self.prompt_start(add_bos) + self._tok.encode(text, add_special_tokens=False).ids
+
+    def prompt_start(self, add_bos: bool = True) -> list[int]:
+        """The ids a prompt starts with: BOS where the model's tokenizer adds one, else none."""
+        return [self.bos_token_id] if add_bos and self.add_bos and self.bos_token_id is not None else []
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

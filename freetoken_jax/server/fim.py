@@ -27,7 +27,7 @@ class FimFormat:
 
     def ids(self, tokenizer, prefix: str, suffix: str) -> list[int]:
         """The prompt's ids: the tokenizer's BOS where it adds one, then the marked parts."""
-        bos = tokenizer.encode("", add_bos=True)
+        bos = tokenizer.prompt_start()
         tid = tokenizer.token_id
         p, s = tokenizer.encode(prefix, add_bos=False), tokenizer.encode(suffix, add_bos=False)
         if self.middle is None:

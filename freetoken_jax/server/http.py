@@ -437,7 +437,7 @@ def create_app(service: Service, *, limits: S.Limits | None = None, api_key: str
         bos = getattr(tok, "bos_token_id", None)
         text = lambda t: None if t is None else tok.token_text(t)  # noqa: E731
         return {"tokenizer_class": type(tok).__name__, "eos_token": text(eos[0] if eos else None), "bos_token": text(bos),
-                "add_bos_token": bool(s.encode("", add_bos=True)), "pad_token": None, "chat_template": s.template,
+                "add_bos_token": bool(tok.prompt_start()), "pad_token": None, "chat_template": s.template,
                 "model_max_length": s.max_context}  # fmt: skip
 
     # OpenAI --------------------------------------------------------------------------------------

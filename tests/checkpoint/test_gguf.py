@@ -154,6 +154,7 @@ def test_gguf_tokenizer_encodes_and_decodes_as_the_original(pre, ckpt_root, tmp_
         assert mine.encode(text, add_bos=False) == want, text
         assert mine.decode(want) == vocab.tok.decode(want, skip_special_tokens=True)
     assert mine.chat_template == CHAT_TEMPLATE and mine.bos_token_id == vocab.tok.token_to_id("<|endoftext|>")
+    assert mine.prompt_start() == [] and mine.encode("hi") == mine.encode("hi", add_bos=False)  # add_bos_token false
     # the server renders with the file's template; the engine takes text prompts
     eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
     assert eng.tokenizer.chat_template == CHAT_TEMPLATE
@@ -305,4 +306,4 @@ def test_sentencepiece_vocabulary_encodes_and_decodes_as_sentencepiece(ckpt_root
         want = sp.encode(text)
         assert mine.encode(text, add_bos=False) == want, (text, want)
         assert mine.decode(want) == sp.decode(want), text
-    assert mine.encode("hi")[0] == 1  # add_bos_token
+    assert mine.prompt_start() == [1] and mine.encode("hi") == [1, *mine.encode("hi", add_bos=False)]  # add_bos_token
