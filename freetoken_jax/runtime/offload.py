@@ -74,10 +74,10 @@ COPY_SPLITS = {"none": (), "down": (2,), "up_down": (1, 2)}  # bank kinds (0 gat
 def copy_split() -> tuple[int, ...]:
     """Which of layer m+2's banks a copy2 prefill issues at layer m's output rather than
     at its experts' barrier (FREETOKEN_PREFILL_COPY_SPLIT): "down" (the default) — the down bank;
-    "up_down" — up and down; "none" — all three at the barrier. XLA keeps at most two copies
-    outstanding, so three starts at one point leave the compute there waiting for the first copy
-    before the third can start (RESULTS.md); starts at two points give each copy a stretch of
-    compute to run under (H100, an 8192-token q4_0 chunk under copy2: 180-182 ms with "down",
+    "up_down" — up and down; "none" — all three at the barrier. XLA's compiled schedule keeps at
+    most two copies outstanding and places each copy's wait soon after its start (RESULTS.md), so
+    three starts at one point hold the compute there until the first copy has landed; starts at
+    two points give each copy a stretch of compute to run under (H100, an 8192-token q4_0 chunk under copy2: 180-182 ms with "down",
     186 with "up_down", 184-185 with "none")."""
     return COPY_SPLITS[env_choice("FREETOKEN_PREFILL_COPY_SPLIT", "down", tuple(COPY_SPLITS))]
 
