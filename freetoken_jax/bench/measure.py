@@ -41,8 +41,8 @@ def copy_bandwidth(gib: float = 4.0, reps: int = 20) -> float:
 
 
 def h2d_bandwidth(host=None, gib: float = 1.0, reps: int = 5) -> float:
-    """Host bank memory (pinned_host on a GPU) -> device `device_put` of `host`, or of a fresh
-    `gib` GiB array (median)."""
+    """Host bank memory (pinned_host on a GPU) -> device `device_put` of `host` (an array or a
+    list of them, copied together), or of a fresh `gib` GiB array (median)."""
     from freetoken_jax.runtime.offload import host_memory_kind
 
     dev = jax.devices()[0]
@@ -52,7 +52,8 @@ def h2d_bandwidth(host=None, gib: float = 1.0, reps: int = 5) -> float:
             np.arange(n, dtype=np.float32).astype(jnp.bfloat16), jax.sharding.SingleDeviceSharding(dev, memory_kind=host_memory_kind())
         )
     device = jax.sharding.SingleDeviceSharding(dev, memory_kind="device")
-    return host.nbytes / median_time(lambda: jax.device_put(host, device).block_until_ready(), reps)
+    nbytes = sum(a.nbytes for a in host) if isinstance(host, (list, tuple)) else host.nbytes
+    return nbytes / median_time(lambda: jax.block_until_ready(jax.device_put(host, device)), reps)
 
 
 def executor_pass(ex, layers, x, top_k: int, act: str = "silu", fmt: str | list[str] = "bf16"):

@@ -3,6 +3,7 @@ figures' consistency across strategies, and the plot option."""
 
 import json
 
+import numpy as np
 import pytest
 
 from freetoken_jax.bench.__main__ import main
@@ -19,6 +20,8 @@ def test_decode_side_by_side(tmp_path, capsys):
     assert main(argv) == 0
     d = json.loads(out.read_text())
     assert d["kind"] == "decode" and d["h2d_gb_s"] > 0 and d["executor_gb_s"] > 0
+    # the bounds' link rate: a fresh buffer's on the CPU backend (a layer's banks are measured on a GPU)
+    assert d["h2d_gb_s"] == d["h2d_buffer_gb_s"] and d["h2d_banks_gb_s"] is None
     assert d["q"] == pytest.approx(d["h2d_gb_s"] / (d["h2d_gb_s"] + d["hybrid_executor_gb_s"]))  # q*, measured on hybrid's threads
     # one hybrid row per --q value, all in one executable (q is traced): at q = 1 every miss is fetched
     full = {r["slots_gb"]: r for r in d["rows"] if r["strategy"] == "hybrid" and r["q"] == pytest.approx(1)}
@@ -229,3 +232,17 @@ def test_decode_rows_split_the_step_at_the_handoff_windows(tmp_path, monkeypatch
     assert layers > 0 and r["handoff_window_us"] > 0 and r["outside_windows_us_per_layer"] > 0
     whole = layers * (r["handoff_window_us"] + r["outside_windows_us_per_layer"]) / 1e3
     assert whole == pytest.approx(r["ms_per_token"], rel=1e-6)
+
+
+def test_first_layer_banks_are_the_executors_first_banks():
+    """The banks whose copy times the link for the bounds are the first MoE layer's, the same
+    memory the CPU executor reads (`host_bank_views`); copied together, their rate is a rate."""
+    from freetoken_jax.bench.compare import Bench, first_layer_banks
+    from freetoken_jax.bench.measure import h2d_bandwidth
+
+    bench = Bench("demo", dtype="float32", max_batch=1, max_context=64, quiet=True)
+    banks = first_layer_banks(bench.engine.weights.params)
+    assert len(banks) == 3
+    for bank, view in zip(banks, bench.views[0][:3]):
+        np.testing.assert_array_equal(np.asarray(bank), view)
+    assert h2d_bandwidth(banks, reps=2) > 0
