@@ -492,9 +492,9 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
 
 
 def switches() -> dict:
-    """The engine's switches (FREETOKEN_*) and XLA's flags set in this process's environment: what
-    a row was measured under, beside it in the JSON."""
-    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("FREETOKEN_") or k == "XLA_FLAGS"}
+    """The engine's switches (FREETOKEN_*), XLA's flags and jax's settings (JAX_*) set in this
+    process's environment: what a row was measured under, beside it in the JSON."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(("FREETOKEN_", "JAX_")) or k == "XLA_FLAGS"}
 
 
 def run(args) -> dict:

@@ -98,6 +98,7 @@ def test_speedups_pair_rows_by_batch_and_skew():
 
 def test_prefill(tmp_path, monkeypatch):
     monkeypatch.setenv("FREETOKEN_PREFILL_ATTENTION", "flash")  # recorded with the rows
+    monkeypatch.setenv("JAX_EXEC_TIME_OPTIMIZATION_EFFORT", "0.0")  # jax's, read at its import: recorded, no effect here
     out = tmp_path / "prefill.json"
     # (offload loads a demo layer's bank by copy on the CPU backend, as offload-copy does)
     argv = ["prefill", "--preset", "demo", "--strategy", "offload", "offload-fetch", "offload-copy2", "stream", "fused", "--slots-gb", "0.01",
@@ -106,6 +107,7 @@ def test_prefill(tmp_path, monkeypatch):
     assert main(argv) == 0
     record = json.loads(out.read_text())
     assert record["switches"].get("FREETOKEN_PREFILL_ATTENTION") == "flash"
+    assert record["switches"].get("JAX_EXEC_TIME_OPTIMIZATION_EFFORT") == "0.0"
     assert record["prefill_load"] == "auto"  # the engine's choice: the CPU backend leaves it to the executor
     rows = record["rows"]
     assert [(r["strategy"], r["prompt_len"], r["chunks"], r["buffered"]) for r in rows] == [
