@@ -77,8 +77,8 @@ def copy_split() -> tuple[int, ...]:
     "up_down" — up and down; "none" — all three at the barrier. XLA's compiled schedule keeps at
     most two copies outstanding and places each copy's wait soon after its start (RESULTS.md), so
     three starts at one point hold the compute there until the first copy has landed; starts at
-    two points give each copy a stretch of compute to run under (H100, an 8192-token q4_0 chunk under copy2: 180-182 ms with "down",
-    186 with "up_down", 184-185 with "none")."""
+    two points give each copy a stretch of compute to run under (H100, an 8192-token q4_0 chunk
+    under copy2: 180-182 ms with "down", 186 with "up_down", 184-185 with "none")."""
     return COPY_SPLITS[env_choice("FREETOKEN_PREFILL_COPY_SPLIT", "down", tuple(COPY_SPLITS))]
 
 
@@ -195,6 +195,10 @@ class OffloadExecutor:
     def _buffered_prefill_fn(self, m: int):
         def fn(x_TD, ids_TK, w_TK, bias=None):
             n = len(self.banks)
+            # copy2: two layers ahead, layer m+2's `copy_split` kinds issued after layer m's output
+            # (one layer ahead they would have only the next layer's attention to run under)
+            ahead = 2 if self.prefill_load == "copy2" else 1  # (copy2 copies every bank)
+            newest, late = m + ahead, copy_split() if ahead == 2 else ()
             if m == 0:
                 if self._copies_bank(0):
                     self._take_copy(0, [self._on_device(b) for b in self.banks[0]])
@@ -211,10 +215,6 @@ class OffloadExecutor:
                 # compute (XLA would otherwise start every layer's load at once, keeping a version
                 # of the slot arrays alive for each). Banks copied whole go through the barrier too;
                 # under "copy2" layer m+2's is issued here, m+1's having been issued at layer m-1.
-                # `copy_split` (copy2): the newest layer's late kinds are issued after layer m's
-                # output (one layer ahead they would have only the next layer's attention to run under).
-                ahead = 2 if self.prefill_load == "copy2" else 1  # (copy2 copies every bank)
-                newest, late = m + ahead, copy_split() if ahead == 2 else ()
                 issue = [
                     (j, k)
                     for j in range(m + 1, min(n, m + 1 + ahead))
@@ -228,8 +228,8 @@ class OffloadExecutor:
                 if m + 1 not in self.in_flight:
                     self._fetch_layer(m + 1)
             out = self.compute(x_TD, ids_TK, w_TK, layer, self.layouts[m], bias=pair_biases(bias, ids_TK))
-            if m + 1 < n and m + ahead < n and self._copies_bank(m + ahead) and late:
-                issue = [(m + ahead, k) for k in late]
+            if late and newest < n and self._copies_bank(newest):
+                issue = [(newest, k) for k in late]
                 out, nxt = jax.lax.optimization_barrier((out, tuple(self.banks[j][k] for j, k in issue)))
                 self._issue(issue, nxt)
             copied = self.in_flight.pop(m + 1, None)
