@@ -52,7 +52,7 @@ from freetoken_jax.quant.layout import expert_bytes
 from freetoken_jax.runtime.cpu_executor import hybrid_threads
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
-from freetoken_jax.runtime.offload import host_bank_views
+from freetoken_jax.runtime.offload import host_bank_views, moe_experts
 from freetoken_jax.runtime.routing import SyntheticRouting
 from freetoken_jax.runtime.runner import ModelRunner, StepSet, decode_job, state_shapes, table_widths
 from freetoken_jax.runtime.sampling import GenerationParams
@@ -404,10 +404,10 @@ class Bench:
 
 def first_layer_banks(params) -> list:
     """The first MoE layer's host banks (gate, up, down) in the weights tree."""
-    for _, layer in sorted(params["layers"].items()):
-        if "experts" in layer["mlp"]:
-            return [layer["mlp"]["experts"][k].get_value() for k in ("gate", "up", "down")]
-    raise ValueError("the model has no MoE layer")
+    experts = next(moe_experts(params), None)
+    if experts is None:
+        raise ValueError("the model has no MoE layer")
+    return [experts[k].get_value() for k in ("gate", "up", "down")]
 
 
 def first_margin(token: int, logprobs) -> float | None:

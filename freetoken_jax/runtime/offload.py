@@ -361,7 +361,12 @@ def host_bank_views(params) -> tuple:
             return banks
         return banks + tuple(np.asarray(experts["bias"][k].get_value(), np.float32) for k in ("gate", "up", "down"))
 
-    return _Static(layer_views(layer["mlp"]["experts"]) for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"])
+    return _Static(layer_views(experts) for experts in moe_experts(params))
+
+
+def moe_experts(params):
+    """Each MoE layer's `experts` state in the weights tree `params`, in layer order."""
+    return (layer["mlp"]["experts"] for _, layer in sorted(params["layers"].items()) if "experts" in layer["mlp"])
 
 
 class CpuExpertExecutor:
