@@ -323,7 +323,7 @@ def prefill_chunk(args) -> list:
                   expert_format=args.expert_format)  # fmt: skip
     cfg, ecfg, summary = bench.cfg, bench.ecfg, []
     load = bench.ecfg.prefill_load if args.prefill_load == "auto" else args.prefill_load  # "auto": as the engine resolved it
-    weights, experts = bench.engine.weights, Offload(load)
+    weights, experts = bench.engine.weights, Offload(load, host_banks=bench.views)
     n = bench.slots_for(args.slots_gb, 1)
     if experts.prefill_path(cfg, T, n) != "buffered":
         raise SystemExit(f"{n} slots at {args.slots_gb} GB: a {T}-token chunk would not take the buffered prefill")

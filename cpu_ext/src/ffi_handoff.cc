@@ -1,7 +1,5 @@
 #include "ffi_handoff.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -25,70 +23,13 @@
 #include <immintrin.h>
 #endif
 
+#include "cuda_driver.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace freetoken {
 namespace {
-
-// ---------------------------------------------------------------------------------------------
-// CUDA driver entry points, loaded on first use (the module is built without CUDA).
-
-struct Cuda {
-  using Stream = void*;
-  int (*memcpy_dtoh)(void*, uint64_t, size_t, Stream) = nullptr;
-  int (*memcpy_htod)(uint64_t, const void*, size_t, Stream) = nullptr;
-  int (*launch_host_func)(Stream, void (*)(void*), void*) = nullptr;
-  int (*mem_host_alloc)(void**, size_t, unsigned) = nullptr;
-  int (*host_device_pointer)(uint64_t*, void*, unsigned) = nullptr;
-  int (*write_value32)(Stream, uint64_t, uint32_t, unsigned) = nullptr;  // stream memory operations
-  int (*wait_value32)(Stream, uint64_t, uint32_t, unsigned) = nullptr;
-  int (*init)(unsigned) = nullptr;  // for allocating outside XLA's calls: device ordinal -> primary context
-  int (*device_get)(int*, int) = nullptr;
-  int (*primary_ctx_retain)(void**, int) = nullptr;
-  int (*ctx_push)(void*) = nullptr;
-  int (*ctx_pop)(void**) = nullptr;
-  int (*ctx_get_current)(void**) = nullptr;
-  int (*module_load_data)(void**, const void*) = nullptr;  // the signalling kernels (kSyncKernel)
-  int (*module_get_function)(void**, void*, const char*) = nullptr;
-  int (*launch_kernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Stream, void**, void**) = nullptr;
-  std::string error;
-};
-
-const Cuda& Driver() {
-  static const Cuda cuda = [] {
-    Cuda c;
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (!lib) {
-      c.error = "libcuda.so.1 could not be loaded";
-      return c;
-    }
-    auto sym = [&](auto& fn, std::initializer_list<const char*> names, bool required) {
-      for (const char* name : names)
-        if ((fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(dlsym(lib, name)))) return;
-      if (required && c.error.empty()) c.error = std::string("libcuda.so.1 lacks ") + *names.begin();
-    };
-    sym(c.memcpy_dtoh, {"cuMemcpyDtoHAsync_v2"}, true);
-    sym(c.memcpy_htod, {"cuMemcpyHtoDAsync_v2"}, true);
-    sym(c.launch_host_func, {"cuLaunchHostFunc"}, true);
-    sym(c.mem_host_alloc, {"cuMemHostAlloc"}, true);
-    sym(c.host_device_pointer, {"cuMemHostGetDevicePointer_v2"}, true);
-    sym(c.write_value32, {"cuStreamWriteValue32_v2", "cuStreamWriteValue32"}, false);
-    sym(c.wait_value32, {"cuStreamWaitValue32_v2", "cuStreamWaitValue32"}, false);
-    sym(c.init, {"cuInit"}, true);
-    sym(c.device_get, {"cuDeviceGet"}, true);
-    sym(c.primary_ctx_retain, {"cuDevicePrimaryCtxRetain"}, true);
-    sym(c.ctx_push, {"cuCtxPushCurrent_v2", "cuCtxPushCurrent"}, true);
-    sym(c.ctx_pop, {"cuCtxPopCurrent_v2", "cuCtxPopCurrent"}, true);
-    sym(c.ctx_get_current, {"cuCtxGetCurrent"}, true);
-    sym(c.module_load_data, {"cuModuleLoadData"}, false);
-    sym(c.module_get_function, {"cuModuleGetFunction"}, false);
-    sym(c.launch_kernel, {"cuLaunchKernel"}, false);
-    return c;
-  }();
-  return cuda;
-}
 
 // How a CUDA stream and the dispatcher signal each other: kernels that write the flag and spin
 // on it, moving a decode-sized job's input and result too (the default where the driver loads

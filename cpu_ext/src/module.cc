@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cpu_features.h"
+#include "ffi_bank_copy.h"
 #include "ffi_handoff.h"
 #include "moe_executor.h"
 
@@ -244,10 +245,18 @@ NB_MODULE(_cpu_ext, m) {
         h["freetoken_moe_wait_graph"]["cpu"] = cap(WaitHandlerCpu());
         h["freetoken_moe_submit_graph"]["CUDA"] = cap(SubmitHandlerCudaGraph());
         h["freetoken_moe_wait_graph"]["CUDA"] = cap(WaitHandlerCudaGraph());
+        h["freetoken_bank_copy_start"]["cpu"] = cap(BankCopyStartHandlerCpu());
+        h["freetoken_bank_copy_wait"]["cpu"] = cap(BankCopyWaitHandlerCpu());
+        h["freetoken_bank_copy_start"]["CUDA"] = cap(BankCopyStartHandlerCuda());
+        h["freetoken_bank_copy_wait"]["CUDA"] = cap(BankCopyWaitHandlerCuda());
         return h;
       },
-      "XLA FFI handlers of the split CPU handoff: {target name: {platform: capsule}}; the '_graph' targets may be recorded "
-      "into XLA's CUDA graphs.");
+      "XLA FFI handlers of the split CPU handoff and of the bank copies: {target name: {platform: capsule}}; the '_graph' "
+      "targets may be recorded into XLA's CUDA graphs.");
+  m.def(
+      "register_host_bank", [](uintptr_t ptr, int64_t bytes) { return RegisterHostBank(ptr, bytes); }, nb::arg("ptr"), nb::arg("bytes"),
+      "Registers `bytes` bytes of host memory at `ptr` (an expert bank) for the FFI bank copies; returns its handle (the same "
+      "for the same memory). The memory must outlive every call that uses the handle.");
   m.def(
       "prepare_handoff_job",
       [](int64_t handle, int64_t tokens, int64_t top_k, int cuda_ordinal) { PrepareHandoffJob(handle, tokens, top_k, cuda_ordinal); },

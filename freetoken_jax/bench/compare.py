@@ -183,7 +183,8 @@ class Bench:
         elif variant == "per-token":
             experts = PerToken(self.ecfg.prefill_load)
         else:  # offload, naive (few slots), offload-copy, offload-copy2, offload-fetch
-            experts = Offload(variant.removeprefix("offload-") if variant.startswith("offload-") else self.ecfg.prefill_load)
+            experts = Offload(variant.removeprefix("offload-") if variant.startswith("offload-") else self.ecfg.prefill_load,
+                              host_banks=self.views)  # fmt: skip
         if self.compute is not None and hasattr(experts, "compute"):
             experts = dataclasses.replace(experts, compute=self.compute)
         return weights, experts if skew is None else SyntheticRouting(experts, float(skew))

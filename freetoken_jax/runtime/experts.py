@@ -89,10 +89,13 @@ class Fused(ExpertBackend):
 class Offload(ExpertBackend):
     """Experts in host banks, a slot cache on the device; a layer's misses are fetched into
     victim slots by the Pallas kernel. Without slots (prefill of a small cache, the bench's
-    `layer` baseline) each layer's whole bank is streamed. `prefill_load`: see `EngineConfig`."""
+    `layer` baseline) each layer's whole bank is streamed. `prefill_load`: see `EngineConfig`;
+    `host_banks` (numpy views, as `Hybrid`'s) lets a prefill copy whole banks on the C++ module's
+    copy stream (`runtime/bank_copy.py`)."""
 
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))
     compute: Any = dataclasses.field(default=None, metadata=dict(static=True))
+    host_banks: Any = dataclasses.field(default=None, metadata=dict(static=True))
     strategy: ClassVar[Strategy] = Strategy.OFFLOAD
 
     def prefill_path(self, cfg, tokens, num_slots):
@@ -108,7 +111,8 @@ class Offload(ExpertBackend):
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):
         from freetoken_jax.runtime.offload import OffloadExecutor
 
-        ex = OffloadExecutor(model.cfg, model, slots, valid_T, prefill=buffered, prefill_load=self.prefill_load, compute=self.compute)
+        ex = OffloadExecutor(model.cfg, model, slots, valid_T, host_banks=self.host_banks, prefill=buffered, prefill_load=self.prefill_load,
+                             compute=self.compute)  # fmt: skip
         return ex.expert_fns(model), ex.result
 
 
@@ -143,7 +147,7 @@ class Hybrid(ExpertBackend):
         return dataclasses.replace(self, q=float(q))
 
     def as_offload(self) -> Offload:
-        return Offload(self.prefill_load, self.compute)
+        return Offload(self.prefill_load, self.compute, self.host_banks)
 
     def as_cpu(self) -> Cpu:
         """Every routed expert on the CPU, from the same host banks (a large prefill chunk on the
@@ -179,7 +183,8 @@ class Cpu(ExpertBackend):
 
         if self.on_device:
             load = "copy2" if self.prefill_load == "copy2" else "copy"
-            return OffloadExecutor(model.cfg, model, None, valid_T, prefill=True, prefill_load=load).expert_fns(model), lambda: slots
+            ex = OffloadExecutor(model.cfg, model, None, valid_T, host_banks=self.host_banks, prefill=True, prefill_load=load)
+            return ex.expert_fns(model), lambda: slots
         return CpuExpertExecutor(model.cfg, self.host_banks, valid_T, self.handoff).expert_fns(model), lambda: slots
 
 
@@ -195,14 +200,14 @@ def make_backend(ecfg: EngineConfig, params=None, host_banks=None) -> ExpertBack
     s = Strategy(ecfg.moe_strategy)
     if s is Strategy.FUSED:
         return FUSED
-    if s is Strategy.OFFLOAD:
-        return Offload(ecfg.prefill_load)
     if s is Strategy.AUTO:
         raise ValueError("resolve moe_strategy 'auto' before making its backend")
     if host_banks is None:
         from freetoken_jax.runtime.offload import host_bank_views
 
         host_banks = host_bank_views(params)
+    if s is Strategy.OFFLOAD:
+        return Offload(ecfg.prefill_load, host_banks=host_banks)
     handoff = resolve_mode(ecfg.cpu_handoff)
     if s is Strategy.CPU:
         return Cpu(host_banks, handoff, ecfg.prefill_load)

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from freetoken_jax.runtime.ffi import primitive
+
 MODES = ("auto", "ffi", "ffi_nograph", "callback")
 
 
@@ -41,37 +43,6 @@ def resolve_mode(mode: str) -> str:
     if mode == "auto":
         return "ffi" if jax.default_backend() == "gpu" else "callback"
     return mode
-
-
-@functools.cache
-def _register_targets() -> None:
-    from freetoken_jax import _cpu_ext
-
-    gpu = jax.default_backend() == "gpu"
-    for name, by_platform in _cpu_ext.ffi_handlers().items():
-        for platform, capsule in by_platform.items():
-            if platform == "cpu" or gpu:
-                jax.ffi.register_ffi_target(name, capsule, platform=platform)
-
-
-@functools.cache
-def _ffi_primitive(target: str):
-    """A primitive that lowers to FFI custom call `target`, marked side-effecting in the HLO (XLA
-    neither removes nor merges it) but carrying no JAX effect: `jax.ffi.ffi_call(...,
-    has_side_effect=True)` gives the step an effect, and jit dispatches a step with effects
-    through its Python path at every call (on the H200, most of a 24-layer hybrid step's host
-    time). The pair's order is fixed by data: wait takes submit's token, and `around` ties the
-    work between them with optimization barriers. Params: `result` (a ShapeDtypeStruct) and the
-    call's attributes."""
-    from jax.extend.core import Primitive
-    from jax.interpreters import mlir
-
-    prim = Primitive(target)
-    prim.def_abstract_eval(lambda *args, result, **attrs: jax.core.ShapedArray(result.shape, result.dtype))
-    prim.def_impl(lambda *args, **params: jax.jit(lambda *a: prim.bind(*a, **params))(*args))
-    lower = jax.ffi.ffi_lowering(target, has_side_effect=True)
-    mlir.register_lowering(prim, lambda ctx, *args, result, **attrs: lower(ctx, *args, **attrs))
-    return prim
 
 
 @functools.cache
@@ -108,7 +79,6 @@ class LayerHandoff:
         self.bias = bias
         self.handle = None
         if self.mode != "callback":
-            _register_targets()
             self.handle = shared_executor(threads).register_layer(gate, up, down, hidden, ffn, act, fmt, bias)
         self.suffix = "_graph" if self.mode == "ffi" else ""
 
@@ -121,7 +91,7 @@ class LayerHandoff:
         packed = jnp.concatenate([x.reshape(-1), bits(ids), w.reshape(-1), bits(valid)])  # one copy to the host
         T, K = ids.shape
         _prepare_job(self.handle, T, K)
-        token = _ffi_primitive("freetoken_moe_submit" + self.suffix).bind(
+        token = primitive("freetoken_moe_submit" + self.suffix).bind(
             packed, result=jax.ShapeDtypeStruct((1,), jnp.int32), handle=np.int64(self.handle), tokens=np.int64(T), top_k=np.int64(K)
         )
         return Pending(token, K)
@@ -145,7 +115,7 @@ class LayerHandoff:
     def collect(self, p: Pending, T: int) -> jax.Array:
         out = jax.ShapeDtypeStruct((T, self.hidden), jnp.float32)
         if self.mode != "callback":
-            wait = _ffi_primitive("freetoken_moe_wait" + self.suffix)
+            wait = primitive("freetoken_moe_wait" + self.suffix)
             return wait.bind(p.token, result=out, handle=np.int64(self.handle), top_k=np.int64(p.top_k))
         return jax.pure_callback(self._on_host, out, *p.inputs)
 

@@ -44,6 +44,8 @@ from freetoken_jax.memory.slot_cache import (
 )
 from freetoken_jax.models.routed import pair_biases, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
+from freetoken_jax.runtime import bank_copy
+from freetoken_jax.runtime.bank_copy import copy_engine
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many
 
@@ -141,6 +143,8 @@ class OffloadExecutor:
             (layer.mlp.experts.gate[...], layer.mlp.experts.up[...], layer.mlp.experts.down[...]) for layer in model.layers if layer.is_moe
         ]
         self.interpret = jax.default_backend() == "cpu"
+        # whole-bank copies on the C++ module's copy stream where asked and the banks' views are here
+        self.stream = prefill and host_banks is not None and copy_engine() == "stream"
 
     def result(self) -> SlotCache | None:
         """The slot cache after the step's last layer, its layers' statistics recorded."""
@@ -196,16 +200,19 @@ class OffloadExecutor:
         def fn(x_TD, ids_TK, w_TK, bias=None):
             n = len(self.banks)
             # copy2: two layers ahead, layer m+2's `copy_split` kinds issued after layer m's output
-            # (one layer ahead they would have only the next layer's attention to run under)
+            # (one layer ahead they would have only the next layer's attention to run under; the
+            # copy stream runs its copies in the order issued, so it splits none)
             ahead = 2 if self.prefill_load == "copy2" else 1  # (copy2 copies every bank)
-            newest, late = m + ahead, copy_split() if ahead == 2 else ()
+            newest, late = m + ahead, copy_split() if ahead == 2 and not self.stream else ()
             if m == 0:
                 if self._copies_bank(0):
-                    self._take_copy(0, [self._on_device(b) for b in self.banks[0]])
+                    self._issue([(0, k) for k in range(3)], self.banks[0], x_TD)
+                    first = self.in_flight.pop(0)
+                    self._take_copy(0, self._landed([first[k] for k in range(3)], x_TD))
                 else:
                     self._fetch_layer(0)
             if m in self.layer_banks:
-                layer = self.layer_banks.pop(m)
+                layer = self._landed(self.layer_banks.pop(m), x_TD)
             else:
                 c, slots = self.cache, self.layer_slots.pop(m)
                 layer = tuple(a[slots] for a in (c.gate_SR, c.up_SR, c.down_SR))
@@ -223,8 +230,12 @@ class OffloadExecutor:
                     if k not in self.in_flight.get(j, {}) and not (j == newest and k in late)
                 ]
                 nxt = tuple(self.banks[j][k] for j, k in issue)
-                x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
-                self._issue(issue, nxt)
+                if self.stream:  # the copies start here; the barrier ties the compute behind their starts
+                    tokens = self._issue(issue, nxt, x_TD)
+                    x_TD, layer, self.cache, _ = jax.lax.optimization_barrier((x_TD, layer, self.cache, tokens))
+                else:
+                    x_TD, layer, self.cache, nxt = jax.lax.optimization_barrier((x_TD, layer, self.cache, nxt))
+                    self._issue(issue, nxt)
                 if m + 1 not in self.in_flight:
                     self._fetch_layer(m + 1)
             out = self.compute(x_TD, ids_TK, w_TK, layer, self.layouts[m], bias=pair_biases(bias, ids_TK))
@@ -238,7 +249,10 @@ class OffloadExecutor:
                 # A copied bank is taken up at the next layer's experts (or, `copy_wait`, after
                 # this layer's output), so that nothing on the compute stream waits for it before.
                 if copy_wait() == "output" or m + 1 >= n - 2:
-                    out, copied = jax.lax.optimization_barrier((out, copied))
+                    if self.stream:
+                        copied = self._landed(copied, out)
+                    else:
+                        out, copied = jax.lax.optimization_barrier((out, copied))
                 self._take_copy(m + 1, copied)
             if m == n - 1 and self.cache is not None:  # the last two layers' experts stay resident
                 for last in range(max(0, n - 2), n):
@@ -247,10 +261,24 @@ class OffloadExecutor:
 
         return fn
 
-    def _issue(self, issue: list, host: tuple) -> None:
-        """Copies the host banks `host` (MoE layer, kind) of `issue` to the device, in flight."""
+    def _issue(self, issue: list, host: tuple, dep=None) -> tuple:
+        """Copies the host banks `host` (MoE layer, kind) of `issue` to the device, in flight. On
+        the copy stream (`self.stream`) each copy starts once `dep` exists; returns the starts'
+        tokens, to tie what must follow them."""
+        tokens = []
         for (j, k), bank in zip(issue, host):
-            self.in_flight.setdefault(j, {})[k] = self._on_device(bank)
+            if self.stream:
+                copy = bank_copy.start(self.host_banks[j][k], dep)
+                tokens.append(copy.token)
+            else:
+                copy = self._on_device(bank)
+            self.in_flight.setdefault(j, {})[k] = copy
+        return tuple(tokens)
+
+    @staticmethod
+    def _landed(banks, dep) -> tuple:
+        """A layer's copied banks, each waited for (after `dep`) where it is still on the copy stream."""
+        return tuple(bank_copy.wait(b, dep) if isinstance(b, bank_copy.InFlight) else b for b in banks)
 
     @staticmethod
     def _on_device(bank):

@@ -40,22 +40,26 @@ def test_host_view_is_the_bank_itself():
     assert not v.flags.writeable
 
 
-def test_long_chunks_run_on_the_device(ckpt_root, monkeypatch):
+@pytest.mark.parametrize("engine", ["xla", "stream"])
+def test_long_chunks_run_on_the_device(engine, ckpt_root, monkeypatch):
     """With prefill_load "copy" a chunk of at least CPU_PREFILL_PAIRS pairs an expert (16 tokens
     of top-3 of 8 experts: 48 ≥ 32) runs on the device — each layer's bank copied in, counted
-    here — and a shorter one (4 tokens: 12) on the CPU; decode stays on the CPU. Tokens and
-    logits are fused's either way."""
-    from freetoken_jax.runtime import offload
+    here (by XLA's copy or on the copy stream) — and a shorter one (4 tokens: 12) on the CPU;
+    decode stays on the CPU. Tokens and logits are fused's either way."""
+    from freetoken_jax.runtime import bank_copy, offload
 
+    monkeypatch.setenv("FREETOKEN_PREFILL_COPY_ENGINE", engine)
     path = make_checkpoint("qwen2_moe", ckpt_root)
-    copied = []
-    real = offload.OffloadExecutor._buffered_prefill_fn
+    copied, started = [], []
+    real, start = offload.OffloadExecutor._buffered_prefill_fn, bank_copy.start
     monkeypatch.setattr(offload.OffloadExecutor, "_buffered_prefill_fn", lambda self, m: copied.append(m) or real(self, m))
+    monkeypatch.setattr(bank_copy, "start", lambda v, dep: started.append(v) or start(v, dep))
     fused = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE))
     cpu = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="cpu", prefill_load="copy"))
     assert offload.device_prefill_pays(cpu.model_config, 16) and not offload.device_prefill_pays(cpu.model_config, 4)
     np.testing.assert_allclose(cpu.logits(PROMPTS[0]), fused.logits(PROMPTS[0]), atol=1e-5, rtol=0)
     assert copied == list(range(cpu.model_config.num_moe_layers))  # one traced chunk: every MoE layer copied in
+    assert len(started) == (3 * len(copied) if engine == "stream" else 0)
     np.testing.assert_allclose(cpu.logits(PROMPTS[1]), fused.logits(PROMPTS[1]), atol=1e-5, rtol=0)
     assert len(copied) == cpu.model_config.num_moe_layers  # the short chunk: on the CPU
     assert cpu.generate_batch(PROMPTS, max_new_tokens=12, ignore_eos=True) == fused.generate_batch(

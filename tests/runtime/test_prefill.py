@@ -240,6 +240,49 @@ def test_copy2_issues_two_layers_ahead_with_the_same_numbers(ckpt_root, monkeypa
         offload.copy_split()
 
 
+def test_copy_stream_starts_and_waits_in_the_layers_order_with_the_same_numbers(ckpt_root, monkeypatch):
+    """FREETOKEN_PREFILL_COPY_ENGINE=stream: every whole-bank copy is a start on the copy stream,
+    issued where the XLA engine issues its `device_put` (the plain-Python model, no kinds split
+    off under copy2), and a wait between the previous layer's experts and the layer's own; the
+    buffers are the FFI calls' (memcpy on the CPU backend) and the logits equal the XLA engine's
+    bit for bit, one layer ahead and two."""
+    from freetoken_jax.runtime import bank_copy, offload
+
+    path = make_checkpoint("mixtral_deep", ckpt_root)
+    events = []
+    start, wait, routed = bank_copy.start, bank_copy.wait, offload.routed_experts
+    monkeypatch.setattr(bank_copy, "start", lambda v, dep: events.append("start") or start(v, dep))
+    monkeypatch.setattr(bank_copy, "wait", lambda c, dep: events.append("wait") or wait(c, dep))
+    monkeypatch.setattr(offload, "routed_experts", lambda *a, **k: events.append("compute") or routed(*a, **k))
+    prompt = [int(t) for t in np.random.default_rng(4).integers(3, 96, 13)]
+    for load, ahead in (("copy", 1), ("copy2", 2)):
+        eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6, prefill_load=load))
+        n = eng.model_config.num_moe_layers
+        monkeypatch.setenv("FREETOKEN_PREFILL_COPY_ENGINE", "xla")
+        buffered_step.clear_cache()
+        want = buffered_logits(eng, prompt)[0]
+        monkeypatch.setenv("FREETOKEN_PREFILL_COPY_ENGINE", "stream")
+        buffered_step.clear_cache()
+        events.clear()
+        cache, table = buffered_args(eng)
+        batch = PrefillBatch.chunk([prompt[:8]], [0], table, 8, Sampling.greedy(1))
+        text = buffered_step.lower(eng.weights, eng.experts, cache, batch, eng.runner.slots).as_text()
+        assert text.count("@freetoken_bank_copy_start") == text.count("@freetoken_bank_copy_wait") == 3 * n, load
+        starts, waits = [0], [0]
+        for e in events:
+            if e == "compute":
+                starts.append(0)
+                waits.append(0)
+            else:
+                (starts if e == "start" else waits)[-1] += 1
+        assert starts[:-1] == copies_before_each_layer(n, ahead, ()) and starts[-1] == 0, (load, starts)
+        assert waits == [3] * n + [0], (load, waits)  # layer m's banks waited for after layer m-1's experts
+        buffered_step.clear_cache()
+        got, slots = buffered_logits(eng, prompt)
+        np.testing.assert_array_equal(got, want, err_msg=load)
+        check_maps(slots)
+
+
 def test_copy_wait_moves_the_barriers_not_the_numbers(ckpt_root, monkeypatch):
     """FREETOKEN_PREFILL_COPY_WAIT: under whole-bank copies five MoE layers take up layer m+1's
     bank after layer m's output ("output": four barriers beside the four that issue the copies)

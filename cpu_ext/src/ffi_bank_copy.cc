@@ -1,0 +1,128 @@
+#include "ffi_bank_copy.h"
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "cuda_driver.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace freetoken {
+namespace {
+
+struct Bank {
+  uintptr_t ptr;
+  int64_t bytes;
+  void* ready = nullptr;  // CUDA events, created at the bank's first copy
+  void* done = nullptr;
+};
+
+std::mutex mu;
+std::deque<Bank> banks;               // by handle; a deque keeps references stable as it grows
+std::map<void*, void*> copy_streams;  // CUDA context -> the bank copies' stream
+
+ffi::Error Find(int64_t handle, size_t bytes, Bank** out) {
+  std::lock_guard<std::mutex> g(mu);
+  if (handle < 0 || handle >= static_cast<int64_t>(banks.size()))
+    return ffi::Error::InvalidArgument("unknown host bank handle " + std::to_string(handle));
+  Bank& b = banks[handle];
+  if (static_cast<int64_t>(bytes) != b.bytes)
+    return ffi::Error::InvalidArgument("host bank " + std::to_string(handle) + " has " + std::to_string(b.bytes) +
+                                       " bytes; the device buffer " + std::to_string(bytes));
+  *out = &b;
+  return ffi::Error::Success();
+}
+
+ffi::Error StartCpu(ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>, int64_t handle) {
+  Bank* b;
+  if (auto e = Find(handle, out->size_bytes(), &b); e.failure()) return e;
+  std::memcpy(out->untyped_data(), reinterpret_cast<const void*>(b->ptr), b->bytes);
+  return ffi::Error::Success();
+}
+
+ffi::Error WaitCpu(ffi::AnyBuffer buf, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, int64_t handle) {
+  Bank* b;
+  if (auto e = Find(handle, buf.size_bytes(), &b); e.failure()) return e;
+  if (out->untyped_data() != buf.untyped_data()) std::memcpy(out->untyped_data(), buf.untyped_data(), buf.size_bytes());
+  return ffi::Error::Success();
+}
+
+// The copy stream of the current context (XLA calls handlers with its context current) and the
+// bank's events, made on first use.
+ffi::Error Prepare(Bank* b, void** copy_stream) {
+  const Cuda& c = Driver();
+  if (!c.error.empty()) return ffi::Error::Internal(c.error);
+  void* ctx = nullptr;
+  if (c.ctx_get_current(&ctx) || !ctx) return ffi::Error::Internal("no current CUDA context in the bank copy");
+  std::lock_guard<std::mutex> g(mu);
+  void*& s = copy_streams[ctx];
+  if (!s && c.stream_create(&s, /*CU_STREAM_NON_BLOCKING*/ 1)) {
+    s = nullptr;
+    return ffi::Error::Internal("could not create the bank copy stream");
+  }
+  for (void** ev : {&b->ready, &b->done})
+    if (!*ev && c.event_create(ev, /*CU_EVENT_DISABLE_TIMING*/ 2)) {
+      *ev = nullptr;
+      return ffi::Error::Internal("could not create a bank copy event");
+    }
+  *copy_stream = s;
+  return ffi::Error::Success();
+}
+
+ffi::Error StartCuda(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>, int64_t handle) {
+  Bank* b;
+  void* copy_stream;
+  if (auto e = Find(handle, out->size_bytes(), &b); e.failure()) return e;
+  if (auto e = Prepare(b, &copy_stream); e.failure()) return e;
+  const Cuda& c = Driver();
+  int rc = c.event_record(b->ready, stream);
+  rc |= c.stream_wait_event(copy_stream, b->ready, 0);
+  rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<const void*>(b->ptr), b->bytes, copy_stream);
+  rc |= c.event_record(b->done, copy_stream);
+  if (rc) return ffi::Error::Internal("enqueueing host bank " + std::to_string(handle) + "'s copy failed");
+  return ffi::Error::Success();
+}
+
+ffi::Error WaitCuda(void* stream, ffi::AnyBuffer buf, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, int64_t handle) {
+  Bank* b;
+  if (auto e = Find(handle, buf.size_bytes(), &b); e.failure()) return e;
+  if (!b->done) return ffi::Error::InvalidArgument("host bank " + std::to_string(handle) + " waited for before any copy");
+  const Cuda& c = Driver();
+  int rc = c.stream_wait_event(stream, b->done, 0);
+  if (out->untyped_data() != buf.untyped_data())  // XLA kept the alias apart: copy, after the wait
+    rc |= c.memcpy_dtod(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<uint64_t>(buf.untyped_data()),
+                        buf.size_bytes(), stream);
+  if (rc) return ffi::Error::Internal("enqueueing the wait for host bank " + std::to_string(handle) + " failed");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define FREETOKEN_START_BINDING(...) \
+  ffi::Ffi::Bind() __VA_ARGS__.Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("handle")
+#define FREETOKEN_WAIT_BINDING(...) \
+  ffi::Ffi::Bind() __VA_ARGS__.Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>().Attr<int64_t>("handle")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenBankCopyStartCpu, StartCpu, FREETOKEN_START_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenBankCopyWaitCpu, WaitCpu, FREETOKEN_WAIT_BINDING());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenBankCopyStartCuda, StartCuda, FREETOKEN_START_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenBankCopyWaitCuda, WaitCuda, FREETOKEN_WAIT_BINDING(.Ctx<ffi::PlatformStream<void*>>()));
+
+int64_t RegisterHostBank(uintptr_t ptr, int64_t bytes) {
+  std::lock_guard<std::mutex> g(mu);
+  for (size_t i = 0; i < banks.size(); ++i)
+    if (banks[i].ptr == ptr && banks[i].bytes == bytes) return static_cast<int64_t>(i);
+  banks.push_back(Bank{ptr, bytes});
+  return static_cast<int64_t>(banks.size()) - 1;
+}
+
+void* BankCopyStartHandlerCpu() { return reinterpret_cast<void*>(&FreetokenBankCopyStartCpu); }
+void* BankCopyWaitHandlerCpu() { return reinterpret_cast<void*>(&FreetokenBankCopyWaitCpu); }
+void* BankCopyStartHandlerCuda() { return reinterpret_cast<void*>(&FreetokenBankCopyStartCuda); }
+void* BankCopyWaitHandlerCuda() { return reinterpret_cast<void*>(&FreetokenBankCopyWaitCuda); }
+
+}  // namespace freetoken

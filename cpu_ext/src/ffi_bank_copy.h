@@ -1,0 +1,35 @@
+// Host->device copies of whole expert banks on a stream of their own, as a pair of XLA FFI
+// targets, for a prefill that loads layers ahead of its compute.
+//
+//   buf, token = freetoken_bank_copy_start(dep; handle) -> the bank's shape and type on the device,
+//                                                           and a token nothing writes
+//   out = freetoken_bank_copy_wait(buf, dep; handle) -> buf (the same buffer: out aliases it)
+//
+// `start` records an event on XLA's stream (so that whatever used `buf`'s memory before has run),
+// makes the copy stream wait for it, enqueues the copy of registered host bank `handle` into
+// `buf` there and records the copy's event; it returns at once. `wait` makes XLA's stream wait
+// for that event. Between the two nothing may read `buf`: the caller gives it to `wait` alone.
+// `dep` orders each call in the program (the copy cannot start before `start`'s dep exists, and
+// XLA's stream waits only once `wait`'s dep exists); its value is not read. The caller ties the
+// token to what must come after the start (an optimization barrier), never `buf`. The copies of every
+// `start` run one after another on the copy stream, whatever order XLA's schedule gives the
+// compute, so several layers' banks can be in flight behind each other.
+// CPU handlers copy with memcpy at `start`.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace freetoken {
+
+// Registers a bank of `bytes` bytes at host address `ptr` (pinned host memory on a GPU) and
+// returns the handle the FFI calls take; the same (ptr, bytes) gets the same handle. The memory
+// must outlive every call that uses the handle.
+int64_t RegisterHostBank(uintptr_t ptr, int64_t bytes);
+
+void* BankCopyStartHandlerCpu();
+void* BankCopyWaitHandlerCpu();
+void* BankCopyStartHandlerCuda();
+void* BankCopyWaitHandlerCuda();
+
+}  // namespace freetoken
