@@ -13,7 +13,12 @@ Variants (each one jitted program over the L layers, timed after a warm run):
   copy      as serial, the load a `device_put` of the whole bank to device memory;
   copy1     copy under `compute_on("gpu_stream:1")`;
   inplace / inplace1  as serial / stream1, each layer fetched in place into one half of a
-            [2E, row] buffer carried through the layers (the engine's borrowed layer buffers).
+            [2E, row] buffer carried through the layers (the engine's borrowed layer buffers);
+  ffi       as copy, the copy on the C++ module's copy stream (`runtime/bank_copy.py`), waited
+            for after layer m's compute;
+  ffi-pageable  the same from copies of the banks in pageable memory (numpy arrays).
+"dispatch ms" is how long the call took to return (before the result is ready): a variant whose
+calls block the dispatching thread shows a dispatch time near its run time.
 Overlap shows as a variant's time near max(load, compute) rather than their sum.
 
     python benchmarks/stream_overlap.py --layers 8 --reps 40
@@ -113,6 +118,22 @@ def main() -> int:
 
         return run
 
+    def pipeline_ffi(views):
+        from freetoken_jax.runtime import bank_copy
+
+        def run(x, banks):
+            w = bank_copy.wait(bank_copy.start(views[0], x), x)
+            for m in range(L):
+                if m + 1 < L:
+                    nxt = bank_copy.start(views[m + 1], x)
+                    x, w, _ = jax.lax.optimization_barrier((x, w, nxt.token))
+                x = compute(x, w)
+                if m + 1 < L:
+                    w = bank_copy.wait(nxt, x)
+            return x
+
+        return run
+
     resident = copy(banks[0])
 
     def compute_only(x, _banks):
@@ -130,14 +151,24 @@ def main() -> int:
         "inplace": pipeline_inplace(jax.jit(fetch_into, donate_argnums=1)),
         "inplace1": pipeline_inplace(on_stream(jax.jit(fetch_into, donate_argnums=1), 1)),
     }
+    if "ffi" in args.variants or "ffi-pageable" in args.variants:
+        from freetoken_jax.runtime.cpu_executor import host_view
+
+        variants["ffi"] = pipeline_ffi([host_view(b) for b in banks])
+        if "ffi-pageable" in args.variants:
+            variants["ffi-pageable"] = pipeline_ffi([np.array(host_view(b)) for b in banks])
     first = None
-    print(f"\n{'variant':>8} {'ms':>8} {'GB/s of loads':>14} {'second stream':>14} {'same result':>12}", flush=True)
+    print(f"\n{'variant':>12} {'ms':>8} {'dispatch ms':>12} {'GB/s of loads':>14} {'second stream':>14} {'same result':>12}", flush=True)
     for name in args.variants:
         try:
             lowered = jax.jit(variants[name]).lower(x0, banks)
             # XLA honours the stream annotation only with this option (jax's StreamAnnotationTest)
             f = lowered.compile({"xla_gpu_experimental_stream_annotation": True} if gpu and args.annotate else None)
             jax.block_until_ready(f(x0, banks))
+            t = time.perf_counter()
+            out = f(x0, banks)
+            dispatch = (time.perf_counter() - t) * 1e3
+            jax.block_until_ready(out)
             t = time.perf_counter()
             for _ in range(3):
                 out = f(x0, banks)
@@ -149,7 +180,10 @@ def main() -> int:
                 first = out if first is None else first
                 same = str(bool(jnp.array_equal(out, first)))
             # each row as it is measured: a run cut short by a time limit keeps what it measured
-            print(f"{name:>8} {ms:8.2f} {L * layer_gb / ms * 1e3:14.1f} {str('call-start' in text):>14} {same:>12}", flush=True)
+            print(
+                f"{name:>12} {ms:8.2f} {dispatch:12.2f} {L * layer_gb / ms * 1e3:14.1f} {str('call-start' in text):>14} {same:>12}",
+                flush=True,
+            )
         except Exception as e:  # a variant the backend refuses: say why and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return 0
