@@ -184,6 +184,11 @@ def main() -> int:
                 f"{name:>12} {ms:8.2f} {dispatch:12.2f} {L * layer_gb / ms * 1e3:14.1f} {str('call-start' in text):>14} {same:>12}",
                 flush=True,
             )
+            if name.startswith("ffi") and gpu:  # the host time each copy's start took (enqueueing: microseconds)
+                from freetoken_jax import _cpu_ext
+
+                st = _cpu_ext.bank_copy_stats(True)
+                print(f"{'':>12} {st['starts']} starts, {st['host_s'] / max(1, st['starts']) * 1e3:.3f} ms of host time each", flush=True)
         except Exception as e:  # a variant the backend refuses: say why and go on
             print(f"{name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
     return 0

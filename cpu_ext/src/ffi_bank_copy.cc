@@ -1,5 +1,7 @@
 #include "ffi_bank_copy.h"
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -24,6 +26,11 @@ struct Bank {
 std::mutex mu;
 std::deque<Bank> banks;               // by handle; a deque keeps references stable as it grows
 std::map<void*, void*> copy_streams;  // CUDA context -> the bank copies' stream
+std::atomic<int64_t> stat_starts{0}, stat_start_ns{0}, stat_bytes{0};  // CUDA starts: calls, host time in them, bytes
+
+int64_t Now() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 ffi::Error Find(int64_t handle, size_t bytes, Bank** out) {
   std::lock_guard<std::mutex> g(mu);
@@ -79,10 +86,14 @@ ffi::Error StartCuda(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> o
   if (auto e = Find(handle, out->size_bytes(), &b); e.failure()) return e;
   if (auto e = Prepare(b, &copy_stream); e.failure()) return e;
   const Cuda& c = Driver();
+  const int64_t t0 = Now();
   int rc = c.event_record(b->ready, stream);
   rc |= c.stream_wait_event(copy_stream, b->ready, 0);
   rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<const void*>(b->ptr), b->bytes, copy_stream);
   rc |= c.event_record(b->done, copy_stream);
+  stat_start_ns += Now() - t0;
+  stat_starts += 1;
+  stat_bytes += b->bytes;
   if (rc) return ffi::Error::Internal("enqueueing host bank " + std::to_string(handle) + "'s copy failed");
   return ffi::Error::Success();
 }
@@ -118,6 +129,16 @@ int64_t RegisterHostBank(uintptr_t ptr, int64_t bytes) {
     if (banks[i].ptr == ptr && banks[i].bytes == bytes) return static_cast<int64_t>(i);
   banks.push_back(Bank{ptr, bytes});
   return static_cast<int64_t>(banks.size()) - 1;
+}
+
+BankCopyStats TakeBankCopyStats(bool reset) {
+  BankCopyStats s{stat_starts.load(), stat_start_ns.load() * 1e-9, stat_bytes.load()};
+  if (reset) {
+    stat_starts = 0;
+    stat_start_ns = 0;
+    stat_bytes = 0;
+  }
+  return s;
 }
 
 void* BankCopyStartHandlerCpu() { return reinterpret_cast<void*>(&FreetokenBankCopyStartCpu); }

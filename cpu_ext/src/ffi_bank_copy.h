@@ -27,6 +27,16 @@ namespace freetoken {
 // must outlive every call that uses the handle.
 int64_t RegisterHostBank(uintptr_t ptr, int64_t bytes);
 
+// The CUDA starts so far: how many, the host time spent in them (enqueueing should take
+// microseconds; a copy from memory the driver must stage blocks the caller for the whole copy),
+// and the bytes they copied.
+struct BankCopyStats {
+  int64_t starts;
+  double host_s;
+  int64_t bytes;
+};
+BankCopyStats TakeBankCopyStats(bool reset);
+
 void* BankCopyStartHandlerCpu();
 void* BankCopyWaitHandlerCpu();
 void* BankCopyStartHandlerCuda();

@@ -254,6 +254,17 @@ NB_MODULE(_cpu_ext, m) {
       "XLA FFI handlers of the split CPU handoff and of the bank copies: {target name: {platform: capsule}}; the '_graph' "
       "targets may be recorded into XLA's CUDA graphs.");
   m.def(
+      "bank_copy_stats",
+      [](bool reset) {
+        BankCopyStats s = TakeBankCopyStats(reset);
+        nb::dict d;
+        d["starts"] = s.starts;
+        d["host_s"] = s.host_s;
+        d["bytes"] = s.bytes;
+        return d;
+      },
+      nb::arg("reset") = false, "The CUDA bank copies started so far: starts, host seconds spent enqueueing them, bytes.");
+  m.def(
       "register_host_bank", [](uintptr_t ptr, int64_t bytes) { return RegisterHostBank(ptr, bytes); }, nb::arg("ptr"), nb::arg("bytes"),
       "Registers `bytes` bytes of host memory at `ptr` (an expert bank) for the FFI bank copies; returns its handle (the same "
       "for the same memory). The memory must outlive every call that uses the handle.");
