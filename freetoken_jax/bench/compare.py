@@ -360,6 +360,8 @@ class Bench:
         dropped; per-token: the decode path (routed experts looked up and fetched per token).
         `chunk`: the prefill chunk (default: the bench's); `skew`: synthetic routing (None: the
         model's router)."""
+        from freetoken_jax import _cpu_ext
+
         cfg = self.cfg
         wx = self.variant(variant, q, skew)
         if wx is None:
@@ -379,8 +381,9 @@ class Bench:
             # can be told apart from a near tie. (Asking for log-probabilities sends a prompt's
             # last token through the decode step, where synthetic routing draws other experts.)
             passes = [(prompt[: min(prompt_len, chunk + prompt_len % chunk)], None), (prompt, None)] + [(prompt, 2)] * (skew is None)
-            margin = None
-            for p, lp in passes:
+            margin, copies = None, None
+            for i, (p, lp) in enumerate(passes):
+                _cpu_ext.bank_copy_stats(True)
                 t0 = time.perf_counter()
                 h = RequestHandle(p, GenerationParams(max_new_tokens=1, logprobs=lp))
                 batcher.submit(h)
@@ -388,6 +391,8 @@ class Bench:
                     batcher.step()
                 if lp is None:
                     ttft, first = time.perf_counter() - t0, h.generated[0]
+                if i == 1:  # the timed pass's bank copies on the copy stream (runtime/bank_copy.py), if any
+                    copies = _cpu_ext.bank_copy_stats(True)
             if skew is None:
                 token = next(ev for ev in h.events() if ev.kind == "token")
                 margin = first_margin(token.token, token.logprobs) if token.token == first else None
@@ -400,7 +405,9 @@ class Bench:
         return dict(strategy=variant, prompt_len=prompt_len, chunks=chunks, chunk=chunk, slots_gb=slots_gb if slots is not None else None, routing_skew=skew,
                     buffered=bool(slots is not None and variant != "per-token" and slots >= 2 * cfg.num_experts),
                     ttft_ms=ttft * 1e3, tokens_per_s=prompt_len / ttft, first_token=first, first_margin=margin,
-                    pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft)  # fmt: skip
+                    pcie_bound_ms=None if bound is None else bound * 1e3, ratio_to_bound=None if bound is None else bound / ttft,
+                    copy_stream_starts=copies["starts"] or None,
+                    copy_stream_host_ms=copies["host_s"] * 1e3 if copies["starts"] else None)  # fmt: skip
 
 
 def first_layer_banks(params) -> list:
