@@ -16,7 +16,9 @@ Variants (each one jitted program over the L layers, timed after a warm run):
             [2E, row] buffer carried through the layers (the engine's borrowed layer buffers);
   ffi       as copy, the copy on the C++ module's copy stream (`runtime/bank_copy.py`), waited
             for after layer m's compute;
-  ffi-pageable  the same from copies of the banks in pageable memory (numpy arrays).
+  ffi-pageable  the same from copies of the banks in pageable memory (numpy arrays);
+  copy-load / ffi-load  the whole-bank copies alone (`device_put`; the copy stream), nothing
+            computed (FREETOKEN_BANK_COPY_STREAMS cuts each copy stream's bank into pieces).
 "dispatch ms" is how long the call took to return (before the result is ready): a variant whose
 calls block the dispatching thread shows a dispatch time near its run time.
 Overlap shows as a variant's time near max(load, compute) rather than their sum.
@@ -143,6 +145,7 @@ def main() -> int:
 
     variants = {
         "load": lambda x, b: sum(jnp.sum(fetch(bank)[:1, :8].astype(jnp.float32)) for bank in b) + x[0, 0],
+        "copy-load": lambda x, b: sum(jnp.sum(copy(bank)[:1, :8].astype(jnp.float32)) for bank in b) + x[0, 0],
         "compute": compute_only,
         "serial": pipeline(jax.jit(fetch)),
         "stream1": pipeline(on_stream(jax.jit(fetch), 1)),
@@ -151,10 +154,15 @@ def main() -> int:
         "inplace": pipeline_inplace(jax.jit(fetch_into, donate_argnums=1)),
         "inplace1": pipeline_inplace(on_stream(jax.jit(fetch_into, donate_argnums=1), 1)),
     }
-    if "ffi" in args.variants or "ffi-pageable" in args.variants:
+    if any(v.startswith("ffi") for v in args.variants):
+        from freetoken_jax.runtime import bank_copy
         from freetoken_jax.runtime.cpu_executor import host_view
 
-        variants["ffi"] = pipeline_ffi([host_view(b) for b in banks])
+        views = [host_view(b) for b in banks]
+        variants["ffi"] = pipeline_ffi(views)
+        variants["ffi-load"] = lambda x, b: (
+            sum(jnp.sum(bank_copy.wait(bank_copy.start(v, x), x)[:1, :8].astype(jnp.float32)) for v in views) + x[0, 0]
+        )
         if "ffi-pageable" in args.variants:
             variants["ffi-pageable"] = pipeline_ffi([np.array(host_view(b)) for b in banks])
     first = None
@@ -176,7 +184,7 @@ def main() -> int:
             ms = (time.perf_counter() - t) / 3 * 1e3
             text = f.as_text()
             same = ""
-            if name not in ("load", "compute"):  # the pipelines compute the same thing
+            if not name.endswith("load") and name != "compute":  # the pipelines compute the same thing
                 first = out if first is None else first
                 same = str(bool(jnp.array_equal(out, first)))
             # each row as it is measured: a run cut short by a time limit keeps what it measured

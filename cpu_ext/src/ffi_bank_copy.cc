@@ -1,11 +1,14 @@
 #include "ffi_bank_copy.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <vector>
+#include <cstdlib>
 #include <string>
 
 #include "cuda_driver.h"
@@ -16,16 +19,29 @@ namespace ffi = xla::ffi;
 namespace freetoken {
 namespace {
 
+constexpr int kMaxStreams = 8;
+
 struct Bank {
   uintptr_t ptr;
   int64_t bytes;
   void* ready = nullptr;  // CUDA events, created at the bank's first copy
-  void* done = nullptr;
+  void* done[kMaxStreams] = {};
 };
 
+// The copy streams: FREETOKEN_BANK_COPY_STREAMS (1 by default, at most 8); a bank's copy is cut
+// into that many pieces, one a stream, so that pieces may run on different copy engines.
+int NumStreams() {
+  static const int n = [] {
+    const char* env = std::getenv("FREETOKEN_BANK_COPY_STREAMS");
+    const int v = env ? std::atoi(env) : 1;
+    return v < 1 ? 1 : v > kMaxStreams ? kMaxStreams : v;
+  }();
+  return n;
+}
+
 std::mutex mu;
-std::deque<Bank> banks;               // by handle; a deque keeps references stable as it grows
-std::map<void*, void*> copy_streams;  // CUDA context -> the bank copies' stream
+std::deque<Bank> banks;  // by handle; a deque keeps references stable as it grows
+std::map<void*, std::vector<void*>> copy_streams;  // CUDA context -> the bank copies' streams
 std::atomic<int64_t> stat_starts{0}, stat_start_ns{0}, stat_bytes{0};  // CUDA starts: calls, host time in them, bytes
 
 int64_t Now() {
@@ -60,37 +76,47 @@ ffi::Error WaitCpu(ffi::AnyBuffer buf, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffe
 
 // The copy stream of the current context (XLA calls handlers with its context current) and the
 // bank's events, made on first use.
-ffi::Error Prepare(Bank* b, void** copy_stream) {
+ffi::Error Prepare(Bank* b, std::vector<void*>** streams) {
   const Cuda& c = Driver();
   if (!c.error.empty()) return ffi::Error::Internal(c.error);
   void* ctx = nullptr;
   if (c.ctx_get_current(&ctx) || !ctx) return ffi::Error::Internal("no current CUDA context in the bank copy");
   std::lock_guard<std::mutex> g(mu);
-  void*& s = copy_streams[ctx];
-  if (!s && c.stream_create(&s, /*CU_STREAM_NON_BLOCKING*/ 1)) {
-    s = nullptr;
-    return ffi::Error::Internal("could not create the bank copy stream");
+  std::vector<void*>& s = copy_streams[ctx];
+  while (static_cast<int>(s.size()) < NumStreams()) {
+    void* st = nullptr;
+    if (c.stream_create(&st, /*CU_STREAM_NON_BLOCKING*/ 1)) return ffi::Error::Internal("could not create a bank copy stream");
+    s.push_back(st);
   }
-  for (void** ev : {&b->ready, &b->done})
-    if (!*ev && c.event_create(ev, /*CU_EVENT_DISABLE_TIMING*/ 2)) {
-      *ev = nullptr;
+  void** events[kMaxStreams + 1] = {&b->ready};
+  for (int i = 0; i < NumStreams(); ++i) events[i + 1] = &b->done[i];
+  for (int i = 0; i <= NumStreams(); ++i)
+    if (!*events[i] && c.event_create(events[i], /*CU_EVENT_DISABLE_TIMING*/ 2)) {
+      *events[i] = nullptr;
       return ffi::Error::Internal("could not create a bank copy event");
     }
-  *copy_stream = s;
+  *streams = &s;
   return ffi::Error::Success();
 }
 
 ffi::Error StartCuda(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer>, int64_t handle) {
   Bank* b;
-  void* copy_stream;
+  std::vector<void*>* streams;
   if (auto e = Find(handle, out->size_bytes(), &b); e.failure()) return e;
-  if (auto e = Prepare(b, &copy_stream); e.failure()) return e;
+  if (auto e = Prepare(b, &streams); e.failure()) return e;
   const Cuda& c = Driver();
   const int64_t t0 = Now();
   int rc = c.event_record(b->ready, stream);
-  rc |= c.stream_wait_event(copy_stream, b->ready, 0);
-  rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<const void*>(b->ptr), b->bytes, copy_stream);
-  rc |= c.event_record(b->done, copy_stream);
+  const int n = NumStreams();
+  const int64_t piece = (b->bytes + n - 1) / n;
+  for (int i = 0; i < n; ++i) {
+    const int64_t at = i * piece, len = std::min<int64_t>(piece, b->bytes - at);
+    if (len <= 0) break;
+    void* s = (*streams)[i];
+    rc |= c.stream_wait_event(s, b->ready, 0);
+    rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()) + at, reinterpret_cast<const void*>(b->ptr + at), len, s);
+    rc |= c.event_record(b->done[i], s);
+  }
   stat_start_ns += Now() - t0;
   stat_starts += 1;
   stat_bytes += b->bytes;
@@ -101,9 +127,11 @@ ffi::Error StartCuda(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> o
 ffi::Error WaitCuda(void* stream, ffi::AnyBuffer buf, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> out, int64_t handle) {
   Bank* b;
   if (auto e = Find(handle, buf.size_bytes(), &b); e.failure()) return e;
-  if (!b->done) return ffi::Error::InvalidArgument("host bank " + std::to_string(handle) + " waited for before any copy");
+  if (!b->ready) return ffi::Error::InvalidArgument("host bank " + std::to_string(handle) + " waited for before any copy");
   const Cuda& c = Driver();
-  int rc = c.stream_wait_event(stream, b->done, 0);
+  int rc = 0;
+  const int64_t piece = (b->bytes + NumStreams() - 1) / NumStreams();
+  for (int i = 0; i < NumStreams() && i * piece < b->bytes; ++i) rc |= c.stream_wait_event(stream, b->done[i], 0);
   if (out->untyped_data() != buf.untyped_data())  // XLA kept the alias apart: copy, after the wait
     rc |= c.memcpy_dtod(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<uint64_t>(buf.untyped_data()),
                         buf.size_bytes(), stream);
