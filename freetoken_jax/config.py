@@ -296,6 +296,7 @@ def _hashable(v: Any) -> Any:
 
 # EngineConfig.prefill_load's values
 PREFILL_LOADS = ("auto", "fetch", "copy", "copy2")
+COPY_LOADS = ("copy", "copy2")  # the loads that copy whole banks in
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,20 +1,19 @@
-// Host->device copies of whole expert banks on a stream of their own, as a pair of XLA FFI
+// Host->device copies of whole expert banks on streams of their own, as a pair of XLA FFI
 // targets, for a prefill that loads layers ahead of its compute.
 //
-//   buf, token = freetoken_bank_copy_start(dep; handle) -> the bank's shape and type on the device,
-//                                                           and a token nothing writes
-//   out = freetoken_bank_copy_wait(buf, dep; handle) -> buf (the same buffer: out aliases it)
+//   buf, token = freetoken_bank_copy_start(dep; handle)
+//       buf: the bank's shape and type on the device; token: an int32[1] nothing writes
+//   out = freetoken_bank_copy_wait(buf, dep; handle) -> buf (out aliases it)
 //
 // `start` records an event on XLA's stream (so that whatever used `buf`'s memory before has run),
-// makes the copy stream wait for it, enqueues the copy of registered host bank `handle` into
-// `buf` there and records the copy's event; it returns at once. `wait` makes XLA's stream wait
-// for that event. Between the two nothing may read `buf`: the caller gives it to `wait` alone.
-// `dep` orders each call in the program (the copy cannot start before `start`'s dep exists, and
-// XLA's stream waits only once `wait`'s dep exists); its value is not read. The caller ties the
-// token to what must come after the start (an optimization barrier), never `buf`. The copies of every
-// `start` run one after another on the copy stream, whatever order XLA's schedule gives the
-// compute, so several layers' banks can be in flight behind each other.
-// CPU handlers copy with memcpy at `start`.
+// makes the copy streams wait for it, enqueues the copy of registered host bank `handle` into
+// `buf` (cut into one piece a stream: FREETOKEN_BANK_COPY_STREAMS, 1 by default) and records each
+// piece's event; it returns at once. `wait` makes XLA's stream wait for those events. Nothing but
+// `wait` may take `buf`; the caller ties the token to what must follow the start (an optimization
+// barrier). `dep` orders each call in the program (a copy cannot start before `start`'s dep
+// exists, and XLA's stream waits only once `wait`'s dep exists); its value is not read. The
+// copies of every `start` run one after another on the copy streams, whatever order XLA's
+// schedule gives the compute. CPU handlers copy with memcpy at `start`.
 #pragma once
 
 #include <cstddef>

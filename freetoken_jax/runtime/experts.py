@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from freetoken_jax.config import EngineConfig, Strategy
+from freetoken_jax.config import COPY_LOADS, EngineConfig, Strategy
 from freetoken_jax.memory.slot_cache import SlotCache
 
 
@@ -175,7 +175,7 @@ class Cpu(ExpertBackend):
         from freetoken_jax.runtime.offload import device_prefill_pays, host_memory_kind
 
         # "auto" left unresolved (no memory budget) copies on a GPU, as offload's executor does
-        copy = self.prefill_load in ("copy", "copy2") or (self.prefill_load == "auto" and host_memory_kind() is not None)
+        copy = self.prefill_load in COPY_LOADS or (self.prefill_load == "auto" and host_memory_kind() is not None)
         return dataclasses.replace(self, on_device=copy and device_prefill_pays(cfg, tokens))
 
     def expert_fns(self, model, valid_T, positions_T, slots, buffered=False):

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.config import MoEModelConfig, env_choice
+from freetoken_jax.config import COPY_LOADS, MoEModelConfig, env_choice
 from freetoken_jax.memory.slot_cache import (
     SlotCache,
     borrow_for_prefill,
@@ -165,7 +165,7 @@ class OffloadExecutor:
         CPU backend for rows under 256 KB; always without a slot cache (strategy cpu's chunks)."""
         row = self.banks[m][0].shape[1] * self.banks[m][0].dtype.itemsize
         auto = host_memory_kind() is not None or row < SMALL_ROW_BYTES
-        return self.cache is None or self.prefill_load in ("copy", "copy2") or (self.prefill_load == "auto" and auto)
+        return self.cache is None or self.prefill_load in COPY_LOADS or (self.prefill_load == "auto" and auto)
 
     def _fetch_layer(self, m: int) -> None:
         """Brings MoE layer m's experts in by the Pallas fetch: the resident ones are used where
