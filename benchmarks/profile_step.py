@@ -314,6 +314,7 @@ def prefill_chunk(args) -> list:
     from freetoken_jax.bench.compare import Bench
     from freetoken_jax.memory.kv_cache import init_cache
     from freetoken_jax.memory.slot_cache import init_slot_cache
+    from freetoken_jax.runtime.bank_copy import carried
     from freetoken_jax.runtime.experts import Offload
     from freetoken_jax.runtime.routing import SyntheticRouting
     from freetoken_jax.runtime.steps import PrefillBatch, on_device, prefill_step_buffered
@@ -323,7 +324,7 @@ def prefill_chunk(args) -> list:
                   expert_format=args.expert_format)  # fmt: skip
     cfg, ecfg, summary = bench.cfg, bench.ecfg, []
     load = bench.ecfg.prefill_load if args.prefill_load == "auto" else args.prefill_load  # "auto": as the engine resolved it
-    weights, experts = bench.engine.weights, Offload(load, host_banks=bench.views)
+    weights, experts = bench.engine.weights, Offload(load, host_banks=carried(bench.views))
     n = bench.slots_for(args.slots_gb, 1)
     if experts.prefill_path(cfg, T, n) != "buffered":
         raise SystemExit(f"{n} slots at {args.slots_gb} GB: a {T}-token chunk would not take the buffered prefill")

@@ -49,6 +49,7 @@ from freetoken_jax.bench.measure import copy_bandwidth, executor_bandwidth, h2d_
 from freetoken_jax.bench.presets import PRESETS, preset_config
 from freetoken_jax.memory.kv_cache import gathered_pages
 from freetoken_jax.quant.layout import expert_bytes
+from freetoken_jax.runtime.bank_copy import carried
 from freetoken_jax.runtime.cpu_executor import hybrid_threads
 from freetoken_jax.runtime.experts import FUSED, Cpu, Hybrid, Offload
 from freetoken_jax.runtime.handoff import resolve_mode
@@ -184,7 +185,7 @@ class Bench:
             experts = PerToken(self.ecfg.prefill_load)
         else:  # offload, naive (few slots), offload-copy, offload-copy2, offload-fetch
             experts = Offload(variant.removeprefix("offload-") if variant.startswith("offload-") else self.ecfg.prefill_load,
-                              host_banks=self.views)  # fmt: skip
+                              host_banks=carried(self.views))  # fmt: skip
         if self.compute is not None and hasattr(experts, "compute"):
             experts = dataclasses.replace(experts, compute=self.compute)
         return weights, experts if skew is None else SyntheticRouting(experts, float(skew))

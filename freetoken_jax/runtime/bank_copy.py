@@ -31,6 +31,14 @@ def copy_engine() -> str:
     return env_choice("FREETOKEN_PREFILL_COPY_ENGINE", "xla", ENGINES)
 
 
+def carried(views):
+    """What an offload backend carries of the host bank views `views`: them where the copy stream
+    will take them (FREETOKEN_PREFILL_COPY_ENGINE=stream, read when the backend is made), else
+    None — views are static data compared by identity, and backends over the same banks must stay
+    equal to share their executables."""
+    return views if copy_engine() == "stream" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class InFlight:
     """A bank's device buffer while its copy may still be running (nothing but `wait` may take

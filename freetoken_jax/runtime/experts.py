@@ -90,8 +90,9 @@ class Offload(ExpertBackend):
     """Experts in host banks, a slot cache on the device; a layer's misses are fetched into
     victim slots by the Pallas kernel. Without slots (prefill of a small cache, the bench's
     `layer` baseline) each layer's whole bank is streamed. `prefill_load`: see `EngineConfig`;
-    `host_banks` (numpy views, as `Hybrid`'s) lets a prefill copy whole banks on the C++ module's
-    copy stream (`runtime/bank_copy.py`)."""
+    `host_banks` (numpy views, as `Hybrid`'s; `bank_copy.carried`: only where the copy stream is
+    asked for) lets a prefill copy whole banks on the C++ module's copy stream
+    (`runtime/bank_copy.py`)."""
 
     prefill_load: str = dataclasses.field(default="auto", metadata=dict(static=True))
     compute: Any = dataclasses.field(default=None, metadata=dict(static=True))
@@ -202,12 +203,18 @@ def make_backend(ecfg: EngineConfig, params=None, host_banks=None) -> ExpertBack
         return FUSED
     if s is Strategy.AUTO:
         raise ValueError("resolve moe_strategy 'auto' before making its backend")
+    if s is Strategy.OFFLOAD:
+        from freetoken_jax.runtime.bank_copy import carried, copy_engine
+
+        if host_banks is None and copy_engine() == "stream":
+            from freetoken_jax.runtime.offload import host_bank_views
+
+            host_banks = host_bank_views(params)
+        return Offload(ecfg.prefill_load, host_banks=carried(host_banks))
     if host_banks is None:
         from freetoken_jax.runtime.offload import host_bank_views
 
         host_banks = host_bank_views(params)
-    if s is Strategy.OFFLOAD:
-        return Offload(ecfg.prefill_load, host_banks=host_banks)
     handoff = resolve_mode(ecfg.cpu_handoff)
     if s is Strategy.CPU:
         return Cpu(host_banks, handoff, ecfg.prefill_load)

@@ -255,8 +255,12 @@ def test_copy_stream_starts_and_waits_in_the_layers_order_with_the_same_numbers(
     monkeypatch.setattr(bank_copy, "wait", lambda c, dep: events.append("wait") or wait(c, dep))
     monkeypatch.setattr(offload, "routed_experts", lambda *a, **k: events.append("compute") or routed(*a, **k))
     prompt = [int(t) for t in np.random.default_rng(4).integers(3, 96, 13)]
+    plain = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6))
+    assert plain.experts.host_banks is None  # by default no views: equal backends share their executables
     for load, ahead in (("copy", 1), ("copy2", 2)):
+        monkeypatch.setenv("FREETOKEN_PREFILL_COPY_ENGINE", "stream")  # read as the backend is made: it carries the banks' views
         eng = FreeTokenEngine.from_pretrained(path, EngineConfig(**BASE, moe_strategy="offload", expert_slots=3 * 6, prefill_load=load))
+        assert eng.experts.host_banks is not None
         n = eng.model_config.num_moe_layers
         monkeypatch.setenv("FREETOKEN_PREFILL_COPY_ENGINE", "xla")
         buffered_step.clear_cache()
