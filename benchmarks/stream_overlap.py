@@ -19,6 +19,8 @@ Variants (each one jitted program over the L layers, timed after a warm run):
   ffi-pageable  the same from copies of the banks in pageable memory (numpy arrays);
   copy-load / ffi-load  the whole-bank copies alone (`device_put`; the copy stream), nothing
             computed (FREETOKEN_BANK_COPY_STREAMS cuts each copy stream's bank into pieces).
+`--profile N` prints each variant's kernel profile (torch's CUPTI profiler, as profile_step.py):
+how long copies and compute ran beside each other, and N events of the last run in time order.
 "dispatch ms" is how long the call took to return (before the result is ready): a variant whose
 calls block the dispatching thread shows a dispatch time near its run time.
 Overlap shows as a variant's time near max(load, compute) rather than their sum.
@@ -29,6 +31,8 @@ Overlap shows as a variant's time near max(load, compute) rather than their sum.
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import jax
@@ -37,6 +41,8 @@ import numpy as np
 from jax.experimental.compute_on import compute_on
 
 from pallas_kernels.expert_fetch import fetch_rows_many
+
+sys.path.insert(0, os.path.dirname(__file__))  # profile_step, for --profile
 
 
 def on_stream(f, n: int):
@@ -62,6 +68,9 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=40, help="matmul pairs per layer (sets the compute time)")
     ap.add_argument("--variants", nargs="+", default=["load", "compute", "serial", "stream1", "copy", "copy1", "inplace", "inplace1"])
     ap.add_argument("--no-annotate", dest="annotate", action="store_false", help="compile without xla_gpu_experimental_stream_annotation")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after each variant's row, its kernel profile over two runs (profile_step's: copies beside compute, "
+                         "idle gaps) and the last run's N events in time order")  # fmt: skip
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     dev = jax.devices()[0]
@@ -192,6 +201,11 @@ def main() -> int:
                 f"{name:>12} {ms:8.2f} {dispatch:12.2f} {L * layer_gb / ms * 1e3:14.1f} {str('call-start' in text):>14} {same:>12}",
                 flush=True,
             )
+            if args.profile and gpu:
+                import profile_step
+
+                profile_step.TIMELINE = args.profile
+                profile_step.kernel_profile(lambda n, f=f: [jax.block_until_ready(f(x0, banks)) for _ in range(n)], n=2, top=6)
             if name.startswith("ffi") and gpu:  # the host time each copy's start took (enqueueing: microseconds)
                 from freetoken_jax import _cpu_ext
 
