@@ -3,13 +3,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
-#include <vector>
-#include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "cuda_driver.h"
 #include "xla/ffi/api/ffi.h"
@@ -74,7 +74,7 @@ ffi::Error WaitCpu(ffi::AnyBuffer buf, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffe
   return ffi::Error::Success();
 }
 
-// The copy stream of the current context (XLA calls handlers with its context current) and the
+// The copy streams of the current context (XLA calls handlers with its context current) and the
 // bank's events, made on first use.
 ffi::Error Prepare(Bank* b, std::vector<void*>** streams) {
   const Cuda& c = Driver();
