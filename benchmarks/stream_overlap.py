@@ -17,6 +17,8 @@ Variants (each one jitted program over the L layers, timed after a warm run):
   ffi       as copy, the copy on the C++ module's copy stream (`runtime/bank_copy.py`), waited
             for after layer m's compute;
   ffi-pageable  the same from copies of the banks in pageable memory (numpy arrays);
+  ffi-all   every layer's copy started on the copy stream before layer 0 computes, each waited
+            for before its layer (no copy waits for a layer's compute to reach its start);
   copy-load / ffi-load  the whole-bank copies alone (`device_put`; the copy stream), nothing
             computed (FREETOKEN_BANK_COPY_STREAMS cuts each copy stream's bank into pieces).
 `--profile N` prints each variant's kernel profile (torch's CUPTI profiler, as profile_step.py):
@@ -145,6 +147,20 @@ def main() -> int:
 
         return run
 
+    def all_ahead_ffi(views):
+        """Every layer's copy started before layer 0 computes (one after another on the copy
+        stream), each waited for before its layer: no start waits for a layer's compute."""
+        from freetoken_jax.runtime import bank_copy
+
+        def run(x, banks):
+            copies = [bank_copy.start(v, x) for v in views]
+            x, _ = jax.lax.optimization_barrier((x, tuple(c.token for c in copies)))
+            for m in range(L):
+                x = compute(x, bank_copy.wait(copies[m], x))
+            return x
+
+        return run
+
     resident = copy(banks[0])
 
     def compute_only(x, _banks):
@@ -169,6 +185,7 @@ def main() -> int:
 
         views = [host_view(b) for b in banks]
         variants["ffi"] = pipeline_ffi(views)
+        variants["ffi-all"] = all_ahead_ffi(views)
         variants["ffi-load"] = lambda x, b: (
             sum(jnp.sum(bank_copy.wait(bank_copy.start(v, x), x)[:1, :8].astype(jnp.float32)) for v in views) + x[0, 0]
         )
