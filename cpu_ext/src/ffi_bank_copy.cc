@@ -39,6 +39,11 @@ int NumStreams() {
   return n;
 }
 
+// A bank's copy in NumStreams() pieces of `Piece` bytes (the last shorter), `Pieces` of them: the
+// start enqueues them and the wait waits for each.
+int64_t Piece(const Bank& b) { return (b.bytes + NumStreams() - 1) / NumStreams(); }
+int Pieces(const Bank& b) { return b.bytes == 0 ? 0 : static_cast<int>((b.bytes + Piece(b) - 1) / Piece(b)); }
+
 std::mutex mu;
 std::deque<Bank> banks;  // by handle; a deque keeps references stable as it grows
 std::map<void*, std::vector<void*>> copy_streams;  // CUDA context -> the bank copies' streams
@@ -107,11 +112,9 @@ ffi::Error StartCuda(void* stream, ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer> o
   const Cuda& c = Driver();
   const int64_t t0 = Now();
   int rc = c.event_record(b->ready, stream);
-  const int n = NumStreams();
-  const int64_t piece = (b->bytes + n - 1) / n;
-  for (int i = 0; i < n; ++i) {
+  const int64_t piece = Piece(*b);
+  for (int i = 0; i < Pieces(*b); ++i) {
     const int64_t at = i * piece, len = std::min<int64_t>(piece, b->bytes - at);
-    if (len <= 0) break;
     void* s = (*streams)[i];
     rc |= c.stream_wait_event(s, b->ready, 0);
     rc |= c.memcpy_htod(reinterpret_cast<uint64_t>(out->untyped_data()) + at, reinterpret_cast<const void*>(b->ptr + at), len, s);
@@ -130,8 +133,7 @@ ffi::Error WaitCuda(void* stream, ffi::AnyBuffer buf, ffi::AnyBuffer, ffi::Resul
   if (!b->ready) return ffi::Error::InvalidArgument("host bank " + std::to_string(handle) + " waited for before any copy");
   const Cuda& c = Driver();
   int rc = 0;
-  const int64_t piece = (b->bytes + NumStreams() - 1) / NumStreams();
-  for (int i = 0; i < NumStreams() && i * piece < b->bytes; ++i) rc |= c.stream_wait_event(stream, b->done[i], 0);
+  for (int i = 0; i < Pieces(*b); ++i) rc |= c.stream_wait_event(stream, b->done[i], 0);
   if (out->untyped_data() != buf.untyped_data())  // XLA kept the alias apart: copy, after the wait
     rc |= c.memcpy_dtod(reinterpret_cast<uint64_t>(out->untyped_data()), reinterpret_cast<uint64_t>(buf.untyped_data()),
                         buf.size_bytes(), stream);

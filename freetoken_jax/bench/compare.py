@@ -384,7 +384,8 @@ class Bench:
             passes = [(prompt[: min(prompt_len, chunk + prompt_len % chunk)], None), (prompt, None)] + [(prompt, 2)] * (skew is None)
             margin, copies = None, None
             for i, (p, lp) in enumerate(passes):
-                _cpu_ext.bank_copy_stats(True)
+                if i == 1:  # the timed pass: count its bank copies on the copy stream (runtime/bank_copy.py), if any
+                    _cpu_ext.bank_copy_stats(True)
                 t0 = time.perf_counter()
                 h = RequestHandle(p, GenerationParams(max_new_tokens=1, logprobs=lp))
                 batcher.submit(h)
@@ -392,7 +393,7 @@ class Bench:
                     batcher.step()
                 if lp is None:
                     ttft, first = time.perf_counter() - t0, h.generated[0]
-                if i == 1:  # the timed pass's bank copies on the copy stream (runtime/bank_copy.py), if any
+                if i == 1:
                     copies = _cpu_ext.bank_copy_stats(True)
             if skew is None:
                 token = next(ev for ev in h.events() if ev.kind == "token")

@@ -207,8 +207,7 @@ class OffloadExecutor:
             if m == 0:
                 if self._copies_bank(0):
                     self._issue([(0, k) for k in range(3)], self.banks[0], x_TD)
-                    first = self.in_flight.pop(0)
-                    self._take_copy(0, self._landed([first[k] for k in range(3)], x_TD))
+                    self._take_copy(0, self._landed(self._pop_in_flight(0), x_TD))
                 else:
                     self._fetch_layer(0)
             if m in self.layer_banks:
@@ -243,9 +242,8 @@ class OffloadExecutor:
                 issue = [(newest, k) for k in late]
                 out, nxt = jax.lax.optimization_barrier((out, tuple(self.banks[j][k] for j, k in issue)))
                 self._issue(issue, nxt)
-            copied = self.in_flight.pop(m + 1, None)
+            copied = self._pop_in_flight(m + 1)
             if copied is not None:
-                copied = [copied[k] for k in range(3)]
                 # A copied bank is taken up at the next layer's experts (or, `copy_wait`, after
                 # this layer's output), so that nothing on the compute stream waits for it before.
                 if copy_wait() == "output" or m + 1 >= n - 2:
@@ -274,6 +272,11 @@ class OffloadExecutor:
                 copy = self._on_device(bank)
             self.in_flight.setdefault(j, {})[k] = copy
         return tuple(tokens)
+
+    def _pop_in_flight(self, j: int) -> list | None:
+        """Layer j's banks in flight (gate, up, down), no longer counted as in flight; None if none are."""
+        copies = self.in_flight.pop(j, None)
+        return None if copies is None else [copies[k] for k in range(3)]
 
     @staticmethod
     def _landed(banks, dep) -> tuple:
