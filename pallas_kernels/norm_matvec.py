@@ -8,7 +8,8 @@ is, for each of a few rows b (one token each),
     y_i[b] = h[b] · W_iᵀ (+ bias_i), accumulated in float32, stored as out_dtypes[i]
 
 for every weight W_i [F_i, D] (the checkpoints' [out, in] layout): the attention's q, k and v
-projections, or the MoE router. XLA compiles the same as two kernels for the norm (the sum of
+projections, or the MoE router. With `norm_D=None` there is no norm (h[b] = s[b]): a plain
+matvec, the attention's output projection. XLA compiles the same as two kernels for the norm (the sum of
 squares, then the scaling) and one reduction kernel per projection (q apart from k and v); here
 one launch does all of it. Program p computes R_i rows of one W_i (the programs of W_0 first,
 then W_1's, ...), each row against every b; each program normalises x itself (D values a row:
@@ -47,9 +48,10 @@ def _rows_per_program(F: int, D: int, tile: int = TILE) -> int:
     return R
 
 
-def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool, add: bool):
+def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool, add: bool, norm: bool):
     n = len(parts)
-    x_ref, g_ref, *rest = refs
+    x_ref, *rest = refs
+    g_ref = rest.pop(0) if norm else None
     a_ref = rest.pop(0) if add else None
     w_refs, rest = rest[:n], rest[n:]
     b_refs = []
@@ -60,13 +62,16 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
     s_ref = rest.pop(0) if add else None
     p = pl.program_id(0)
     d = jnp.arange(D, dtype=jnp.int32)
-    g = g_ref[d]
+    g = g_ref[d] if norm else None
     hs, ss = [], []
     for b in range(B):
         xb = x_ref[b, d]
         if add:
             xb = (xb.astype(jnp.float32) + a_ref[b, d].astype(jnp.float32)).astype(xb.dtype)
             ss.append(xb)
+        if not norm:
+            hs.append(xb)
+            continue
         xf = xb.astype(jnp.float32)
         inv = jax.lax.rsqrt(jnp.sum(xf * xf) / D + eps)
         hs.append(g * (xf * inv).astype(xb.dtype))
@@ -97,12 +102,14 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
 def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None, *,
                 interpret: bool = False, num_warps: int = NUM_WARPS, tile: int = TILE):  # fmt: skip
     """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None, s [B, D] where `add_BD`
-    else None) (module docstring). `biases`: per weight a [F_i] vector or None; `out_dtypes`: per
+    else None) (module docstring). `norm_D` None: no norm. `biases`: per weight a [F_i] vector or None; `out_dtypes`: per
     weight (default x's dtype); `tile`: the most weight values a program holds (a power of two)."""
     B, D = x_BD.shape
     F = tuple(w.shape[0] for w in weights)
-    if norm_D.shape != (D,) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
-        raise ValueError(f"norm {norm_D.shape} and weights {[w.shape for w in weights]} do not match x {x_BD.shape}")
+    if (norm_D is not None and norm_D.shape != (D,)) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
+        raise ValueError(
+            f"norm {None if norm_D is None else norm_D.shape} and weights {[w.shape for w in weights]} do not match x {x_BD.shape}"
+        )
     if add_BD is not None and add_BD.shape != x_BD.shape:
         raise ValueError(f"add {add_BD.shape} does not match x {x_BD.shape}")
     if not fits(B, D, F):
@@ -118,19 +125,19 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
         parts.append((start, f // R, R))
         start += f // R
     add = add_BD is not None
-    ins = [x_BD, norm_D, *([add_BD] if add else []), *weights, *[b for b in biases if b is not None]]
+    ins = [x_BD, *([] if norm_D is None else [norm_D]), *([add_BD] if add else []), *weights, *[b for b in biases if b is not None]]
     outs = [jax.ShapeDtypeStruct((B, f), dt) for f, dt in zip(F, out_dtypes)]
     outs += [jax.ShapeDtypeStruct((B, D), x_BD.dtype)] * (int(keep_h) + int(add))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, eps=float(eps), B=B, D=D, parts=tuple(parts), biases=tuple(b is not None for b in biases),
-                               keep_h=keep_h, add=add)  # fmt: skip
+                               keep_h=keep_h, add=add, norm=norm_D is not None)  # fmt: skip
     res = pl.pallas_call(
         kernel,
         grid=(start,),
         in_specs=[any_spec] * len(ins),
         out_specs=[any_spec] * len(outs),
         out_shape=outs,
-        name="norm_matvec",
+        name="norm_matvec" if norm_D is not None else "matvec",
         **call_params(interpret, num_warps),
     )(*ins)
     rest = list(res[len(F) :])
@@ -138,12 +145,13 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
 
 
 def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None):
-    """Reference: the residual's add as the model writes it, `layers.RMSNorm`, then each weight
+    """Reference: the residual's add as the model writes it, `layers.RMSNorm` (none where `norm_D`
+    is None), then each weight
     as `layers.Linear` computes it (the router's float32 weight at full precision)."""
     s = None if add_BD is None else x_BD + add_BD
     x_BD = x_BD if s is None else s
     xf = x_BD.astype(jnp.float32)
-    h = norm_D * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x_BD.dtype)
+    h = x_BD if norm_D is None else norm_D * (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x_BD.dtype)
     biases = list(biases or [None] * len(weights))
     out_dtypes = list(out_dtypes or [x_BD.dtype] * len(weights))
     ys = []

@@ -19,7 +19,7 @@ from flax import nnx
 from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
-from freetoken_jax.models.layers import RMSNorm, apply_rope, linear, normed_projections, residual, softmax_scale, use_norm_matvec
+from freetoken_jax.models.layers import RMSNorm, apply_rope, linear, normed_projections, project, residual, softmax_scale, use_norm_matvec
 from pallas_kernels import chunk_attention, decode_attention
 
 
@@ -239,7 +239,7 @@ class Attention(nnx.Module):
             o, k_pages, v_pages = decode_attention.attention(q[:, 0], kv[0], kv[1], view.page_table_BP, view.mask(self.window)[:, 0],
                                                              scale=softmax_scale(cfg), sinks_H=sinks, fresh=fresh,
                                                              interpret=jax.default_backend() == "cpu")  # fmt: skip
-            return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream
+            return project(self.o_proj, o.reshape(B, T, -1)), (k_pages, v_pages), stream
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rd = cfg.rope_dim  # partial rotary: the rest of each head passes as it is
@@ -254,7 +254,7 @@ class Attention(nnx.Module):
             o = attend_chunk(q, *own, (k_pages, v_pages), view, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached())
         else:
             o = attend_paged(q, (k_pages, v_pages), view, softmax_scale(cfg), lambda kv: kv, sinks, self.window)
-        return self.o_proj(o.reshape(B, T, -1)), (k_pages, v_pages), stream
+        return project(self.o_proj, o.reshape(B, T, -1)), (k_pages, v_pages), stream
 
 
 def decode_attention_kernel(cfg: MoEModelConfig) -> str:
@@ -355,4 +355,4 @@ class MLAttention(nnx.Module):
                 o = attend_chunk(q_BTHd, k_new, v_new, pages, view, scale, kv_of)
             else:
                 o = attend_paged(q_BTHd, pages, view, scale, kv_of)
-        return self.o_proj(o.reshape(B, T, -1)), (lat_pages, rot_pages), stream
+        return project(self.o_proj, o.reshape(B, T, -1)), (lat_pages, rot_pages), stream

@@ -133,18 +133,23 @@ def apply_rope(x_BTHd: jax.Array, cos_BTd: jax.Array, sin_BTd: jax.Array, interl
 
 def norm_matvec_kernel() -> str:
     """How a step of one token a row computes an RMSNorm and the projections that read it (the
-    attention's q, k and v; the MoE router), FREETOKEN_NORM_MATVEC: "kernel" — in one kernel of
-    `pallas_kernels/norm_matvec.py` where it fits; "xla" — two kernels for the norm and one or
-    two for the projections; "auto" (unset) — the kernel on a GPU (on the H200 it took q4_0
-    hybrid decode at the 30B shape from 164.9 to 171.3 tok/s: benchmarks/RESULTS.md), else XLA."""
-    how = env_choice("FREETOKEN_NORM_MATVEC", "auto", ("auto", "xla", "kernel"))
+    attention's q, k and v; the MoE router) and the attention's output projection,
+    FREETOKEN_NORM_MATVEC: "kernel" — each in one kernel of `pallas_kernels/norm_matvec.py` where
+    it fits; "normed" — the normed projections so, the output projection by XLA; "xla" — two
+    kernels for the norm and one or two for the projections; "auto" (unset) — the kernel on a GPU
+    (on the H200 it took q4_0 hybrid decode at the 30B shape from 164.9 to 171.3 tok/s:
+    benchmarks/RESULTS.md), else XLA."""
+    how = env_choice("FREETOKEN_NORM_MATVEC", "auto", ("auto", "xla", "normed", "kernel"))
     if how == "auto":
         return "kernel" if jax.default_backend() == "gpu" else "xla"
     return how
 
 
-def use_norm_matvec(B: int, T: int, D: int, F) -> bool:
-    return T == 1 and norm_matvec_kernel() == "kernel" and norm_matvec.fits(B, D, tuple(F))
+def use_norm_matvec(B: int, T: int, D: int, F, normed: bool = True) -> bool:
+    """Whether a step of T tokens a row takes the kernel: for the normed projections (`normed`),
+    or for a projection without a norm before it."""
+    how = norm_matvec_kernel()
+    return T == 1 and (how == "kernel" or (normed and how == "normed")) and norm_matvec.fits(B, D, tuple(F))
 
 
 def normed_projections(norm: RMSNorm, x_BD, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None):
@@ -154,6 +159,17 @@ def normed_projections(norm: RMSNorm, x_BD, weights, biases=None, out_dtypes=Non
     ys, h, s = norm_matvec.norm_matvec(x_BD, norm.weight[...], norm.eps, weights, biases, out_dtypes, keep_h, add_BD,
                                        interpret=jax.default_backend() == "cpu")  # fmt: skip
     return (*ys, *[a for a in (h, s) if a is not None])
+
+
+def project(p: Linear, x_BTD):
+    """`p(x_BTD)`; a step of one token a row through the matvec kernel where it fits
+    (`norm_matvec_kernel`): the attention's output projection."""
+    B, T, D = x_BTD.shape
+    if not use_norm_matvec(B, T, D, [p.weight.shape[0]], normed=False):
+        return p(x_BTD)
+    (y,), _, _ = norm_matvec.norm_matvec(x_BTD[:, 0], None, 0.0, [p.weight[...]], [None if p.bias is None else p.bias[...]],
+                                         interpret=jax.default_backend() == "cpu")  # fmt: skip
+    return y[:, None]
 
 
 def residual(x_BTD, add_BTD):

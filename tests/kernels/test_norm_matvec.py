@@ -55,6 +55,35 @@ def test_matches_reference_and_float64(B, D, F, dtype, bias):
         np.testing.assert_allclose(np.asarray(y, np.float32), w64, **far)
 
 
+@pytest.mark.parametrize(
+    "B,D,F,dtype,bias,add",
+    [
+        (1, 256, (64,), jnp.float32, False, False),  # the attention's output projection of a small model
+        (2, 512, (128,), jnp.bfloat16, True, False),  # with a bias (gpt-oss), two rows
+        (8, 128, (40,), jnp.bfloat16, False, True),  # the most rows, F not a power of two, the add
+    ],
+)
+def test_without_a_norm_is_a_plain_matvec(B, D, F, dtype, bias, add):
+    """`norm_D=None`: h is the rows themselves (x, or x + add), and each output h · W_iᵀ (+ bias)
+    as `layers.Linear` computes it — against the reference and float64."""
+    rng = np.random.default_rng(B * D)
+    x = jnp.asarray(rng.standard_normal((B, D)) * 3, dtype)
+    a = jnp.asarray(rng.standard_normal((B, D)), dtype) if add else None
+    ws = [jnp.asarray(rng.standard_normal((f, D)) / np.sqrt(D), dtype) for f in F]
+    bs = [jnp.asarray(rng.standard_normal(f) * 0.1, dtype) if bias else None for f in F]
+    ys, h, s = jax.jit(lambda x, ws, bs, a: norm_matvec(x, None, 0.0, ws, bs, keep_h=True, add_BD=a, interpret=INTERPRET))(x, ws, bs, a)
+    rys, rh, rs = norm_matvec_ref(x, None, 0.0, ws, bs, keep_h=True, add_BD=a)
+    rows = x if a is None else x + a
+    np.testing.assert_array_equal(np.asarray(h, np.float32), np.asarray(rows, np.float32))
+    np.testing.assert_array_equal(np.asarray(rh, np.float32), np.asarray(rows, np.float32))
+    assert (s is None) == (not add) and [y.shape for y in ys] == [(B, f) for f in F] and all(y.dtype == dtype for y in ys)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == jnp.float32 else dict(rtol=1e-2, atol=1e-2)
+    for y, ry, w, b in zip(ys, rys, ws, bs):
+        np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ry, np.float32), **tol)
+        want = np.asarray(rows, np.float64) @ np.asarray(w, np.float64).T + (0 if b is None else np.asarray(b, np.float64))
+        np.testing.assert_allclose(np.asarray(y, np.float32), want, **(tol if dtype == jnp.float32 else dict(rtol=3e-2, atol=3e-2)))
+
+
 def test_float32_outputs_of_bf16_rows():
     """The router's case: bf16 rows, a float32 weight and float32 logits at full precision."""
     rng = np.random.default_rng(5)
@@ -143,23 +172,34 @@ def test_models_one_token_steps_match_transformers(name, ckpt_root, monkeypatch)
     from pallas_kernels import norm_matvec as module
 
     monkeypatch.setenv("FREETOKEN_NORM_MATVEC", "kernel")
-    calls = []
-    monkeypatch.setattr(module, "norm_matvec", lambda *a, f=module.norm_matvec, **kw: calls.append(len(a[3])) or f(*a, **kw))
+    calls = []  # (normed, number of weights) of each call
+    monkeypatch.setattr(
+        module, "norm_matvec", lambda *a, f=module.norm_matvec, **kw: calls.append((a[1] is not None, len(a[3]))) or f(*a, **kw)
+    )
     check_prompt_logits(name, ckpt_root, 23, 24, prefill_chunk=1)
-    assert 1 in calls and (3 in calls) == (name != "deepseek_v3")  # the router's, and the attention's where it has q, k, v
+    assert (True, 1) in calls and ((True, 3) in calls) == (name != "deepseek_v3")  # the router's, and q, k, v where the model has them
+    # the attention's output projection where its input width is a power of two (DeepSeek's here: 4 heads × 12)
+    assert ((False, 1) in calls) == (name != "deepseek_v3")
 
 
 def test_how_a_step_normalises(monkeypatch):
     """FREETOKEN_NORM_MATVEC: "auto" takes the kernel on a GPU; steps of more than one token a row
-    and rows the kernel does not fit stay with XLA's; bad names raise."""
+    and rows the kernel does not fit stay with XLA's; "normed" takes it for the normed projections
+    alone (not for the output projection); bad names raise."""
     from freetoken_jax.models import layers
 
-    want = {  # (setting, backend): one token a row, two tokens a row, a width that is not a power of two
-        ("auto", "gpu"): (True, False, False),
-        ("auto", "cpu"): (False, False, False),
-        ("xla", "gpu"): (False, False, False),
-        ("kernel", "cpu"): (True, False, False),
-        ("kernel", "gpu"): (True, False, False),
+    want = {  # (setting, backend): one token a row, two tokens a row, a width that is not a power of two; a projection without a norm
+        ("auto", "gpu"): (True, False, False, True),
+        ("auto", "cpu"): (False, False, False, False),
+        ("xla", "gpu"): (False, False, False, False),
+        ("normed", "gpu"): (True, False, False, False),
+        ("kernel", "cpu"): (True, False, False, True),
+        ("kernel", "gpu"): (True, False, False, True),
     }
-    choose = lambda: (layers.use_norm_matvec(2, 1, 64, [8]), layers.use_norm_matvec(2, 2, 64, [8]), layers.use_norm_matvec(2, 1, 48, [8]))  # noqa: E731
+    choose = lambda: (  # noqa: E731
+        layers.use_norm_matvec(2, 1, 64, [8]),
+        layers.use_norm_matvec(2, 2, 64, [8]),
+        layers.use_norm_matvec(2, 1, 48, [8]),
+        layers.use_norm_matvec(2, 1, 64, [8], normed=False),
+    )
     check_kernel_choice(monkeypatch, "FREETOKEN_NORM_MATVEC", want, choose, "fused")
