@@ -118,6 +118,40 @@ class _TokenFirst:
         return self.jitted.lower(*args, **kw)
 
 
+def _state_only(step):
+    """A decode step (`steps._decode`: (token, state) with the token also the state's `tokens_B`)
+    returning the state alone, with its name (`_traced` counts by it)."""
+
+    @functools.wraps(step)
+    def run(*args, **kw):
+        return step(*args, **kw)[1]
+
+    return run
+
+
+class _TokenFromState:
+    """A jitted `_state_only` decode step called as the step itself: (token, state), the token a
+    copy of the state's `tokens_B` made by a program of its own. Every output of the step then
+    overwrites a donated input, so no array the step writes moves between steps: XLA records the
+    whole step into one CUDA graph, and a fresh output of that graph (the token, at a new address
+    each step) had it re-recorded before every step (on an H100, about 1 ms of a 24-layer fused
+    step's host time: benchmarks/RESULTS.md). The copy, one small kernel outside the graph, reads
+    `tokens_B` before the next step donates it (one stream orders them)."""
+
+    def __init__(self, jitted):
+        self.jitted = jitted
+
+    def __call__(self, *args, **kw):
+        state = self.jitted(*args, **kw)
+        return _copy_tokens(state.tokens_B), state
+
+    def lower(self, *args, **kw):
+        return self.jitted.lower(*args, **kw)
+
+
+_copy_tokens = jax.jit(jnp.copy)
+
+
 class StepSet:
     """The jitted steps of one model, state donated: `decode(weights, state, batch, experts)`
     (`steps.decode_step_plain`: greedy or temperature alone) and `decode_filtered` (`steps.decode_step`:
@@ -132,8 +166,9 @@ class StepSet:
         self.traces: dict[str, int] = {}
         jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
         sampled = lambda f, donate, **kw: _TokenFirst(jit(_token_last(f), donate, **kw))  # noqa: E731
-        self.decode = sampled(decode_step_plain, (1,))
-        self.decode_filtered = sampled(decode_step, (1,))
+        from_state = lambda f: _TokenFromState(jit(_state_only(f), (1,)))  # noqa: E731
+        self.decode = from_state(decode_step_plain)
+        self.decode_filtered = from_state(decode_step)
         self.prefill = sampled(prefill_step, (1,))
         self.prefill_buffered = sampled(prefill_step_buffered, (1, 3))
         self.prefill_slots = sampled(prefill_step_slots, (1, 3))

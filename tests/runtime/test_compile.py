@@ -10,7 +10,7 @@ from jax import monitoring
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
 from freetoken_jax.engine import GenerationParams
-from freetoken_jax.runtime.steps import DecodeBatch, Sampling
+from freetoken_jax.runtime.steps import DecodeBatch, DecodeState, Sampling
 
 
 def test_compiles_once_per_bucket():
@@ -155,8 +155,14 @@ def test_steps_keep_the_state_where_it_is():
     tok = runner.decode(batch)  # the first step takes the state's arrays as the engine made them
     before = _addresses(runner.state)
     assert before and all(v for v in before.values())
-    toks = [runner.decode(batch) for _ in range(3)]
+    toks = []
+    for _ in range(3):
+        toks.append(runner.decode(batch))
+        assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()  # the token is the state's
     assert _addresses(runner.state) == before
+    # the decode program returns the state alone: every output overwrites a donated input (the token is copied apart)
+    out = jax.eval_shape(runner.steps.decode.jitted, runner.weights, runner.state, batch, runner.experts)
+    assert isinstance(out, DecodeState) and len(jax.tree.leaves(out)) == len(before)
     mask = jnp.full((2, (engine.model_config.vocab_size + 31) // 32), -1, jnp.int32)
     for _ in range(2):  # the two halves: the model's, then the full sampler's
         toks.append(runner.sample(runner.decode_logits(batch), batch, mask))
