@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
-# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|cbuf|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -150,6 +150,11 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
             --prompt-len 8192 --chunk 8192 --routing-skew 0 --strategy ${PSTRATS:-offload} --json "$OUT/pab_${FMT:-q4_0}_$n.json" 2>&1 |
             grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w)))
         done ;;
+    # cbuf: the fused row with XLA's command buffer log: how often the step's CUDA graph is recorded again, and why
+    cbuf) TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 200 $B decode $SHAPE --expert-format q4_0 --strategy fused \
+            --compile-workers 2 --json "$OUT/cbuf.json" > "$OUT/cbuf.log" 2>&1; echo "rc=$?"; grep -v "it/s\]" "$OUT/cbuf.log" | grep -E "^ *(strategy|fused) "
+        echo "graph updates $(grep -c 'Updated command buffer' "$OUT/cbuf.log"), executions $(grep -c 'Execute command buffer' "$OUT/cbuf.log")"
+        grep "updated_allocs" "$OUT/cbuf.log" | tail -2 | cut -c1-260; gzip -f "$OUT/cbuf.log" ;;
     qsweep) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid --q 0.3 0.35 0.4 0.45 0.5 --json "$OUT/q4_qsweep.json" 2>&1 | grep -v "it/s\]" | tail -7 ;;
     # lcpp-pp: llama.cpp's prefill rows of the 8192-token comparison alone
     lcpp-pp) /tmp/lcpp/build/bin/llama-bench -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 8192 -b 8192 -ub 2048,8192 -n 0 -r 2 \
