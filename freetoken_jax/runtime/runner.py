@@ -149,7 +149,10 @@ class _TokenFromState:
         return self.jitted.lower(*args, **kw)
 
 
-_copy_tokens = jax.jit(jnp.copy)
+@jax.jit
+def _copy_tokens(tokens_B):
+    """The decode state's tokens in a buffer of their own, which outlives the next step's donation."""
+    return jnp.copy(tokens_B)
 
 
 class StepSet:
@@ -510,6 +513,7 @@ class ModelRunner:
         ]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
+        _copy_tokens.lower(self.state.tokens_B).compile()  # the decode steps' token copy (`_TokenFromState`)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
         log.info("warm-up: %d steps compiled in %.1f s", out["steps"], out["seconds"])
         return out

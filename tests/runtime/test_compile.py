@@ -60,6 +60,7 @@ STEPS = (
     "jit(prefill_step_buffered)",
     "jit(decode_forward)",
     "jit(sample_step)",
+    "jit(_copy_tokens)",  # the decode steps' token, copied out of the state
 )
 
 
