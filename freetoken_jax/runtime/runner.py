@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from freetoken_jax import _cpu_ext
-from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy
+from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy, env_choice
 from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
 from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, init_cache, ring_layers, ring_pages, ring_pool_pages
 from freetoken_jax.memory.kv_pages import PageAllocator
@@ -149,6 +149,14 @@ class _TokenFromState:
         return self.jitted.lower(*args, **kw)
 
 
+def decode_token() -> str:
+    """How a decode step hands its sampled token to the host, FREETOKEN_DECODE_TOKEN: "copied" (the
+    default) — the step returns its state alone and a program of its own copies the token out of
+    it (`_TokenFromState`); "output" — the step returns the token as an output of its own, the
+    last (`_token_last`). Read when the steps are made."""
+    return env_choice("FREETOKEN_DECODE_TOKEN", "copied", ("copied", "output"))
+
+
 @jax.jit
 def _copy_tokens(tokens_B):
     """The decode state's tokens in a buffer of their own, which outlives the next step's donation."""
@@ -169,9 +177,12 @@ class StepSet:
         self.traces: dict[str, int] = {}
         jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
         sampled = lambda f, donate, **kw: _TokenFirst(jit(_token_last(f), donate, **kw))  # noqa: E731
-        from_state = lambda f: _TokenFromState(jit(_state_only(f), (1,)))  # noqa: E731
-        self.decode = from_state(decode_step_plain)
-        self.decode_filtered = from_state(decode_step)
+        if decode_token() == "copied":
+            self.decode = _TokenFromState(jit(_state_only(decode_step_plain), (1,)))
+            self.decode_filtered = _TokenFromState(jit(_state_only(decode_step), (1,)))
+        else:
+            self.decode = sampled(decode_step_plain, (1,))
+            self.decode_filtered = sampled(decode_step, (1,))
         self.prefill = sampled(prefill_step, (1,))
         self.prefill_buffered = sampled(prefill_step_buffered, (1, 3))
         self.prefill_slots = sampled(prefill_step_slots, (1, 3))

@@ -6,6 +6,7 @@ import contextlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import monitoring
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
@@ -140,12 +141,16 @@ def _addresses(tree) -> dict:
     return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer() for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def test_steps_keep_the_state_where_it_is():
+@pytest.mark.parametrize("token", ["copied", "output"])
+def test_steps_keep_the_state_where_it_is(token, monkeypatch):
     """Each step's state arrays are written over their donated inputs: from step to step every
     array of the decode state (KV pages, tokens, positions, slot cache, counts) keeps its device
     address, whichever path samples, and the token a step returns stays readable after the next
     step. (XLA keeps CUDA graphs of the step that captured those addresses; an array that moves
-    has every command reading it re-recorded before the next step runs.)"""
+    has every command reading it re-recorded before the next step runs.) FREETOKEN_DECODE_TOKEN
+    "copied": the decode program returns the state alone, the token copied out of it apart;
+    "output": the token is the program's last output."""
+    monkeypatch.setenv("FREETOKEN_DECODE_TOKEN", token)
     ec = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16, moe_strategy="offload", expert_slots=6)
     engine = FreeTokenEngine.from_pretrained("demo", ec)
     runner = engine.runner
@@ -161,9 +166,11 @@ def test_steps_keep_the_state_where_it_is():
         toks.append(runner.decode(batch))
         assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()  # the token is the state's
     assert _addresses(runner.state) == before
-    # the decode program returns the state alone: every output overwrites a donated input (the token is copied apart)
     out = jax.eval_shape(runner.steps.decode.jitted, runner.weights, runner.state, batch, runner.experts)
-    assert isinstance(out, DecodeState) and len(jax.tree.leaves(out)) == len(before)
+    if token == "copied":  # the state alone: every output overwrites a donated input
+        assert isinstance(out, DecodeState) and len(jax.tree.leaves(out)) == len(before)
+    else:  # the state, then the token
+        assert isinstance(out[0], DecodeState) and out[-1].shape == (2,) and len(jax.tree.leaves(out)) == len(before) + 1
     mask = jnp.full((2, (engine.model_config.vocab_size + 31) // 32), -1, jnp.int32)
     for _ in range(2):  # the two halves: the model's, then the full sampler's
         toks.append(runner.sample(runner.decode_logits(batch), batch, mask))
@@ -186,3 +193,11 @@ def test_decode_steps_carry_no_jax_effect():
         assert (strategy in ("hybrid", "cpu")) == ("freetoken_moe_submit" in text), strategy  # the pair is in the step
         assert jaxpr.effects == set(), (strategy, jaxpr.effects)
         runner.close()
+
+
+def test_an_unknown_decode_token_setting_is_refused(monkeypatch):
+    from freetoken_jax.runtime.runner import StepSet
+
+    monkeypatch.setenv("FREETOKEN_DECODE_TOKEN", "host")
+    with pytest.raises(ValueError, match="FREETOKEN_DECODE_TOKEN='host'"):
+        StepSet("float32")
