@@ -8,12 +8,12 @@ is, for each of a few rows b (one token each),
     y_i[b] = h[b] · W_iᵀ (+ bias_i), accumulated in float32, stored as out_dtypes[i]
 
 for every weight W_i [F_i, D] (the checkpoints' [out, in] layout): the attention's q, k and v
-projections, or the MoE router. With `norm_D=None` there is no norm (h[b] = s[b]): a plain
-matvec, the attention's output projection. XLA compiles the same as two kernels for the norm (the sum of
+projections, or the MoE router. XLA compiles the same as two kernels for the norm (the sum of
 squares, then the scaling) and one reduction kernel per projection (q apart from k and v); here
-one launch does all of it. Program p computes R_i rows of one W_i (the programs of W_0 first,
-then W_1's, ...), each row against every b; each program normalises x itself (D values a row:
-cheaper than a launch), and program 0 writes h where `keep_h` asks for it (the router's input
+one launch does all of it. With `norm_D=None` there is no norm (h[b] = s[b]): a plain matvec,
+the attention's output projection. Program p computes R_i rows of one W_i (the programs of W_0
+first, then W_1's, ...), each row against every b; each program normalises x itself (D values a
+row: cheaper than a launch), and program 0 writes h where `keep_h` asks for it (the router's input
 feeds the experts too) and s where `add_BD` is given (the residual stream, whose add then costs
 no kernel of its own). `norm_matvec_ref` is the jnp reference: the add, `RMSNorm`, then
 `Linear`'s einsum.
@@ -102,8 +102,9 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
 def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None, *,
                 interpret: bool = False, num_warps: int = NUM_WARPS, tile: int = TILE):  # fmt: skip
     """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None, s [B, D] where `add_BD`
-    else None) (module docstring). `norm_D` None: no norm. `biases`: per weight a [F_i] vector or None; `out_dtypes`: per
-    weight (default x's dtype); `tile`: the most weight values a program holds (a power of two)."""
+    else None) (module docstring). `norm_D`: None for no norm; `biases`: per weight a [F_i] vector
+    or None; `out_dtypes`: per weight (default x's dtype); `tile`: the most weight values a program
+    holds (a power of two)."""
     B, D = x_BD.shape
     F = tuple(w.shape[0] for w in weights)
     if (norm_D is not None and norm_D.shape != (D,)) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
@@ -146,8 +147,8 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
 
 def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None, keep_h: bool = False, add_BD=None):
     """Reference: the residual's add as the model writes it, `layers.RMSNorm` (none where `norm_D`
-    is None), then each weight
-    as `layers.Linear` computes it (the router's float32 weight at full precision)."""
+    is None), then each weight as `layers.Linear` computes it (the router's float32 weight at full
+    precision)."""
     s = None if add_BD is None else x_BD + add_BD
     x_BD = x_BD if s is None else s
     xf = x_BD.astype(jnp.float32)
