@@ -118,43 +118,60 @@ class _TokenFirst:
         return self.jitted.lower(*args, **kw)
 
 
-def _state_only(step):
-    """A decode step (`steps._decode`: (token, state) with the token also the state's `tokens_B`)
-    returning the state alone, with its name (`_traced` counts by it)."""
+def _dropping(step, index: int):
+    """`step` without its output `index` (a copy of another output: the sampled token, which the
+    step also returns as the state's tokens), with its name (`_traced` counts by it)."""
 
     @functools.wraps(step)
     def run(*args, **kw):
-        return step(*args, **kw)[1]
+        out = step(*args, **kw)
+        return (*out[:index], *out[index + 1 :])
 
     return run
 
 
-class _TokenFromState:
-    """A jitted `_state_only` decode step called as the step itself: (token, state), the token a
-    copy of the state's `tokens_B` made by a program of its own. Every output of the step then
-    overwrites a donated input, so no array the step writes moves between steps: XLA records the
-    whole step into one CUDA graph, and a fresh output of that graph (the token, at a new address
-    each step) had it re-recorded before every step (on an H100, about 1 ms of a 24-layer fused
-    step's host time: benchmarks/RESULTS.md). The copy, one small kernel outside the graph, reads
-    `tokens_B` before the next step donates it (one stream orders them)."""
+def _into_buffer(forward):
+    """A decode step's model half (`steps.decode_forward`) taking one more argument, a buffer of
+    its logits' shape and dtype that the jitted step donates (and keeps: jit prunes unused
+    arguments by default), so that the logits are written over it; with its name (`_traced`
+    counts by it)."""
 
-    def __init__(self, jitted):
-        self.jitted = jitted
+    def run(weights, state, batch, experts, logits_buffer):
+        return forward(weights, state, batch, experts)
+
+    run.__name__ = run.__qualname__ = forward.__name__
+    return run
+
+
+class _TokenCopied:
+    """A jitted step that returns the state's new tokens (not a copy of them as well) called as
+    the step itself, the sampled token first: a copy of those tokens made by a program of its own
+    (`_copy_tokens`). Every output of the step then overwrites a donated input, so no array the step
+    writes moves between steps: XLA records a decode step into one CUDA graph, and a fresh output
+    of that graph (the token, at a new address each step) had it re-recorded before every step (on
+    an H100, about 1 ms of a 24-layer fused step's host time: benchmarks/RESULTS.md). The copy, one
+    small kernel outside the graph, reads the tokens before the next step donates them (one stream
+    orders them). `tokens`: where the tokens are among the step's outputs."""
+
+    def __init__(self, jitted, tokens):
+        self.jitted, self.tokens = jitted, tokens
 
     def __call__(self, *args, **kw):
-        state = self.jitted(*args, **kw)
-        return _copy_tokens(state.tokens_B), state
+        out = self.jitted(*args, **kw)
+        return (_copy_tokens(self.tokens(out)), *out)
 
     def lower(self, *args, **kw):
         return self.jitted.lower(*args, **kw)
 
 
-def decode_token() -> str:
-    """How a decode step hands its sampled token to the host, FREETOKEN_DECODE_TOKEN: "copied" (the
-    default) — the step returns its state alone and a program of its own copies the token out of
-    it (`_TokenFromState`); "output" — the step returns the token as an output of its own, the
-    last (`_token_last`). Read when the steps are made."""
-    return env_choice("FREETOKEN_DECODE_TOKEN", "copied", ("copied", "output"))
+def decode_outputs() -> str:
+    """What the decode programs return, FREETOKEN_DECODE_OUTPUTS: "donated" (the default) — only
+    arrays written over donated inputs: the state (a program of its own copies the sampled token
+    out of it, `_TokenCopied`) and the model half's logits, written over a buffer the runner keeps
+    (log-probabilities, where a row asks for them, stay outputs of their own); "fresh" — the token
+    (and the logits) as outputs of their own, at new addresses each step. Read when the steps are
+    made."""
+    return env_choice("FREETOKEN_DECODE_OUTPUTS", "donated", ("donated", "fresh"))
 
 
 @jax.jit
@@ -177,18 +194,22 @@ class StepSet:
         self.traces: dict[str, int] = {}
         jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
         sampled = lambda f, donate, **kw: _TokenFirst(jit(_token_last(f), donate, **kw))  # noqa: E731
-        if decode_token() == "copied":
-            self.decode = _TokenFromState(jit(_state_only(decode_step_plain), (1,)))
-            self.decode_filtered = _TokenFromState(jit(_state_only(decode_step), (1,)))
+        self.donated = decode_outputs() == "donated"
+        if self.donated:  # (token, state) from the state alone; the model half's logits written over a donated buffer
+            state_only = lambda f: _TokenCopied(jit(_dropping(f, 0), (1,)), lambda out: out[0].tokens_B)  # noqa: E731
+            self.decode = state_only(decode_step_plain)
+            self.decode_filtered = state_only(decode_step)
+            self.decode_logits = jit(_into_buffer(decode_forward), (1, 4), keep_unused=True)  # unused, the buffer would be pruned
+            self.sample = _TokenCopied(jit(_dropping(sample_step, 0), (1, 2, 3), static_argnames=("logprobs",)), lambda out: out[0])
         else:
             self.decode = sampled(decode_step_plain, (1,))
             self.decode_filtered = sampled(decode_step, (1,))
+            self.decode_logits = jit(decode_forward, (1,))
+            self.sample = sampled(sample_step, (1, 2, 3), static_argnames=("logprobs",))  # with and without log-probabilities
         self.prefill = sampled(prefill_step, (1,))
         self.prefill_buffered = sampled(prefill_step_buffered, (1, 3))
         self.prefill_slots = sampled(prefill_step_slots, (1, 3))
         self.score = jit(score_step, (1,))
-        self.decode_logits = jit(decode_forward, (1,))
-        self.sample = sampled(sample_step, (1, 2, 3), static_argnames=("logprobs",))  # with and without log-probabilities
 
     def compilations(self) -> dict[str, int]:
         """Executables compiled so far per step kind (one per bucket)."""
@@ -255,6 +276,7 @@ class ModelRunner:
         self.ring_pool = self._ring_pool(engine_config)
         self.state = self._fresh_state(engine_config, plan)
         self.logprobs: Logprobs | None = None  # the last `sample`'s (device arrays; None after `decode`)
+        self._logits: jax.Array | None = None  # what the model half wrote its logits over (`decode_logits`)
         self.prompt_logprobs: Logprobs | None = None  # the last scored prefill chunk's (`prefill`)
         self.failed: str | None = None  # set when a resize failed and the old geometry could not be restored
         self._prefill_note: str | None = None
@@ -407,10 +429,22 @@ class ModelRunner:
 
     def decode_logits(self, batch: DecodeBatch) -> jax.Array:
         """The model half of a decode step (`StepSet`): the logits [rows, V], on the device. The
-        next call must be `sample`, which leaves the step's `logprobs`."""
-        logits, self.state = self.steps.decode_logits(self.weights, self.state, batch, self.experts)
+        next call must be `sample`, which leaves the step's `logprobs`; the logits stay valid until
+        the next `decode_logits` (which writes its own over them: `decode_outputs`)."""
+        args = (self.weights, self.state, batch, self.experts)
+        if self.steps.donated:
+            args += (self._logits_buffer(),)
+        logits, self.state = self.steps.decode_logits(*args)
+        self._logits = logits if self.steps.donated else None
         self._rebalance()
         return logits
+
+    def _logits_buffer(self) -> jax.Array:
+        """The buffer the model half writes its logits over: the last step's, or a new one."""
+        shape = (self.rows, self.model_config.vocab_size)
+        if self._logits is None or self._logits.shape != shape or self._logits.is_deleted():
+            self._logits = on_device(jnp.zeros(shape, jnp.float32))
+        return self._logits
 
     def sample(self, logits, batch: DecodeBatch, mask_BW, logprobs: bool = False) -> jax.Array:
         """The sampling half of the decode step whose `logits` these are, under the grammar
@@ -482,7 +516,8 @@ class ModelRunner:
         logits = jax.ShapeDtypeStruct((B, self.model_config.vocab_size), jnp.float32, sharding=st.tokens_B.sharding)
         mask = jax.ShapeDtypeStruct((B, (self.model_config.vocab_size + 31) // 32), jnp.int32)
         args = (logits, st.tokens_B, st.positions_B, st.counts_BV, batch, mask)
-        return [(self.steps.decode_logits, (self.weights, st, batch, self.experts)), (self.steps.sample, args, {"logprobs": False}),
+        model = (self.weights, st, batch, self.experts) + ((logits,) if self.steps.donated else ())
+        return [(self.steps.decode_logits, model), (self.steps.sample, args, {"logprobs": False}),
                 (self.steps.sample, args, {"logprobs": True})]  # fmt: skip
 
     def prefill_jobs(self, chunks: list[int], rows: int = 1, scored: bool = False) -> list[tuple]:
@@ -524,7 +559,7 @@ class ModelRunner:
         ]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
-        _copy_tokens.lower(self.state.tokens_B).compile()  # the decode steps' token copy (`_TokenFromState`)
+        _copy_tokens.lower(self.state.tokens_B).compile()  # the decode steps' token copy (`_TokenCopied`)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
         log.info("warm-up: %d steps compiled in %.1f s", out["steps"], out["seconds"])
         return out

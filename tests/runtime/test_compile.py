@@ -142,16 +142,17 @@ def _addresses(tree) -> dict:
     return {jax.tree_util.keystr(k): v.unsafe_buffer_pointer() for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-@pytest.mark.parametrize("token", ["copied", "output"])
-def test_steps_keep_the_state_where_it_is(token, monkeypatch):
+@pytest.mark.parametrize("outputs", ["donated", "fresh"])
+def test_steps_keep_the_state_where_it_is(outputs, monkeypatch):
     """Each step's state arrays are written over their donated inputs: from step to step every
     array of the decode state (KV pages, tokens, positions, slot cache, counts) keeps its device
     address, whichever path samples, and the token a step returns stays readable after the next
     step. (XLA keeps CUDA graphs of the step that captured those addresses; an array that moves
-    has every command reading it re-recorded before the next step runs.) FREETOKEN_DECODE_TOKEN
-    "copied": the decode program returns the state alone, the token copied out of it apart;
-    "output": the token is the program's last output."""
-    monkeypatch.setenv("FREETOKEN_DECODE_TOKEN", token)
+    has every command reading it re-recorded before the next step runs.) FREETOKEN_DECODE_OUTPUTS
+    "donated": the decode program returns the state alone (the token copied out of it apart) and
+    the model half writes its logits over the last step's; "fresh": the token is the decode
+    program's last output, and the logits the model half's own."""
+    monkeypatch.setenv("FREETOKEN_DECODE_OUTPUTS", outputs)
     ec = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16, moe_strategy="offload", expert_slots=6)
     engine = FreeTokenEngine.from_pretrained("demo", ec)
     runner = engine.runner
@@ -171,14 +172,21 @@ def test_steps_keep_the_state_where_it_is(token, monkeypatch):
     # the compiled program's outputs written over donated inputs (its module's input_output_alias entries)
     header = runner.steps.decode.lower(runner.weights, runner.state, batch, runner.experts).compile().as_text().split("\n", 1)[0]
     aliased = len(re.findall(r"\{[\d,]*\}: \(\d+", header))
-    if token == "copied":  # the state alone: every output overwrites a donated input
-        assert isinstance(out, DecodeState) and len(jax.tree.leaves(out)) == len(before) == aliased
+    assert isinstance(out[0], DecodeState)
+    if outputs == "donated":  # the state alone: every output overwrites a donated input
+        assert len(out) == 1 and len(jax.tree.leaves(out)) == len(before) == aliased
     else:  # the state, then the token: one output of its own
-        assert isinstance(out[0], DecodeState) and out[-1].shape == (2,) and len(jax.tree.leaves(out)) == len(before) + 1 == aliased + 1
+        assert out[-1].shape == (2,) and len(jax.tree.leaves(out)) == len(before) + 1 == aliased + 1
     mask = jnp.full((2, (engine.model_config.vocab_size + 31) // 32), -1, jnp.int32)
-    for _ in range(2):  # the two halves: the model's, then the full sampler's
-        toks.append(runner.sample(runner.decode_logits(batch), batch, mask))
+    written = []
+    for _ in range(3):  # the two halves: the model's, then the full sampler's
+        logits = runner.decode_logits(batch)
+        written.append(logits.unsafe_buffer_pointer())
+        toks.append(runner.sample(logits, batch, mask))
         assert _addresses(runner.state) == before
+        assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()
+    # the model half's logits: over the last step's (donated), or at an address of their own each step
+    assert (len(set(written[1:])) == 1) == (outputs == "donated")
     assert np.asarray(tok).shape == (2,) and all(np.asarray(t).shape == (2,) for t in toks)
     assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()
 
@@ -199,9 +207,9 @@ def test_decode_steps_carry_no_jax_effect():
         runner.close()
 
 
-def test_an_unknown_decode_token_setting_is_refused(monkeypatch):
+def test_an_unknown_decode_outputs_setting_is_refused(monkeypatch):
     from freetoken_jax.runtime.runner import StepSet
 
-    monkeypatch.setenv("FREETOKEN_DECODE_TOKEN", "host")
-    with pytest.raises(ValueError, match="FREETOKEN_DECODE_TOKEN='host'"):
+    monkeypatch.setenv("FREETOKEN_DECODE_OUTPUTS", "host")
+    with pytest.raises(ValueError, match="FREETOKEN_DECODE_OUTPUTS='host'"):
         StepSet("float32")
