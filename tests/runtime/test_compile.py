@@ -178,10 +178,11 @@ def test_steps_keep_the_state_where_it_is(outputs, monkeypatch):
     else:  # the state, then the token: one output of its own
         assert out[-1].shape == (2,) and len(jax.tree.leaves(out)) == len(before) + 1 == aliased + 1
     mask = jnp.full((2, (engine.model_config.vocab_size + 31) // 32), -1, jnp.int32)
-    written = []
+    written, kept = [], []  # every step's logits kept: under "fresh" no two live buffers share an address
     for _ in range(3):  # the two halves: the model's, then the full sampler's
         logits = runner.decode_logits(batch)
         written.append(logits.unsafe_buffer_pointer())
+        kept.append(logits)
         toks.append(runner.sample(logits, batch, mask))
         assert _addresses(runner.state) == before
         assert np.asarray(toks[-1]).tolist() == np.asarray(runner.state.tokens_B).tolist()
