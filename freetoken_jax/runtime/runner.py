@@ -143,7 +143,7 @@ def _into_buffer(forward):
     return run
 
 
-class _TokenCopied:
+class _TokenCopied(_TokenFirst):
     """A jitted step that returns the state's new tokens (not a copy of them as well) called as
     the step itself, the sampled token first: a copy of those tokens made by a program of its own
     (`_copy_tokens`). Every output of the step then overwrites a donated input, so no array the step
@@ -154,14 +154,12 @@ class _TokenCopied:
     orders them). `tokens`: where the tokens are among the step's outputs."""
 
     def __init__(self, jitted, tokens):
-        self.jitted, self.tokens = jitted, tokens
+        super().__init__(jitted)
+        self.tokens = tokens
 
     def __call__(self, *args, **kw):
         out = self.jitted(*args, **kw)
         return (_copy_tokens(self.tokens(out)), *out)
-
-    def lower(self, *args, **kw):
-        return self.jitted.lower(*args, **kw)
 
 
 def decode_outputs() -> str:
@@ -559,7 +557,8 @@ class ModelRunner:
         ]
         log.info("warm-up: compiling %d steps on %d threads", len(jobs), workers)
         self.steps.precompile(jobs, workers)
-        _copy_tokens.lower(self.state.tokens_B).compile()  # the decode steps' token copy (`_TokenCopied`)
+        if self.steps.donated:
+            _copy_tokens.lower(self.state.tokens_B).compile()  # the decode steps' token copy (`_TokenCopied`)
         out = dict(steps=len(jobs), seconds=time.perf_counter() - t0)
         log.info("warm-up: %d steps compiled in %.1f s", out["steps"], out["seconds"])
         return out
