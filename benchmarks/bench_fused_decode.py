@@ -52,7 +52,7 @@ def routed_ids(engine, state, batch):
                 fns.append(fn)
             else:
                 fns.append(None)
-        view = KVView.build(positions[:, None], active[:, None], table, cache[0][0].shape[1])
+        view = KVView.build(positions[:, None], active[:, None], table, cache[0][0].shape[2])
         m(tokens[:, None], positions[:, None], view, cache, fns)
         return jnp.stack(ids)
 

@@ -29,6 +29,9 @@ do, rounding where they round), the first span's program stores key and value in
 folds them into its softmax from registers, and no program reads that entry from the pages —
 XLA's four to six kernels of norms, rotations and page writes before attention, in this one.
 
+With `layer`, the pools are stacked `[L, N, page, K, d]` (`memory.kv_cache.LayerKV`: one array
+holds every layer's pool) and the kernel reads and writes pool `layer` of them in place.
+
 `attention_ref` is the jnp reference: the pages gathered, the scores and a float32 softmax, the
 probabilities cast to the values' dtype before their matmul (as `models.attention.attend`).
 """
@@ -70,7 +73,7 @@ def head_splits(G: int) -> int:
     return next(s for s in range(-(-G // MAX_HEADS), G + 1) if G % s == 0)
 
 
-def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps):
+def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, base):
     r = dict(zip(names, refs))
     b, hs, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # hs: a kv head's share of query heads
     h = hs // (pl.num_programs(1) // K)  # the kv head
@@ -105,7 +108,7 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps):
         pieces = [(q1, "k", stored[0]), (q2, "k", stored[1])]
         kn = rotate(lambda c: r["k_new"][b * K + h, c], r.get("k_norm"))  # two [hd/2]
         vn = r["v_new"][b * K + h, e]
-        wrow = (r["write_page"][b] * page + r["write_off"][b]) * K + h
+        wrow = base + (r["write_page"][b] * page + r["write_off"][b]) * K + h
 
         @pl.when(j == 0)
         def _():  # this step's entry into its page (no program reads it there: it is folded in below)
@@ -136,7 +139,7 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps):
         m, l, acc = carry
         s = lo + i * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
         sc = jnp.minimum(s, S - 1)
-        row = (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [pages·page·K, hd] pool
+        row = base + (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [(layers·)pages·page·K, hd] pools
         ok = (s < hi) & (r["mask"][b, sc] != 0)
         if fresh is not None:
             ok = ok & (s != me)
@@ -199,12 +202,14 @@ def fresh_fits(head_dim: int, rope_dim: int) -> bool:
 
 
 def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, fresh: Fresh | None = None,
-              interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
+              layer: int | None = None, interpret: bool = False, num_warps: int = NUM_WARPS):  # fmt: skip
     """[B, H, dv] in q's dtype (module docstring). k_pages [N, page, K, hd], or a tuple of pools
     [N, page, K, d_i] that hold a key's parts (Σ d_i = hd: q's columns meet them in that order;
     MLA's latent and rotated key); v_pages [N, page, K, dv] (may be one of the key pools: MLA's
-    latent is its value too); table_BP int32 [B, P]; mask_BS bool [B, P·page]. A kv head's query
-    heads are shared by `head_splits` programs.
+    latent is its value too); table_BP int32 [B, P]; mask_BS bool [B, P·page]. With `layer`, every
+    pool has a leading layer axis ([L, N, page, K, d]) and pool `layer` of each is read (and, with
+    `fresh`, written; the whole stacked arrays are returned). A kv head's query heads are shared
+    by `head_splits` programs.
 
     With `fresh`, q_BHd is the query as its projection gives it and the kernel also norms and
     rotates it and this step's key, stores the key and value in the pages (the rows' entries there
@@ -212,12 +217,16 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     kernels of norms, rotations and page writes before attention, in the same kernel."""
     pools = k_pages if isinstance(k_pages, tuple) else (k_pages,)
     B, H, hd = q_BHd.shape
-    N, page, K = pools[0].shape[:3]
-    widths = tuple(p.shape[3] for p in pools)
-    dv = v_pages.shape[3]
+    lead = 0 if layer is None else 1
+    L = 1 if layer is None else pools[0].shape[0]
+    N, page, K = pools[0].shape[lead : lead + 3]
+    widths = tuple(p.shape[-1] for p in pools)
+    dv = v_pages.shape[-1]
     P = table_BP.shape[1]
     S = P * page
-    same = all(p.shape[:3] == (N, page, K) for p in (*pools, v_pages))
+    same = all(p.ndim == lead + 4 and p.shape[: lead + 3] == pools[0].shape[: lead + 3] for p in (*pools, v_pages))
+    if layer is not None and not 0 <= layer < L:
+        raise ValueError(f"layer {layer} of pools of {L} layers")
     if not same or sum(widths) != hd or not fits(H, K, widths, dv) or (fresh is not None and (len(pools) > 1 or not fresh_fits(hd, hd))):
         raise ValueError(f"no decode attention kernel for q {q_BHd.shape}, k pages {[p.shape for p in pools]}, v pages {v_pages.shape}")
     if mask_BS.shape != (B, S):
@@ -229,7 +238,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     direct = NS == 1
     keys = tuple(("k" if i == 0 else f"k{i}", w) for i, w in enumerate(widths))
     ins = dict(table=table_BP.astype(jnp.int32), mask=mask_BS.astype(jnp.int8), limit=limits(mask_BS), q=q_BHd.reshape(B * H, hd),
-               **{name: p.reshape(N * page * K, w) for (name, w), p in zip(keys, pools)}, v=v_pages.reshape(N * page * K, dv))  # fmt: skip
+               **{name: p.reshape(L * N * page * K, w) for (name, w), p in zip(keys, pools)}, v=v_pages.reshape(L * N * page * K, dv))  # fmt: skip
     if sinks_H is not None:
         ins["sinks"] = sinks_H.astype(jnp.float32)
     if direct:
@@ -260,7 +269,7 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     names = list(ins) + list(outs)
     kernel = functools.partial(_kernel, names=names, keys=keys, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct,
                                fresh=None if fresh is None else ("interleave" if fresh.interleave else "half"),
-                               eps=1e-6 if fresh is None else float(fresh.eps))  # fmt: skip
+                               eps=1e-6 if fresh is None else float(fresh.eps), base=(layer or 0) * N * page * K)  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     res = pl.pallas_call(
         kernel,
@@ -299,10 +308,18 @@ def _norm_rotate_ref(x, w, f: Fresh):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(dt)
 
 
-def attention_ref(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, fresh: Fresh | None = None):
+def attention_ref(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks_H=None, fresh: Fresh | None = None,
+                  layer: int | None = None):  # fmt: skip
     """Reference: every row's entries gathered from the pages, a float32 softmax over them. With
     `fresh`: q and this step's key normed and rotated, key and value written to their pages
-    first; returns (o, k_pages, v_pages)."""
+    first; returns (o, k_pages, v_pages). `layer`: pool `layer` of stacked pools, as `attention`
+    takes them."""
+    if layer is not None:
+        pick = lambda p: tuple(a[layer] for a in p) if isinstance(p, tuple) else p[layer]  # noqa: E731
+        out = attention_ref(q_BHd, pick(k_pages), pick(v_pages), table_BP, mask_BS, scale=scale, sinks_H=sinks_H, fresh=fresh)
+        if fresh is None:
+            return out
+        return out[0], k_pages.at[layer].set(out[1]), v_pages.at[layer].set(out[2])
     if fresh is not None:
         q = _norm_rotate_ref(q_BHd, fresh.q_norm, fresh)
         k = _norm_rotate_ref(fresh.k_BKd.astype(q_BHd.dtype), fresh.k_norm, fresh)

@@ -11,17 +11,28 @@ smaller pool of their own: each sequence holds a ring of R pages there, position
 window, the longest step's tokens and the decode steps the host lets run ahead, so every page a
 step reads is still in its ring: the pages that fall out of the window are written again.
 Their attention reads the R ring pages, not the whole context.
+
+Layers whose pools have the same shape keep them stacked (`kv_groups`): the cache is a tuple of
+groups, each a tuple of arrays `[L, num_pages, page_size, *entry]` (one per stored tensor) that
+hold their L layers' pools — the shared pool's layers in one group, the rings' in another. A step
+then takes two or four cache arrays, donated and returned in place, however many layers the model
+has (each such argument costs a call's dispatch microseconds: benchmarks/RESULTS.md). A layer
+reads and writes its pools through `LayerKV` (its group's arrays and its place among them), and
+the attention kernels index the stacked arrays in place. FREETOKEN_KV_LAYOUT=layers gives every
+layer a group of its own instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from freetoken_jax.config import EngineConfig, MoEModelConfig
+from freetoken_jax.config import EngineConfig, MoEModelConfig, env_choice
 
 # Key positions per block of a many-token step's attention (`models.attention.attend_paged`).
 ATTN_BLOCK = 1024
@@ -144,19 +155,86 @@ def _reads(s_BS, positions_BT, valid_BT, window: int = 0, below=None) -> jax.Arr
     return m
 
 
-def write_pages(pages, view: KVView, new_BT):
-    """Stores this step's entries `[B, T, *entry]` into their pages."""
-    return pages.at[view.write_page_BT, view.write_off_BT].set(new_BT.astype(pages.dtype))
+def _layer(layer) -> tuple:
+    return () if layer is None else (layer,)
 
 
-def gather_pages(pages, view: KVView):
-    """Every sequence's cached entries in the view's order: `[B, P * page_size, *entry]`."""
-    g = pages[view.page_table_BP]  # [B, P, page, *entry]
+def write_pages(pages, view: KVView, new_BT, layer: int | None = None):
+    """Stores this step's entries `[B, T, *entry]` into their pages (of pool `layer` of stacked
+    pools `[L, N, page, *entry]`; None: `pages` is one pool `[N, page, *entry]`)."""
+    return pages.at[(*_layer(layer), view.write_page_BT, view.write_off_BT)].set(new_BT.astype(pages.dtype))
+
+
+def gather_pages(pages, view: KVView, layer: int | None = None):
+    """Every sequence's cached entries in the view's order: `[B, P * page_size, *entry]` (pool
+    `layer` of stacked pools, as `write_pages` takes them)."""
+    g = pages[(*_layer(layer), view.page_table_BP)]  # [B, P, page, *entry]
     B, P, page = g.shape[:3]
     return g.reshape(B, P * page, *g.shape[3:])
 
 
-KVCache = tuple[tuple[jax.Array, ...], ...]  # per layer, the stored tensors
+def take_pages(pages, pages_BW, layer: int | None = None):
+    """The entries of pages `pages_BW` [B, W] of a pool (or of pool `layer` of stacked pools):
+    `[B, W * page_size, *entry]`."""
+    g = pages[(*_layer(layer), pages_BW)]
+    return g.reshape(g.shape[0], g.shape[1] * g.shape[2], *g.shape[3:])
+
+
+def page_size_of(pages, layer: int | None = None) -> int:
+    return pages.shape[1 if layer is None else 2]
+
+
+class LayerKV(NamedTuple):
+    """One layer's place in the cache: its group's stacked pools (`[L, N, page, *entry]`, one per
+    stored tensor) and its index among their L layers."""
+
+    pools: tuple[jax.Array, ...]
+    index: int
+
+    def write(self, view: KVView, *new_BT) -> LayerKV:
+        """This step's entries (one array per pool) written into the layer's pages."""
+        return self._replace(pools=tuple(write_pages(p, view, n, self.index) for p, n in zip(self.pools, new_BT)))
+
+
+KVCache = tuple[tuple[jax.Array, ...], ...]  # per group of layers (`kv_groups`), their stacked pools
+
+
+def kv_layout() -> str:
+    """How the layers' pools are kept (FREETOKEN_KV_LAYOUT): "stacked" (the default) — one array
+    per stored tensor for all layers of a pool's shape; "layers" — arrays of one layer each."""
+    return env_choice("FREETOKEN_KV_LAYOUT", "stacked", ("stacked", "layers"))
+
+
+# Elements of one stacked array at most: the attention kernels address a pool's entries with int32
+# offsets (`pallas_kernels/decode_attention.py`), so a group holds as many layers as stay under it.
+MAX_STACK_ELEMENTS = 2**31 - 1
+
+
+def kv_groups(rings: tuple[bool, ...], layout: str | None = None, layer_elements: int = 1) -> tuple[tuple[int, ...], ...]:
+    """The layers of each group of the cache, for layers that keep their KV in rings or not
+    (`ring_layers`): under "stacked", the layers of each kind in layer order, in runs of as many
+    layers as `MAX_STACK_ELEMENTS` allows pools of `layer_elements` (the largest pool's); under
+    "layers", one group a layer. Groups are ordered by their first layer."""
+    if (layout or kv_layout()) == "layers":
+        return tuple((i,) for i in range(len(rings)))
+    cap = max(1, MAX_STACK_ELEMENTS // max(1, layer_elements))
+    groups = []
+    for kind in (False, True):
+        layers = [i for i, r in enumerate(rings) if r == kind]
+        groups += [tuple(layers[i : i + cap]) for i in range(0, len(layers), cap)]
+    return tuple(sorted(groups))
+
+
+def layer_groups(rings: tuple[bool, ...], cache: KVCache) -> tuple[tuple[int, ...], ...]:
+    """`kv_groups` of a cache made in either layout, told apart by its groups' sizes (where both
+    layouts give the same sizes, they give the same groups)."""
+    sizes = tuple(kv[0].shape[0] for kv in cache)
+    elements = max(math.prod(a.shape[1:]) for kv in cache for a in kv)
+    for layout in ("stacked", "layers"):
+        groups = kv_groups(rings, layout, elements)
+        if tuple(map(len, groups)) == sizes:
+            return groups
+    raise ValueError(f"a KV cache of groups of {list(sizes)} layers does not fit {len(rings)} layers (kv_cache.kv_groups)")
 
 
 def pool_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[int, ...]:
@@ -171,9 +249,12 @@ def gathered_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> int:
     return sum(R if ring else ecfg.pages_per_sequence for ring in ring_layers(cfg, ecfg))
 
 
-def init_cache(cfg: MoEModelConfig, ecfg: EngineConfig, dtype) -> KVCache:
-    page = ecfg.page_size
-    return tuple(tuple(jnp.zeros((n, page, *shape), dtype) for shape in cfg.kv_entry_shapes()) for n in pool_pages(cfg, ecfg))
+def init_cache(cfg: MoEModelConfig, ecfg: EngineConfig, dtype, layout: str | None = None) -> KVCache:
+    """An empty cache, its layers grouped by `kv_groups` (`layout`: FREETOKEN_KV_LAYOUT's by default)."""
+    page, pages = ecfg.page_size, pool_pages(cfg, ecfg)
+    elements = max(n * page * math.prod(shape) for n in pages for shape in cfg.kv_entry_shapes())
+    groups = kv_groups(ring_layers(cfg, ecfg), layout, elements)
+    return tuple(tuple(jnp.zeros((len(g), pages[g[0]], page, *shape), dtype) for shape in cfg.kv_entry_shapes()) for g in groups)
 
 
 def cache_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, itemsize: int) -> int:
@@ -181,6 +262,34 @@ def cache_bytes(cfg: MoEModelConfig, ecfg: EngineConfig, itemsize: int) -> int:
     return sum(pool_pages(cfg, ecfg)) * ecfg.page_size * per_token * itemsize
 
 
-def copy_pages(cache: KVCache, layers: tuple[bool, ...], src: jax.Array, dst: jax.Array) -> KVCache:
-    """`cache` with pages `src` of the chosen layers' pools copied to pages `dst`."""
-    return tuple(tuple(a.at[dst].set(a[src]) for a in kv) if chosen else kv for kv, chosen in zip(cache, layers))
+def ring_groups(cfg: MoEModelConfig, ecfg: EngineConfig, cache: KVCache) -> tuple[bool, ...]:
+    """Which groups of `cache` hold ring pools."""
+    rings = ring_layers(cfg, ecfg)
+    return tuple(rings[g[0]] for g in layer_groups(rings, cache))
+
+
+def copy_pages(cache: KVCache, groups: tuple[bool, ...], src: jax.Array, dst: jax.Array) -> KVCache:
+    """`cache` with pages `src` of the chosen groups' pools copied to pages `dst`."""
+    return tuple(tuple(a.at[:, dst].set(a[:, src]) for a in kv) if chosen else kv for kv, chosen in zip(cache, groups))
+
+
+def layer_pools(cache: KVCache, rings: tuple[bool, ...]) -> tuple[tuple[jax.Array, ...], ...]:
+    """Each layer's pools `[N, page, *entry]` (one per stored tensor), taken out of their groups."""
+    where = {i: (g, j) for g, layers in enumerate(layer_groups(rings, cache)) for j, i in enumerate(layers)}
+    return tuple(tuple(a[where[i][1]] for a in cache[where[i][0]]) for i in range(len(rings)))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _grown(cache: KVCache, rings: tuple[bool, ...], pages: int) -> KVCache:
+    pad = lambda a: jnp.pad(a, ((0, pages - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
+    pools = [p if ring else tuple(pad(a) for a in p) for p, ring in zip(layer_pools(cache, rings), rings)]
+    stacked = layer_groups(rings, cache) == kv_groups(rings, "stacked", max(math.prod(a.shape[1:]) for kv in cache for a in kv))
+    groups = kv_groups(rings, "stacked" if stacked else "layers", max(math.prod(a.shape) for p in pools for a in p))
+    return tuple(tuple(jnp.stack([pools[i][t] for i in g]) for t in range(len(cache[0]))) for g in groups)
+
+
+def grown_cache(cache: KVCache, cfg: MoEModelConfig, ecfg: EngineConfig) -> KVCache:
+    """`cache` with its shared pool grown to `ecfg.total_kv_pages` (the new pages empty; the
+    rings as they were), in the groups its layout gives pools of that size: a new cache, the old
+    one left as it is."""
+    return _grown(cache, ring_layers(cfg, ecfg), ecfg.total_kv_pages)

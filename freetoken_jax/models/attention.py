@@ -18,7 +18,7 @@ from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.memory import kv_cache
-from freetoken_jax.memory.kv_cache import KVView, gather_pages, write_pages
+from freetoken_jax.memory.kv_cache import KVView, LayerKV, gather_pages, page_size_of, take_pages
 from freetoken_jax.models.layers import RMSNorm, apply_rope, linear, normed_projections, project, residual, softmax_scale, use_norm_matvec
 from pallas_kernels import chunk_attention, decode_attention
 
@@ -71,8 +71,11 @@ def from_latent(o_lat_BTHR, w_uv_HeR, dtype) -> jax.Array:
     return jnp.einsum("bthr,her->bthe", o_lat_BTHR, w_uv_HeR, preferred_element_type=jnp.float32).astype(dtype)
 
 
-def attend_paged(q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0) -> jax.Array:
-    """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor) that
+def attend_paged(
+    q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0, layer: int | None = None
+) -> jax.Array:
+    """`attend` over the entries `view` gathers from `pages` (one pool per stored tensor; with
+    `layer`, pool `layer` of each of the stacked pools a `kv_cache.LayerKV` holds) that
     `view.mask(window)` lets each token read, keys and values made by `kv_of(gathered)` ->
     (k_BSKd, v_BSKe). A step of one token per row, or a page table of at most
     `kv_cache.ATTN_BLOCK` positions, gathers everything and calls `attend`. A step of many tokens
@@ -80,21 +83,23 @@ def attend_paged(q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_
     each block's mask made as it is read (`KVView.block_mask`), and stops after the last block
     that any of its queries may read, so that its cost follows the positions it reads rather
     than `max_context` (a 2048-token chunk in an 8192-token context reads a quarter of the table)."""
-    if q_BTHd.shape[1] == 1 or view.page_table_BP.shape[1] <= kv_cache.attention_block_pages(pages[0].shape[1]):
-        k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
+    if q_BTHd.shape[1] == 1 or view.page_table_BP.shape[1] <= kv_cache.attention_block_pages(page_size_of(pages[0], layer)):
+        k, v = kv_of(tuple(gather_pages(p, view, layer) for p in pages))
         return attend(q_BTHd, k, v, view.mask(window), scale, sinks_H)
-    _, den, acc = _fold_blocks(q_BTHd, pages, view, scale, kv_of, sinks_H, window)
+    _, den, acc = _fold_blocks(q_BTHd, pages, view, scale, kv_of, sinks_H, window, layer=layer)
     B, T, K, G, e = acc.shape
     return (acc / jnp.moveaxis(den, 3, 1)[..., None]).reshape(B, T, K * G, e).astype(q_BTHd.dtype)
 
 
-def _fold_blocks(q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0, below=None):
+def _fold_blocks(
+    q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0, below=None, layer: int | None = None
+):
     """The running softmax of `attend_paged` over the table's blocks up to the last one any query
     reads (none when none is read; `below` [B]: only entries at positions under it): (max
     [B, K, G, T], denominator [B, K, G, T], numerator [B, T, K, G, e]), float32, the sink
     (gpt-oss) counted as one more key of value 0."""
     B, T = q_BTHd.shape[:2]
-    P, page = view.page_table_BP.shape[1], pages[0].shape[1]
+    P, page = view.page_table_BP.shape[1], page_size_of(pages[0], layer)
     bp = kv_cache.attention_block_pages(page)
     nb, W = -(-P // bp), bp * page
     table = jnp.pad(view.page_table_BP, ((0, 0), (0, nb * bp - P)))
@@ -102,7 +107,7 @@ def _fold_blocks(q_BTHd, pages: tuple, view: KVView, scale: float, kv_of, sinks_
 
     def block(i):
         pg = jax.lax.dynamic_slice_in_dim(table, i * bp, bp, axis=1)
-        k, v = kv_of(tuple(p[pg].reshape(B, W, *p.shape[2:]) for p in pages))
+        k, v = kv_of(tuple(take_pages(p, pg, layer) for p in pages))
         K = k.shape[2]
         q = q_BTHd.reshape(B, T, K, q_BTHd.shape[2] // K, -1)
         sc = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
@@ -153,7 +158,7 @@ def prefill_cached() -> str:
 
 
 def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, scale: float, kv_of, sinks_H=None, window: int = 0,
-                 cached: str = "blocks"):  # fmt: skip
+                 cached: str = "blocks", layer: int | None = None):  # fmt: skip
     """`attend_paged` for a prefill chunk whose row b holds its tokens at consecutive positions
     from `view.positions_BT[b, 0]` (`PrefillBatch.chunk`), given the chunk's own keys and values
     `k_BTKd`, `v_BTKe` (as `kv_of` makes them): the chunk against itself through
@@ -162,7 +167,7 @@ def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, scale: floa
     `attend_paged`'s blocks, or with `cached` "flash" (no window; `view` in position order)
     through `chunk_attention` over the whole table gathered, each row reading its prefix; the
     softmaxes (and a sink's logit) joined by their log-sum-exps. The chunk's own entries are read
-    from `k_BTKd` and `v_BTKe`, not from the pages."""
+    from `k_BTKd` and `v_BTKe`, not from the pages. `layer`: as `attend_paged` takes it."""
     B, T, H = q_BTHd.shape[:3]
 
     def impl(k, v):
@@ -172,14 +177,14 @@ def attend_chunk(q_BTHd, k_BTKd, v_BTKe, pages: tuple, view: KVView, scale: floa
     o, lse = chunk_attention.attention(q_BTHd, k_BTKd, v_BTKe, scale=scale, window=window, implementation=impl(k_BTKd, v_BTKe))
     total = (lse, jnp.ones_like(lse), o)
     if cached == "flash" and not window:
-        k, v = kv_of(tuple(gather_pages(p, view) for p in pages))
+        k, v = kv_of(tuple(gather_pages(p, view, layer) for p in pages))
         o_c, lse_c = chunk_attention.attention(q_BTHd, k, v, scale=scale, lengths_B=view.positions_BT[:, 0], implementation=impl(k, v))
         total = _merge(total, (lse_c, jnp.ones_like(lse_c), o_c))
         if sinks_H is not None:  # a sink is one more logit, of value 0
             sink = jnp.broadcast_to(sinks_H.astype(jnp.float32), lse.shape)
             total = _merge(total, (sink, jnp.ones_like(sink), jnp.zeros_like(o)))
     else:
-        mx, den, acc = _fold_blocks(q_BTHd, pages, view, scale, kv_of, sinks_H, window, below=view.positions_BT[:, 0])
+        mx, den, acc = _fold_blocks(q_BTHd, pages, view, scale, kv_of, sinks_H, window, below=view.positions_BT[:, 0], layer=layer)
         mx, den = (jnp.moveaxis(a, 3, 1).reshape(B, T, H) for a in (mx, den))
         total = _merge(total, (mx, den, acc.reshape(B, T, H, -1)))
     _, den, num = total
@@ -209,8 +214,8 @@ class Attention(nnx.Module):
         self.sinks = nnx.Param(jnp.zeros((H,), jnp.float32)) if cfg.attention_sinks else None
         self.cfg, self.window = cfg, window
 
-    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None, add=None):
-        """(output, new KV pages, the residual stream x_BTD + add). `norm`: the layer's input
+    def __call__(self, x_BTD, cos_sin, kv: LayerKV, view: KVView, norm: RMSNorm | None = None, add=None):
+        """(output, its group's KV pools with this step written, the residual stream x_BTD + add). `norm`: the layer's input
         norm, applied here to that stream so that a step of one token a row may compute the add,
         the norm and the projections in one kernel (`norm_matvec_kernel`)."""
         cfg = self.cfg
@@ -236,25 +241,24 @@ class Attention(nnx.Module):
             fresh = decode_attention.Fresh(k[:, 0], v[:, 0], view.write_page_BT[:, 0], view.write_off_BT[:, 0], cos_sin[0][:, 0], cos_sin[1][:, 0],
                                            None if self.q_norm is None else self.q_norm.weight[...],
                                            None if self.k_norm is None else self.k_norm.weight[...], cfg.rms_norm_eps, cfg.rope_interleave)  # fmt: skip
-            o, k_pages, v_pages = decode_attention.attention(q[:, 0], kv[0], kv[1], view.page_table_BP, view.mask(self.window)[:, 0],
-                                                             scale=softmax_scale(cfg), sinks_H=sinks, fresh=fresh,
-                                                             interpret=jax.default_backend() == "cpu")  # fmt: skip
-            return project(self.o_proj, o.reshape(B, T, -1)), (k_pages, v_pages), stream
+            o, *pools = decode_attention.attention(q[:, 0], *kv.pools, view.page_table_BP, view.mask(self.window)[:, 0], scale=softmax_scale(cfg),
+                                                   sinks_H=sinks, fresh=fresh, layer=kv.index, interpret=jax.default_backend() == "cpu")  # fmt: skip
+            return project(self.o_proj, o.reshape(B, T, -1)), tuple(pools), stream
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         rd = cfg.rope_dim  # partial rotary: the rest of each head passes as it is
         rope = lambda x: apply_rope(x, *cos_sin, cfg.rope_interleave)  # noqa: E731
         q, k = (rope(a) if rd == cfg.head_dim else jnp.concatenate([rope(a[..., :rd]), a[..., rd:]], axis=-1) for a in (q, k))
-        k_pages, v_pages = write_pages(kv[0], view, k), write_pages(kv[1], view, v)
+        pages, layer = kv.write(view, k, v)
         if how == "kernel":
-            o = decode_attention.attention(q[:, 0], k_pages, v_pages, view.page_table_BP, view.mask(self.window)[:, 0], scale=softmax_scale(cfg),
-                                           sinks_H=sinks, interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
+            o = decode_attention.attention(q[:, 0], *pages, view.page_table_BP, view.mask(self.window)[:, 0], scale=softmax_scale(cfg),
+                                           sinks_H=sinks, layer=layer, interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
         elif T > 1 and prefill_attention(cfg, q.dtype) == "flash":
-            own = k.astype(k_pages.dtype), v.astype(v_pages.dtype)
-            o = attend_chunk(q, *own, (k_pages, v_pages), view, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached())
+            own = tuple(a.astype(p.dtype) for a, p in zip((k, v), pages))
+            o = attend_chunk(q, *own, pages, view, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached(), layer)
         else:
-            o = attend_paged(q, (k_pages, v_pages), view, softmax_scale(cfg), lambda kv: kv, sinks, self.window)
-        return project(self.o_proj, o.reshape(B, T, -1)), (k_pages, v_pages), stream
+            o = attend_paged(q, pages, view, softmax_scale(cfg), lambda kv: kv, sinks, self.window, layer)
+        return project(self.o_proj, o.reshape(B, T, -1)), pages, stream
 
 
 def decode_attention_kernel(cfg: MoEModelConfig) -> str:
@@ -309,8 +313,9 @@ class MLAttention(nnx.Module):
         self.o_proj = linear(H * cfg.v_head_dim, D, bias=cfg.o_bias, dtype=dtype, rngs=rngs)
         self.cfg = cfg
 
-    def __call__(self, x_BTD, cos_sin, kv: tuple[jax.Array, jax.Array], view: KVView, norm: RMSNorm | None = None, add=None):
-        """(output, new latent pages, the residual stream x_BTD + add); `norm`: the layer's input
+    def __call__(self, x_BTD, cos_sin, kv: LayerKV, view: KVView, norm: RMSNorm | None = None, add=None):
+        """(output, its group's latent and rotated key pools with this step written, the residual
+        stream x_BTD + add); `norm`: the layer's input
         norm, applied to that stream first (as `Attention` takes them)."""
         stream = residual(x_BTD, add)
         x_BTD = stream if norm is None else norm(stream)
@@ -328,7 +333,8 @@ class MLAttention(nnx.Module):
         k_rot = ckv[..., cfg.kv_lora_rank :].reshape(B, T, 1, dr)
         q_rot = apply_rope(q_rot, *cos_sin, cfg.rope_interleave)
         k_rot = apply_rope(k_rot, *cos_sin, cfg.rope_interleave)[:, :, 0]
-        lat_pages, rot_pages = write_pages(kv[0], view, latent_BTR), write_pages(kv[1], view, k_rot)
+        pages, layer = kv.write(view, latent_BTR, k_rot)
+        lat_pages, rot_pages = pages
 
         def kv_of(gathered):  # keys and values of gathered entries, expanded from the latent
             lat_BSR, rot_BSr = gathered
@@ -340,19 +346,19 @@ class MLAttention(nnx.Module):
             w = self.kv_b_proj.weight[...].reshape(H, dn + dv, cfg.kv_lora_rank)
             if decode_attention_kernel(cfg) == "kernel":  # the latent and rotated key read from their pages in one kernel
                 q = jnp.concatenate([to_latent(q_nope, w[:, :dn], lat_pages.dtype), q_rot.astype(lat_pages.dtype)], axis=-1)
-                lat, rot = lat_pages[:, :, None], rot_pages[:, :, None]  # one kv head
+                lat, rot = lat_pages[..., None, :], rot_pages[..., None, :]  # one kv head
                 o_lat = decode_attention.attention(q[:, 0], (lat, rot), lat, view.page_table_BP, view.mask_BTS[:, 0], scale=softmax_scale(cfg),
-                                                   interpret=jax.default_backend() == "cpu")  # fmt: skip
+                                                   layer=layer, interpret=jax.default_backend() == "cpu")  # fmt: skip
                 o = from_latent(o_lat[:, None], w[:, dn:], q_nope.dtype)
             else:
-                lat, rot = gather_pages(lat_pages, view), gather_pages(rot_pages, view)
+                lat, rot = gather_pages(lat_pages, view, layer), gather_pages(rot_pages, view, layer)
                 o = attend_latent(q_nope, q_rot, lat, rot, w[:, :dn], w[:, dn:], view.mask_BTS, softmax_scale(cfg))
         else:
             q_BTHd = jnp.concatenate([q_nope, q_rot], axis=-1)
-            pages, scale = (lat_pages, rot_pages), softmax_scale(cfg)
+            scale = softmax_scale(cfg)
             if T > 1 and prefill_attention(cfg, q.dtype) == "flash":
                 k_new, v_new = kv_of((latent_BTR.astype(lat_pages.dtype), k_rot.astype(rot_pages.dtype)))
-                o = attend_chunk(q_BTHd, k_new, v_new, pages, view, scale, kv_of)
+                o = attend_chunk(q_BTHd, k_new, v_new, pages, view, scale, kv_of, layer=layer)
             else:
-                o = attend_paged(q_BTHd, pages, view, scale, kv_of)
-        return project(self.o_proj, o.reshape(B, T, -1)), (lat_pages, rot_pages), stream
+                o = attend_paged(q_BTHd, pages, view, scale, kv_of, layer=layer)
+        return project(self.o_proj, o.reshape(B, T, -1)), pages, stream

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.kv_cache import KVCache, KVView
+from freetoken_jax.memory.kv_cache import KVCache, KVView, LayerKV, layer_groups
 from freetoken_jax.models.attention import Attention, MLAttention
 from freetoken_jax.models.layers import _INIT, MLP, ExpertFn, MoEBlock, RMSNorm, linear, residual, rope_cos_sin
 
@@ -27,11 +27,12 @@ class DecoderLayer(nnx.Module):
         moe_index = sum(cfg.moe_layers[:index])  # m: this layer's place among the MoE layers
         self.mlp = MoEBlock(cfg, dtype, rngs, moe_index) if self.is_moe else MLP(cfg, cfg.intermediate_dim, dtype, rngs)
 
-    def __call__(self, x_BTD, cos_sin, kv, view: KVView, expert_fn: ExpertFn | None, add=None):
+    def __call__(self, x_BTD, cos_sin, kv: LayerKV, view: KVView, expert_fn: ExpertFn | None, add=None):
         """The layer on the residual stream x_BTD + add (`add`: the previous layer's output, not
-        yet added): (x, m, kv) with the stream after it x + m, m left for the next layer (or the
-        final norm) to add. Each add goes with the norm that reads its sum: one kernel with the
-        projections that follow in a step of one token a row (`layers.norm_matvec_kernel`)."""
+        yet added): (x, m, pools) with the stream after it x + m, m left for the next layer (or
+        the final norm) to add, and its group's KV pools with this step's entries written. Each add
+        goes with the norm that reads its sum: one kernel with the projections that follow in a
+        step of one token a row (`layers.norm_matvec_kernel`)."""
         with jax.named_scope("attention"):
             a, kv, x_BTD = self.self_attn(x_BTD, cos_sin, kv, view, norm=self.input_layernorm, add=add)
         with jax.named_scope("moe" if self.is_moe else "mlp"):
@@ -62,16 +63,19 @@ class MoETransformer(nnx.Module):
     ) -> tuple[jax.Array, KVCache]:
         """Runs the layers over this step's tokens, reading and extending the paged cache
         (sliding-window layers through `ring_view` when their KV is kept in rings).
-        Returns the final-normed hidden states [B, T, D] and the new cache."""
+        Returns the final-normed hidden states [B, T, D] and the new cache (its groups of
+        layers as `kv_cache.kv_groups` makes them, in either layout)."""
         x, add = self.embed(tokens_BT), None
         cos_sin = rope_cos_sin(self.cfg, positions_BT)
-        new_cache = []
+        rings = tuple(ring_view is not None and self.cfg.window_of(i) > 0 for i in range(self.cfg.num_layers))
+        where = {i: (g, j) for g, layers in enumerate(layer_groups(rings, cache)) for j, i in enumerate(layers)}
+        pools = list(cache)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
-                v = ring_view if ring_view is not None and self.cfg.window_of(i) else view
-                x, add, kv = layer(x, cos_sin, cache[i], v, None if expert_fns is None else expert_fns[i], add)
-            new_cache.append(kv)
-        return self.norm(residual(x, add)), tuple(new_cache)
+                g, j = where[i]
+                x, add, pools[g] = layer(x, cos_sin, LayerKV(pools[g], j), ring_view if rings[i] else view,
+                                         None if expert_fns is None else expert_fns[i], add)  # fmt: skip
+        return self.norm(residual(x, add)), tuple(pools)
 
     def logits(self, h_TD: jax.Array) -> jax.Array:
         if self.lm_head is None:

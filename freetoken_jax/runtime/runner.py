@@ -34,7 +34,7 @@ import numpy as np
 from freetoken_jax import _cpu_ext
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy, env_choice
 from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
-from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, init_cache, ring_layers, ring_pages, ring_pool_pages
+from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, grown_cache, init_cache, ring_groups, ring_pages, ring_pool_pages
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.memory.slot_cache import init_slot_cache
 from freetoken_jax.models import jnp_dtype
@@ -305,8 +305,8 @@ class ModelRunner:
             return
         n = -(-len(src) // 8) * 8  # few executables: padded with page 0 onto itself
         pad = [0] * (n - len(src))
-        layers = ring_layers(self.model_config, self.engine_config)
-        cache = self._copy_pages(self.state.cache, layers, jnp.asarray(src + pad, jnp.int32), jnp.asarray(dst + pad, jnp.int32))
+        groups = ring_groups(self.model_config, self.engine_config, self.state.cache)
+        cache = self._copy_pages(self.state.cache, groups, jnp.asarray(src + pad, jnp.int32), jnp.asarray(dst + pad, jnp.int32))
         self.state = dataclasses.replace(self.state, cache=cache)
 
     def _fresh_state(self, ecfg: EngineConfig, plan: MemoryPlan) -> DecodeState:
@@ -675,10 +675,8 @@ class ModelRunner:
         """Frees the old pool and slots and builds the new ones (the destructive phase)."""
         cfg, dtype, old = self.model_config, jnp_dtype(new.dtype), self.state
         keep = keep_held_pages and new.total_kv_pages >= self.pages.num_pages
-        rings = ring_layers(cfg, new)  # the ring pool's size does not change with the shared pool's
-        if keep:
-            grow = lambda a: jnp.zeros((new.total_kv_pages, *a.shape[1:]), a.dtype).at[: a.shape[0]].set(a)  # noqa: E731
-            kv = tuple(layer if ring else tuple(grow(a) for a in layer) for layer, ring in zip(old.cache, rings))
+        if keep:  # the ring pool's size does not change with the shared pool's
+            kv = grown_cache(old.cache, cfg, new)
             pages, ring_pool = self.pages.grown(new.total_kv_pages), self.ring_pool
         else:
             for a in jax.tree.leaves(old.cache):

@@ -161,7 +161,7 @@ def _ring_shape(B: int, R: int):
 
 
 def _page_size(cache: KVCache) -> int:
-    return cache[0][0].shape[1]
+    return cache[0][0].shape[2]
 
 
 def forward(
@@ -186,7 +186,7 @@ def forward(
     model = weights.model()
     page = _page_size(cache)
     view = KVView.build(positions_BT, valid_BT, page_table_BP, page)
-    if ring_BR is None and len({kv[0].shape[0] for kv in cache}) > 1:
+    if ring_BR is None and len({kv[0].shape[1] for kv in cache}) > 1:
         raise ValueError("this cache keeps sliding layers' KV in rings (kv_cache.ring_pages): give the batch its ring_BR")
     ring = None if ring_BR is None else KVView.ring(positions_BT, valid_BT, ring_BR, page)
     fns, slots_after = experts.expert_fns(model, valid_BT.reshape(-1), positions_BT.reshape(-1), slots, buffered)

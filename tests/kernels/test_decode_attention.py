@@ -150,6 +150,63 @@ def test_fresh_token_normed_rotated_stored_and_attended(B, H, K, hd, page, P, si
     assert not np.array_equal(np.asarray(got[1]), np.asarray(args[1]))  # the key was stored
 
 
+@pytest.mark.parametrize("L,layer,fresh_token", [(3, 1, False), (4, 3, True), (2, 0, True), (1, 0, False)])
+def test_stacked_pools_read_and_write_their_layer(L, layer, fresh_token, monkeypatch):
+    """Pools stacked `[L, N, page, K, d]` (the cache's groups): the kernel reads pool `layer`, as
+    it reads that pool alone (bit for bit) and as the reference does; with `fresh`, it writes that
+    pool's entry and leaves every other layer's pool as it was."""
+    monkeypatch.setattr(decode_attention, "SPAN", 32)  # 48 entries: two spans and their combine
+    rng = np.random.default_rng(L * 10 + layer)
+    B, H, K, hd, page, P = 2, 8, 2, 32, 4, 12
+    cases = [_case(rng, B, H, K, hd, hd, page, P, "prefix") for _ in range(L)]
+    q, _, _, table, mask = cases[layer]
+    k, v = (jnp.asarray(np.stack([c[i] for c in cases])) for i in (1, 2))
+    args = (jnp.asarray(q), k, v, jnp.asarray(table), jnp.asarray(mask))
+    fresh = None
+    if fresh_token:
+        pos = mask.sum(axis=1) - 1
+        ang = rng.standard_normal((B, hd // 2))
+        fresh = Fresh(jnp.asarray(rng.standard_normal((B, K, hd)), jnp.float32), jnp.asarray(rng.standard_normal((B, K, hd)), jnp.float32),
+                      jnp.asarray(table[np.arange(B), pos // page]), jnp.asarray(pos % page), jnp.asarray(np.cos(ang), jnp.float32),
+                      jnp.asarray(np.sin(ang), jnp.float32), None, None, 1e-6, False)  # fmt: skip
+    got = jitted(attention, *args, scale=0.2, fresh=fresh, layer=layer, interpret=True)
+    alone = jitted(attention, args[0], k[layer], v[layer], *args[3:], scale=0.2, fresh=fresh, interpret=True)
+    want = jitted(attention_ref, *args, scale=0.2, fresh=fresh, layer=layer)
+    if not fresh_token:
+        got, alone, want = (got,), (alone,), (want,)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(alone[0]))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=2e-5)
+    if fresh_token:
+        for new, old, one in zip(got[1:], (k, v), alone[1:]):
+            others = [i for i in range(L) if i != layer]
+            np.testing.assert_array_equal(np.asarray(new)[others], np.asarray(old)[others])
+            np.testing.assert_array_equal(np.asarray(new)[layer], np.asarray(one))
+            assert not np.array_equal(np.asarray(new)[layer], np.asarray(old)[layer])
+    with pytest.raises(ValueError, match="layer"):
+        attention(*args, scale=0.2, layer=L, interpret=True)
+
+
+def test_stacked_latent_pools_mla():
+    """MLA's latent and rotated-key pools stacked over layers: layer 2's as the pools alone."""
+    rng = np.random.default_rng(5)
+    B, H, R, r, page, P, L = 2, 16, 32, 16, 4, 6, 3
+    cases = [_case(rng, B, H, 1, R + r, R, page, P, "prefix") for _ in range(L)]
+    q, _, _, table, mask = cases[2]
+    lat = np.stack([c[1][..., :R] for c in cases])
+    rot = np.stack([c[1][..., R:] for c in cases])
+    lat_j, rot_j = jnp.asarray(lat), jnp.asarray(rot)
+    got = jitted(
+        attention, jnp.asarray(q), (lat_j, rot_j), lat_j, jnp.asarray(table), jnp.asarray(mask), scale=0.1, layer=2, interpret=True
+    )
+    alone = jitted(
+        attention, jnp.asarray(q), (lat_j[2], rot_j[2]), lat_j[2], jnp.asarray(table), jnp.asarray(mask), scale=0.1, interpret=True
+    )
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(alone))
+    want = _float64(q, np.concatenate([lat[2], rot[2]], axis=-1), lat[2], table, mask, 0.1, None)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=2e-5)
+
+
 def test_bfloat16_within_its_rounding():
     rng = np.random.default_rng(7)
     q, k, v, table, mask = _case(rng, 2, 32, 4, 128, 128, 16, 40, "prefix")  # 640 entries: two spans of 512
@@ -203,16 +260,19 @@ def test_mla_lowers_to_triton():
     assert exp.mlir_module().count("__gpu$xla.gpu.triton") == 1
 
 
-def test_fresh_lowers_to_triton():
+@pytest.mark.parametrize("layers", [None, 48])
+def test_fresh_lowers_to_triton(layers):
+    """The fused kernel in one Triton call, over one layer's pools or pools stacked over 48 layers."""
     B, H, K, hd, page, S = 2, 32, 4, 128, 16, 1024
     P, N = S // page, 2 * S // page + 1
     sd = jax.ShapeDtypeStruct
-    args = [sd((B, H, hd), jnp.bfloat16), sd((N, page, K, hd), jnp.bfloat16), sd((N, page, K, hd), jnp.bfloat16), sd((B, P), jnp.int32),
+    pool = (N, page, K, hd) if layers is None else (layers, N, page, K, hd)
+    args = [sd((B, H, hd), jnp.bfloat16), sd(pool, jnp.bfloat16), sd(pool, jnp.bfloat16), sd((B, P), jnp.int32),
             sd((B, S), jnp.bool_), sd((B, K, hd), jnp.bfloat16), sd((B, K, hd), jnp.bfloat16), sd((B,), jnp.int32), sd((B,), jnp.int32),
             sd((B, hd // 2), jnp.float32), sd((B, hd // 2), jnp.float32), sd((hd,), jnp.bfloat16), sd((hd,), jnp.bfloat16)]  # fmt: skip
 
     def f(q, k, v, t, m, *rest):
-        return attention(q, k, v, t, m, scale=0.1, fresh=Fresh(*rest, 1e-6, False))
+        return attention(q, k, v, t, m, scale=0.1, fresh=Fresh(*rest, 1e-6, False), layer=None if layers is None else layers - 1)
 
     exp = export.export(jax.jit(f), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         *args

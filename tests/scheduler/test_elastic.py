@@ -42,7 +42,7 @@ def test_grow_and_shrink_keep_outputs(sched):
         if slots is not None:
             assert st["expert_slots"] == slots and sched.engine.runner.slots.num_slots == slots
         if pages is not None:
-            assert st["kv_pages"] == pages and sched.engine.runner.state.cache[0][0].shape[0] == pages
+            assert st["kv_pages"] == pages and sched.engine.runner.state.cache[0][0].shape[1] == pages
         assert outputs(sched) == want, (slots, pages)
     assert sched.get_metrics()["prefix_hit_tokens"] > 0
 
@@ -242,7 +242,7 @@ def test_engine_resizes_between_generations(monkeypatch):
         if slots is not None:
             assert st["expert_slots"] == slots == eng.runner.slots.num_slots
         if pages is not None:
-            assert st["kv_pages"] == pages == eng.runner.state.cache[0][0].shape[0]
+            assert st["kv_pages"] == pages == eng.runner.state.cache[0][0].shape[1]
         assert gen() == want, (slots, pages)
     it = eng.generate(PROMPTS[0], max_new_tokens=4, ignore_eos=True)
     next(it)

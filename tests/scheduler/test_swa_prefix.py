@@ -9,6 +9,7 @@ import pytest
 from hf_models import make_checkpoint
 
 from freetoken_jax import EngineConfig, FreeTokenEngine
+from freetoken_jax.memory.kv_cache import layer_pools, ring_layers
 
 EC = EngineConfig(dtype="float32", max_context=128, max_batch=2, page_size=4, prefill_chunk=16)
 
@@ -16,6 +17,11 @@ EC = EngineConfig(dtype="float32", max_context=128, max_batch=2, page_size=4, pr
 @pytest.fixture(scope="module")
 def path(ckpt_root):
     return make_checkpoint("qwen2_moe_swa", ckpt_root)
+
+
+def _pools(eng):
+    """Each layer's pools, out of the cache's groups."""
+    return layer_pools(eng.runner.state.cache, ring_layers(eng.model_config, eng.engine_config))
 
 
 def _prompt(n, seed):
@@ -37,7 +43,7 @@ def test_a_long_sequence_holds_a_bounded_ring(path):
     # the sliding layers' pool does not grow with the context
     longer = FreeTokenEngine.from_pretrained(path, EC.replace(max_context=1024, prefix_cache=False))
     assert longer.runner.ring_pool.num_pages == pool.num_pages
-    assert [a.shape[0] for a, _ in longer.runner.state.cache] == [pool.num_pages, longer.pages.num_pages, pool.num_pages]
+    assert [a.shape[0] for a, _ in _pools(longer)] == [pool.num_pages, longer.pages.num_pages, pool.num_pages]
 
 
 def test_prefix_hits_need_the_window_and_recompute_only_past_it(path):
@@ -84,9 +90,9 @@ def test_cached_windows_survive_a_growing_pool(path):
     cold = FreeTokenEngine.from_pretrained(path, EC.replace(prefix_cache=False))
     first = _prompt(41, 3)
     out = list(eng.generate(first, max_new_tokens=8, ignore_eos=True))
-    ring = [a for a, _ in eng.runner.state.cache]
+    ring = [a.shape[0] for a, _ in _pools(eng)]
     eng.rebuild_runtime_cache(kv_pages=eng.pages.num_pages * 2)
-    assert [a.shape[0] for a, _ in eng.runner.state.cache] == [ring[0].shape[0], 2 * ring[1].shape[0], ring[2].shape[0]]
+    assert [a.shape[0] for a, _ in _pools(eng)] == [ring[0], 2 * ring[1], ring[2]]
     turn = first + out + _prompt(5, 4)
     before = eng.get_metrics()["prefix_hit_tokens"]
     assert list(eng.generate(turn, max_new_tokens=8, ignore_eos=True)) == list(cold.generate(turn, max_new_tokens=8, ignore_eos=True))
