@@ -1,10 +1,11 @@
 """A decode step's host cost by the shape of its arguments: a model of tiny widths and many layers
-(its kernels take microseconds), decoded back to back, under each KV layout
-(FREETOKEN_KV_LAYOUT: the layers' pools stacked into a few arrays, or arrays of one layer each),
-each in a process of its own. The time a step is what the calling thread and the runtime spend
-on a step of that many weight and cache arrays.
+(its kernels take microseconds), decoded back to back, under each layout of the KV cache and the
+weights (`KV:WEIGHTS`: FREETOKEN_KV_LAYOUT and FREETOKEN_WEIGHTS, each `stacked` — the layers'
+arrays stacked into a few — or `layers` — arrays of one layer each), each in a process of its
+own. The time a step is what the calling thread and the runtime spend on a step of that many
+weight and cache arrays.
 
-    python benchmarks/step_dispatch.py --layers 48 --layouts stacked layers stacked layers
+    python benchmarks/step_dispatch.py --layers 48 --variants layers:layers stacked:layers stacked:stacked
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 import time
 
 
-def one(layout: str, layers: int, steps: int, reps: int) -> None:
-    os.environ["FREETOKEN_KV_LAYOUT"] = layout
+def one(variant: str, layers: int, steps: int, reps: int) -> None:
+    os.environ["FREETOKEN_KV_LAYOUT"], os.environ["FREETOKEN_WEIGHTS"] = variant.split(":")
     import jax
     import jax.numpy as jnp
 
@@ -42,13 +43,13 @@ def one(layout: str, layers: int, steps: int, reps: int) -> None:
         times.append((time.perf_counter() - t0) / steps * 1e6)
     times.sort()
     kv, weights = len(jax.tree.leaves(runner.state.cache)), len(jax.tree.leaves(runner.weights))
-    print(f"{layout:>8} {layers:>6} {weights:>8} {kv:>9} {times[0]:>9.0f} {times[len(times) // 2]:>9.0f}", flush=True)
+    print(f"{variant:>16} {layers:>6} {weights:>8} {kv:>9} {times[0]:>9.0f} {times[len(times) // 2]:>9.0f}", flush=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--layouts", nargs="+", default=["stacked", "layers", "stacked", "layers"])
+    ap.add_argument("--variants", nargs="+", default=["layers:layers", "stacked:layers", "stacked:stacked"], help="KV:WEIGHTS layouts")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--one", help=argparse.SUPPRESS)
@@ -59,9 +60,9 @@ def main() -> int:
     import jax
 
     print(f"{jax.devices()[0].device_kind}: {a.steps} decode steps back to back, {a.reps} times; µs a step")
-    print(f"{'layout':>8} {'layers':>6} {'weights':>8} {'KV arrays':>9} {'min':>9} {'median':>9}", flush=True)
-    for layout in a.layouts:
-        cmd = [sys.executable, __file__, "--one", layout, "--layers", str(a.layers), "--steps", str(a.steps), "--reps", str(a.reps)]
+    print(f"{'KV:weights':>16} {'layers':>6} {'weights':>8} {'KV arrays':>9} {'min':>9} {'median':>9}", flush=True)
+    for variant in a.variants:
+        cmd = [sys.executable, __file__, "--one", variant, "--layers", str(a.layers), "--steps", str(a.steps), "--reps", str(a.reps)]
         subprocess.run(cmd, check=True)
     return 0
 

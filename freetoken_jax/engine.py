@@ -34,6 +34,7 @@ from freetoken_jax.memory.budget import (
 )
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
+from freetoken_jax.models.stacked import weights_layout
 from freetoken_jax.quant.banks import quantize_params, quantizing
 from freetoken_jax.runtime.choice import probe_key, remember_probe, resolve_auto
 from freetoken_jax.runtime.experts import ExpertBackend, make_backend
@@ -149,7 +150,9 @@ class FreeTokenEngine:
             from freetoken_jax.runtime.routing import SyntheticRouting
 
             experts = SyntheticRouting(experts, float(routing_skew))
-        self.runner = ModelRunner(cfg, ecfg, Weights.of(params, graphdef), experts, plan)
+        weights = Weights.of(params, graphdef, stacked=weights_layout() == "stacked")
+        del params  # stacked: the per-layer arrays go
+        self.runner = ModelRunner(cfg, ecfg, weights, experts, plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)
         if probe:
             self._check_hybrid_choice(ecfg.auto_probe_steps)

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import call_params
+from pallas_kernels import call_params, rows_of, value
 
 BLOCK = 64  # entries a step of a program's loop reads
 SPAN = 512  # entries a program covers at most
@@ -73,7 +73,7 @@ def head_splits(G: int) -> int:
     return next(s for s in range(-(-G // MAX_HEADS), G + 1) if G % s == 0)
 
 
-def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, base):
+def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, base, offsets):
     r = dict(zip(names, refs))
     b, hs, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # hs: a kv head's share of query heads
     h = hs // (pl.num_programs(1) // K)  # the kv head
@@ -94,19 +94,19 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
         stored = (half, half + hd // 2)
         raw = (2 * half, 2 * half + 1) if fresh == "interleave" else stored
 
-        def rotate(load, norm_ref):  # the two rotated halves of raw rows `load(columns)`, f32
+        def rotate(load, name):  # the two rotated halves of raw rows `load(columns)`, f32
             x1, x2 = load(raw[0]).astype(jnp.float32), load(raw[1]).astype(jnp.float32)
-            if norm_ref is not None:  # RMSNorm over the whole head, rounded to the model's dtype, times its weight
-                dt = q_ref.dtype
+            if name in r:  # RMSNorm over the whole head, rounded to the model's dtype, times its weight
+                dt, at = q_ref.dtype, offsets[name]
                 inv = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=-1, keepdims=True) + jnp.sum(x2 * x2, axis=-1, keepdims=True)) / hd + eps)
-                x1 = (norm_ref[raw[0]] * (x1 * inv).astype(dt)).astype(jnp.float32)
-                x2 = (norm_ref[raw[1]] * (x2 * inv).astype(dt)).astype(jnp.float32)
+                x1 = (r[name][at + raw[0]] * (x1 * inv).astype(dt)).astype(jnp.float32)
+                x2 = (r[name][at + raw[1]] * (x2 * inv).astype(dt)).astype(jnp.float32)
             cos, sin = r["cos"][b, half], r["sin"][b, half]
             return (x1 * cos - x2 * sin).astype(q_ref.dtype), (x2 * cos + x1 * sin).astype(q_ref.dtype)
 
-        q1, q2 = rotate(lambda c: q_ref[qrows, c[None, :]], r.get("q_norm"))
+        q1, q2 = rotate(lambda c: q_ref[qrows, c[None, :]], "q_norm")
         pieces = [(q1, "k", stored[0]), (q2, "k", stored[1])]
-        kn = rotate(lambda c: r["k_new"][b * K + h, c], r.get("k_norm"))  # two [hd/2]
+        kn = rotate(lambda c: r["k_new"][b * K + h, c], "k_norm")  # two [hd/2]
         vn = r["v_new"][b * K + h, e]
         wrow = base + (r["write_page"][b] * page + r["write_off"][b]) * K + h
 
@@ -123,7 +123,7 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
     first = jnp.full((Gp,), j, jnp.int32) == 0
     m0, l0 = jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32)
     if "sinks" in r:  # the sink joins the first span's denominator only
-        m0 = jnp.where(first, r["sinks"][hs * G + g].astype(jnp.float32), m0)
+        m0 = jnp.where(first, r["sinks"][offsets["sinks"] + hs * G + g].astype(jnp.float32), m0)
         l0 = jnp.where(first, jnp.ones((Gp,), jnp.float32), l0)
     acc0 = jnp.zeros((Gp, dv), jnp.float32)
     if fresh is not None:  # the first span folds in this step's entry
@@ -181,7 +181,7 @@ class Fresh:
     and key, store its key and value, and attend to it: k_BKd / v_BKe the raw keys and values;
     the page and offset it is stored at (page 0 for a row that writes nothing); cos/sin [B, hd/2]
     (`models.layers.rope_cos_sin`, the whole head rotated); q_norm / k_norm the per-head RMSNorm
-    weights [hd] (None: no norm)."""
+    weights [hd] (None: no norm; arrays or `Stacked` operands, as `sinks_H` may be)."""
 
     k_BKd: jax.Array
     v_BKe: jax.Array
@@ -239,8 +239,10 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
     keys = tuple(("k" if i == 0 else f"k{i}", w) for i, w in enumerate(widths))
     ins = dict(table=table_BP.astype(jnp.int32), mask=mask_BS.astype(jnp.int8), limit=limits(mask_BS), q=q_BHd.reshape(B * H, hd),
                **{name: p.reshape(L * N * page * K, w) for (name, w), p in zip(keys, pools)}, v=v_pages.reshape(L * N * page * K, dv))  # fmt: skip
+    offsets = {}  # the first row of a `Stacked` operand (a layer's among every layer's) in its array
     if sinks_H is not None:
-        ins["sinks"] = sinks_H.astype(jnp.float32)
+        sinks, offsets["sinks"] = rows_of(sinks_H)
+        ins["sinks"] = sinks.astype(jnp.float32)
     if direct:
         outs = dict(
             o=jax.ShapeDtypeStruct((B * H, dv), q_BHd.dtype),
@@ -263,13 +265,14 @@ def attention(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, sinks
                    cos=fresh.cos_Bh.astype(jnp.float32), sin=fresh.sin_Bh.astype(jnp.float32))  # fmt: skip
         for name, w in (("q_norm", fresh.q_norm), ("k_norm", fresh.k_norm)):
             if w is not None:
-                ins[name] = w
+                ins[name], offsets[name] = rows_of(w)
         aliases = {list(ins).index("k"): 3, list(ins).index("v"): 4}  # the pages, written in place
         outs.update(k_out=jax.ShapeDtypeStruct(ins["k"].shape, k_pages.dtype), v_out=jax.ShapeDtypeStruct(ins["v"].shape, v_pages.dtype))
     names = list(ins) + list(outs)
     kernel = functools.partial(_kernel, names=names, keys=keys, page=page, S=S, K=K, G=G, Gp=Gp, scale=float(scale), direct=direct,
                                fresh=None if fresh is None else ("interleave" if fresh.interleave else "half"),
-                               eps=1e-6 if fresh is None else float(fresh.eps), base=(layer or 0) * N * page * K)  # fmt: skip
+                               eps=1e-6 if fresh is None else float(fresh.eps), base=(layer or 0) * N * page * K,
+                               offsets=offsets)  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     res = pl.pallas_call(
         kernel,
@@ -313,7 +316,10 @@ def attention_ref(q_BHd, k_pages, v_pages, table_BP, mask_BS, *, scale: float, s
     """Reference: every row's entries gathered from the pages, a float32 softmax over them. With
     `fresh`: q and this step's key normed and rotated, key and value written to their pages
     first; returns (o, k_pages, v_pages). `layer`: pool `layer` of stacked pools, as `attention`
-    takes them."""
+    takes them. The norms and sinks may be `Stacked` operands."""
+    sinks_H = value(sinks_H)
+    if fresh is not None:
+        fresh = dataclasses.replace(fresh, q_norm=value(fresh.q_norm), k_norm=value(fresh.k_norm))
     if layer is not None:
         pick = lambda p: tuple(a[layer] for a in p) if isinstance(p, tuple) else p[layer]  # noqa: E731
         out = attention_ref(q_BHd, pick(k_pages), pick(v_pages), table_BP, mask_BS, scale=scale, sinks_H=sinks_H, fresh=fresh)

@@ -15,8 +15,9 @@ the attention's output projection. Program p computes R_i rows of one W_i (the p
 first, then W_1's, ...), each row against every b; each program normalises x itself (D values a
 row: cheaper than a launch), and program 0 writes h where `keep_h` asks for it (the router's input
 feeds the experts too) and s where `add_BD` is given (the residual stream, whose add then costs
-no kernel of its own). `norm_matvec_ref` is the jnp reference: the add, `RMSNorm`, then
-`Linear`'s einsum.
+no kernel of its own). The norm, weights and biases may be `Stacked` operands (a layer's among
+every layer's, read in place through an offset). `norm_matvec_ref` is the jnp reference: the add,
+`RMSNorm`, then `Linear`'s einsum.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels import call_params
+from pallas_kernels import call_params, rows_of, value
 
 NUM_WARPS = 4
 TILE = 8192  # the most weight values a program holds by default: R_i · D ≤ TILE
@@ -48,7 +49,7 @@ def _rows_per_program(F: int, D: int, tile: int = TILE) -> int:
     return R
 
 
-def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool, add: bool, norm: bool):
+def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep_h: bool, add: bool, norm: bool, offsets: tuple):
     n = len(parts)
     x_ref, *rest = refs
     g_ref = rest.pop(0) if norm else None
@@ -62,7 +63,8 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
     s_ref = rest.pop(0) if add else None
     p = pl.program_id(0)
     d = jnp.arange(D, dtype=jnp.int32)
-    g = g_ref[d] if norm else None
+    g_off, w_offs, b_offs = offsets  # each operand's first row in its (stacked) array
+    g = g_ref[g_off + d] if norm else None
     hs, ss = [], []
     for b in range(B):
         xb = x_ref[b, d]
@@ -80,8 +82,8 @@ def _kernel(*refs, eps: float, B: int, D: int, parts: tuple, biases: tuple, keep
         @pl.when((p >= start) & (p < start + blocks))
         def _(i=i, start=start, R=R):
             rows = (p - start) * R + jnp.arange(R, dtype=jnp.int32)
-            w = w_refs[i][rows[:, None], d[None, :]].astype(jnp.float32)  # [R, D]
-            bias = None if b_refs[i] is None else b_refs[i][rows].astype(jnp.float32)
+            w = w_refs[i][(w_offs[i] + rows)[:, None], d[None, :]].astype(jnp.float32)  # [R, D]
+            bias = None if b_refs[i] is None else b_refs[i][b_offs[i] + rows].astype(jnp.float32)
             for b in range(B):
                 y = jnp.sum(w * hs[b].astype(jnp.float32)[None, :], axis=1)
                 if bias is not None:
@@ -104,7 +106,7 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
     """(y_i [B, F_i] for each weight, h [B, D] where `keep_h` else None, s [B, D] where `add_BD`
     else None) (module docstring). `norm_D`: None for no norm; `biases`: per weight a [F_i] vector
     or None; `out_dtypes`: per weight (default x's dtype); `tile`: the most weight values a program
-    holds (a power of two)."""
+    holds (a power of two). The norm, weights and biases: arrays or `Stacked` operands."""
     B, D = x_BD.shape
     F = tuple(w.shape[0] for w in weights)
     if (norm_D is not None and norm_D.shape != (D,)) or any(w.ndim != 2 or w.shape[1] != D for w in weights):
@@ -126,12 +128,15 @@ def norm_matvec(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=None,
         parts.append((start, f // R, R))
         start += f // R
     add = add_BD is not None
+    (norm_D, g_off), weights, biases = rows_of(norm_D), [rows_of(w) for w in weights], [None if b is None else rows_of(b) for b in biases]
+    offsets = (g_off, tuple(o for _, o in weights), tuple(0 if b is None else b[1] for b in biases))
+    weights, biases = [w for w, _ in weights], [None if b is None else b[0] for b in biases]
     ins = [x_BD, *([] if norm_D is None else [norm_D]), *([add_BD] if add else []), *weights, *[b for b in biases if b is not None]]
     outs = [jax.ShapeDtypeStruct((B, f), dt) for f, dt in zip(F, out_dtypes)]
     outs += [jax.ShapeDtypeStruct((B, D), x_BD.dtype)] * (int(keep_h) + int(add))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_kernel, eps=float(eps), B=B, D=D, parts=tuple(parts), biases=tuple(b is not None for b in biases),
-                               keep_h=keep_h, add=add, norm=norm_D is not None)  # fmt: skip
+                               keep_h=keep_h, add=add, norm=norm_D is not None, offsets=offsets)  # fmt: skip
     res = pl.pallas_call(
         kernel,
         grid=(start,),
@@ -149,6 +154,7 @@ def norm_matvec_ref(x_BD, norm_D, eps: float, weights, biases=None, out_dtypes=N
     """Reference: the residual's add as the model writes it, `layers.RMSNorm` (none where `norm_D`
     is None), then each weight as `layers.Linear` computes it (the router's float32 weight at full
     precision)."""
+    norm_D, weights, biases = value(norm_D), [value(w) for w in weights], None if biases is None else [value(b) for b in biases]
     s = None if add_BD is None else x_BD + add_BD
     x_BD = x_BD if s is None else s
     xf = x_BD.astype(jnp.float32)

@@ -20,6 +20,7 @@ from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.memory import kv_cache
 from freetoken_jax.memory.kv_cache import KVView, LayerKV, gather_pages, page_size_of, take_pages
 from freetoken_jax.models.layers import RMSNorm, apply_rope, linear, normed_projections, project, residual, softmax_scale, use_norm_matvec
+from freetoken_jax.models.stacked import kernel_operand
 from pallas_kernels import chunk_attention, decode_attention
 
 
@@ -239,10 +240,11 @@ class Attention(nnx.Module):
         how = decode_attention_kernel(cfg) if T == 1 else "xla"
         if how == "fused":  # norms, rotation, page writes and attention in one kernel
             fresh = decode_attention.Fresh(k[:, 0], v[:, 0], view.write_page_BT[:, 0], view.write_off_BT[:, 0], cos_sin[0][:, 0], cos_sin[1][:, 0],
-                                           None if self.q_norm is None else self.q_norm.weight[...],
-                                           None if self.k_norm is None else self.k_norm.weight[...], cfg.rms_norm_eps, cfg.rope_interleave)  # fmt: skip
+                                           None if self.q_norm is None else kernel_operand(self.q_norm.weight[...]),
+                                           None if self.k_norm is None else kernel_operand(self.k_norm.weight[...]), cfg.rms_norm_eps,
+                                           cfg.rope_interleave)  # fmt: skip
             o, *pools = decode_attention.attention(q[:, 0], *kv.pools, view.page_table_BP, view.mask(self.window)[:, 0], scale=softmax_scale(cfg),
-                                                   sinks_H=sinks, fresh=fresh, layer=kv.index, interpret=jax.default_backend() == "cpu")  # fmt: skip
+                                                   sinks_H=kernel_operand(sinks), fresh=fresh, layer=kv.index, interpret=jax.default_backend() == "cpu")  # fmt: skip
             return project(self.o_proj, o.reshape(B, T, -1)), tuple(pools), stream
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -252,7 +254,7 @@ class Attention(nnx.Module):
         pages, layer = kv.write(view, k, v)
         if how == "kernel":
             o = decode_attention.attention(q[:, 0], *pages, view.page_table_BP, view.mask(self.window)[:, 0], scale=softmax_scale(cfg),
-                                           sinks_H=sinks, layer=layer, interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
+                                           sinks_H=kernel_operand(sinks), layer=layer, interpret=jax.default_backend() == "cpu")[:, None]  # fmt: skip
         elif T > 1 and prefill_attention(cfg, q.dtype) == "flash":
             own = tuple(a.astype(p.dtype) for a, p in zip((k, v), pages))
             o = attend_chunk(q, *own, pages, view, softmax_scale(cfg), lambda kv: kv, sinks, self.window, prefill_cached(), layer)

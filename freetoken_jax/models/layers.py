@@ -20,6 +20,7 @@ from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig, env_choice
 from freetoken_jax.models.routed import activation, pair_biases, routed_experts
+from freetoken_jax.models.stacked import kernel_operand
 from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels import norm_matvec, route_topk
 
@@ -156,7 +157,8 @@ def normed_projections(norm: RMSNorm, x_BD, weights, biases=None, out_dtypes=Non
     """`norm(x_BD + add_BD)` (x_BD alone where `add_BD` is None) times each of `weights`
     ([F_i, D], + its bias where given) in one kernel: (their outputs [B, F_i], the normed rows
     where `keep_h`, the sum x_BD + add_BD where given)."""
-    ys, h, s = norm_matvec.norm_matvec(x_BD, norm.weight[...], norm.eps, weights, biases, out_dtypes, keep_h, add_BD,
+    weights, biases = [kernel_operand(w) for w in weights], None if biases is None else [kernel_operand(b) for b in biases]
+    ys, h, s = norm_matvec.norm_matvec(x_BD, kernel_operand(norm.weight[...]), norm.eps, weights, biases, out_dtypes, keep_h, add_BD,
                                        interpret=jax.default_backend() == "cpu")  # fmt: skip
     return (*ys, *[a for a in (h, s) if a is not None])
 
@@ -167,8 +169,8 @@ def project(p: Linear, x_BTD):
     B, T, D = x_BTD.shape
     if not use_norm_matvec(B, T, D, [p.weight.shape[0]], normed=False):
         return p(x_BTD)
-    (y,), _, _ = norm_matvec.norm_matvec(x_BTD[:, 0], None, 0.0, [p.weight[...]], [None if p.bias is None else p.bias[...]],
-                                         interpret=jax.default_backend() == "cpu")  # fmt: skip
+    (y,), _, _ = norm_matvec.norm_matvec(x_BTD[:, 0], None, 0.0, [kernel_operand(p.weight[...])],
+                                         [None if p.bias is None else kernel_operand(p.bias[...])], interpret=jax.default_backend() == "cpu")  # fmt: skip
     return y[:, None]
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 
 from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.memory.slot_cache import SlotCache
+from freetoken_jax.models.stacked import stack_layers, unstack
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
 from freetoken_jax.runtime.sampling import Logprobs, Sampling, count_tokens, logprobs_of, sample, sample_full, sample_plain
 
@@ -37,21 +38,29 @@ class Weights:
     The parameters are kept as their flat list of arrays and the (static) tree structure of their
     `nnx.State`: jit flattens its arguments at every call, and an `nnx.State` flattens through a
     Python function per variable (about 0.3 ms a call for a 24-layer model, against microseconds
-    for a tuple of arrays)."""
+    for a tuple of arrays). With `stacked`, the layers' copies of each weight are one array
+    (`models.stacked`: fewer arrays for a step to take), `plan` says where each leaf is."""
 
     leaves: tuple
     treedef: Any = dataclasses.field(metadata=dict(static=True))
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
+    plan: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def of(cls, params, graphdef) -> Weights:
+    def of(cls, params, graphdef, stacked: bool = False) -> Weights:
+        """The weights of `params`; `stacked`: the layers' weights stacked (new arrays: `params`
+        is left as it is)."""
+        if stacked:
+            arrays, plan = stack_layers(params)
+            return cls(arrays, jax.tree.structure(params), graphdef, plan)
         leaves, treedef = jax.tree.flatten(params)
         return cls(tuple(leaves), treedef, graphdef)
 
     @property
     def params(self):
-        """The parameters as an `nnx.State` (the tree `nnx.split` gives)."""
-        return jax.tree.unflatten(self.treedef, self.leaves)
+        """The parameters as an `nnx.State` (the tree `nnx.split` gives); stacked weights as slices
+        of their stacks (outside a step, copies)."""
+        return jax.tree.unflatten(self.treedef, self.leaves if self.plan is None else unstack(self.leaves, self.plan))
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)

@@ -1,0 +1,94 @@
+"""The layers' weights stacked: every layer's copy of a weight in one array (FREETOKEN_WEIGHTS).
+
+A step's call pays jit's dispatch for each array it takes (about 1.4 µs a buffer on an H100:
+benchmarks/RESULTS.md), and a model passes a dozen weights a layer. `stack_layers` gathers the
+leaves that differ only by their layer (`['layers'][i]...`, same shape, dtype and placement) into
+one array each, `[L, ...]`; the routed experts' banks stay as they are (the expert backends and
+the CPU executor address them per layer). In a step, `unstack` gives the model each layer's
+weight back as a slice of its stack (`take`): XLA fuses such a slice into the fusions that read
+it, and the kernels take the stack itself with the layer's offset (`kernel_operand`, turning a
+slice back into a `pallas_kernels.Stacked` operand), so that no weight is copied.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import jax
+import jax.numpy as jnp
+
+from freetoken_jax.config import env_choice
+from pallas_kernels import Stacked
+
+_SOURCES: dict[int, tuple] = {}  # id of a slice `take` made -> (its weak reference, its stack's, its index)
+
+
+def weights_layout() -> str:
+    """How the layers' weights are kept (FREETOKEN_WEIGHTS): "layers" (the default) — an array
+    per layer and weight; "stacked" — every layer's copy of a weight in one array."""
+    return env_choice("FREETOKEN_WEIGHTS", "layers", ("layers", "stacked"))
+
+
+def take(stack, index: int):
+    """`stack[index]`, remembered as entry `index` of `stack` for `kernel_operand` while both live."""
+    x = stack[index]
+    _SOURCES[id(x)] = (weakref.ref(x), weakref.ref(stack), index)
+    weakref.finalize(x, _SOURCES.pop, id(x), None)
+    return x
+
+
+def kernel_operand(x):
+    """A kernel's operand for x: `Stacked(stack, index)` where x is a slice `take` made of a stack
+    still alive (the kernel reads it in place), else x itself (None stays None)."""
+    entry = None if x is None else _SOURCES.get(id(x))
+    if entry is not None:
+        ref, stack_ref, index = entry
+        stack = stack_ref()
+        if ref() is x and stack is not None:
+            return Stacked(stack, index)
+    return x
+
+
+def _layer_key(path) -> tuple | None:
+    """(the leaf's path with its layer index left out, the index) for a leaf under
+    `['layers'][i]` outside the routed experts, else None."""
+    names = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
+    if len(names) < 3 or names[0] != "layers" or not isinstance(names[1], int) or "experts" in names[2:]:
+        return None
+    return tuple(names[2:]), names[1]
+
+
+def _placement(a) -> tuple:
+    sharding = getattr(a, "sharding", None)
+    return (tuple(a.shape), str(a.dtype), getattr(sharding, "memory_kind", None))
+
+
+def stack_layers(params) -> tuple[tuple, tuple]:
+    """(arrays, plan): `params`' leaves with each weight that two or more layers hold alike
+    stacked into one array (the layers in order), and for each leaf of `params` its (array index,
+    entry index or None) in them. The arrays it stacks are new; `params` is left as it is."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    groups: dict[tuple, list[int]] = {}
+    for n, (path, leaf) in enumerate(flat):
+        key = _layer_key(path)
+        if key is not None:
+            groups.setdefault((key[0], _placement(leaf)), []).append(n)
+    arrays, plan = [], [None] * len(flat)
+    for n, (_, leaf) in enumerate(flat):
+        if plan[n] is not None:
+            continue
+        key = _layer_key(flat[n][0])
+        members = groups.get((key[0], _placement(leaf))) if key is not None else None
+        if not members or len(members) < 2 or _placement(leaf)[2] not in (None, "device"):
+            plan[n] = (len(arrays), None)
+            arrays.append(leaf)
+            continue
+        for j, m in enumerate(members):
+            plan[m] = (len(arrays), j)
+        arrays.append(jnp.stack([flat[m][1] for m in members]))
+    return tuple(arrays), tuple(plan)
+
+
+def unstack(arrays, plan) -> list:
+    """The leaves `stack_layers` gathered, each stacked one a `take` of its stack."""
+    return [arrays[k] if j is None else take(arrays[k], j) for k, j in plan]
