@@ -205,8 +205,9 @@ def kv_layout() -> str:
     return env_choice("FREETOKEN_KV_LAYOUT", "stacked", ("stacked", "layers"))
 
 
-# Elements of one stacked array at most: the attention kernels address a pool's entries with int32
-# offsets (`pallas_kernels/decode_attention.py`), so a group holds as many layers as stay under it.
+# Elements of one stacked array at most: the decode attention kernel computes an entry's row of the
+# stacked pools, and the row's offset, in int32 (`pallas_kernels/decode_attention.py`), so a group
+# holds as many layers as stay under it.
 MAX_STACK_ELEMENTS = 2**31 - 1
 
 
