@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
-# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|cbuf|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|cbuf|stepdisp|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -151,7 +151,7 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
             grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w)))
         done ;;
     # cbuf: the fused row with XLA's command buffer log: how often the step's CUDA graph is recorded again, and why (CB_ENV:
-    #       VAR=VALUE settings for the row, e.g. CB_ENV=FREETOKEN_DECODE_OUTPUTS=fresh)
+    #       VAR=VALUE settings for the row, e.g. CB_ENV=FREETOKEN_DECODE_OUTPUTS=fresh or CB_ENV=FREETOKEN_DECODE_EXECUTABLES=2)
     cbuf) env $CB_ENV TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 200 $B decode $SHAPE --expert-format q4_0 --strategy fused \
             --compile-workers 2 --json "$OUT/cbuf.json" > "$OUT/cbuf.log" 2>&1; echo "rc=$?"; grep -v "it/s\]" "$OUT/cbuf.log" | grep -E "^ *(strategy|fused) "
         echo "graph updates $(grep -c 'Updated command buffer' "$OUT/cbuf.log"), executions $(grep -c 'Execute command buffer' "$OUT/cbuf.log")"
