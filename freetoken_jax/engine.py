@@ -150,7 +150,7 @@ class FreeTokenEngine:
             from freetoken_jax.runtime.routing import SyntheticRouting
 
             experts = SyntheticRouting(experts, float(routing_skew))
-        weights = Weights.of(params, graphdef, stacked=weights_layout() == "stacked")
+        weights = Weights.of(params, graphdef, stacked=weights_layout() == "stacked", experts=not host)
         del params  # stacked: the per-layer arrays go
         self.runner = ModelRunner(cfg, ecfg, weights, experts, plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)

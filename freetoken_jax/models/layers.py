@@ -307,11 +307,15 @@ class MoEBlock(nnx.Module):
 
     def expert_fn(self, compute=None) -> ExpertFn:
         """This layer's routed experts computed from its own resident banks by `compute(x_TD,
-        ids_TK, w_TK, banks, layout)` (default `routed_experts`)."""
+        ids_TK, w_TK, banks, layout)` (default `routed_experts`, given stacked banks as `Stacked`
+        operands: `models.stacked`)."""
         e, layout = self.experts, self.layout
-        return lambda x, ids, w, bias=None: (compute or routed_experts)(
-            x, ids, w, (e.gate[...], e.up[...], e.down[...]), layout, bias=pair_biases(bias, ids)
-        )
+        banks = lambda: (e.gate[...], e.up[...], e.down[...])  # noqa: E731
+        if compute is None:
+            return lambda x, ids, w, bias=None: routed_experts(
+                x, ids, w, tuple(map(kernel_operand, banks())), layout, bias=pair_biases(bias, ids)
+            )
+        return lambda x, ids, w, bias=None: compute(x, ids, w, banks(), layout, bias=pair_biases(bias, ids))
 
     def __call__(self, x_BTD: jax.Array, expert_fn: ExpertFn | None = None, norm: RMSNorm | None = None, add=None):
         """(output, the residual stream x_BTD + add). `norm`: the layer's post-attention norm,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from freetoken_jax.config import ACTIVATIONS, env_choice
 from freetoken_jax.models.grouping import GroupPlan, group_plans, pair_rows
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import gathered_experts, grouped_experts
+from pallas_kernels import gathered_experts, grouped_experts, value
 
 
 def activation(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
@@ -38,7 +38,8 @@ DENSE_SLICE_BYTES = 1 << 30
 
 def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = "auto", bias=None) -> jax.Array:
     """Σ_k w[t,k] · down(act(gate(x_t), up(x_t))) over each token's chosen experts, from `banks`
-    (gate, up, down of every expert, `layout`); `bias`: each pair's biases (`pair_biases`), added
+    (gate, up, down of every expert, `layout`; arrays, or `Stacked` entries of the layers' stacked
+    banks, which "gather" reads in place and the others as slices); `bias`: each pair's biases (`pair_biases`), added
     to the gate, up and down projections, or None.
 
     - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
@@ -77,6 +78,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
+    stacked, banks = banks, tuple(value(b) for b in banks)  # `Stacked` banks: the gather reads the stacks, the rest their slices
     if impl == "kernel":
         if not kernel_fits(layout, bias):
             raise ValueError(f"the 'kernel' expert implementation takes {'/'.join(gathered_experts.FORMATS)} experts without "
@@ -89,7 +91,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
         many = many_pairs_impl(layout, E)
         impl = "gather" if T * K <= E * (GATHER_QUANTIZED if layout.quantized and many != "tiles" else 1) else many
     if impl == "gather":
-        return _gathered(x_TD, ids_TK, w_TK, banks, layout, bias)
+        return _gathered(x_TD, ids_TK, w_TK, stacked, layout, bias)
     if impl == "tiles":
         if not tiles_fit(layout, E):
             raise ValueError(f"the 'tiles' expert implementation takes F and D in multiples of {grouped_experts.MIN_BLOCK}, one of "

@@ -3,8 +3,9 @@
 A step's call pays jit's dispatch for each array it takes (about 1.4 µs a buffer on an H100:
 benchmarks/RESULTS.md), and a model passes a dozen weights a layer. `stack_layers` gathers the
 leaves that differ only by their layer (`['layers'][i]...`, same shape, dtype and placement) into
-one array each, `[L, ...]`; the routed experts' banks stay as they are (the expert backends and
-the CPU executor address them per layer). In a step, `unstack` gives the model each layer's
+one array each, `[L, ...]`; the routed experts' banks too where they are resident (strategy
+"fused": a decode step gathers its experts' rows from the stack itself, `quant.layout.gather`),
+not host banks (the expert backends and the CPU executor address those per layer). In a step, `unstack` gives the model each layer's
 weight back as a slice of its stack (`take`): XLA fuses such a slice into the fusions that read
 it, and the kernels take the stack itself with the layer's offset (`kernel_operand`, turning a
 slice back into a `pallas_kernels.Stacked` operand), so that no weight is copied.
@@ -49,11 +50,11 @@ def kernel_operand(x):
     return x
 
 
-def _layer_key(path) -> tuple | None:
+def _layer_key(path, experts: bool) -> tuple | None:
     """(the leaf's path with its layer index left out, the index) for a leaf under
-    `['layers'][i]` outside the routed experts, else None."""
+    `['layers'][i]` (outside the routed experts unless `experts`), else None."""
     names = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
-    if len(names) < 3 or names[0] != "layers" or not isinstance(names[1], int) or "experts" in names[2:]:
+    if len(names) < 3 or names[0] != "layers" or not isinstance(names[1], int) or (not experts and "experts" in names[2:]):
         return None
     return tuple(names[2:]), names[1]
 
@@ -63,21 +64,22 @@ def _placement(a) -> tuple:
     return (tuple(a.shape), str(a.dtype), getattr(sharding, "memory_kind", None))
 
 
-def stack_layers(params) -> tuple[tuple, tuple]:
+def stack_layers(params, experts: bool = False) -> tuple[tuple, tuple]:
     """(arrays, plan): `params`' leaves with each weight that two or more layers hold alike
-    stacked into one array (the layers in order), and for each leaf of `params` its (array index,
-    entry index or None) in them. The arrays it stacks are new; `params` is left as it is."""
+    stacked into one array (the layers in order; the routed experts' banks too with `experts`),
+    and for each leaf of `params` its (array index, entry index or None) in them. The arrays it
+    stacks are new; `params` is left as it is."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     groups: dict[tuple, list[int]] = {}
     for n, (path, leaf) in enumerate(flat):
-        key = _layer_key(path)
+        key = _layer_key(path, experts)
         if key is not None:
             groups.setdefault((key[0], _placement(leaf)), []).append(n)
     arrays, plan = [], [None] * len(flat)
     for n, (_, leaf) in enumerate(flat):
         if plan[n] is not None:
             continue
-        key = _layer_key(flat[n][0])
+        key = _layer_key(flat[n][0], experts)
         members = groups.get((key[0], _placement(leaf))) if key is not None else None
         if not members or len(members) < 2 or _placement(leaf)[2] not in (None, "device"):
             plan[n] = (len(arrays), None)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
 from freetoken_jax.quant.formats import get_format
+from pallas_kernels import Stacked
 
 PROJECTIONS = ("gate", "up", "down")  # the banks of a layer, in this order everywhere
 
@@ -90,12 +91,16 @@ class ExpertLayout:
         words (`Format.words`) where `words` says so (by default on a GPU, where a whole bank's
         words are a free bitcast and decode's experts read them faster), else as stored (the
         CPU backend computes a bank's words rather than viewing them, and its matvec over
-        gathered rows' words ran 2.3 × slower than over their bytes)."""
+        gathered rows' words ran 2.3 × slower than over their bytes). `bank` may be a `Stacked`
+        entry of the layers' stacked banks: its rows are gathered from the stack in place."""
+        at = ()
+        if isinstance(bank, Stacked):
+            bank, at = bank.array, (bank.index,)
         if self.quantized and (jax.default_backend() == "gpu" if self.words is None else self.words):
             w = get_format(self.fmts[k]).words(bank)
             if w is not None:
-                return w[ids]
-        return bank[ids]
+                return w[(*at, ids)]
+        return bank[(*at, ids)]
 
     def _own(self, k: int, bank: jax.Array) -> jax.Array:
         """Projection k's bytes (or words) of quantized rows that may be wider (slots:

@@ -47,11 +47,11 @@ class Weights:
     plan: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def of(cls, params, graphdef, stacked: bool = False) -> Weights:
+    def of(cls, params, graphdef, stacked: bool = False, experts: bool = False) -> Weights:
         """The weights of `params`; `stacked`: the layers' weights stacked (new arrays: `params`
-        is left as it is)."""
+        is left as it is), the routed experts' banks too with `experts` (resident banks)."""
         if stacked:
-            arrays, plan = stack_layers(params)
+            arrays, plan = stack_layers(params, experts)
             return cls(arrays, jax.tree.structure(params), graphdef, plan)
         leaves, treedef = jax.tree.flatten(params)
         return cls(tuple(leaves), treedef, graphdef)

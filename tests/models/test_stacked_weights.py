@@ -5,6 +5,7 @@ layout generate the same tokens through the kernels (norms and projections, the 
 attention's q/k norms, sinks and biases) on their CPU reference paths and the XLA ones."""
 
 import gc
+import re
 
 import jax
 import jax.numpy as jnp
@@ -104,3 +105,35 @@ def test_layouts_generate_the_same_tokens(name, kernels, strategy, ckpt_root, mo
         assert (not kernels) or (ops and all(isinstance(o, Stacked) == (layout == "stacked") for o in ops)), layout
         seen.clear()
     assert got["stacked"] == got["layers"]
+
+
+def test_resident_expert_banks_stack_and_decode_gathers_from_the_stacks(monkeypatch):
+    """Under "fused" the routed experts' banks are stacked too, and decode's gather reads its
+    experts' rows from the stacks (`ExpertLayout.gather` given `Stacked` banks), q4_0 and bf16,
+    with the tokens of per-layer banks; host banks (hybrid) stay one array a layer."""
+    from freetoken_jax.config import MoEModelConfig
+    from freetoken_jax.quant.layout import ExpertLayout
+
+    seen = []
+    real = ExpertLayout.gather
+    monkeypatch.setattr(ExpertLayout, "gather", lambda self, k, bank, ids: seen.append(type(bank)) or real(self, k, bank, ids))
+    for fmt in ("q4_0", "bf16"):
+        cfg = MoEModelConfig(vocab_size=64, hidden_dim=64, intermediate_dim=64, num_layers=3, num_experts=8, top_k=2, num_heads=4,
+                             num_kv_heads=2, head_dim=32, expert_format=fmt)  # fmt: skip
+        got = {}
+        for layout in ("stacked", "layers"):
+            monkeypatch.setenv("FREETOKEN_WEIGHTS", layout)
+            eng = FreeTokenEngine(cfg, EC)
+            seen.clear()
+            got[layout] = list(eng.generate([5, 3, 8, 1], max_new_tokens=5, ignore_eos=True))
+            assert seen and all((t is Stacked) == (layout == "stacked") for t in seen), seen
+            paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(eng.weights.params)[0]]
+            per_layer = {re.sub(r"^\['layers'\]\[\d+\]", "", p) for p in paths if p.startswith("['layers']")}
+            want = sum(not p.startswith("['layers']") for p in paths) + len(per_layer) if layout == "stacked" else len(paths)
+            assert len(jax.tree.leaves(eng.weights)) == want  # a stack per weight, the experts' banks included
+        assert got["stacked"] == got["layers"], fmt
+    monkeypatch.setenv("FREETOKEN_WEIGHTS", "stacked")
+    eng = FreeTokenEngine(cfg, EC.replace(moe_strategy="hybrid", expert_slots=8))
+    banks = [j for (k, j), (path, _) in zip(eng.weights.plan, jax.tree_util.tree_flatten_with_path(eng.weights.params)[0])
+             if "['experts']" in jax.tree_util.keystr(path)]  # fmt: skip
+    assert banks and all(j is None for j in banks)
