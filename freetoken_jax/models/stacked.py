@@ -5,10 +5,11 @@ benchmarks/RESULTS.md), and a model passes a dozen weights a layer. `stack_layer
 leaves that differ only by their layer (`['layers'][i]...`, same shape, dtype and placement) into
 one array each, `[L, ...]`; the routed experts' banks too where they are resident (strategy
 "fused": a decode step gathers its experts' rows from the stack itself, `quant.layout.gather`),
-not host banks (the expert backends and the CPU executor address those per layer). In a step, `unstack` gives the model each layer's
-weight back as a slice of its stack (`take`): XLA fuses such a slice into the fusions that read
-it, and the kernels take the stack itself with the layer's offset (`kernel_operand`, turning a
-slice back into a `pallas_kernels.Stacked` operand), so that no weight is copied.
+not host banks (the expert backends and the CPU executor address those per layer). In a step,
+`unstack` gives the model each layer's weight back as a slice of its stack (`take`), which XLA
+reads where it can fuse it into its reader (the CPU backend copies a matmul's operand first), and
+the kernels take the stack itself with the layer's offset (`kernel_operand` turns such a slice
+back into a `pallas_kernels.Stacked` operand), so that no kernel operand is copied.
 """
 
 from __future__ import annotations
@@ -50,13 +51,13 @@ def kernel_operand(x):
     return x
 
 
-def _layer_key(path, experts: bool) -> tuple | None:
-    """(the leaf's path with its layer index left out, the index) for a leaf under
-    `['layers'][i]` (outside the routed experts unless `experts`), else None."""
+def _in_layer(path, experts: bool) -> tuple | None:
+    """The leaf's path past `['layers'][i]` for a leaf of a layer (outside the routed experts
+    unless `experts`), else None."""
     names = [getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in path]
     if len(names) < 3 or names[0] != "layers" or not isinstance(names[1], int) or (not experts and "experts" in names[2:]):
         return None
-    return tuple(names[2:]), names[1]
+    return tuple(names[2:])
 
 
 def _placement(a) -> tuple:
@@ -72,15 +73,15 @@ def stack_layers(params, experts: bool = False) -> tuple[tuple, tuple]:
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     groups: dict[tuple, list[int]] = {}
     for n, (path, leaf) in enumerate(flat):
-        key = _layer_key(path, experts)
+        key = _in_layer(path, experts)
         if key is not None:
-            groups.setdefault((key[0], _placement(leaf)), []).append(n)
+            groups.setdefault((key, _placement(leaf)), []).append(n)
     arrays, plan = [], [None] * len(flat)
     for n, (_, leaf) in enumerate(flat):
         if plan[n] is not None:
             continue
-        key = _layer_key(flat[n][0], experts)
-        members = groups.get((key[0], _placement(leaf))) if key is not None else None
+        key = _in_layer(flat[n][0], experts)
+        members = groups.get((key, _placement(leaf))) if key is not None else None
         if not members or len(members) < 2 or _placement(leaf)[2] not in (None, "device"):
             plan[n] = (len(arrays), None)
             arrays.append(leaf)
