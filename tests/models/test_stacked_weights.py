@@ -109,15 +109,15 @@ def test_layouts_generate_the_same_tokens(name, kernels, strategy, ckpt_root, mo
 
 def test_resident_expert_banks_stack_and_decode_gathers_from_the_stacks(monkeypatch):
     """Under "fused" the routed experts' banks are stacked too, and decode's gather reads its
-    experts' rows from the stacks (`ExpertLayout.gather` given `Stacked` banks), q4_0 and bf16,
-    with the tokens of per-layer banks; host banks (hybrid) stay one array a layer."""
+    experts' rows from the stacks (`ExpertLayout.gather` given `Stacked` q4_0 banks), with the
+    tokens of per-layer banks; host banks (hybrid) stay one array a layer."""
     from freetoken_jax.config import MoEModelConfig
     from freetoken_jax.quant.layout import ExpertLayout
 
     seen = []
     real = ExpertLayout.gather
     monkeypatch.setattr(ExpertLayout, "gather", lambda self, k, bank, ids: seen.append(type(bank)) or real(self, k, bank, ids))
-    for fmt in ("q4_0", "bf16"):
+    for fmt in ("q4_0",):
         cfg = MoEModelConfig(vocab_size=64, hidden_dim=64, intermediate_dim=64, num_layers=3, num_experts=8, top_k=2, num_heads=4,
                              num_kv_heads=2, head_dim=32, expert_format=fmt)  # fmt: skip
         got = {}
@@ -137,3 +137,24 @@ def test_resident_expert_banks_stack_and_decode_gathers_from_the_stacks(monkeypa
     banks = [j for (k, j), (path, _) in zip(eng.weights.plan, jax.tree_util.tree_flatten_with_path(eng.weights.params)[0])
              if "['experts']" in jax.tree_util.keystr(path)]  # fmt: skip
     assert banks and all(j is None for j in banks)
+
+
+@pytest.mark.parametrize("words", [True, False])
+def test_a_stacked_bank_gathers_the_rows_of_its_entry(words):
+    """`ExpertLayout.gather` of a `Stacked` q4_0 bank, as 16-bit words (the GPU's way) or as
+    stored: the rows of the entry's own bank."""
+    import dataclasses
+
+    from freetoken_jax.config import MoEModelConfig
+    from freetoken_jax.quant.layout import ExpertLayout
+
+    cfg = MoEModelConfig(vocab_size=64, hidden_dim=64, intermediate_dim=64, num_layers=3, num_experts=8, top_k=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16, expert_format="q4_0")  # fmt: skip
+    layout = dataclasses.replace(ExpertLayout.of(cfg, 0), words=words)
+    stack = jnp.asarray(np.random.default_rng(0).integers(0, 256, (3, 8, 72)), jnp.uint8)
+    ids = jnp.asarray([[1, 7], [0, 3]], jnp.int32)
+    for k in range(3):
+        got = layout.gather(k, Stacked(stack, 2), ids)
+        want = layout.gather(k, stack[2], ids)
+        assert got.dtype == (jnp.uint16 if words else jnp.uint8)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
