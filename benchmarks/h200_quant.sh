@@ -157,8 +157,8 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         echo "graph updates $(grep -c 'Updated command buffer' "$OUT/cbuf.log"), executions $(grep -c 'Execute command buffer' "$OUT/cbuf.log")"
         grep "updated_allocs" "$OUT/cbuf.log" | tail -2 | cut -c1-260; gzip -f "$OUT/cbuf.log" ;;
     # stepdisp: a decode step's host cost under each layout of the KV cache and the weights (a model of tiny widths, 48 layers)
-    stepdisp) timeout 300 python3 benchmarks/step_dispatch.py --layers 48 --variants layers:layers stacked:layers stacked:stacked layers:layers \
-        stacked:layers stacked:stacked 2>&1 | tail -8 ;;
+    stepdisp) timeout 300 python3 benchmarks/step_dispatch.py --layers 48 --reps 40 --steps 50 --variants layers:layers stacked:layers \
+        stacked:stacked layers:layers stacked:layers stacked:stacked 2>&1 | tail -8 ;;
     qsweep) $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy hybrid --q 0.3 0.35 0.4 0.45 0.5 --json "$OUT/q4_qsweep.json" 2>&1 | grep -v "it/s\]" | tail -7 ;;
     # lcpp-pp: llama.cpp's prefill rows of the 8192-token comparison alone
     lcpp-pp) /tmp/lcpp/build/bin/llama-bench -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 8192 -b 8192 -ub 2048,8192 -n 0 -r 2 \
