@@ -39,8 +39,8 @@ DENSE_SLICE_BYTES = 1 << 30
 def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = "auto", bias=None) -> jax.Array:
     """Σ_k w[t,k] · down(act(gate(x_t), up(x_t))) over each token's chosen experts, from `banks`
     (gate, up, down of every expert, `layout`; arrays, or `Stacked` entries of the layers' stacked
-    banks, which "gather" reads in place and the others as slices); `bias`: each pair's biases (`pair_biases`), added
-    to the gate, up and down projections, or None.
+    banks, which "gather" reads in place and the others as slices); `bias`: each pair's biases
+    (`pair_biases`), added to the gate, up and down projections, or None.
 
     - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
       the chosen experts, dequantizing what it gathers — only the chosen experts' stored bytes
