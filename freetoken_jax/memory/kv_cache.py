@@ -168,9 +168,7 @@ def write_pages(pages, view: KVView, new_BT, layer: int | None = None):
 def gather_pages(pages, view: KVView, layer: int | None = None):
     """Every sequence's cached entries in the view's order: `[B, P * page_size, *entry]` (pool
     `layer` of stacked pools, as `write_pages` takes them)."""
-    g = pages[(*_layer(layer), view.page_table_BP)]  # [B, P, page, *entry]
-    B, P, page = g.shape[:3]
-    return g.reshape(B, P * page, *g.shape[3:])
+    return take_pages(pages, view.page_table_BP, layer)
 
 
 def take_pages(pages, pages_BW, layer: int | None = None):
@@ -226,16 +224,26 @@ def kv_groups(rings: tuple[bool, ...], layout: str | None = None, layer_elements
     return tuple(sorted(groups))
 
 
-def layer_groups(rings: tuple[bool, ...], cache: KVCache) -> tuple[tuple[int, ...], ...]:
-    """`kv_groups` of a cache made in either layout, told apart by its groups' sizes (where both
-    layouts give the same sizes, they give the same groups)."""
+def _layout_of(rings: tuple[bool, ...], cache: KVCache) -> tuple[str, tuple[tuple[int, ...], ...]]:
+    """(layout, `kv_groups`) of a cache made in either layout, told apart by its groups' sizes
+    (where both layouts give the same sizes, they give the same groups)."""
     sizes = tuple(kv[0].shape[0] for kv in cache)
     elements = max(math.prod(a.shape[1:]) for kv in cache for a in kv)
     for layout in ("stacked", "layers"):
         groups = kv_groups(rings, layout, elements)
         if tuple(map(len, groups)) == sizes:
-            return groups
+            return layout, groups
     raise ValueError(f"a KV cache of groups of {list(sizes)} layers does not fit {len(rings)} layers (kv_cache.kv_groups)")
+
+
+def layer_groups(rings: tuple[bool, ...], cache: KVCache) -> tuple[tuple[int, ...], ...]:
+    """`kv_groups` of a cache made in either layout (`_layout_of`)."""
+    return _layout_of(rings, cache)[1]
+
+
+def layer_places(rings: tuple[bool, ...], cache: KVCache) -> dict[int, tuple[int, int]]:
+    """Each layer's (group, index in the group) in `cache`."""
+    return {i: (g, j) for g, layers in enumerate(layer_groups(rings, cache)) for j, i in enumerate(layers)}
 
 
 def pool_pages(cfg: MoEModelConfig, ecfg: EngineConfig) -> tuple[int, ...]:
@@ -276,7 +284,7 @@ def copy_pages(cache: KVCache, groups: tuple[bool, ...], src: jax.Array, dst: ja
 
 def layer_pools(cache: KVCache, rings: tuple[bool, ...]) -> tuple[tuple[jax.Array, ...], ...]:
     """Each layer's pools `[N, page, *entry]` (one per stored tensor), taken out of their groups."""
-    where = {i: (g, j) for g, layers in enumerate(layer_groups(rings, cache)) for j, i in enumerate(layers)}
+    where = layer_places(rings, cache)
     return tuple(tuple(a[where[i][1]] for a in cache[where[i][0]]) for i in range(len(rings)))
 
 
@@ -284,8 +292,7 @@ def layer_pools(cache: KVCache, rings: tuple[bool, ...]) -> tuple[tuple[jax.Arra
 def _grown(cache: KVCache, rings: tuple[bool, ...], pages: int) -> KVCache:
     pad = lambda a: jnp.pad(a, ((0, pages - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))  # noqa: E731
     pools = [p if ring else tuple(pad(a) for a in p) for p, ring in zip(layer_pools(cache, rings), rings)]
-    stacked = layer_groups(rings, cache) == kv_groups(rings, "stacked", max(math.prod(a.shape[1:]) for kv in cache for a in kv))
-    groups = kv_groups(rings, "stacked" if stacked else "layers", max(math.prod(a.shape) for p in pools for a in p))
+    groups = kv_groups(rings, _layout_of(rings, cache)[0], max(math.prod(a.shape) for p in pools for a in p))
     return tuple(tuple(jnp.stack([pools[i][t] for i in g]) for t in range(len(cache[0]))) for g in groups)
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.memory.kv_cache import KVCache, KVView, LayerKV, layer_groups
+from freetoken_jax.memory.kv_cache import KVCache, KVView, LayerKV, layer_places
 from freetoken_jax.models.attention import Attention, MLAttention
 from freetoken_jax.models.layers import _INIT, MLP, ExpertFn, MoEBlock, RMSNorm, linear, residual, rope_cos_sin
 
@@ -68,7 +68,7 @@ class MoETransformer(nnx.Module):
         x, add = self.embed(tokens_BT), None
         cos_sin = rope_cos_sin(self.cfg, positions_BT)
         rings = tuple(ring_view is not None and self.cfg.window_of(i) > 0 for i in range(self.cfg.num_layers))
-        where = {i: (g, j) for g, layers in enumerate(layer_groups(rings, cache)) for j, i in enumerate(layers)}
+        where = layer_places(rings, cache)
         pools = list(cache)
         for i, layer in enumerate(self.layers):
             with jax.named_scope(f"layer{i}"):
