@@ -30,7 +30,7 @@ def host_view(a) -> np.ndarray:
     on a GPU, the default memory on the CPU backend) it is the address of the one copy of the
     bank in RAM, the same memory the GPU fetch kernel reads. It stays valid while the jax array
     lives and is not donated; the engine holds every bank for its whole life and never donates
-    one, and the returned view keeps a reference to the array."""
+    one, and the returned view (and any slice of it) keeps the array alive, no longer."""
     import ctypes
 
     import jax
@@ -43,11 +43,8 @@ def host_view(a) -> np.ndarray:
     buf = (ctypes.c_char * a.nbytes).from_address(a.unsafe_buffer_pointer())
     view = np.frombuffer(buf, dtype=a.dtype).reshape(a.shape)
     view.flags.writeable = False
-    _KEEP[id(view)] = a  # the array outlives the view
+    buf.array = a  # every view of the memory (this one, its slices) holds the buffer, the buffer the array
     return view
-
-
-_KEEP: dict[int, object] = {}
 
 
 def _bank_view(a, fmt: str = "bf16") -> np.ndarray:

@@ -2,6 +2,9 @@
 over with pure_callback, and with the split FFI submit/wait targets) gives the fused strategy's
 tokens and logits on every family."""
 
+import gc
+import weakref
+
 import jax
 import numpy as np
 import pytest
@@ -38,6 +41,16 @@ def test_host_view_is_the_bank_itself():
     assert v.ctypes.data == bank.unsafe_buffer_pointer()  # no copy: the executor reads the bank
     np.testing.assert_array_equal(v, np.arange(24).reshape(4, 6))
     assert not v.flags.writeable
+    # the view holds the array while it (or a slice of it) lives, and only then
+    alive = weakref.ref(bank)
+    row = v[1]
+    del bank, v
+    gc.collect()
+    assert alive() is not None
+    np.testing.assert_array_equal(row, np.arange(6, 12))
+    del row
+    gc.collect()
+    assert alive() is None
 
 
 @pytest.mark.parametrize("engine", ["xla", "stream"])
