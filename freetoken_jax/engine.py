@@ -136,6 +136,7 @@ class FreeTokenEngine:
                 )
             place = host_bank_placer()
         graphdef, _ = abstract_graphdef(cfg, ecfg.dtype)
+        owned = params is None  # the engine's own arrays: stacking may delete them as it goes
         if params is None and load is not None:
             params = load(quantizing(place, cfg.expert_format) if quantize else place)
         elif params is None:
@@ -150,8 +151,8 @@ class FreeTokenEngine:
             from freetoken_jax.runtime.routing import SyntheticRouting
 
             experts = SyntheticRouting(experts, float(routing_skew))
-        weights = Weights.of(params, graphdef, stacked=weights_layout() == "stacked", experts=not host)
-        del params  # stacked: the per-layer arrays go
+        weights = Weights.of(params, graphdef, stacked=weights_layout() == "stacked", experts=not host, consume=owned)
+        del params  # stacked: the per-layer arrays go (a caller's own arrays are left to the caller)
         self.runner = ModelRunner(cfg, ecfg, weights, experts, plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)
         if probe:

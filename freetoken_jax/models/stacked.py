@@ -14,6 +14,7 @@ back into a `pallas_kernels.Stacked` operand), so that no kernel operand is copi
 
 from __future__ import annotations
 
+import collections
 import weakref
 
 import jax
@@ -65,11 +66,13 @@ def _placement(a) -> tuple:
     return (tuple(a.shape), str(a.dtype), getattr(sharding, "memory_kind", None))
 
 
-def stack_layers(params, experts: bool = False) -> tuple[tuple, tuple]:
+def stack_layers(params, experts: bool = False, consume: bool = False) -> tuple[tuple, tuple]:
     """(arrays, plan): `params`' leaves with each weight that two or more layers hold alike
     stacked into one array (the layers in order; the routed experts' banks too with `experts`),
-    and for each leaf of `params` its (array index, entry index or None) in them. The arrays it
-    stacks are new; `params` is left as it is."""
+    and for each leaf of `params` its (array index, entry index or None) in them. The stacks are
+    new arrays; `params` is left as it is, unless `consume`: then each stacked leaf is deleted
+    once its stack is made, so that the weights are held twice only one weight at a time (the
+    caller owns `params` and drops it)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     groups: dict[tuple, list[int]] = {}
     for n, (path, leaf) in enumerate(flat):
@@ -77,6 +80,7 @@ def stack_layers(params, experts: bool = False) -> tuple[tuple, tuple]:
         if key is not None:
             groups.setdefault((key, _placement(leaf)), []).append(n)
     arrays, plan = [], [None] * len(flat)
+    holders = collections.Counter(id(leaf) for _, leaf in flat)
     for n, (_, leaf) in enumerate(flat):
         if plan[n] is not None:
             continue
@@ -89,6 +93,10 @@ def stack_layers(params, experts: bool = False) -> tuple[tuple, tuple]:
         for j, m in enumerate(members):
             plan[m] = (len(arrays), j)
         arrays.append(jnp.stack([flat[m][1] for m in members]))
+        if consume:
+            for m in members:
+                if holders[id(flat[m][1])] == 1:  # an array two leaves hold is left alone
+                    flat[m][1].delete()
     return tuple(arrays), tuple(plan)
 
 

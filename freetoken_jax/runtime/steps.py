@@ -47,11 +47,12 @@ class Weights:
     plan: tuple | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def of(cls, params, graphdef, stacked: bool = False, experts: bool = False) -> Weights:
+    def of(cls, params, graphdef, stacked: bool = False, experts: bool = False, consume: bool = False) -> Weights:
         """The weights of `params`; `stacked`: the layers' weights stacked (new arrays: `params`
-        is left as it is), the routed experts' banks too with `experts` (resident banks)."""
+        is left as it is unless `consume`, which deletes the arrays it stacks as it goes), the
+        routed experts' banks too with `experts` (resident banks)."""
         if stacked:
-            arrays, plan = stack_layers(params, experts)
+            arrays, plan = stack_layers(params, experts, consume)
             return cls(arrays, jax.tree.structure(params), graphdef, plan)
         leaves, treedef = jax.tree.flatten(params)
         return cls(tuple(leaves), treedef, graphdef)

@@ -40,6 +40,18 @@ def test_stacks_hold_every_leaf_as_it_was():
     w = Weights.of(params, eng.weights.graphdef, stacked=True)
     assert jax.tree.structure(w.params) == jax.tree.structure(params)
     assert len(jax.tree.leaves(w)) == len(arrays)
+    # consume: each stacked leaf deleted once its stack exists, the others (and one array two
+    # leaves hold) kept; the stacks hold the values all the same
+    own = jax.tree.map(jnp.copy, params)
+    own["layers"][1]["post_attention_layernorm"]["weight"] = own["layers"][0]["post_attention_layernorm"]["weight"]
+    twice = jax.tree.leaves(own["layers"][0]["post_attention_layernorm"]["weight"])[0]
+    arrays2, plan2 = stack_layers(own, consume=True)
+    assert plan2 == plan
+    own_flat = jax.tree_util.tree_flatten_with_path(own)[0]
+    for (_, was), (path, leaf), (_, j), got in zip(flat, own_flat, plan2, unstack(arrays2, plan2)):
+        assert leaf.is_deleted() == (j is not None and leaf is not twice), jax.tree_util.keystr(path)
+        if leaf is not twice:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(was))
 
 
 def test_kernel_operand_finds_only_live_slices_of_stacks():
