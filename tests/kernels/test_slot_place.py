@@ -59,7 +59,7 @@ def test_kernel_equals_reference_and_model(T, K, W):
     rng = np.random.default_rng(T * 100 + K * 10 + W)
     L, E = 4, 64
     misses = 0
-    for trial in range(6):
+    for trial in range(4):
         S = int(rng.integers(max(W, T * K) + T * K, 3 * L * E))
         args = _layer(rng, L, E, S, T, K, W)
         got = jax.jit(lambda *a: place(*a, interpret=INTERPRET))(*args)
@@ -79,7 +79,7 @@ def test_layer_kernel_equals_find_misses_then_place(T, K, W):
     rng = np.random.default_rng(T * 100 + K * 10 + W + 1)
     L, E = 4, 64
     fetched = left = 0
-    for trial in range(8):
+    for trial in range(5):  # every (q, overhead) once
         q, overhead = [(None, 0.0), (0.0, 0.0), (0.5, 0.0), (0.37, 1.4), (1.0, 0.6)][trial % 5]
         S = int(rng.integers(max(W, T * K) + T * K, 3 * L * E))
         c = random_slot_cache(rng, L, E, S, T * K)
