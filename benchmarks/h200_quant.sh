@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
-# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|cbuf|stepdisp|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-gpu|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|cbuf|stepdisp|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -163,6 +163,8 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
     # lcpp-pp: llama.cpp's prefill rows of the 8192-token comparison alone
     lcpp-pp) /tmp/lcpp/build/bin/llama-bench -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 8192 -b 8192 -ub 2048,8192 -n 0 -r 2 \
         -o md 2>&1 | grep "^|" ;;
+    # lcpp-gpu: llama.cpp's decode all on the GPU (the fused row's comparison) alone
+    lcpp-gpu) /tmp/lcpp/build/bin/llama-bench -m /tmp/q4.gguf -ngl 99 -t 16 -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|" ;;
     lcpp) L=/tmp/lcpp/build/bin/llama-bench
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24,17 -t 16 -lm none -p 0 -n 128 -r 3 -o md 2>&1 | grep "^|"
       $L -m /tmp/q4.gguf -ngl 99 -ncmoe 24 -t 16 -lm none -p 2048,8192 -b 8192 -ub 2048,8192 -n 0 -r 2 -o md 2>&1 | grep "^|" ;;
