@@ -151,7 +151,7 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
             grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w)))
         done ;;
     # cbuf: the fused row with XLA's command buffer log: how often the step's CUDA graph is recorded again, and why (CB_ENV:
-    #       VAR=VALUE settings for the row, e.g. CB_ENV=FREETOKEN_DECODE_OUTPUTS=fresh or CB_ENV=FREETOKEN_DECODE_EXECUTABLES=2)
+    #       VAR=VALUE settings for the row, e.g. CB_ENV=FREETOKEN_DECODE_OUTPUTS=fresh or CB_ENV=FREETOKEN_WEIGHTS=stacked)
     cbuf) env $CB_ENV TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 200 $B decode $SHAPE --expert-format q4_0 --strategy fused \
             --compile-workers 2 --json "$OUT/cbuf.json" > "$OUT/cbuf.log" 2>&1; echo "rc=$?"; grep -v "it/s\]" "$OUT/cbuf.log" | grep -E "^ *(strategy|fused) "
         echo "graph updates $(grep -c 'Updated command buffer' "$OUT/cbuf.log"), executions $(grep -c 'Execute command buffer' "$OUT/cbuf.log")"

@@ -172,48 +172,6 @@ def decode_outputs() -> str:
     return env_choice("FREETOKEN_DECODE_OUTPUTS", "donated", ("donated", "fresh"))
 
 
-def decode_executables() -> int:
-    """Executables of each decode program called in turn, FREETOKEN_DECODE_EXECUTABLES: 1 (the
-    default) or 2. XLA keeps one CUDA graph per executable and records it again before a step
-    whose buffers moved; a step's temporary buffer, allocated while the previous step may still
-    hold its own, can alternate between two addresses, and two executables called in turn would
-    each see one of them. Read when the steps are made."""
-    return int(env_choice("FREETOKEN_DECODE_EXECUTABLES", "1", ("1", "2")))
-
-
-class _InTurn:
-    """Copies of one jitted step (each its own executable) called in turn; `lower(...).compile()`
-    compiles them all (`_LoweredAll`), so that a warm-up leaves none to compile on a call."""
-
-    def __init__(self, steps: list):
-        self.steps, self.calls = steps, 0
-
-    def __call__(self, *args, **kw):
-        step = self.steps[self.calls % len(self.steps)]
-        self.calls += 1
-        return step(*args, **kw)
-
-    @property
-    def jitted(self):
-        return getattr(self.steps[0], "jitted", self.steps[0])
-
-    def lower(self, *args, **kw):
-        return _LoweredAll([s.lower(*args, **kw) for s in self.steps])
-
-
-class _LoweredAll:
-    """The lowerings of `_InTurn`'s copies, read as the first one; `compile` compiles every one."""
-
-    def __init__(self, lowered: list):
-        self.lowered = lowered
-
-    def compile(self):
-        return [lo.compile() for lo in self.lowered][0]
-
-    def __getattr__(self, name):
-        return getattr(self.lowered[0], name)
-
-
 @jax.jit
 def _copy_tokens(tokens_B):
     """The decode state's tokens in a buffer of their own, which outlives the next step's donation."""
@@ -235,19 +193,17 @@ class StepSet:
         jit = lambda f, donate, **kw: jax.jit(_traced(f, dtype, self.traces), donate_argnums=donate, **kw)  # noqa: E731
         sampled = lambda f, donate, **kw: _TokenFirst(jit(_token_last(f), donate, **kw))  # noqa: E731
         self.donated = decode_outputs() == "donated"
-        n = decode_executables()
-        in_turn = lambda make: make() if n == 1 else _InTurn([make() for _ in range(n)])  # noqa: E731
         if self.donated:  # (token, state) from the state alone; the model half's logits written over a donated buffer
             state_only = lambda f: _TokenCopied(jit(_dropping(f, 0), (1,)), lambda out: out[0].tokens_B)  # noqa: E731
-            self.decode = in_turn(lambda: state_only(decode_step_plain))
-            self.decode_filtered = in_turn(lambda: state_only(decode_step))
+            self.decode = state_only(decode_step_plain)
+            self.decode_filtered = state_only(decode_step)
             # unused, the buffer would be pruned: kept
-            self.decode_logits = in_turn(lambda: jit(_into_buffer(decode_forward), (1, 4), keep_unused=True))
+            self.decode_logits = jit(_into_buffer(decode_forward), (1, 4), keep_unused=True)
             self.sample = _TokenCopied(jit(_dropping(sample_step, 0), (1, 2, 3), static_argnames=("logprobs",)), lambda out: out[0])
         else:
-            self.decode = in_turn(lambda: sampled(decode_step_plain, (1,)))
-            self.decode_filtered = in_turn(lambda: sampled(decode_step, (1,)))
-            self.decode_logits = in_turn(lambda: jit(decode_forward, (1,)))
+            self.decode = sampled(decode_step_plain, (1,))
+            self.decode_filtered = sampled(decode_step, (1,))
+            self.decode_logits = jit(decode_forward, (1,))
             self.sample = sampled(sample_step, (1, 2, 3), static_argnames=("logprobs",))  # with and without log-probabilities
         self.prefill = sampled(prefill_step, (1,))
         self.prefill_buffered = sampled(prefill_step_buffered, (1, 3))

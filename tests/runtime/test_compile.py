@@ -214,28 +214,3 @@ def test_an_unknown_decode_outputs_setting_is_refused(monkeypatch):
     monkeypatch.setenv("FREETOKEN_DECODE_OUTPUTS", "host")
     with pytest.raises(ValueError, match="FREETOKEN_DECODE_OUTPUTS='host'"):
         StepSet("float32")
-
-
-def test_decode_programs_in_turn(monkeypatch):
-    """FREETOKEN_DECODE_EXECUTABLES=2: each decode program is two executables (warm-up traces each
-    twice), called in turn step after step, with the tokens of one executable; generating traces
-    nothing more. Other values are refused."""
-    ec = EngineConfig(dtype="float32", max_context=64, max_batch=2, page_size=8, prefill_chunk=16)
-    prompt = [3, 1, 4, 1, 5, 9, 2]
-    want = list(FreeTokenEngine.from_pretrained("demo", ec).generate(prompt, max_new_tokens=7, ignore_eos=True))
-    monkeypatch.setenv("FREETOKEN_DECODE_EXECUTABLES", "2")
-    eng = FreeTokenEngine.from_pretrained("demo", ec)
-    steps = eng.runner.steps
-    eng.runner.warm_up(workers=1)
-    traced = dict(steps.traces)
-    assert traced["decode_step_plain"] == traced["decode_step"] == traced["decode_forward"] == 2
-    copies = steps.decode.steps
-    assert len(copies) == 2 and copies[0].jitted is not copies[1].jitted
-    calls = []
-    steps.decode.steps = [lambda *a, i=i, s=s, **k: calls.append(i) or s(*a, **k) for i, s in enumerate(copies)]
-    assert list(eng.generate(prompt, max_new_tokens=7, ignore_eos=True)) == want
-    assert calls == [0, 1, 0, 1, 0, 1]  # the first token comes from the prefill
-    assert steps.traces == traced
-    monkeypatch.setenv("FREETOKEN_DECODE_EXECUTABLES", "3")
-    with pytest.raises(ValueError, match="FREETOKEN_DECODE_EXECUTABLES"):
-        FreeTokenEngine.from_pretrained("demo", ec)
