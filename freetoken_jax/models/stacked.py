@@ -27,9 +27,15 @@ _SOURCES: dict[int, tuple] = {}  # id of a slice `take` made -> (its weak refere
 
 
 def weights_layout() -> str:
-    """How the layers' weights are kept (FREETOKEN_WEIGHTS): "layers" (the default) — an array
-    per layer and weight; "stacked" — every layer's copy of a weight in one array."""
-    return env_choice("FREETOKEN_WEIGHTS", "layers", ("layers", "stacked"))
+    """How the layers' weights are kept (FREETOKEN_WEIGHTS): "stacked" — every layer's copy of a
+    weight in one array; "layers" — an array per layer and weight; "auto" (the default) — stacked
+    on a GPU (on an H100 the fused step's calling thread took 0.52-0.67 ms a step instead of
+    1.12-1.36 at the same tokens/s: benchmarks/RESULTS.md), per layer on the CPU backend (whose
+    matmuls copy a stacked weight's slice first)."""
+    layout = env_choice("FREETOKEN_WEIGHTS", "auto", ("auto", "layers", "stacked"))
+    if layout == "auto":
+        return "layers" if jax.default_backend() == "cpu" else "stacked"
+    return layout
 
 
 def take(stack, index: int):

@@ -170,3 +170,22 @@ def test_a_stacked_bank_gathers_the_rows_of_its_entry(words):
         want = layout.gather(k, stack[2], ids)
         assert got.dtype == (jnp.uint16 if words else jnp.uint8)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_the_default_stacks_on_a_gpu_only(monkeypatch):
+    """FREETOKEN_WEIGHTS=auto (the default): stacked on a GPU, per layer on the CPU backend;
+    the explicit values as given, others refused."""
+    from freetoken_jax.models import stacked
+
+    monkeypatch.delenv("FREETOKEN_WEIGHTS", raising=False)
+    assert jax.default_backend() != "cpu" or stacked.weights_layout() == "layers"
+    for backend, want in (("cpu", "layers"), ("gpu", "stacked"), ("cuda", "stacked")):
+        monkeypatch.setattr(stacked.jax, "default_backend", lambda b=backend: b)
+        assert stacked.weights_layout() == want
+        for layout in ("layers", "stacked"):
+            monkeypatch.setenv("FREETOKEN_WEIGHTS", layout)
+            assert stacked.weights_layout() == layout
+        monkeypatch.delenv("FREETOKEN_WEIGHTS")
+    monkeypatch.setenv("FREETOKEN_WEIGHTS", "flat")
+    with pytest.raises(ValueError, match="FREETOKEN_WEIGHTS='flat'"):
+        stacked.weights_layout()
