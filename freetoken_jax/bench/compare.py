@@ -125,12 +125,12 @@ class Bench:
         self.build_s = time.perf_counter() - t0
         gpu = jax.default_backend() == "gpu"
         self.hbm = copy_bandwidth(4.0 if gpu else 0.05, 20 if gpu else 3)
-        self.views = host_bank_views(self.engine.weights.params)  # one static object: one executable per backend kind
+        self.views = host_bank_views(self.engine.weights.own_params)  # one static object: one executable per backend kind
         # the link's rate for the bounds: the faster of a fresh buffer's copy and the first MoE layer's
         # own banks' (on the GPU machine a fresh buffer's rate moved 46-53 GB/s between processes
         # while the banks' copies ran at the top of that range)
         self.bp_buffer = h2d_bandwidth(gib=1.0 if gpu else 0.05)
-        self.bp_banks = h2d_bandwidth(first_layer_banks(self.engine.weights.params)) if gpu else None
+        self.bp_banks = h2d_bandwidth(first_layer_banks(self.engine.weights.own_params)) if gpu else None
         self.bp = max(self.bp_buffer, self.bp_banks or 0.0)
         self.bh = executor_bandwidth(self.engine, self.views)
         self.bh_hybrid = executor_bandwidth(self.engine, self.views, threads=hybrid_threads())  # hybrid's pool

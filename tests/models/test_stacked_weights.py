@@ -189,3 +189,21 @@ def test_the_default_stacks_on_a_gpu_only(monkeypatch):
     monkeypatch.setenv("FREETOKEN_WEIGHTS", "flat")
     with pytest.raises(ValueError, match="FREETOKEN_WEIGHTS='flat'"):
         stacked.weights_layout()
+
+
+def test_own_params_give_the_host_banks_without_slicing_a_stack(monkeypatch):
+    """`Weights.own_params`: the host banks (never stacked) as the arrays themselves, None where a
+    leaf is a stack's entry, so reading the banks copies nothing; per layer, every leaf as is."""
+    from freetoken_jax.runtime.offload import moe_experts
+
+    for layout in ("stacked", "layers"):
+        monkeypatch.setenv("FREETOKEN_WEIGHTS", layout)
+        eng = FreeTokenEngine.from_pretrained("demo", EC.replace(moe_strategy="offload", expert_slots=8))
+        w = eng.weights
+        own, full = jax.tree_util.tree_flatten_with_path(w.own_params, is_leaf=lambda x: x is None)[0], w.params
+        banks = [e[k].get_value() for e in moe_experts(w.own_params) for k in ("gate", "up", "down")]
+        assert banks and all(any(b is leaf for leaf in w.leaves) for b in banks)
+        assert [b.shape for b in banks] == [e[k].get_value().shape for e in moe_experts(full) for k in ("gate", "up", "down")]
+        stacked = sum(leaf is None for _, leaf in own)
+        assert stacked == (0 if layout == "layers" else sum(j is not None for _, j in w.plan)) and len(own) == len(jax.tree.leaves(full))
+        assert (stacked > 0) == (layout == "stacked")
