@@ -106,6 +106,7 @@ def stack_layers(params, experts: bool = False, consume: bool = False) -> tuple[
     return tuple(arrays), tuple(plan)
 
 
-def unstack(arrays, plan) -> list:
-    """The leaves `stack_layers` gathered, each stacked one a `take` of its stack."""
-    return [arrays[k] if j is None else take(arrays[k], j) for k, j in plan]
+def unstack(arrays, plan, entry=take) -> list:
+    """The leaves `stack_layers` gathered, each stacked one `entry(stack, index)` (a `take` of
+    its stack by default)."""
+    return [arrays[k] if j is None else entry(arrays[k], j) for k, j in plan]

@@ -68,8 +68,9 @@ class Weights:
         """The parameters' tree with the leaves kept as arrays of their own (host banks, weights
         that are not stacked) and None for each stacked leaf: no slice made (outside a step, a
         slice of a stack is a copy), for reading the former (the host banks' views)."""
-        leaves = self.leaves if self.plan is None else [self.leaves[k] if j is None else None for k, j in self.plan]
-        return jax.tree.unflatten(self.treedef, leaves)
+        return jax.tree.unflatten(
+            self.treedef, self.leaves if self.plan is None else unstack(self.leaves, self.plan, lambda stack, index: None)
+        )
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
