@@ -33,6 +33,7 @@ test: install-test
 lint: install-test
 	$(VENV)/bin/ruff check freetoken_jax pallas_kernels tests benchmarks
 
-# Regenerate the committed gRPC stubs from proto/freetoken.proto (tests check they are current).
+# Regenerate the committed gRPC stubs from proto/freetoken.proto (tests check they are current; the
+# stubs name the grpcio-tools that wrote them, pinned in pyproject.toml's test extra).
 protos: install-test
 	$(PY) -m grpc_tools.protoc -Ifreetoken_jax/server/pb=proto --python_out=. --grpc_python_out=. proto/freetoken.proto
