@@ -48,6 +48,20 @@ def looped(fn, steps: int, K: int, E: int):
     return run
 
 
+def flat_matvec(b, x, O: int, I: int):
+    """q4_0 words [..., O·I/32·9] times x [..., I] → float32 [..., O], each row reduced over all its
+    words at once: every word's four codes against the x values of their weights (0 for the
+    scale word, whose bits then add nothing), times its block's scale."""
+    nb = I // 32
+    blk = b.reshape(*b.shape[:-1], O, nb, 9)
+    s = jax.lax.bitcast_convert_type(blk[..., :1], jnp.float16).astype(jnp.float32)
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # weight 16·half + 2i + parity
+    xw = jnp.stack([xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]], axis=-1)  # [..., 1, nb, 8, 4]
+    xw = jnp.concatenate([jnp.zeros_like(xw[..., :1, :]), xw], axis=-2)  # [..., 1, nb, 9, 4]
+    t = sum((((blk >> (4 * n)) & 15).astype(jnp.float32) - 8.0) * xw[..., n] for n in range(4))
+    return jnp.sum(s * t, axis=(-2, -1))
+
+
 def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: int, width: int = 22) -> None:
     """Prints each variant's µs a layer (the best of 5 calls of `looped`), GB/s of `nbytes` a
     layer and its largest difference from `ref` at experts `one`."""
@@ -94,9 +108,17 @@ def main() -> None:
     def xla_as(words):
         return lambda x, ids: routed_experts(x, ids, w, banks, dataclasses.replace(layout, words=words), impl="gather")
 
-    def kernel(x, ids, rows, warps):
-        return gathered_experts.experts(a.format, x, ids, w, *banks, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
+    words = tuple(q.words(b) for b in banks) if a.format == "q4_0" else None
+
+    def kernel(x, ids, rows, warps, slots=banks):
+        return gathered_experts.experts(a.format, x, ids, w, *slots, F=F, D=D, act=ACTIVATIONS["silu"], interpret=interpret,
                                              block_rows=rows, num_warps=warps)  # fmt: skip
+
+    def flat(x, ids):  # XLA over words, each row's 9·nb words reduced at once (the scale word weighted 0)
+        g, u, d = (b[ids] for b in words)
+        xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
+        h = jax.nn.silu(flat_matvec(g, xk, F, D)) * flat_matvec(u, xk, F, D)
+        return jnp.einsum("tkd,tk->td", flat_matvec(d, h.astype(x.dtype), D, F), w).astype(x.dtype)
 
     nbytes = K * sum(b.shape[1] for b in banks)
     one = jnp.asarray(rng.integers(0, E, (1, K)), jnp.int32)
@@ -115,9 +137,15 @@ def main() -> None:
             (out / f"{name.replace(' ', '_')}.hlo.txt").write_text(text)
             entry = text[text.index("ENTRY") :]
             print(f"{name}: {entry.count(' fusion(') + entry.count('custom-call(')} kernels in the entry computation")
+    if a.format == "q4_0":
+        xla_variants.append(("xla flat words", flat))
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
+    if words is not None:
+        variants += [
+            (f"words rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw, slots=words)) for r in a.rows for nw in a.warps
+        ]
     time_variants(variants, x0, one, ref, nbytes, a.steps, K, E)
 
 

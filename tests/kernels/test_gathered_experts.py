@@ -2,6 +2,8 @@
 shapes; their lowering to Triton for the GPU (checked here, without one); and the engine's
 "kernel" expert implementation against "gather"."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from freetoken_jax.config import ACTIVATIONS
 from freetoken_jax.models.routed import kernel_fits, routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
+from pallas_kernels import Stacked
 from pallas_kernels.gathered_experts import ACTS, FORMATS, _pieces, experts, experts_ref
 
 
@@ -58,6 +61,27 @@ def test_kernels_match_float64_and_reference(fmt, shape, act):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_q4_0_words_kernels_match_float64_and_the_bytes_kernels(shape):
+    """q4_0 slots given as their 16-bit words (`Format.words`) go through `_words_dot`, whose
+    row runs (216 words: 128, 64, 16, 8) straddle blocks: the result is float64's and the bytes
+    kernels' within float32 sums."""
+    S, F, D, T, K = shape
+    rng = np.random.default_rng(S + F * D + K)
+    slots, mats = _slots(rng, S, F, D, extra=6)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, S, (T, K)), jnp.int32)
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    f, words = ACTIVATIONS["silu"], [get_format("q4_0").words(jnp.asarray(a)) for a in slots]
+    got = np.asarray(experts("q4_0", x, ids, w, *words, F=F, D=D, act=f, interpret=True, block_rows=16))
+    want = _float64(x, ids, w, mats, f)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    as_bytes = np.asarray(experts("q4_0", x, ids, w, *slots, F=F, D=D, act=f, interpret=True, block_rows=16))
+    np.testing.assert_allclose(got, as_bytes, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    ref = np.asarray(experts_ref("q4_0", x, ids, w, *words, F=F, D=D, act=f))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_bf16_hidden_rounded_as_the_reference_and_weight_zero_pairs_add_nothing():
     """h is rounded to x's dtype (bf16) as the XLA path rounds it; a pair of weight 0 whose slot
     holds bytes that decode to non-finite values (0xFF: NaN scales) adds nothing: the output is
@@ -78,15 +102,16 @@ def test_bf16_hidden_rounded_as_the_reference_and_weight_zero_pairs_add_nothing(
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("fmt,act", [("q4_0", a) for a in ACTS] + [("mxfp4", "silu")])
-def test_kernels_lower_to_triton_for_the_gpu(fmt, act):
+@pytest.mark.parametrize("fmt,act,words", [("q4_0", a, False) for a in ACTS] + [("mxfp4", "silu", False), ("q4_0", "silu", True)])
+def test_kernels_lower_to_triton_for_the_gpu(fmt, act, words):
     """The Pallas → Triton lowering runs here without a GPU (the GPU compiles the Triton IR)."""
     sds = jax.ShapeDtypeStruct
-    args = (sds((1, 2048), jnp.bfloat16), sds((1, 8), jnp.int32), sds((1, 8), jnp.float32)) + (sds((100, 884736), jnp.uint8),) * 3
+    slot = sds((100, 884736 // 2), jnp.uint16) if words else sds((100, 884736), jnp.uint8)
+    args = (sds((1, 2048), jnp.bfloat16), sds((1, 8), jnp.int32), sds((1, 8), jnp.float32)) + (slot,) * 3
     exp = export.export(jax.jit(lambda *a: experts(fmt, *a, F=768, D=2048, act=ACTIVATIONS[act])), platforms=["cuda"],
                         disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*args)  # fmt: skip
-    text = exp.mlir_module()
-    assert text.count("__gpu$xla.gpu.triton") == 2 and f"{fmt}_gate_up" in text and f"{fmt}_down" in text
+    text, tag = exp.mlir_module(), fmt + ("_words" if words else "")
+    assert text.count("__gpu$xla.gpu.triton") == 2 and f"{tag}_gate_up" in text and f"{tag}_down" in text
 
 
 def test_bad_shapes_raise():
@@ -111,6 +136,11 @@ def test_engine_kernel_impl_equals_gather_and_refuses_what_it_cannot_compute():
     banks = tuple(jnp.asarray(a) for a in (g, u, d))
     got = routed_experts(x, ids, w, banks, layout, impl="kernel")
     want = routed_experts(x, ids, w, banks, layout, impl="gather")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
+    # entry 1 of layers' stacked banks (entry 0 another layer's), read as 16-bit words, as on a GPU
+    stacks = tuple(Stacked(jnp.stack([jnp.flip(b, 0), b]), 1) for b in banks)
+    words = dataclasses.replace(layout, words=True)
+    got = routed_experts(x, ids, w, stacks, words, impl="kernel")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
     assert not kernel_fits(ExpertLayout(("q8_0",) * 3, F, D, "silu"))
     assert not kernel_fits(ExpertLayout(("q4_0",) * 3, F, D, "gelu"))
