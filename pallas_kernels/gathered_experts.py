@@ -107,7 +107,7 @@ def _words_dot(w_ref, s, rows, v_ref, vrow, nb: int):
         at = rows[:, None] * W
         q = w_ref[s, at + c[None, :]].astype(jnp.int32)  # [R, n]
         scale = jax.lax.bitcast_convert_type(w_ref[s, at + 9 * b[None, :]], jnp.float16).astype(jnp.float32)
-        t = sum((((q >> (4 * j)) & 15).astype(jnp.float32) - 8.0) * xs[j] for j in range(4))
+        t = sum(((q >> (4 * j)) & 15).astype(jnp.float32) * xs[j] for j in range(4)) - 8.0 * sum(xs)  # (code - 8) · x
         acc = acc + jnp.sum(scale * t, axis=1)
     return acc
 
