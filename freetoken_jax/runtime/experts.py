@@ -203,17 +203,14 @@ def make_backend(ecfg: EngineConfig, params=None, host_banks=None) -> ExpertBack
         return FUSED
     if s is Strategy.AUTO:
         raise ValueError("resolve moe_strategy 'auto' before making its backend")
-    if s is Strategy.OFFLOAD:
-        from freetoken_jax.runtime.bank_copy import copy_engine
+    from freetoken_jax.runtime.bank_copy import carried, copy_engine
 
-        if copy_engine() != "stream":  # offload carries views only for the copy stream (`bank_copy.carried`)
-            return Offload(ecfg.prefill_load)
-    if host_banks is None:
+    if host_banks is None and (s is not Strategy.OFFLOAD or copy_engine() == "stream"):  # offload: `carried`
         from freetoken_jax.runtime.offload import host_bank_views
 
         host_banks = host_bank_views(params)
     if s is Strategy.OFFLOAD:
-        return Offload(ecfg.prefill_load, host_banks=host_banks)
+        return Offload(ecfg.prefill_load, host_banks=carried(host_banks))
     handoff = resolve_mode(ecfg.cpu_handoff)
     if s is Strategy.CPU:
         return Cpu(host_banks, handoff, ecfg.prefill_load)
