@@ -86,7 +86,7 @@ def stack_layers(params, experts: bool = False, consume: bool = False) -> tuple[
         if key is not None:
             groups.setdefault((key, _placement(leaf)), []).append(n)
     arrays, plan = [], [None] * len(flat)
-    holders = collections.Counter(id(leaf) for _, leaf in flat)
+    holders = collections.Counter(id(leaf) for _, leaf in flat) if consume else None
     for n, (_, leaf) in enumerate(flat):
         if plan[n] is not None:
             continue
