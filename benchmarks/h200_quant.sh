@@ -39,11 +39,11 @@ lcpp_build() { lcpp_gguf &
     -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF > /tmp/cmake.log 2>&1 &&
     timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?); wait; }
 export -f lcpp_gguf lcpp_build pack unpack
-# lcpp-bg (first, before the install): lcpp_build (or a packed build unpacked) in its own process session, which outlives
+# lcpp-bg (first, before the install): lcpp_build (or a packed build unpacked) at the lowest CPU priority in its own process session, which outlives
 # the call (measure nothing on the CPU until it ends), the Q4_0 GGUF alone unless Q4_ONLY is set empty; `lcpp-wait` waits
 # up to WAIT_S s for it and packs a fresh build
 if [ "$1" = lcpp-bg ]; then
-  (Q4_ONLY=${Q4_ONLY-1} setsid nohup bash -c 'if unpack lcpp; then lcpp_gguf; else lcpp_build; fi; echo lcpp_done' > /tmp/lcpp-bg.log 2>&1 < /dev/null &)
+  (Q4_ONLY=${Q4_ONLY-1} setsid nohup nice -n 19 bash -c 'if unpack lcpp; then lcpp_gguf; else lcpp_build; fi; echo lcpp_done' > /tmp/lcpp-bg.log 2>&1 < /dev/null &)
   echo "llama.cpp build and GGUFs started in the background (/tmp/lcpp-bg.log)"; shift
 fi
 if [ "$1" = ik-bg ]; then
