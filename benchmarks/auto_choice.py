@@ -29,12 +29,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16, help="a long one shows the prefill chunk the engine chose at work (TTFT)")
     ap.add_argument("--strategy", default="auto")
     ap.add_argument("--max-context", type=int, default=512)
+    ap.add_argument("--expert-format", default="bf16", help="the experts' format (bench decode's --expert-format)")
     ap.add_argument("--routing-skew", type=float, default=0.0, help="Zipf exponent of the synthetic routing (bench decode's; 0: uniform)")
     a = ap.parse_args()
     cfg = preset_config(a.preset, a.layers or None)
     vram = a.vram_gb if a.vram_gb is not None else a.slots_gb + 4
     ecfg = EngineConfig(dtype="bfloat16", moe_strategy=a.strategy, expert_slots_gb=a.slots_gb, total_vram_gb=vram, max_batch=1,
-                        max_context=max(a.max_context, a.prompt_len + a.gen_len + 16), prefix_cache=False)  # fmt: skip
+                        max_context=max(a.max_context, a.prompt_len + a.gen_len + 16), prefix_cache=False, expert_format=a.expert_format)  # fmt: skip
     t0 = time.perf_counter()
     engine = FreeTokenEngine(cfg, ecfg, routing_skew=a.routing_skew)
     started = time.perf_counter() - t0
