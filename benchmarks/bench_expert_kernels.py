@@ -1,10 +1,12 @@
 """Time one decode layer's routed experts on 4-bit slots (q4_0 by default): XLA's fused gather-and-reduce
 (`routed_experts(impl="gather")`, the default; for q4_0 also over the bytes and over 16-bit words,
 `ExpertLayout.words`) against the Pallas kernels of
-`pallas_kernels/gathered_experts.py` at several rows per program and warp counts.
+`pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
+the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
+function) and XLA reducing each row's words at once (`xla flat words`).
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
-        [--rows 1 2 4 8] [--warps 2 4 8]
+        [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
 
 Each variant runs `steps` layers in one jitted function (the loop unrolled: as a GPU loop each
 iteration cost about 20-40 µs whatever it read, benchmarks/RESULTS.md), every layer's output feeding the next
@@ -92,6 +94,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--only", nargs="+", default=None, help="time only the variants whose names contain one of these (e.g. words)")
     ap.add_argument("--hlo", help="a folder: write each XLA variant's optimized HLO (one layer) there and count its kernels")
     a = ap.parse_args()
     E, K, F, D = a.experts, a.k, a.ffn, a.hidden
@@ -146,6 +149,8 @@ def main() -> None:
         variants += [
             (f"words rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw, slots=words)) for r in a.rows for nw in a.warps
         ]
+    if a.only:
+        variants = [(n, f) for n, f in variants if any(o in n for o in a.only)]
     time_variants(variants, x0, one, ref, nbytes, a.steps, K, E)
 
 

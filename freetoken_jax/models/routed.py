@@ -84,8 +84,10 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
             raise ValueError(f"the 'kernel' expert implementation takes {'/'.join(gathered_experts.FORMATS)} experts without "
                              f"biases, not {layout.fmts} {layout.act}{' with biases' if bias is not None else ''}")  # fmt: skip
         if T * K <= E:
-            slots = tuple(layout.read_as(k, b) for k, b in enumerate(stacked))
-            return gathered_experts.experts(layout.fmt, x_TD, ids_TK, w_TK, *slots, F=layout.F, D=layout.D, act=activation(layout.act),
+            # the banks as stored (`Stacked` entries read in place): given their 16-bit words (a
+            # bitcast of the banks) the fused step ran 4.2 × slower on an H100, about the time of a
+            # copy of every bank each step (benchmarks/RESULTS.md)
+            return gathered_experts.experts(layout.fmt, x_TD, ids_TK, w_TK, *stacked, F=layout.F, D=layout.D, act=activation(layout.act),
                                             interpret=jax.default_backend() == "cpu")  # fmt: skip
         impl = "grouped"
     if impl == "auto":

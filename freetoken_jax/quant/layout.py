@@ -93,18 +93,14 @@ class ExpertLayout:
         CPU backend computes a bank's words rather than viewing them, and its matvec over
         gathered rows' words ran 2.3 × slower than over their bytes). `bank` may be a `Stacked`
         entry of the layers' stacked banks: its rows are gathered from the stack in place."""
-        b = self.read_as(k, bank)
-        return b.array[b.index, ids] if isinstance(b, Stacked) else b[ids]
-
-    def read_as(self, k: int, bank):
-        """Projection k's `bank` (an array or a `Stacked` entry) as decode reads it in place
-        (`gather`, and the expert kernels): a q4_0 bank as its 16-bit words where `words` says
-        so, else as stored; an operand of the same kind."""
-        arr = bank.array if isinstance(bank, Stacked) else bank
+        at = ()
+        if isinstance(bank, Stacked):
+            bank, at = bank.array, (bank.index,)
         if self.quantized and (jax.default_backend() == "gpu" if self.words is None else self.words):
-            w = get_format(self.fmts[k]).words(arr)
-            arr = arr if w is None else w
-        return Stacked(arr, bank.index) if isinstance(bank, Stacked) else arr
+            w = get_format(self.fmts[k]).words(bank)
+            if w is not None:
+                return w[(*at, ids)]
+        return bank[(*at, ids)]
 
     def _own(self, k: int, bank: jax.Array) -> jax.Array:
         """Projection k's bytes (or words) of quantized rows that may be wider (slots:

@@ -2,8 +2,6 @@
 shapes; their lowering to Triton for the GPU (checked here, without one); and the engine's
 "kernel" expert implementation against "gather"."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,10 +135,9 @@ def test_engine_kernel_impl_equals_gather_and_refuses_what_it_cannot_compute():
     got = routed_experts(x, ids, w, banks, layout, impl="kernel")
     want = routed_experts(x, ids, w, banks, layout, impl="gather")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
-    # entry 1 of layers' stacked banks (entry 0 another layer's), read as 16-bit words, as on a GPU
+    # entry 1 of layers' stacked banks (entry 0 another layer's), read in place
     stacks = tuple(Stacked(jnp.stack([jnp.flip(b, 0), b]), 1) for b in banks)
-    words = dataclasses.replace(layout, words=True)
-    got = routed_experts(x, ids, w, stacks, words, impl="kernel")
+    got = routed_experts(x, ids, w, stacks, layout, impl="kernel")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4 * float(jnp.abs(want).max()))
     assert not kernel_fits(ExpertLayout(("q8_0",) * 3, F, D, "silu"))
     assert not kernel_fits(ExpertLayout(("q4_0",) * 3, F, D, "gelu"))
