@@ -40,7 +40,8 @@ lcpp_build() { lcpp_gguf &
     timeout 480 cmake --build build --target llama-bench -j 16 > /tmp/build.log 2>&1; echo llama.cpp build_rc=$?); wait; }
 export -f lcpp_gguf lcpp_build pack unpack
 # lcpp-bg (first, before the install): lcpp_build (or a packed build unpacked) at the lowest CPU priority in its own process session, which outlives
-# the call (measure nothing on the CPU until it ends), the Q4_0 GGUF alone unless Q4_ONLY is set empty; `lcpp-wait` waits
+# the call (measure nothing on the CPU until it ends: at that priority the CPU executor's probe still measured 24-27 GB/s
+# during the build against 61-66 without it), the Q4_0 GGUF alone unless Q4_ONLY is set empty; `lcpp-wait` waits
 # up to WAIT_S s for it and packs a fresh build
 if [ "$1" = lcpp-bg ]; then
   (Q4_ONLY=${Q4_ONLY-1} setsid nohup nice -n 19 bash -c 'if unpack lcpp; then lcpp_gguf; else lcpp_build; fi; echo lcpp_done' > /tmp/lcpp-bg.log 2>&1 < /dev/null &)
