@@ -12,14 +12,17 @@ scale, each code minus 8) and mxfp4 (an e8m0 scale, e2m1 codes):
   h, times its routing weight (a pair of weight 0 adds exactly 0, whatever its slot holds),
   summed in float32 → [T, D] in x's dtype.
 
-q4_0 slots may come as their 16-bit words (`Format.words`: 9 a block), which `_words_dot` reads
-as each row's contiguous runs of words (loads the GPU can vectorize; a block of 18 bytes starts
-at any even byte, so the bytes' blocks cannot be); the slots may be `Stacked` entries of the
-layers' stacked banks. Each program loads its rows' scales and codes as two gathers of the same bytes, so the codes and
+Each program loads its rows' scales and codes as two gathers of the same bytes, so the codes and
 the scales come from memory together (XLA's fusion of the same computation reads every block's
 scale in a kernel of its own first: benchmarks/RESULTS.md). A row of blocks that is not a power
 of two is read in power-of-two runs (24 blocks: 16, then 8). `experts_ref` is the jnp
 reference: every slot dequantized to float32, the same rounding of h.
+
+q4_0 slots may come as their 16-bit words (`Format.words`: 9 a block), which `_words_dot` reads
+as each row's contiguous runs of words (loads the GPU can vectorize, where a block of 18 bytes
+starts at any even byte). Made inside the fused step from the stored bytes (a bitcast), they
+cost about a copy of every bank a step on an H100 (benchmarks/RESULTS.md): the engine gives the
+kernels the bytes. The slots may be `Stacked` entries of the layers' stacked banks, read in place.
 """
 
 from __future__ import annotations
