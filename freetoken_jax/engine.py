@@ -308,7 +308,7 @@ class FreeTokenEngine:
         from freetoken_jax.checkpoint.convert import export_orbax
         from freetoken_jax.tokenizer import HFTokenizer
 
-        export_orbax(self.model_config, self.weights.params, path)
+        export_orbax(self.model_config, self.weights.host_params, path)
         if self.model_path and os.path.isdir(self.model_path):  # its tokenizer and template files as they are
             for f in os.listdir(self.model_path):
                 if f.startswith(("tokenizer", "special_tokens_map", "chat_template")) and os.path.isfile(os.path.join(self.model_path, f)):

@@ -72,6 +72,14 @@ class Weights:
             self.treedef, self.leaves if self.plan is None else unstack(self.leaves, self.plan, lambda stack, index: None)
         )
 
+    @property
+    def host_params(self):
+        """The parameters' tree in host memory (numpy), each stacked leaf copied out of its stack
+        in turn: one slice of a stack on the device at a time, where `params` makes every slice
+        at once (an export of a model whose weights fill the device)."""
+        leaves = self.leaves if self.plan is None else unstack(self.leaves, self.plan, lambda stack, index: np.asarray(stack[index]))
+        return jax.tree.unflatten(self.treedef, [np.asarray(a) for a in leaves])
+
     def model(self):
         return nnx.merge(self.graphdef, self.params)
 

@@ -5,6 +5,7 @@ import json
 import os
 import struct
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
@@ -101,6 +102,23 @@ def test_orbax_round_trip(hf_and_ftw, tmp_path):
     engine.export_orbax(str(tmp_path / "orbax"))
     dst = convert(str(tmp_path / "orbax"), str(tmp_path / "ftw"), dtype="f32", progress=False)
     assert json.load(open(os.path.join(dst, "freetoken_weight.json")))["source"]["kind"] == "orbax"
+    np.testing.assert_array_equal(FreeTokenEngine.from_pretrained(dst, EC).logits(PROMPT), engine.logits(PROMPT))
+
+
+def test_orbax_export_of_stacked_weights_copies_a_slice_at_a_time(hf_and_ftw, tmp_path, monkeypatch):
+    """Weights stacked over the layers (the GPU's default) export as the same tree: each stacked
+    leaf copied out of its stack on its own (`Weights.host_params`), equal to `params`' slices."""
+    monkeypatch.setenv("FREETOKEN_WEIGHTS", "stacked")
+    src, _ = hf_and_ftw["qwen2_moe"]
+    engine = FreeTokenEngine.from_pretrained(src, EC)
+    w = engine.weights
+    assert w.plan is not None and any(j is not None for _, j in w.plan)
+    host, dev = jax.tree.leaves(w.host_params), jax.tree.leaves(w.params)
+    assert len(host) == len(dev) and all(isinstance(a, np.ndarray) for a in host)
+    for a, b in zip(host, dev):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    engine.export_orbax(str(tmp_path / "orbax"))
+    dst = convert(str(tmp_path / "orbax"), str(tmp_path / "ftw"), dtype="f32", progress=False)
     np.testing.assert_array_equal(FreeTokenEngine.from_pretrained(dst, EC).logits(PROMPT), engine.logits(PROMPT))
 
 
