@@ -31,12 +31,18 @@ def copy_engine() -> str:
     return env_choice("FREETOKEN_PREFILL_COPY_ENGINE", "xla", ENGINES)
 
 
+def streams() -> bool:
+    """Whether prefill's whole-bank copies go through the copy stream (`copy_engine` "stream"),
+    which takes the host banks' views."""
+    return copy_engine() == "stream"
+
+
 def carried(views):
     """What an offload backend carries of the host bank views `views`: them where the copy stream
     will take them (FREETOKEN_PREFILL_COPY_ENGINE=stream, read when the backend is made), else
     None — views are static data compared by identity, and backends over the same banks must stay
     equal to share their executables."""
-    return views if copy_engine() == "stream" else None
+    return views if streams() else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -203,9 +203,9 @@ def make_backend(ecfg: EngineConfig, params=None, host_banks=None) -> ExpertBack
         return FUSED
     if s is Strategy.AUTO:
         raise ValueError("resolve moe_strategy 'auto' before making its backend")
-    from freetoken_jax.runtime.bank_copy import carried, copy_engine
+    from freetoken_jax.runtime.bank_copy import carried, streams
 
-    if host_banks is None and (s is not Strategy.OFFLOAD or copy_engine() == "stream"):  # offload: `carried`
+    if host_banks is None and (s is not Strategy.OFFLOAD or streams()):  # offload keeps them only for the stream: `carried`
         from freetoken_jax.runtime.offload import host_bank_views
 
         host_banks = host_bank_views(params)

@@ -45,7 +45,7 @@ from freetoken_jax.memory.slot_cache import (
 from freetoken_jax.models.routed import pair_biases, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime import bank_copy
-from freetoken_jax.runtime.bank_copy import copy_engine
+from freetoken_jax.runtime.bank_copy import streams
 from freetoken_jax.runtime.experts import moe_layer_fns
 from pallas_kernels.expert_fetch import fetch_rows_many
 
@@ -144,7 +144,7 @@ class OffloadExecutor:
         ]
         self.interpret = jax.default_backend() == "cpu"
         # whole-bank copies on the C++ module's copy stream where asked and the banks' views are here
-        self.stream = prefill and host_banks is not None and copy_engine() == "stream"
+        self.stream = prefill and host_banks is not None and streams()
 
     def result(self) -> SlotCache | None:
         """The slot cache after the step's last layer, its layers' statistics recorded."""

@@ -17,7 +17,7 @@ from flax import nnx
 
 from freetoken_jax.memory.kv_cache import KVCache, KVView
 from freetoken_jax.memory.slot_cache import SlotCache
-from freetoken_jax.models.stacked import stack_layers, unstack
+from freetoken_jax.models.stacked import stack_layers, take, unstack
 from freetoken_jax.runtime.experts import FUSED, ExpertBackend
 from freetoken_jax.runtime.sampling import Logprobs, Sampling, count_tokens, logprobs_of, sample, sample_full, sample_plain
 
@@ -57,28 +57,29 @@ class Weights:
         leaves, treedef = jax.tree.flatten(params)
         return cls(tuple(leaves), treedef, graphdef)
 
+    def _tree(self, entry=take):
+        """The parameters' tree, each stacked leaf `entry(stack, index)`."""
+        return jax.tree.unflatten(self.treedef, self.leaves if self.plan is None else unstack(self.leaves, self.plan, entry))
+
     @property
     def params(self):
         """The parameters as an `nnx.State` (the tree `nnx.split` gives); stacked weights as slices
         of their stacks (outside a step, copies)."""
-        return jax.tree.unflatten(self.treedef, self.leaves if self.plan is None else unstack(self.leaves, self.plan))
+        return self._tree()
 
     @property
     def own_params(self):
         """The parameters' tree with the leaves kept as arrays of their own (host banks, weights
         that are not stacked) and None for each stacked leaf: no slice made (outside a step, a
         slice of a stack is a copy), for reading the former (the host banks' views)."""
-        return jax.tree.unflatten(
-            self.treedef, self.leaves if self.plan is None else unstack(self.leaves, self.plan, lambda stack, index: None)
-        )
+        return self._tree(lambda stack, index: None)
 
     @property
     def host_params(self):
         """The parameters' tree in host memory (numpy), each stacked leaf copied out of its stack
         in turn: one slice of a stack on the device at a time, where `params` makes every slice
         at once (an export of a model whose weights fill the device)."""
-        leaves = self.leaves if self.plan is None else unstack(self.leaves, self.plan, lambda stack, index: np.asarray(stack[index]))
-        return jax.tree.unflatten(self.treedef, [np.asarray(a) for a in leaves])
+        return jax.tree.map(np.asarray, self._tree(lambda stack, index: np.asarray(stack[index])))
 
     def model(self):
         return nnx.merge(self.graphdef, self.params)
