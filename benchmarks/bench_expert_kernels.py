@@ -3,7 +3,11 @@
 `ExpertLayout.words`) against the Pallas kernels of
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
-function) and XLA reducing each row's words at once (`xla flat words`).
+function), XLA reducing each row's words at once (`xla flat words`), each pair's routing weight
+folded into its h so that the down rows and the sum over pairs are one reduction (`xla fold`,
+the engine's `_gathered`; `xla fold once` the same written as one sum), and q4_0 split into
+planes (codes as 32-bit words, scales apart: `xla split` and the kernels `split ...`, made once
+outside the timed function; a layout of this benchmark only).
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
@@ -12,7 +16,9 @@ Each variant runs `steps` layers in one jitted function (the loop unrolled: as a
 iteration cost about 20-40 µs whatever it read, benchmarks/RESULTS.md), every layer's output feeding the next
 layer's input and its experts the next 8 of the bank (so that the slots read, 2.65 MB an expert
 at the default shape, come from HBM and not from L2). Prints µs a layer and the stored bytes read
-per second; on a GPU the bound is the device copy bandwidth (`bench decode` prints it).
+per second, and on a GPU with torch each kernel's device time a layer (CUDA's profiler, kernels
+of one name summed, the six heaviest); the bound is the device copy bandwidth (`bench decode`
+prints it).
 """
 
 from __future__ import annotations
@@ -20,17 +26,20 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import re
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_norm_matvec import device_times
+from jax.experimental import pallas as pl
 
 from freetoken_jax.config import ACTIVATIONS
 from freetoken_jax.models.routed import routed_experts
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import gathered_experts
+from pallas_kernels import call_params, gathered_experts
 
 
 def looped(fn, steps: int, K: int, E: int):
@@ -64,6 +73,90 @@ def flat_matvec(b, x, O: int, I: int):
     return jnp.sum(s * t, axis=(-2, -1))
 
 
+# q4_0 split into planes (benchmark only): codes uint32 [E, O, 4, nb] (word (j, b)'s nibble n is
+# weight 32·b + 8·j + n, unsigned) and scales f16 [E, O, nb]: the same 0.5625 bytes a weight, each
+# plane read in whole contiguous tiles.
+def split_q4_0(bank, O: int, I: int):
+    """q4_0 rows uint8 [E, O·I/32·18] → (codes uint32 [E, O, 4, nb], scales float16 [E, O, nb])."""
+    nb = I // 32
+    blk = bank.reshape(bank.shape[0], O, nb, 18)
+    scales = jax.lax.bitcast_convert_type(blk[..., :2], jnp.float16)  # [E, O, nb]
+    q = blk[..., 2:].astype(jnp.uint32)
+    nib = jnp.concatenate([q & 15, q >> 4], axis=-1).reshape(bank.shape[0], O, nb, 4, 8)  # weight 32b + 8j + n
+    codes = sum(nib[..., n] << (4 * n) for n in range(8)).astype(jnp.uint32)  # [E, O, nb, 4]
+    return jnp.swapaxes(codes, -1, -2), scales
+
+
+def split_matvec(c, s, x):
+    """XLA: codes [..., O, 4, nb], scales [..., O, nb] times x [..., I] → float32 [..., O]."""
+    nb = c.shape[-1]
+    xw = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 4, 8)
+    xw = jnp.swapaxes(xw, -3, -2)  # [..., 1, 4, nb, 8]
+    v = (((c[..., None] >> (4 * jnp.arange(8, dtype=jnp.uint32))) & 15).astype(jnp.float32) - 8.0) * xw
+    return jnp.sum(jnp.sum(v, axis=(-3, -1)) * s.astype(jnp.float32), axis=-1)
+
+
+def _split_dot(c_ref, s_ref, slot, row0, R: int, v_ref, vrow, nb: int):
+    """float32 [R]: rows row0.. of slot `slot` (split planes) against row vrow of v_ref."""
+    acc = jnp.zeros((R,), jnp.float32)
+    for b0, n in gathered_experts._pieces(nb):
+        c = c_ref[slot, pl.ds(row0, R), :, pl.ds(b0, n)]  # [R, 4, n] uint32
+        sc = s_ref[slot, pl.ds(row0, R), pl.ds(b0, n)].astype(jnp.float32)  # [R, n]
+        b = b0 + jnp.arange(n, dtype=jnp.int32)
+        base = 32 * b[None, :] + 8 * jnp.arange(4, dtype=jnp.int32)[:, None]  # [4, n]
+        t, xs = 0.0, 0.0
+        for m in range(8):
+            xm = v_ref[vrow, base + m].astype(jnp.float32)
+            t = t + ((c >> (4 * m)) & 15).astype(jnp.float32) * xm[None]
+            xs = xs + xm
+        acc = acc + jnp.sum(jnp.sum(t - 8.0 * xs[None], axis=1) * sc, axis=1)
+    return acc
+
+
+def _split_gate_up(ids_ref, x_ref, gc, gs, uc, us, h_ref, *, K: int, R: int, nb: int, act):
+    p, r = pl.program_id(0), pl.program_id(1)
+    s, t = ids_ref[p], p // K
+    g = _split_dot(gc, gs, s, r * R, R, x_ref, t, nb)
+    u = _split_dot(uc, us, s, r * R, R, x_ref, t, nb)
+    h_ref[p, pl.ds(r * R, R)] = act(g, u).astype(h_ref.dtype)
+
+
+def _split_down(ids_ref, w_ref, h_ref, dc, ds, y_ref, *, K: int, R: int, nb: int):
+    t, r = pl.program_id(0), pl.program_id(1)
+    acc = jnp.zeros((R,), jnp.float32)
+    for k in range(K):
+        p = t * K + k
+        w = w_ref[p]
+        acc = acc + jnp.where(w != 0, w * _split_dot(dc, ds, ids_ref[p], r * R, R, h_ref, p, nb), 0.0)
+    y_ref[t, pl.ds(r * R, R)] = acc.astype(y_ref.dtype)
+
+
+def split_experts(x, ids, w, gate, up, down, *, F: int, D: int, act, interpret: bool, rows: int, warps: int):
+    """The routed experts over split planes (each of gate, up, down a (codes, scales) pair)."""
+    T, K = ids.shape
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    params = call_params(interpret, warps)
+    ids = ids.reshape(-1).astype(jnp.int32)
+    h = pl.pallas_call(
+        functools.partial(_split_gate_up, K=K, R=rows, nb=D // 32, act=act),
+        grid=(T * K, F // rows),
+        in_specs=[any_spec] * 6,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((T * K, F), x.dtype),
+        name="split_gate_up",
+        **params,
+    )(ids, x, *gate, *up)
+    return pl.pallas_call(
+        functools.partial(_split_down, K=K, R=rows, nb=F // 32),
+        grid=(T, D // rows),
+        in_specs=[any_spec] * 5,
+        out_specs=any_spec,
+        out_shape=jax.ShapeDtypeStruct((T, D), x.dtype),
+        name="split_down",
+        **params,
+    )(ids, w.reshape(-1).astype(jnp.float32), h, *down)
+
+
 def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: int, width: int = 22) -> None:
     """Prints each variant's µs a layer (the best of 5 calls of `looped`), GB/s of `nbytes` a
     layer and its largest difference from `ref` at experts `one`."""
@@ -80,6 +173,11 @@ def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: in
                 ts.append((time.perf_counter() - t) / steps)
             t = min(ts)
             print(f"{name:>{width}} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
+            kernels = {}
+            for k, us in (device_times(run, (x0,), 3) or {}).items():  # by kernel, its numbering dropped
+                kernels[re.sub(r"[_.]*\d+$", "", k)] = kernels.get(re.sub(r"[_.]*\d+$", "", k), 0.0) + us / steps
+            if kernels:
+                print(" " * (width + 1) + "  ".join(f"{k[:40]} {us:.1f}" for k, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]))
         except Exception as e:  # a variant that does not compile is reported, the others still run
             print(f"{name:>{width}} failed: {str(e).splitlines()[0][:150]}", flush=True)
 
@@ -142,6 +240,31 @@ def main() -> None:
             print(f"{name}: {entry.count(' fusion(') + entry.count('custom-call(')} kernels in the entry computation")
     if a.format == "q4_0":
         xla_variants.append(("xla flat words", flat))
+        planes = tuple(split_q4_0(b, o, i) for b, (o, i) in zip(banks, ((F, D), (F, D), (D, F))))
+
+        def xla_split(x, ids):
+            (gc, gs), (uc, us), (dc, ds) = ((c[ids], s[ids]) for c, s in planes)
+            xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
+            h = jax.nn.silu(split_matvec(gc, gs, xk)) * split_matvec(uc, us, xk)
+            return jnp.einsum("tkd,tk->td", split_matvec(dc, ds, h.astype(x.dtype)), w).astype(x.dtype)
+
+        xla_variants.append(("xla split", xla_split))
+
+        def folded(x, ids, at_once: bool):  # each pair's routing weight folded into its h (as routed._dense does)
+            lay = dataclasses.replace(layout, words=True)
+            g, u, d = (lay.gather(k, b, ids) for k, b in enumerate(banks))
+            xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
+            h = (jax.nn.silu(lay.matvec(0, g, xk)) * lay.matvec(1, u, xk) * w[..., None]).astype(x.dtype)
+            if not at_once:
+                return jnp.sum(lay.matvec(2, d, h), axis=1).astype(x.dtype)
+            blk = d.reshape(*d.shape[:-1], D, F // 32, 9)  # the down rows' words: one reduction over (k, block, word)
+            sc = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
+            hb = h.astype(jnp.float32).reshape(*h.shape[:-1], 1, F // 32, 2, 8, 2)
+            code = lambda n: ((blk[..., 1:] >> (4 * n)) & 15).astype(jnp.float32) - 8.0  # noqa: E731
+            t = code(0) * hb[..., 0, :, 0] + code(1) * hb[..., 1, :, 0] + code(2) * hb[..., 0, :, 1] + code(3) * hb[..., 1, :, 1]
+            return jnp.sum(sc * t, axis=(1, -2, -1)).astype(x.dtype)
+
+        xla_variants += [("xla fold", functools.partial(folded, at_once=False)), ("xla fold once", functools.partial(folded, at_once=True))]
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
@@ -149,6 +272,14 @@ def main() -> None:
         variants += [
             (f"words rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw, slots=words)) for r in a.rows for nw in a.warps
         ]
+    if a.format == "q4_0":
+        act = ACTIVATIONS["silu"]
+        variants += [
+            (f"split rows={r} warps={nw}",
+             functools.partial(split_experts, w=w, gate=planes[0], up=planes[1], down=planes[2], F=F, D=D, act=act, interpret=interpret,
+                               rows=r, warps=nw))
+            for r in a.rows for nw in a.warps
+        ]  # fmt: skip
     if a.only:
         variants = [(n, f) for n, f in variants if any(o in n for o in a.only)]
     time_variants(variants, x0, one, ref, nbytes, a.steps, K, E)

@@ -49,9 +49,9 @@ def _ready(fn, args):
     return jax.block_until_ready(fn(*args))
 
 
-def device_us(fn, args, reps: int, name: str) -> float | None:
-    """The device time a call of the kernels named `name` take, summed over a call of fn (CUDA's
-    profiler through torch, as `profile_step.py` reads it); None off a GPU or without torch."""
+def device_times(fn, args, reps: int) -> dict[str, float] | None:
+    """Each kernel's device time in µs a call of fn, by kernel name (CUDA's profiler through torch,
+    as `profile_step.py` reads it); None off a GPU or without torch."""
     if jax.default_backend() != "gpu":
         return None
     try:
@@ -63,8 +63,18 @@ def device_us(fn, args, reps: int, name: str) -> float | None:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             jax.block_until_ready(fn(*args))
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and name in e.name]
-    return sum(e.device_time for e in events) / reps * 1e-6 if events else None
+    out: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            out[e.name] = out.get(e.name, 0.0) + e.device_time / reps
+    return out
+
+
+def device_us(fn, args, reps: int, name: str) -> float | None:
+    """The device time in seconds of a call's kernels named `name` (`device_times`), summed."""
+    times = device_times(fn, args, reps)
+    hit = [t for n, t in (times or {}).items() if name in n]
+    return sum(hit) * 1e-6 if hit else None
 
 
 def main():

@@ -161,9 +161,20 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     g, u, d = (layout.gather(k, b, ids_TK) for k, b in enumerate(banks))
     bg, bu, bd = bias or (0.0, 0.0, 0.0)
     xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
-    h = f(layout.matvec(0, g, xk) + bg, layout.matvec(1, u, xk) + bu).astype(dt)
-    y = jnp.where((w_TK != 0)[..., None], layout.matvec(2, d, h) + bd, 0.0)  # an unrouted pair adds exactly 0
-    return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
+    h = f(layout.matvec(0, g, xk) + bg, layout.matvec(1, u, xk) + bu)
+    if layout.mixed:  # a slot may hold another layer's bytes (non-finite here): each pair's result masked apart
+        y = jnp.where((w_TK != 0)[..., None], layout.matvec(2, d, h.astype(dt)) + bd, 0.0)  # an unrouted pair adds exactly 0
+        return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)
+    # Each pair's routing weight scales its h (as `_dense` and `_grouped` round it), so that the
+    # down rows of the K pairs and their sum are one reduction over (k, f): XLA fuses the sum
+    # into the down projection's kernel (on an H100, 8 q4_0 experts of the Qwen3-30B-A3B shape:
+    # 20.4 against 25.4 µs of kernels a layer, benchmarks/RESULTS.md).
+    w = w_TK.astype(jnp.float32)[..., None]
+    h = jnp.where(w != 0, h * w, 0.0).astype(dt)  # an unrouted pair adds exactly 0
+    y = jnp.sum(layout.matvec(2, d, h), axis=1)
+    if bias is not None:
+        y = y + jnp.einsum("tkd,tk->td", jnp.where(w != 0, bd, 0.0), w_TK.astype(jnp.float32))
+    return y.astype(dt)
 
 
 def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
