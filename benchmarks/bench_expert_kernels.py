@@ -7,7 +7,9 @@ function), XLA reducing each row's words at once (`xla flat words`), each pair's
 folded into its h so that the down rows and the sum over pairs are one reduction (`xla fold`,
 the engine's `_gathered`; `xla fold once` the same written as one sum), and q4_0 split into
 planes (codes as 32-bit words, scales apart: `xla split` and the kernels `split ...`, made once
-outside the timed function; a layout of this benchmark only).
+outside the timed function; a layout of this benchmark only), and q4_0's code bytes as planes
+of 8-, 16- or 32-bit words with the scales apart (`xla planes uint8|uint16|uint32`, folded as
+`xla fold`; every row of codes whole aligned words).
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
@@ -94,6 +96,32 @@ def split_matvec(c, s, x):
     xw = jnp.swapaxes(xw, -3, -2)  # [..., 1, 4, nb, 8]
     v = (((c[..., None] >> (4 * jnp.arange(8, dtype=jnp.uint32))) & 15).astype(jnp.float32) - 8.0) * xw
     return jnp.sum(jnp.sum(v, axis=(-3, -1)) * s.astype(jnp.float32), axis=-1)
+
+
+def planes_q4_0(bank, O: int, I: int, dtype):
+    """q4_0 rows uint8 [E, O·I/32·18] → (codes [E, O, nb, 16 / itemsize] in `dtype` (uint8, uint16
+    or uint32): each block's 16 code bytes as they are stored, scales float16 [E, O, nb]): the
+    same bytes, the scales apart so that every row of codes is whole aligned words."""
+    nb = I // 32
+    blk = bank.reshape(bank.shape[0], O, nb, 18)
+    scales = jax.lax.bitcast_convert_type(blk[..., :2], jnp.float16)
+    n = jnp.dtype(dtype).itemsize
+    codes = blk[..., 2:] if n == 1 else jax.lax.bitcast_convert_type(blk[..., 2:].reshape(bank.shape[0], O, nb, 16 // n, n), dtype)
+    return codes, scales
+
+
+def planes_matvec(c, s, x):
+    """XLA: planes [..., O, nb, w] (w words of 16 / w bytes), scales [..., O, nb] times x [..., I] →
+    float32 [..., O]: nibble m of word i is byte i·(16 / w) + m // 2 of the block, its low nibble
+    weight byte, its high weight byte + 16."""
+    nb, w = c.shape[-2:]
+    per = 32 // w  # nibbles a word
+    m = np.arange(per)
+    at = (np.arange(w)[:, None] * (16 // w) + m[None, :] // 2 + 16 * (m[None, :] % 2)).reshape(-1)  # [w·per]: each nibble's weight
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 32)[..., at].reshape(*x.shape[:-1], 1, nb, w, per)
+    q = c.astype(jnp.uint32)
+    t = sum((((q >> (4 * j)) & 15).astype(jnp.float32) - 8.0) * xb[..., j] for j in range(per))
+    return jnp.sum(s.astype(jnp.float32)[..., None] * t, axis=(-2, -1))
 
 
 def _split_dot(c_ref, s_ref, slot, row0, R: int, v_ref, vrow, nb: int):
@@ -265,6 +293,19 @@ def main() -> None:
             return jnp.sum(sc * t, axis=(1, -2, -1)).astype(x.dtype)
 
         xla_variants += [("xla fold", functools.partial(folded, at_once=False)), ("xla fold once", functools.partial(folded, at_once=True))]
+
+        def planar(dtype):  # q4_0 as code planes and scales apart (made once, outside the timed function), the pairs' sum folded
+            ps = tuple(planes_q4_0(b, o, i, dtype) for b, (o, i) in zip(banks, ((F, D), (F, D), (D, F))))
+
+            def fn(x, ids):
+                (gc, gs), (uc, us), (dc, ds) = ((c[ids], sc[ids]) for c, sc in ps)
+                xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
+                h = (jax.nn.silu(planes_matvec(gc, gs, xk)) * planes_matvec(uc, us, xk) * w[..., None]).astype(x.dtype)
+                return jnp.sum(planes_matvec(dc, ds, h), axis=1).astype(x.dtype)
+
+            return fn
+
+        xla_variants += [(f"xla planes {jnp.dtype(t).name}", planar(t)) for t in (jnp.uint8, jnp.uint16, jnp.uint32)]
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
