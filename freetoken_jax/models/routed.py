@@ -44,7 +44,9 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
 
     - "gather" (few token-expert pairs: decode): one fused gather-and-reduce per projection over
       the chosen experts, dequantizing what it gathers — only the chosen experts' stored bytes
-      are read;
+      are read; each pair's routing weight scales its activations (rounded as "dense" and
+      "grouped" round them), so that the down projection and the sum over the pairs are one
+      reduction;
     - "dense" (many pairs): every token through every expert, weighted by its routing weights
       (0 where not routed): E/K times the work of the pairs, but plain batched matmuls over the
       bank (dequantized once into a scratch of the activations' dtype). On the H200 a 512-token
