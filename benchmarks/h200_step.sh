@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|ablock|planes|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -29,6 +29,11 @@
 #            rotation and page writes too, and without) and with XLA's (FREETOKEN_DECODE_ATTENTION=
 #            fused / kernel / xla, or those ATTN lists; fused and hybrid at one q, Q or 0.45, the same machine);
 #   aprofile: the fused step's kernels under the profiler with each;
+#   ablock:  fused q4_0 decode at 16 and 4096 positions with the attention kernel's loop reading
+#            each of BLOCKS (64 128) entries a pass (decode_attention.BLOCK, set in this copy of the tree);
+#   planes:  one layer's q4_0 experts as XLA reads them now (words, the pairs' sum folded) beside
+#            the code bytes as planes of 8-, 16- and 32-bit words with the scales apart
+#            (benchmarks/bench_expert_kernels.py, each kernel's device time);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
@@ -74,6 +79,14 @@ for what in "$@"; do
         echo "== profile, FREETOKEN_DECODE_ATTENTION=$impl"
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;
+    ablock) for blk in ${BLOCKS:-64 128}; do sed -i "s/^BLOCK = [0-9]* /BLOCK = $blk /" pallas_kernels/decode_attention.py
+        for len in 16 4096; do
+          timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len $len --gen-len 64 $([ $len = 16 ] && echo --prompt-by-decode) \
+            --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/ablock_${blk}_$len.json" > "$OUT/ablock_${blk}_$len.log" 2>&1
+          echo "== BLOCK $blk, prompt $len rc=$?"; grep -v "it/s\]" "$OUT/ablock_${blk}_$len.log" | tail -1
+        done
+      done; sed -i "s/^BLOCK = [0-9]* /BLOCK = 64 /" pallas_kernels/decode_attention.py ;;
+    planes) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" "xla fold" planes 2>&1 | grep -v -i warn | tail -14 ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
       timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
