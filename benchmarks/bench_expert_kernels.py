@@ -9,7 +9,8 @@ the engine's `_gathered`; `xla fold once` the same written as one sum), and q4_0
 planes (codes as 32-bit words, scales apart: `xla split` and the kernels `split ...`, made once
 outside the timed function; a layout of this benchmark only), and q4_0's code bytes as planes
 of 8-, 16- or 32-bit words with the scales apart (`xla planes uint8|uint16|uint32`, folded as
-`xla fold`; every row of codes whole aligned words).
+`xla fold`; every row of codes whole aligned words; `xla planes in rows`: the same planes inside
+each expert's row of one array, gathered as 32-bit words).
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
@@ -122,6 +123,24 @@ def planes_matvec(c, s, x):
     q = c.astype(jnp.uint32)
     t = sum((((q >> (4 * j)) & 15).astype(jnp.float32) - 8.0) * xb[..., j] for j in range(per))
     return jnp.sum(s.astype(jnp.float32)[..., None] * t, axis=(-2, -1))
+
+
+def planar_rows(bank, O: int, I: int):
+    """q4_0 rows uint8 [E, O·I/32·18] → the same bytes reordered in each row, every block's 16 code
+    bytes first, then every block's scale, viewed as uint32 [E, O·I/32·18 / 4] (a bank as the
+    step would hold it: one array, its rows gathered whole)."""
+    nb = I // 32
+    blk = bank.reshape(bank.shape[0], O * nb, 18)
+    rows = jnp.concatenate([blk[..., 2:].reshape(bank.shape[0], -1), blk[..., :2].reshape(bank.shape[0], -1)], axis=-1)
+    return jax.lax.bitcast_convert_type(rows.reshape(bank.shape[0], -1, 4), jnp.uint32)
+
+
+def planar_matvec(r, x, O: int, I: int):
+    """XLA: gathered planar rows uint32 [..., O·I/32·18 / 4] times x [..., I] → float32 [..., O]."""
+    nb = I // 32
+    c = r[..., : O * nb * 4].reshape(*r.shape[:-1], O, nb, 4)
+    sc = jax.lax.bitcast_convert_type(r[..., O * nb * 4 :], jnp.float16).reshape(*r.shape[:-1], O, nb)
+    return planes_matvec(c, sc, x)
 
 
 def _split_dot(c_ref, s_ref, slot, row0, R: int, v_ref, vrow, nb: int):
@@ -306,6 +325,15 @@ def main() -> None:
             return fn
 
         xla_variants += [(f"xla planes {jnp.dtype(t).name}", planar(t)) for t in (jnp.uint8, jnp.uint16, jnp.uint32)]
+        rowed = tuple(planar_rows(b, o, i) for b, (o, i) in zip(banks, ((F, D), (F, D), (D, F))))
+
+        def planar_fold(x, ids):  # the planes inside each expert's row (one array a projection), the pairs' sum folded
+            g, u, d = (r[ids] for r in rowed)
+            xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
+            h = (jax.nn.silu(planar_matvec(g, xk, F, D)) * planar_matvec(u, xk, F, D) * w[..., None]).astype(x.dtype)
+            return jnp.sum(planar_matvec(d, h, D, F), axis=1).astype(x.dtype)
+
+        xla_variants.append(("xla planes in rows", planar_fold))
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
