@@ -3,14 +3,11 @@
 `ExpertLayout.words`) against the Pallas kernels of
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
-function), XLA reducing each row's words at once (`xla flat words`), each pair's routing weight
-folded into its h so that the down rows and the sum over pairs are one reduction (`xla fold`,
-the engine's `_gathered`; `xla fold once` the same written as one sum), and q4_0 split into
-planes (codes as 32-bit words, scales apart: `xla split` and the kernels `split ...`, made once
-outside the timed function; a layout of this benchmark only), and q4_0's code bytes as planes
-of 8-, 16- or 32-bit words with the scales apart (`xla planes uint8|uint16|uint32`, folded as
-`xla fold`; every row of codes whole aligned words; `xla planes in rows`: the same planes inside
-each expert's row of one array, gathered as 32-bit words).
+function), XLA reducing each row's words at once (`xla flat words`), and each pair's routing
+weight folded into its h so that the down rows and the sum over the pairs are one reduction
+(`xla fold`, the engine's `_gathered`; `xla fold once` the same written as one sum; `xla fold
+i2f` with each code made a float by an integer-to-float conversion instead of by its bits,
+`formats.small_ints`). (q4_0 rows with the codes apart from the scales: benchmarks/probe_split_q4.py.)
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
@@ -36,13 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from bench_norm_matvec import device_times
-from jax.experimental import pallas as pl
 
 from freetoken_jax.config import ACTIVATIONS
 from freetoken_jax.models.routed import routed_experts
+from freetoken_jax.quant import formats
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
-from pallas_kernels import call_params, gathered_experts
+from pallas_kernels import gathered_experts
 
 
 def looped(fn, steps: int, K: int, E: int):
@@ -74,134 +71,6 @@ def flat_matvec(b, x, O: int, I: int):
     xw = jnp.concatenate([jnp.zeros_like(xw[..., :1, :]), xw], axis=-2)  # [..., 1, nb, 9, 4]
     t = sum((((blk >> (4 * n)) & 15).astype(jnp.float32) - 8.0) * xw[..., n] for n in range(4))
     return jnp.sum(s * t, axis=(-2, -1))
-
-
-# q4_0 split into planes (benchmark only): codes uint32 [E, O, 4, nb] (word (j, b)'s nibble n is
-# weight 32·b + 8·j + n, unsigned) and scales f16 [E, O, nb]: the same 0.5625 bytes a weight, each
-# plane read in whole contiguous tiles.
-def split_q4_0(bank, O: int, I: int):
-    """q4_0 rows uint8 [E, O·I/32·18] → (codes uint32 [E, O, 4, nb], scales float16 [E, O, nb])."""
-    nb = I // 32
-    blk = bank.reshape(bank.shape[0], O, nb, 18)
-    scales = jax.lax.bitcast_convert_type(blk[..., :2], jnp.float16)  # [E, O, nb]
-    q = blk[..., 2:].astype(jnp.uint32)
-    nib = jnp.concatenate([q & 15, q >> 4], axis=-1).reshape(bank.shape[0], O, nb, 4, 8)  # weight 32b + 8j + n
-    codes = sum(nib[..., n] << (4 * n) for n in range(8)).astype(jnp.uint32)  # [E, O, nb, 4]
-    return jnp.swapaxes(codes, -1, -2), scales
-
-
-def split_matvec(c, s, x):
-    """XLA: codes [..., O, 4, nb], scales [..., O, nb] times x [..., I] → float32 [..., O]."""
-    nb = c.shape[-1]
-    xw = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 4, 8)
-    xw = jnp.swapaxes(xw, -3, -2)  # [..., 1, 4, nb, 8]
-    v = (((c[..., None] >> (4 * jnp.arange(8, dtype=jnp.uint32))) & 15).astype(jnp.float32) - 8.0) * xw
-    return jnp.sum(jnp.sum(v, axis=(-3, -1)) * s.astype(jnp.float32), axis=-1)
-
-
-def planes_q4_0(bank, O: int, I: int, dtype):
-    """q4_0 rows uint8 [E, O·I/32·18] → (codes [E, O, nb, 16 / itemsize] in `dtype` (uint8, uint16
-    or uint32): each block's 16 code bytes as they are stored, scales float16 [E, O, nb]): the
-    same bytes, the scales apart so that every row of codes is whole aligned words."""
-    nb = I // 32
-    blk = bank.reshape(bank.shape[0], O, nb, 18)
-    scales = jax.lax.bitcast_convert_type(blk[..., :2], jnp.float16)
-    n = jnp.dtype(dtype).itemsize
-    codes = blk[..., 2:] if n == 1 else jax.lax.bitcast_convert_type(blk[..., 2:].reshape(bank.shape[0], O, nb, 16 // n, n), dtype)
-    return codes, scales
-
-
-def planes_matvec(c, s, x):
-    """XLA: planes [..., O, nb, w] (w words of 16 / w bytes), scales [..., O, nb] times x [..., I] →
-    float32 [..., O]: nibble m of word i is byte i·(16 / w) + m // 2 of the block, its low nibble
-    weight byte, its high weight byte + 16."""
-    nb, w = c.shape[-2:]
-    per = 32 // w  # nibbles a word
-    m = np.arange(per)
-    at = (np.arange(w)[:, None] * (16 // w) + m[None, :] // 2 + 16 * (m[None, :] % 2)).reshape(-1)  # [w·per]: each nibble's weight
-    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 32)[..., at].reshape(*x.shape[:-1], 1, nb, w, per)
-    q = c.astype(jnp.uint32)
-    t = sum((((q >> (4 * j)) & 15).astype(jnp.float32) - 8.0) * xb[..., j] for j in range(per))
-    return jnp.sum(s.astype(jnp.float32)[..., None] * t, axis=(-2, -1))
-
-
-def planar_rows(bank, O: int, I: int):
-    """q4_0 rows uint8 [E, O·I/32·18] → the same bytes reordered in each row, every block's 16 code
-    bytes first, then every block's scale, viewed as uint32 [E, O·I/32·18 / 4] (a bank as the
-    step would hold it: one array, its rows gathered whole)."""
-    nb = I // 32
-    blk = bank.reshape(bank.shape[0], O * nb, 18)
-    rows = jnp.concatenate([blk[..., 2:].reshape(bank.shape[0], -1), blk[..., :2].reshape(bank.shape[0], -1)], axis=-1)
-    return jax.lax.bitcast_convert_type(rows.reshape(bank.shape[0], -1, 4), jnp.uint32)
-
-
-def planar_matvec(r, x, O: int, I: int):
-    """XLA: gathered planar rows uint32 [..., O·I/32·18 / 4] times x [..., I] → float32 [..., O]."""
-    nb = I // 32
-    c = r[..., : O * nb * 4].reshape(*r.shape[:-1], O, nb, 4)
-    sc = jax.lax.bitcast_convert_type(r[..., O * nb * 4 :], jnp.float16).reshape(*r.shape[:-1], O, nb)
-    return planes_matvec(c, sc, x)
-
-
-def _split_dot(c_ref, s_ref, slot, row0, R: int, v_ref, vrow, nb: int):
-    """float32 [R]: rows row0.. of slot `slot` (split planes) against row vrow of v_ref."""
-    acc = jnp.zeros((R,), jnp.float32)
-    for b0, n in gathered_experts._pieces(nb):
-        c = c_ref[slot, pl.ds(row0, R), :, pl.ds(b0, n)]  # [R, 4, n] uint32
-        sc = s_ref[slot, pl.ds(row0, R), pl.ds(b0, n)].astype(jnp.float32)  # [R, n]
-        b = b0 + jnp.arange(n, dtype=jnp.int32)
-        base = 32 * b[None, :] + 8 * jnp.arange(4, dtype=jnp.int32)[:, None]  # [4, n]
-        t, xs = 0.0, 0.0
-        for m in range(8):
-            xm = v_ref[vrow, base + m].astype(jnp.float32)
-            t = t + ((c >> (4 * m)) & 15).astype(jnp.float32) * xm[None]
-            xs = xs + xm
-        acc = acc + jnp.sum(jnp.sum(t - 8.0 * xs[None], axis=1) * sc, axis=1)
-    return acc
-
-
-def _split_gate_up(ids_ref, x_ref, gc, gs, uc, us, h_ref, *, K: int, R: int, nb: int, act):
-    p, r = pl.program_id(0), pl.program_id(1)
-    s, t = ids_ref[p], p // K
-    g = _split_dot(gc, gs, s, r * R, R, x_ref, t, nb)
-    u = _split_dot(uc, us, s, r * R, R, x_ref, t, nb)
-    h_ref[p, pl.ds(r * R, R)] = act(g, u).astype(h_ref.dtype)
-
-
-def _split_down(ids_ref, w_ref, h_ref, dc, ds, y_ref, *, K: int, R: int, nb: int):
-    t, r = pl.program_id(0), pl.program_id(1)
-    acc = jnp.zeros((R,), jnp.float32)
-    for k in range(K):
-        p = t * K + k
-        w = w_ref[p]
-        acc = acc + jnp.where(w != 0, w * _split_dot(dc, ds, ids_ref[p], r * R, R, h_ref, p, nb), 0.0)
-    y_ref[t, pl.ds(r * R, R)] = acc.astype(y_ref.dtype)
-
-
-def split_experts(x, ids, w, gate, up, down, *, F: int, D: int, act, interpret: bool, rows: int, warps: int):
-    """The routed experts over split planes (each of gate, up, down a (codes, scales) pair)."""
-    T, K = ids.shape
-    any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    params = call_params(interpret, warps)
-    ids = ids.reshape(-1).astype(jnp.int32)
-    h = pl.pallas_call(
-        functools.partial(_split_gate_up, K=K, R=rows, nb=D // 32, act=act),
-        grid=(T * K, F // rows),
-        in_specs=[any_spec] * 6,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((T * K, F), x.dtype),
-        name="split_gate_up",
-        **params,
-    )(ids, x, *gate, *up)
-    return pl.pallas_call(
-        functools.partial(_split_down, K=K, R=rows, nb=F // 32),
-        grid=(T, D // rows),
-        in_specs=[any_spec] * 5,
-        out_specs=any_spec,
-        out_shape=jax.ShapeDtypeStruct((T, D), x.dtype),
-        name="split_down",
-        **params,
-    )(ids, w.reshape(-1).astype(jnp.float32), h, *down)
 
 
 def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: int, width: int = 22) -> None:
@@ -287,17 +156,8 @@ def main() -> None:
             print(f"{name}: {entry.count(' fusion(') + entry.count('custom-call(')} kernels in the entry computation")
     if a.format == "q4_0":
         xla_variants.append(("xla flat words", flat))
-        planes = tuple(split_q4_0(b, o, i) for b, (o, i) in zip(banks, ((F, D), (F, D), (D, F))))
 
-        def xla_split(x, ids):
-            (gc, gs), (uc, us), (dc, ds) = ((c[ids], s[ids]) for c, s in planes)
-            xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
-            h = jax.nn.silu(split_matvec(gc, gs, xk)) * split_matvec(uc, us, xk)
-            return jnp.einsum("tkd,tk->td", split_matvec(dc, ds, h.astype(x.dtype)), w).astype(x.dtype)
-
-        xla_variants.append(("xla split", xla_split))
-
-        def folded(x, ids, at_once: bool):  # each pair's routing weight folded into its h (as routed._dense does)
+        def folded(x, ids, at_once: bool):  # each pair's routing weight folded into its h (as routed._gathered does)
             lay = dataclasses.replace(layout, words=True)
             g, u, d = (lay.gather(k, b, ids) for k, b in enumerate(banks))
             xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
@@ -307,33 +167,23 @@ def main() -> None:
             blk = d.reshape(*d.shape[:-1], D, F // 32, 9)  # the down rows' words: one reduction over (k, block, word)
             sc = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
             hb = h.astype(jnp.float32).reshape(*h.shape[:-1], 1, F // 32, 2, 8, 2)
-            code = lambda n: ((blk[..., 1:] >> (4 * n)) & 15).astype(jnp.float32) - 8.0  # noqa: E731
+            code = lambda n: formats.small_ints((blk[..., 1:] >> (4 * n)) & 15, 8.0)  # noqa: E731
             t = code(0) * hb[..., 0, :, 0] + code(1) * hb[..., 1, :, 0] + code(2) * hb[..., 0, :, 1] + code(3) * hb[..., 1, :, 1]
             return jnp.sum(sc * t, axis=(1, -2, -1)).astype(x.dtype)
 
-        xla_variants += [("xla fold", functools.partial(folded, at_once=False)), ("xla fold once", functools.partial(folded, at_once=True))]
+        def converting(fn):  # fn traced with each code made a float by a conversion (as before formats.small_ints)
+            def run(x, ids):
+                bits = formats.small_ints
+                formats.small_ints = lambda c, minus=0.0: c.astype(jnp.float32) - minus
+                try:
+                    return fn(x, ids)
+                finally:
+                    formats.small_ints = bits
 
-        def planar(dtype):  # q4_0 as code planes and scales apart (made once, outside the timed function), the pairs' sum folded
-            ps = tuple(planes_q4_0(b, o, i, dtype) for b, (o, i) in zip(banks, ((F, D), (F, D), (D, F))))
+            return run
 
-            def fn(x, ids):
-                (gc, gs), (uc, us), (dc, ds) = ((c[ids], sc[ids]) for c, sc in ps)
-                xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
-                h = (jax.nn.silu(planes_matvec(gc, gs, xk)) * planes_matvec(uc, us, xk) * w[..., None]).astype(x.dtype)
-                return jnp.sum(planes_matvec(dc, ds, h), axis=1).astype(x.dtype)
-
-            return fn
-
-        xla_variants += [(f"xla planes {jnp.dtype(t).name}", planar(t)) for t in (jnp.uint8, jnp.uint16, jnp.uint32)]
-        rowed = tuple(planar_rows(b, o, i) for b, (o, i) in zip(banks, ((F, D), (F, D), (D, F))))
-
-        def planar_fold(x, ids):  # the planes inside each expert's row (one array a projection), the pairs' sum folded
-            g, u, d = (r[ids] for r in rowed)
-            xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
-            h = (jax.nn.silu(planar_matvec(g, xk, F, D)) * planar_matvec(u, xk, F, D) * w[..., None]).astype(x.dtype)
-            return jnp.sum(planar_matvec(d, h, D, F), axis=1).astype(x.dtype)
-
-        xla_variants.append(("xla planes in rows", planar_fold))
+        fold = functools.partial(folded, at_once=False)
+        xla_variants += [("xla fold", fold), ("xla fold once", functools.partial(folded, at_once=True)), ("xla fold i2f", converting(fold))]
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
@@ -341,14 +191,6 @@ def main() -> None:
         variants += [
             (f"words rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw, slots=words)) for r in a.rows for nw in a.warps
         ]
-    if a.format == "q4_0":
-        act = ACTIVATIONS["silu"]
-        variants += [
-            (f"split rows={r} warps={nw}",
-             functools.partial(split_experts, w=w, gate=planes[0], up=planes[1], down=planes[2], F=F, D=D, act=act, interpret=interpret,
-                               rows=r, warps=nw))
-            for r in a.rows for nw in a.warps
-        ]  # fmt: skip
     if a.only:
         variants = [(n, f) for n, f in variants if any(o in n for o in a.only)]
     time_variants(variants, x0, one, ref, nbytes, a.steps, K, E)

@@ -10,7 +10,7 @@ import pytest
 from helpers import random_blocks
 
 from freetoken_jax.config import ConfigError, MoEModelConfig
-from freetoken_jax.quant.formats import E2M1, FORMATS, get_format
+from freetoken_jax.quant.formats import E2M1, FORMATS, _e2m1, get_format, small_ints
 
 NAMES = sorted(FORMATS)
 
@@ -75,6 +75,22 @@ def test_matvec_equals_float64_on_the_dequantized_weights(name):
         scale = np.abs(np.stack([f.dequantize_ref(r, O, I) for r in b.reshape(6, -1)])).reshape(2, 3, O, I) @ np.abs(x)[..., None]
         assert got.shape == (2, 3, O)
         np.testing.assert_array_less(np.abs(got - want), 1e-5 * scale[..., 0] + 1e-30)
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.uint16, jnp.int32, jnp.uint32])
+def test_codes_made_floats_by_their_bits_are_exact(dtype):
+    top = min(int(jnp.iinfo(dtype).max), (1 << 23) - 1)
+    c = np.unique(np.concatenate([np.arange(min(top + 1, 4096)), np.linspace(0, top, 513).astype(np.int64)]))
+    for minus in (0.0, 8.0, 128.0):
+        got = np.asarray(small_ints(jnp.asarray(c, dtype), minus))
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, c.astype(np.float64) - minus)
+
+
+def test_e2m1_codes_made_floats_by_their_bits_equal_the_table():
+    got = np.asarray(_e2m1(jnp.arange(16, dtype=jnp.uint8)))
+    np.testing.assert_array_equal(got, np.asarray(E2M1, np.float32))
+    np.testing.assert_array_equal(np.signbit(got), np.arange(16) >= 8)  # code 8 is -0
 
 
 def test_q4_0_matvec_over_words_equals_float64():
