@@ -258,7 +258,7 @@ def _q8_0_q(f, w):
 
 def _q8_0_dq(f, rows, trailer):
     d = _from_bytes(rows[..., 0:2], jnp.float16).astype(jnp.float32)
-    return _from_bytes(rows[..., 2:, None], jnp.int8).astype(jnp.float32) * d[..., None]
+    return small_ints(rows[..., 2:] ^ 0x80, 128.0) * d[..., None]  # int8 byte b: (b ^ 0x80) − 128
 
 
 # q4_0 ---------------------------------------------------------------------------------------------
