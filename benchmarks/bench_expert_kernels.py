@@ -3,11 +3,10 @@
 `ExpertLayout.words`) against the Pallas kernels of
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
-function), XLA reducing each row's words at once (`xla flat words`), and each pair's routing
-weight folded into its h so that the down rows and the sum over the pairs are one reduction
-(`xla fold`, the engine's `_gathered`; `xla fold once` the same written as one sum; `xla fold
-i2f` with each code made a float by an integer-to-float conversion instead of by its bits,
-`formats.small_ints`). (q4_0 rows with the codes apart from the scales: benchmarks/probe_split_q4.py.)
+function), XLA reducing each row's words at once (`xla flat words`), and the engine's words with
+each code made a float by an integer-to-float conversion instead of by its bits (`xla words
+i2f`: `formats.small_ints` replaced while it traces). (q4_0 rows with the codes apart from the
+scales: benchmarks/probe_split_q4.py.)
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
         [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
@@ -91,7 +90,8 @@ def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: in
             print(f"{name:>{width}} {t * 1e6:9.1f} {nbytes / t / 1e9:8.1f} {diff:11.2e}", flush=True)
             kernels = {}
             for k, us in (device_times(run, (x0,), 3) or {}).items():  # by kernel, its numbering dropped
-                kernels[re.sub(r"[_.]*\d+$", "", k)] = kernels.get(re.sub(r"[_.]*\d+$", "", k), 0.0) + us / steps
+                k = re.sub(r"[_.]*\d+$", "", k)
+                kernels[k] = kernels.get(k, 0.0) + us / steps
             if kernels:
                 print(" " * (width + 1) + "  ".join(f"{k[:40]} {us:.1f}" for k, us in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]))
         except Exception as e:  # a variant that does not compile is reported, the others still run
@@ -157,20 +157,6 @@ def main() -> None:
     if a.format == "q4_0":
         xla_variants.append(("xla flat words", flat))
 
-        def folded(x, ids, at_once: bool):  # each pair's routing weight folded into its h (as routed._gathered does)
-            lay = dataclasses.replace(layout, words=True)
-            g, u, d = (lay.gather(k, b, ids) for k, b in enumerate(banks))
-            xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
-            h = (jax.nn.silu(lay.matvec(0, g, xk)) * lay.matvec(1, u, xk) * w[..., None]).astype(x.dtype)
-            if not at_once:
-                return jnp.sum(lay.matvec(2, d, h), axis=1).astype(x.dtype)
-            blk = d.reshape(*d.shape[:-1], D, F // 32, 9)  # the down rows' words: one reduction over (k, block, word)
-            sc = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
-            hb = h.astype(jnp.float32).reshape(*h.shape[:-1], 1, F // 32, 2, 8, 2)
-            code = lambda n: formats.small_ints((blk[..., 1:] >> (4 * n)) & 15, 8.0)  # noqa: E731
-            t = code(0) * hb[..., 0, :, 0] + code(1) * hb[..., 1, :, 0] + code(2) * hb[..., 0, :, 1] + code(3) * hb[..., 1, :, 1]
-            return jnp.sum(sc * t, axis=(1, -2, -1)).astype(x.dtype)
-
         def converting(fn):  # fn traced with each code made a float by a conversion (as before formats.small_ints)
             def run(x, ids):
                 bits = formats.small_ints
@@ -182,8 +168,7 @@ def main() -> None:
 
             return run
 
-        fold = functools.partial(folded, at_once=False)
-        xla_variants += [("xla fold", fold), ("xla fold once", functools.partial(folded, at_once=True)), ("xla fold i2f", converting(fold))]
+        xla_variants.append(("xla words i2f", converting(xla_as(True))))
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]

@@ -32,7 +32,7 @@
 #   ablock:  fused q4_0 decode at 16 and 4096 positions with the attention kernel's loop reading
 #            each of BLOCKS (64 128) entries a pass (decode_attention.BLOCK, set in this copy of the tree);
 #   codes:   one layer's q4_0 experts as XLA reads them (words, the pairs' sum folded) with each code
-#            made a float by its bits (formats.small_ints) and by a conversion (`xla fold i2f`), each
+#            made a float by its bits (formats.small_ints) and by a conversion (`xla words i2f`), each
 #            kernel's device time (benchmarks/bench_expert_kernels.py); then fused decode rows and the
 #            step's profile under each, alternating (CODES: bits i2f bits i2f), the conversion set in
 #            this copy of the tree;
@@ -88,7 +88,7 @@ for what in "$@"; do
           echo "== BLOCK $blk, prompt $len rc=$?"; grep -v "it/s\]" "$OUT/ablock_${blk}_$len.log" | tail -1
         done
       done; sed -i "s/^BLOCK = [0-9]* /BLOCK = 64 /" pallas_kernels/decode_attention.py ;;
-    codes) timeout 240 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" "xla fold" 2>&1 | grep -v -i warn | tail -10
+    codes) timeout 240 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -8
       F=freetoken_jax/quant/formats.py; cp $F /tmp/formats.py
       for how in ${CODES:-bits i2f bits i2f}; do cp /tmp/formats.py $F
         [ $how = i2f ] && sed -i 's/^    bits = c.astype(jnp.uint32) | jnp.uint32(0x4B000000)$/    return c.astype(jnp.float32) - minus/' $F

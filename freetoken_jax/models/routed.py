@@ -175,7 +175,7 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     h = jnp.where(w != 0, h * w, 0.0).astype(dt)  # an unrouted pair adds exactly 0 (its slot holds this format's finite bytes)
     y = jnp.sum(layout.matvec(2, d, h), axis=1)
     if bias is not None:
-        y = y + jnp.einsum("tkd,tk->td", jnp.where(w != 0, bd, 0.0), w_TK.astype(jnp.float32))
+        y = y + jnp.einsum("tkd,tk->td", jnp.where(w != 0, bd, 0.0), w[..., 0])
     return y.astype(dt)
 
 
