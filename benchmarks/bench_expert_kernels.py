@@ -5,7 +5,10 @@
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
 function), XLA reducing each row's words at once (`xla flat words`), and the engine's words with
 each code made a float by an integer-to-float conversion instead of by its bits (`xla words
-i2f`: `formats.small_ints` replaced while it traces). (q4_0 rows with the codes apart from the
+i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
+alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
+mantissa of 1.0 so that a weight is one multiply-add, the x side made apart (`xla words ones`,
+`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`). (q4_0 rows with the codes apart from the
 scales: benchmarks/probe_split_q4.py.)
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
@@ -69,6 +72,48 @@ def flat_matvec(b, x, O: int, I: int):
     xw = jnp.stack([xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]], axis=-1)  # [..., 1, nb, 8, 4]
     xw = jnp.concatenate([jnp.zeros_like(xw[..., :1, :]), xw], axis=-2)  # [..., 1, nb, 9, 4]
     t = sum((((blk >> (4 * n)) & 15).astype(jnp.float32) - 8.0) * xw[..., n] for n in range(4))
+    return jnp.sum(s * t, axis=(-2, -1))
+
+
+def pairs_matvec(b, x, O: int, I: int):
+    """The engine's q4_0 words matvec with bfloat16 x read as uint32 pairs (a free bitcast: pair j
+    holds the inputs of weights 2j and 2j + 1, a word's byte's two codes), each half made a
+    float32 by a shift or a mask — one load for two inputs."""
+    if x.dtype != jnp.bfloat16:
+        return formats._q4_0_words_matvec(b, x, O, I)
+    nb = I // 32
+    blk = b.reshape(*b.shape[:-1], O, nb, 9)
+    s = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
+    q = blk[..., 1:]
+    xp = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], I // 2, 2), jnp.uint32).reshape(*x.shape[:-1], 1, nb, 2, 8)
+    lo, hi = (jax.lax.bitcast_convert_type(v, jnp.float32) for v in (xp << 16, xp & jnp.uint32(0xFFFF0000)))
+    xs = (lo[..., 0, :], lo[..., 1, :], hi[..., 0, :], hi[..., 1, :])  # the inputs of nibbles 0-3
+    t = sum(formats.small_ints((q >> (4 * n)) & 15, 8.0) * v for n, v in enumerate(xs))
+    return jnp.sum(s * t, axis=(-2, -1))
+
+
+def ones_matvec(b, x, O: int, I: int, shifts: int = 4, barrier: bool = True):
+    """q4_0 words [..., O·I/32·9] times x [..., I] → float32 [..., O] with each code c set into
+    the mantissa of 1.0 (F = 1 + c/16, or 1 + c/256 for the codes that `shifts` 2 reads from the same
+    shifted word as a neighbour): c − 8 = 16·F − 24 (or 256·F − 264), the x side scaled and
+    the constant's sum made once per block position, outside the rows (behind an optimization
+    barrier unless `barrier` is off) — one fused multiply-add a weight, no subtraction."""
+    nb = I // 32
+    blk = b.reshape(*b.shape[:-1], O, nb, 9)
+    s = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
+    q = blk[..., 1:].astype(jnp.uint32)
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)
+    xn = [xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]]  # nibble n's weight
+    if shifts == 2:  # nibbles 3, 2 at bits 19, 15 of q << 7; nibbles 1, 0 of q << 15
+        hi, lo = q << 7, q << 15
+        fs = [(lo, 0x78000, 256.0), (lo, 0x780000, 16.0), (hi, 0x78000, 256.0), (hi, 0x780000, 16.0)]
+    else:  # every nibble at bits 19-22
+        fs = [(q << (19 - 4 * n), 0x780000, 16.0) for n in range(4)]
+    xs = [k * xv for (_, _, k), xv in zip(fs, xn)] + [sum((k + 8.0) * xv for (_, _, k), xv in zip(fs, xn))]
+    if barrier:
+        xs = jax.lax.optimization_barrier(xs)
+    f = [jax.lax.bitcast_convert_type((v & jnp.uint32(m)) | jnp.uint32(0x3F800000), jnp.float32) for v, m, _ in fs]
+    t = f[0] * xs[0] + f[1] * xs[1] + f[2] * xs[2] + f[3] * xs[3] - xs[4]
     return jnp.sum(s * t, axis=(-2, -1))
 
 
@@ -168,7 +213,21 @@ def main() -> None:
 
             return run
 
+        def swapped(fn, mv):  # fn traced with q4_0's words matvec replaced by mv
+            def run(x, ids):
+                was = formats._q4_0_words_matvec
+                formats._q4_0_words_matvec = mv
+                try:
+                    return fn(x, ids)
+                finally:
+                    formats._q4_0_words_matvec = was
+
+            return run
+
         xla_variants.append(("xla words i2f", converting(xla_as(True))))
+        for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
+                         ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
+            xla_variants.append((f"xla words {name}", swapped(xla_as(True), mv)))
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]

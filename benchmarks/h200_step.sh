@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|ablock|codes|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|ablock|words|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -31,11 +31,10 @@
 #   aprofile: the fused step's kernels under the profiler with each;
 #   ablock:  fused q4_0 decode at 16 and 4096 positions with the attention kernel's loop reading
 #            each of BLOCKS (64 128) entries a pass (decode_attention.BLOCK, set in this copy of the tree);
-#   codes:   one layer's q4_0 experts as XLA reads them (words, the pairs' sum folded) with each code
-#            made a float by its bits (formats.small_ints) and by a conversion (`xla words i2f`), each
-#            kernel's device time (benchmarks/bench_expert_kernels.py); then fused decode rows and the
-#            step's profile under each, alternating (CODES: bits i2f bits i2f), the conversion set in
-#            this copy of the tree;
+#   words:   one layer's q4_0 experts as XLA reads them (words, the pairs' sum folded), the engine's
+#            matvec beside the variants of benchmarks/bench_expert_kernels.py, each kernel's device
+#            time; then fused decode rows and the step's profile alternating this tree's
+#            formats.py and PREV's (.llamacpp/formats_prev.py: WORDS, head prev head prev);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
@@ -88,14 +87,13 @@ for what in "$@"; do
           echo "== BLOCK $blk, prompt $len rc=$?"; grep -v "it/s\]" "$OUT/ablock_${blk}_$len.log" | tail -1
         done
       done; sed -i "s/^BLOCK = [0-9]* /BLOCK = 64 /" pallas_kernels/decode_attention.py ;;
-    codes) timeout 240 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -8
+    words) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12
       F=freetoken_jax/quant/formats.py; cp $F /tmp/formats.py
-      for how in ${CODES:-bits i2f bits i2f}; do cp /tmp/formats.py $F
-        [ $how = i2f ] && sed -i 's/^    bits = c.astype(jnp.uint32) | jnp.uint32(0x4B000000)$/    return c.astype(jnp.float32) - minus/' $F
+      for how in ${WORDS:-head prev head prev}; do cp /tmp/formats.py $F; [ $how = prev ] && cp ${PREV:-.llamacpp/formats_prev.py} $F
         timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
-          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/codes_$how.json" > "$OUT/codes_$how.log" 2>&1
-        rc=$?; echo "== codes by $how ($(grep -c 'return c.astype(jnp.float32) - minus' $F) conversion) rc=$rc"; grep -v "it/s\]" "$OUT/codes_$how.log" | tail -1
-        timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_convert" | head -8
+          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/words_$how.json" > "$OUT/words_$how.log" 2>&1
+        echo "== formats.py of $how rc=$?"; grep -v "it/s\]" "$OUT/words_$how.log" | tail -1
+        timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_" | head -8
       done; cp /tmp/formats.py $F ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
