@@ -31,6 +31,12 @@ def pair_biases(bias, ids_TK):
     return None if bias is None else tuple(b[ids_TK] for b in bias)
 
 
+def weighted(v: jax.Array, w: jax.Array) -> jax.Array:
+    """v · w, and exactly 0 where w is 0, whatever v holds there: an unrouted pair (or an empty
+    row of a layout) adds nothing to the sum over a token's pairs."""
+    return jnp.where(w != 0, v * w, 0.0)
+
+
 # "dense" computes at most this many bytes of float32 expert activations at once (a 512-token
 # chunk of Qwen3-30B-A3B needs 0.4 GB and goes in one piece).
 DENSE_SLICE_BYTES = 1 << 30
@@ -172,10 +178,10 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     # into the down projection's kernel (the fused q4_0 step of the Qwen3-30B-A3B shape on an
     # H200: one kernel a layer fewer and 2.0 µs less, benchmarks/RESULTS.md).
     w = w_TK.astype(jnp.float32)[..., None]
-    h = jnp.where(w != 0, h * w, 0.0).astype(dt)  # an unrouted pair adds exactly 0 (its slot holds this format's finite bytes)
+    h = weighted(h, w).astype(dt)  # (an unrouted pair's slot holds this format's finite bytes)
     y = jnp.sum(layout.matvec(2, d, h), axis=1)
     if bias is not None:
-        y = y + jnp.einsum("tkd,tk->td", jnp.where(w != 0, bd, 0.0), w[..., 0])
+        y = y + jnp.sum(weighted(bd, w), axis=1)
     return y.astype(dt)
 
 
@@ -198,7 +204,7 @@ def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
             at = (ids_TK[t0:t1], jnp.arange(t1 - t0)[:, None])
             g, u = g.at[at].add(bias[0][t0:t1]), u.at[at].add(bias[1][t0:t1])
         h = f(g, u)
-        h = jnp.where(w[:, :, None] != 0, h * w[:, :, None], 0.0)  # an unrouted pair adds exactly 0
+        h = weighted(h, w[:, :, None])
         y = jnp.einsum("etf,edf->td", h.astype(dt), down_EDF, **mm)
         if bias is not None:
             y = y + jnp.einsum("tkd,tk->td", bias[2][t0:t1], w_TK[t0:t1].astype(jnp.float32))
@@ -236,9 +242,9 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
         if b is not None:
             g, u = g + b[0][rows].reshape(n, C, -1), u + b[1][rows].reshape(n, C, -1)
         h = f(g, u)
-        h = jnp.where(w != 0, h * w, 0.0)  # an unrouted pair (and an empty row) adds exactly 0
+        h = weighted(h, w)
         y = jnp.einsum("ecf,edf->ecd", h.astype(dt), down_EDF, **mm)
-        y = y if b is None else y + jnp.where(w != 0, b[2][rows].reshape(n, C, -1) * w, 0.0)
+        y = y if b is None else y + weighted(b[2][rows].reshape(n, C, -1), w)
         return y.reshape(n * C, D)
 
     parts, r0, e0 = [], 0, 0
@@ -288,7 +294,7 @@ def _tiled(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, gate_up_kw=Non
                                    interpret=interpret, **gate_up_kw or {})  # fmt: skip
     y_PD = grouped_experts.down(h_PF, d, tile_E, D=D, fmt=fd, interpret=interpret, **down_kw or {})
     if b is not None:
-        y_PD = y_PD + jnp.where(w_P[:, None] != 0, b[2] * w_P[:, None], 0.0)
+        y_PD = y_PD + weighted(b[2], w_P[:, None])
     return y_PD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
 
 
@@ -310,8 +316,8 @@ def _ragged(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
     if b is not None:
         g, u = g + b[0], u + b[1]
     w = w_N[:, None]
-    h = jnp.where(w != 0, f(g, u) * w, 0.0).astype(dt)
+    h = weighted(f(g, u), w).astype(dt)
     y = rdot(h, down_EDF)
     if b is not None:
-        y = y + jnp.where(w != 0, b[2] * w, 0.0)
+        y = y + weighted(b[2], w)
     return y[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
