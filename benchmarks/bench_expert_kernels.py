@@ -8,7 +8,9 @@ each code made a float by an integer-to-float conversion instead of by its bits 
 i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
 alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
 mantissa of 1.0 so that a weight is one multiply-add, the x side made apart (`xla words ones`,
-`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`). (q4_0 rows with the codes apart from the
+`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`); and the down
+projection's pairs summed in 1 (the default), 2, 4 or 8 groups (`xla words down/n`:
+`routed.DOWN_GROUPS`). (q4_0 rows with the codes apart from the
 scales: benchmarks/probe_split_q4.py.)
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
@@ -37,6 +39,7 @@ import numpy as np
 from bench_norm_matvec import device_times
 
 from freetoken_jax.config import ACTIVATIONS
+from freetoken_jax.models import routed
 from freetoken_jax.models.routed import routed_experts
 from freetoken_jax.quant import formats
 from freetoken_jax.quant.formats import get_format
@@ -225,6 +228,18 @@ def main() -> None:
             return run
 
         xla_variants.append(("xla words i2f", converting(xla_as(True))))
+
+        def grouped_down(fn, n):  # fn traced with the down projection's pairs summed in n groups (routed.DOWN_GROUPS)
+            def run(x, ids):
+                was, routed.DOWN_GROUPS = routed.DOWN_GROUPS, n
+                try:
+                    return fn(x, ids)
+                finally:
+                    routed.DOWN_GROUPS = was
+
+            return run
+
+        xla_variants += [(f"xla words down/{n}", grouped_down(xla_as(True), n)) for n in (1, 2, 4, 8)]
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
                          ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
             xla_variants.append((f"xla words {name}", swapped(xla_as(True), mv)))
