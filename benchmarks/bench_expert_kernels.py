@@ -10,7 +10,8 @@ alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each
 mantissa of 1.0 so that a weight is one multiply-add, the x side made apart (`xla words ones`,
 `ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`); and the down
 projection's pairs summed in 1 (the default), 2, 4 or 8 groups (`xla words down/n`:
-`routed.DOWN_GROUPS`). (q4_0 rows with the codes apart from the
+`routed.DOWN_GROUPS`), and each row of the words reduced in 2, 4 or 8 parts (`xla words
+parts/n`: `formats.WORD_PARTS`) — more, shorter reductions. (q4_0 rows with the codes apart from the
 scales: benchmarks/probe_split_q4.py.)
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
@@ -229,17 +230,19 @@ def main() -> None:
 
         xla_variants.append(("xla words i2f", converting(xla_as(True))))
 
-        def grouped_down(fn, n):  # fn traced with the down projection's pairs summed in n groups (routed.DOWN_GROUPS)
+        def setting(fn, module, name, n):  # fn traced with module.name set to n
             def run(x, ids):
-                was, routed.DOWN_GROUPS = routed.DOWN_GROUPS, n
+                was = getattr(module, name)
+                setattr(module, name, n)
                 try:
                     return fn(x, ids)
                 finally:
-                    routed.DOWN_GROUPS = was
+                    setattr(module, name, was)
 
             return run
 
-        xla_variants += [(f"xla words down/{n}", grouped_down(xla_as(True), n)) for n in (1, 2, 4, 8)]
+        xla_variants += [(f"xla words down/{n}", setting(xla_as(True), routed, "DOWN_GROUPS", n)) for n in (1, 2, 4, 8)]
+        xla_variants += [(f"xla words parts/{n}", setting(xla_as(True), formats, "WORD_PARTS", n)) for n in (2, 4, 8)]
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
                          ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
             xla_variants.append((f"xla words {name}", swapped(xla_as(True), mv)))

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|ablock|words|dgroups|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|ablock|words|splits|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -35,9 +35,11 @@
 #            matvec beside the variants of benchmarks/bench_expert_kernels.py, each kernel's device
 #            time; then fused decode rows and the step's profile alternating this tree's
 #            formats.py and PREV's (.llamacpp/formats_prev.py: WORDS, head prev head prev);
-#   dgroups: decode's down projection summing a token's pairs in DOWN_GROUPS groups inside its reduction
-#            (models/routed.py, set in this copy of the tree): the microbenchmark's `xla words down/n`, then
-#            fused decode rows and the step's profile for each of DGROUPS (1 2 4 1 2 4);
+#   splits:  the experts' reductions split into more, shorter ones: decode's down projection summing a
+#            token's pairs in routed.DOWN_GROUPS groups, each q4_0 words row reduced in formats.WORD_PARTS
+#            parts (set in this copy of the tree): the microbenchmark's `xla words down/n` and `parts/n`,
+#            then fused decode rows and the step's profile for each "groups,parts" of SPLITS
+#            (1,1 2,1 1,2 2,2);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
@@ -98,14 +100,16 @@ for what in "$@"; do
         echo "== formats.py of $how rc=$?"; grep -v "it/s\]" "$OUT/words_$how.log" | tail -1
         timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_" | head -8
       done; cp /tmp/formats.py $F ;;
-    dgroups) timeout 240 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/ 2>&1 | grep -v -i warn | tail -10
-      R=freetoken_jax/models/routed.py; cp $R /tmp/routed.py
-      for n in ${DGROUPS:-1 2 4 1 2 4}; do sed -i "s/^DOWN_GROUPS = [0-9]*$/DOWN_GROUPS = $n/" $R
+    splits) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/ parts/ 2>&1 | grep -v -i warn | tail -16
+      R=freetoken_jax/models/routed.py F=freetoken_jax/quant/formats.py; cp $R /tmp/routed.py; cp $F /tmp/formats.py
+      for dp in ${SPLITS:-1,1 2,1 1,2 2,2}; do d=${dp%,*} p=${dp#*,}
+        sed -i "s/^DOWN_GROUPS = [0-9]*$/DOWN_GROUPS = $d/" $R; sed -i "s/^WORD_PARTS = [0-9]*$/WORD_PARTS = $p/" $F
         timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
-          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/dgroups_$n.json" > "$OUT/dgroups_$n.log" 2>&1
-        rc=$?; echo "== DOWN_GROUPS $n ($(grep -c "^DOWN_GROUPS = $n$" $R) line set) rc=$rc"; grep -v "it/s\]" "$OUT/dgroups_$n.log" | tail -1
+          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/splits_${d}_$p.json" > "$OUT/splits_${d}_$p.log" 2>&1
+        rc=$?; echo "== DOWN_GROUPS $d WORD_PARTS $p (lines set: $(grep -c "^DOWN_GROUPS = $d$" $R) $(grep -c "^WORD_PARTS = $p$" $F)) rc=$rc"
+        grep -v "it/s\]" "$OUT/splits_${d}_$p.log" | tail -1
         timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_" | head -8
-      done; cp /tmp/routed.py $R ;;
+      done; cp /tmp/routed.py $R; cp /tmp/formats.py $F ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
       timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
