@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|ablock|words|splits|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -29,8 +29,10 @@
 #            rotation and page writes too, and without) and with XLA's (FREETOKEN_DECODE_ATTENTION=
 #            fused / kernel / xla, or those ATTN lists; fused and hybrid at one q, Q or 0.45, the same machine);
 #   aprofile: the fused step's kernels under the profiler with each;
-#   ablock:  fused q4_0 decode at 16 and 4096 positions with the attention kernel's loop reading
-#            each of BLOCKS (64 128) entries a pass (decode_attention.BLOCK, set in this copy of the tree);
+#   aload:   fused q4_0 decode at 16 and 4096 positions, and the step's attention kernel in the profile, for
+#            each "BLOCK,PREFETCH" of ALOAD (64,False 64,True 128,False 128,True): the entries the attention
+#            kernel's loop reads a pass, and whether it loads each block one pass ahead (decode_attention.BLOCK
+#            and PREFETCH, set in this copy of the tree);
 #   words:   one layer's q4_0 experts as XLA reads them (words, the pairs' sum folded), the engine's
 #            matvec beside the variants of benchmarks/bench_expert_kernels.py, each kernel's device
 #            time; then fused decode rows and the step's profile alternating this tree's
@@ -85,13 +87,17 @@ for what in "$@"; do
         echo "== profile, FREETOKEN_DECODE_ATTENTION=$impl"
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;
-    ablock) for blk in ${BLOCKS:-64 128}; do sed -i "s/^BLOCK = [0-9]* /BLOCK = $blk /" pallas_kernels/decode_attention.py
+    aload) A=pallas_kernels/decode_attention.py; cp $A /tmp/decode_attention.py
+      for bp in ${ALOAD:-64,False 64,True 128,False 128,True}; do blk=${bp%,*} pre=${bp#*,}
+        sed -i "s/^BLOCK = [0-9]* /BLOCK = $blk /; s/^PREFETCH = [A-Za-z]* /PREFETCH = $pre /" $A
         for len in 16 4096; do
           timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len $len --gen-len 64 $([ $len = 16 ] && echo --prompt-by-decode) \
-            --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/ablock_${blk}_$len.json" > "$OUT/ablock_${blk}_$len.log" 2>&1
-          echo "== BLOCK $blk, prompt $len rc=$?"; grep -v "it/s\]" "$OUT/ablock_${blk}_$len.log" | tail -1
+            --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/aload_${blk}_${pre}_$len.json" > "$OUT/aload_${blk}_${pre}_$len.log" 2>&1
+          rc=$?; echo "== BLOCK $blk PREFETCH $pre ($(grep -cE "^(BLOCK = $blk|PREFETCH = $pre) " $A) lines set), prompt $len rc=$rc"
+          grep -v "it/s\]" "$OUT/aload_${blk}_${pre}_$len.log" | tail -1
         done
-      done; sed -i "s/^BLOCK = [0-9]* /BLOCK = 64 /" pallas_kernels/decode_attention.py ;;
+        timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|decode_attention" | head -3
+      done; cp /tmp/decode_attention.py $A ;;
     words) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12
       F=freetoken_jax/quant/formats.py; cp $F /tmp/formats.py
       for how in ${WORDS:-head prev head prev}; do cp /tmp/formats.py $F; [ $how = prev ] && cp ${PREV:-.llamacpp/formats_prev.py} $F
