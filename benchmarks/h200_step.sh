@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|xflags|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -42,6 +42,8 @@
 #            parts (set in this copy of the tree): the microbenchmark's `xla words down/n` and `parts/n`,
 #            then fused decode rows and the step's profile for each "groups,parts" of SPLITS
 #            (1,1 2,1 1,2 2,2);
+#   xflags:  the engine's experts microbenchmark (`xla words down/1`) and a fused decode row with XLA's defaults,
+#            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
@@ -116,6 +118,13 @@ for what in "$@"; do
         grep -v "it/s\]" "$OUT/splits_${d}_$p.log" | tail -1
         timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_" | head -8
       done; cp /tmp/routed.py $R; cp /tmp/formats.py $F ;;
+    xflags) for f in "" ${XFLAGS:---xla_gpu_experimental_enable_fusion_block_level_rewriter=true --xla_gpu_experimental_max_unroll_factor=8}; do
+        echo "== XLA_FLAGS=$f"; n=$((${n:-0} + 1))
+        XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/1 2>&1 | grep -v -i warn | tail -2
+        XLA_FLAGS="$f" timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
+          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/xflags_$n.json" > "$OUT/xflags_$n.log" 2>&1
+        echo "rc=$?"; grep -v "it/s\]" "$OUT/xflags_$n.log" | tail -1
+      done ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
       timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
