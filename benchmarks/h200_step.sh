@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|xflags|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|ranked|xflags|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -42,6 +42,8 @@
 #            parts (set in this copy of the tree): the microbenchmark's `xla words down/n` and `parts/n`,
 #            then fused decode rows and the step's profile for each "groups,parts" of SPLITS
 #            (1,1 2,1 1,2 2,2);
+#   ranked:  fused decode rows and the step's profile with the router's choice one entry at a time and by
+#            ranks (route_topk.RANKED, set in this copy of the tree), for each of RANKED (False True False True);
 #   xflags:  the engine's experts microbenchmark (`xla words down/1`) and a fused decode row with XLA's defaults,
 #            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
@@ -52,6 +54,19 @@
 #            optimized HLO kept as $OUT/*.hlo.txt.gz.
 source benchmarks/h200_install.sh
 P="python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --out $OUT --no-profile --warm 8"
+# The constants a case sets are set in this copy of the tree: keep FILE saves it once, restore puts every saved file back.
+keep() { [ -f "/tmp/kept/$1" ] || { mkdir -p "/tmp/kept/$(dirname "$1")" && cp "$1" "/tmp/kept/$1"; }; }
+restore() { (cd /tmp/kept 2> /dev/null && find . -type f) | while read -r f; do cp "/tmp/kept/$f" "$f"; done; rm -rf /tmp/kept; }
+# set_consts FILE "NAME=VALUE ...": each module-level `NAME = ...` line of FILE set to VALUE (printed, with how many lines matched)
+set_consts() { keep "$1"; for nv in $2; do sed -i "s/^${nv%%=*} = [A-Za-z0-9_.]*/${nv%%=*} = ${nv#*=}/" "$1"
+    echo "== $1: ${nv%%=*} = ${nv#*=} ($(grep -c "^${nv%%=*} = ${nv#*=}\b" "$1") line)"; done; }
+# fused_row TAG PATTERN [bench args]: a fused q4_0 decode row (prompt 16 by decode unless args say), then, with PATTERN,
+# the step's profile's lines that match it
+fused_row() { local tag=$1 pat=$2; shift 2
+  timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --gen-len 64 --expert-format q4_0 --strategy fused \
+    --compile-workers 2 ${*:---prompt-len 16 --prompt-by-decode} --json "$OUT/$tag.json" > "$OUT/$tag.log" 2>&1
+  echo "-- $tag rc=$?"; grep -v "it/s\]" "$OUT/$tag.log" | tail -1
+  [ -z "$pat" ] || timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|$pat" | head -8; }
 for what in "$@"; do
   case $what in
     # (test_bad_calls_raise checks the CPU backend's handlers: a CUDA job's errors are printed, not raised)
@@ -89,41 +104,24 @@ for what in "$@"; do
         echo "== profile, FREETOKEN_DECODE_ATTENTION=$impl"
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;
-    aload) A=pallas_kernels/decode_attention.py; cp $A /tmp/decode_attention.py
-      for bp in ${ALOAD:-64,False 64,True 128,False 128,True}; do blk=${bp%,*} pre=${bp#*,}
-        sed -i "s/^BLOCK = [0-9]* /BLOCK = $blk /; s/^PREFETCH = [A-Za-z]* /PREFETCH = $pre /" $A
-        for len in 16 4096; do
-          timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len $len --gen-len 64 $([ $len = 16 ] && echo --prompt-by-decode) \
-            --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/aload_${blk}_${pre}_$len.json" > "$OUT/aload_${blk}_${pre}_$len.log" 2>&1
-          rc=$?; echo "== BLOCK $blk PREFETCH $pre ($(grep -cE "^(BLOCK = $blk|PREFETCH = $pre) " $A) lines set), prompt $len rc=$rc"
-          grep -v "it/s\]" "$OUT/aload_${blk}_${pre}_$len.log" | tail -1
-        done
-        timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|decode_attention" | head -3
-      done; cp /tmp/decode_attention.py $A ;;
+    aload) for bp in ${ALOAD:-64,False 64,True 128,False 128,True}; do
+        set_consts pallas_kernels/decode_attention.py "BLOCK=${bp%,*} PREFETCH=${bp#*,}"
+        fused_row aload_${bp/,/_}_16 decode_attention; fused_row aload_${bp/,/_}_4096 "" --prompt-len 4096
+      done; restore ;;
     words) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12
-      F=freetoken_jax/quant/formats.py; cp $F /tmp/formats.py
-      for how in ${WORDS:-head prev head prev}; do cp /tmp/formats.py $F; [ $how = prev ] && cp ${PREV:-.llamacpp/formats_prev.py} $F
-        timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
-          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/words_$how.json" > "$OUT/words_$how.log" 2>&1
-        echo "== formats.py of $how rc=$?"; grep -v "it/s\]" "$OUT/words_$how.log" | tail -1
-        timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_" | head -8
-      done; cp /tmp/formats.py $F ;;
+      for how in ${WORDS:-head prev head prev}; do restore; [ $how = prev ] && keep freetoken_jax/quant/formats.py && cp ${PREV:-.llamacpp/formats_prev.py} freetoken_jax/quant/formats.py
+        echo "== formats.py of $how"; fused_row words_$how "input_reduce|loop_"
+      done; restore ;;
     splits) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/ parts/ 2>&1 | grep -v -i warn | tail -16
-      R=freetoken_jax/models/routed.py F=freetoken_jax/quant/formats.py; cp $R /tmp/routed.py; cp $F /tmp/formats.py
-      for dp in ${SPLITS:-1,1 2,1 1,2 2,2}; do d=${dp%,*} p=${dp#*,}
-        sed -i "s/^DOWN_GROUPS = [0-9]*$/DOWN_GROUPS = $d/" $R; sed -i "s/^WORD_PARTS = [0-9]*$/WORD_PARTS = $p/" $F
-        timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
-          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/splits_${d}_$p.json" > "$OUT/splits_${d}_$p.log" 2>&1
-        rc=$?; echo "== DOWN_GROUPS $d WORD_PARTS $p (lines set: $(grep -c "^DOWN_GROUPS = $d$" $R) $(grep -c "^WORD_PARTS = $p$" $F)) rc=$rc"
-        grep -v "it/s\]" "$OUT/splits_${d}_$p.log" | tail -1
-        timeout 90 ${P/--no-profile/} --top 8 --timeline 12 2>&1 | grep -E "ms/step|input_reduce|loop_" | head -8
-      done; cp /tmp/routed.py $R; cp /tmp/formats.py $F ;;
+      for dp in ${SPLITS:-1,1 2,1 1,2 2,2}; do
+        set_consts freetoken_jax/models/routed.py "DOWN_GROUPS=${dp%,*}"; set_consts freetoken_jax/quant/formats.py "WORD_PARTS=${dp#*,}"
+        fused_row splits_${dp/,/_} "input_reduce|loop_"
+      done; restore ;;
+    ranked) for r in ${RANKED:-False True False True}; do set_consts pallas_kernels/route_topk.py "RANKED=$r"; fused_row ranked_$r route_topk; done; restore ;;
     xflags) for f in "" ${XFLAGS:---xla_gpu_experimental_enable_fusion_block_level_rewriter=true --xla_gpu_experimental_max_unroll_factor=8}; do
         echo "== XLA_FLAGS=$f"; n=$((${n:-0} + 1))
         XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/1 2>&1 | grep -v -i warn | tail -2
-        XLA_FLAGS="$f" timeout 150 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 --prompt-by-decode \
-          --expert-format q4_0 --strategy fused --compile-workers 2 --json "$OUT/xflags_$n.json" > "$OUT/xflags_$n.log" 2>&1
-        echo "rc=$?"; grep -v "it/s\]" "$OUT/xflags_$n.log" | tail -1
+        XLA_FLAGS="$f" fused_row xflags_$n ""
       done ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
