@@ -16,9 +16,9 @@ rows of a [Gp, hd] matmul padded to Gp ≥ 16 rows), reads each key and value on
 in place, and stops after the row's last unmasked entry (`limits`), so that a step's cost follows
 the positions it reads rather than the table's width. With `PREFETCH` a program issues its
 first block's loads before it makes its queries ready and each next block's before the current
-block's math, holding two blocks at once (off by default: not measured on a GPU yet). A table wider than one span gives each row
-several programs whose partial sums are combined in jnp. A kv head with more than `MAX_HEADS`
-query heads shares them among programs (`head_splits`).
+block's math, holding two blocks at once (off by default: not measured on a GPU yet). A table
+wider than one span gives each row several programs whose partial sums are combined in jnp. A kv
+head with more than `MAX_HEADS` query heads shares them among programs (`head_splits`).
 
 A key may be kept in parts, each in a pool of its own (`k_pages` a tuple; q's columns meet them in
 order): MLA decoding in the latent space is one kv head whose key is the cached latent beside
@@ -96,7 +96,7 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
         row = base + (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [(layers·)pages·page·K, hd] pools
         ok = (s < hi) & (r["mask"][b, sc] != 0)
         v = v_ref[row[:, None], jnp.arange(dv, dtype=jnp.int32)[None, :]]
-        return ok.astype(jnp.int32), v, tuple(r[pool][row[:, None], c[None, :]] for pool, c in cols)
+        return ok, v, tuple(r[pool][row[:, None], c[None, :]] for pool, c in cols)
 
     ahead = load(0) if PREFETCH else ()  # in flight while q is made ready
     H = pl.num_programs(1) * G  # G: the query heads of one program
@@ -151,7 +151,6 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
     def body(i, carry):
         m, l, acc, ahead = carry
         (ok, v, ks), ahead = (ahead, load(i + 1)) if PREFETCH else (load(i), ahead)  # with PREFETCH: the next block in flight
-        ok = ok != 0
         if fresh is not None:
             ok = ok & (lo + i * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32) != me)
         v = jnp.where(ok[:, None], v, jnp.zeros_like(v))  # a masked entry adds 0, whatever its page holds
