@@ -188,7 +188,7 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     h = weighted(h, w).astype(dt)  # (an unrouted pair's slot holds this format's finite bytes)
     G = DOWN_GROUPS if K % DOWN_GROUPS == 0 else 1
     y = jnp.sum(layout.matvec(2, d, h).reshape(T, G, K // G, -1), axis=2)
-    y = sum(y[:, i] for i in range(1, G)) + y[:, 0]  # the groups added elementwise: XLA fuses that into y's consumer
+    y = sum((y[:, i] for i in range(1, G)), y[:, 0])  # the groups added elementwise (XLA fuses that into y's consumer)
     if bias is not None:
         y = y + jnp.sum(weighted(bd, w), axis=1)
     return y.astype(dt)

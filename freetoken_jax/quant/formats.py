@@ -481,7 +481,7 @@ def _q4_0_words_matvec(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
     t = code(0) * xb[..., 0, :, 0] + code(1) * xb[..., 1, :, 0] + code(2) * xb[..., 0, :, 1] + code(3) * xb[..., 1, :, 1]
     P = WORD_PARTS if nb % WORD_PARTS == 0 else 1
     y = jnp.sum((s * t).reshape(*t.shape[:-2], P, nb // P, 8), axis=(-2, -1))
-    return sum(y[..., i] for i in range(1, P)) + y[..., 0]  # the parts added elementwise: XLA fuses that into y's consumer
+    return sum((y[..., i] for i in range(1, P)), y[..., 0])  # the parts added elementwise (XLA fuses that into y's consumer)
 
 
 # `_q4_0_words_matvec` reduces each row in this many parts of its blocks (1: the whole row in one
