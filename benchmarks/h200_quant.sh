@@ -4,7 +4,7 @@
 # the llama.cpp comparison (24-layer Qwen3-30B-A3B, uniform routing, batch 1; q4_0 slots holding
 # the fraction of experts that `-ncmoe 17` keeps on the GPU: 847 of 3072 experts, 2.248 GB).
 # Usage (device `run`, carry .whl [.llamacpp]): bash benchmarks/h200_quant.sh [check|bw|decode|prefill|flash|copywait|experts|cpuprefill|batch|formats|mla|
-# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-gpu|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|impls|cbuf|stepdisp|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
+# lcpp-build|lcpp-bg|lcpp-wait|lcpp|lcpp-gpu|lcpp-pp|ik-build|ik-bg|ik-wait|ik|ab|pab|cbuf|stepdisp|qsweep|capacity|gguf-q4|gguf-q4k]... (lcpp-build: llama.cpp's llama-bench, the Q4_0 GGUF of the comparison
 # and, unless Q4_ONLY is set, Q4_K ones of the same shape, ≈ 4 min (seconds from a packed build, below); lcpp: its Q4_0 rows in the same lease; ik-build / ik:
 # ik_llama.cpp's llama-bench (.llamacpp/ik-src.tar.gz, ../shared/bench/llamacpp/prepare_ik.sh) and its Q4_0 rows on the same
 # GGUF (lcpp-build writes it); qsweep: hybrid at several q (one executable: q is traced); capacity: the qwen3-235b-a22b
@@ -137,11 +137,12 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         grep "^|" | tail -1 ;;
     # ab: decode once per setting of AB, each in its own process with its strategies in the order given (a row that
     # follows another strategy's row runs slower): AB="FREETOKEN_CPU_THREADS=16:cpu FREETOKEN_VICTIM_TOPK=kernel:hybrid,offload"
-    # (NAME=VALUE[+NAME=VALUE...]:STRATEGY[,STRATEGY...]; "-" for no variable)
-    ab) n=0; for s in $AB; do var=${s%%:*}; strats=${s#*:}; n=$((n + 1)); tag=${n}_$(echo "$s" | tr -c 'A-Za-z0-9_\n' _)
+    # (NAME=VALUE[+NAME=VALUE...]:STRATEGY[,STRATEGY...][:BENCH_ARG[+BENCH_ARG...]]; "-" for no variable), e.g. the
+    # routed-expert implementations: AB="-:fused,hybrid:--expert-impl+auto -:fused,hybrid:--expert-impl+kernel"
+    ab) n=0; for s in $AB; do IFS=: read -r var strats args <<< "$s"; n=$((n + 1)); tag=${n}_$(echo "$s" | tr -c 'A-Za-z0-9_\n' _)
           var=${var/#-/}; env ${var//+/ } timeout 240 $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${strats//,/ } --compile-workers 2 \
-            --json "$OUT/ab_$tag.json" > "$OUT/ab_$tag.log" 2>&1
-          echo "== $var: ${strats//,/ } rc=$?"; grep -v "it/s\]" "$OUT/ab_$tag.log" | tail -8
+            ${args//+/ } --json "$OUT/ab_$tag.json" > "$OUT/ab_$tag.log" 2>&1
+          echo "== $var: ${strats//,/ } ${args//+/ } rc=$?"; grep -v "it/s\]" "$OUT/ab_$tag.log" | tail -8
         done ;;
     # pab: prefill of 8192 tokens in one chunk (FMT, q4_0 unless set; SLOTS GB of slots, those of -ncmoe 17 unless set) by
     # the strategies PSTRATS (offload: the engine's choice of load; offload-copy, offload-copy2: as named), one process per
@@ -150,13 +151,6 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
           env ${var//+/ } timeout ${PAB_S:-300} $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb ${SLOTS:-2.2482} \
             --prompt-len 8192 --chunk 8192 --routing-skew 0 --strategy ${PSTRATS:-offload} --json "$OUT/pab_${FMT:-q4_0}_$n.json" 2>&1 |
             grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w)))
-        done ;;
-    # impls: decode by STRATS (fused and hybrid unless set) under each routed-expert implementation of IMPLS (`--expert-impl`;
-    # "auto kernel" unless set), one process a row, in the order given
-    impls) n=0; for impl in ${IMPLS:-auto kernel}; do n=$((n + 1))
-          timeout 240 $B decode $SHAPE --expert-format q4_0 --slots-gb 2.2482 --strategy ${STRATS:-fused hybrid} --expert-impl $impl \
-            --compile-workers 2 --json "$OUT/impl_${n}_$impl.json" > "$OUT/impl_${n}_$impl.log" 2>&1
-          echo "== --expert-impl $impl rc=$?"; grep -v "it/s\]" "$OUT/impl_${n}_$impl.log" | tail -5
         done ;;
     # cbuf: the fused row with XLA's command buffer log: how often the step's CUDA graph is recorded again, and why (CB_ENV:
     #       VAR=VALUE settings for the row, e.g. CB_ENV=FREETOKEN_DECODE_OUTPUTS=fresh or CB_ENV=FREETOKEN_WEIGHTS=stacked)
