@@ -79,12 +79,15 @@ def flat_matvec(b, x, O: int, I: int):
     return jnp.sum(s * t, axis=(-2, -1))
 
 
+ENGINE_WORDS = formats._q4_0_words_matvec  # (the variants below replace it while they trace)
+
+
 def pairs_matvec(b, x, O: int, I: int):
     """The engine's q4_0 words matvec with bfloat16 x read as uint32 pairs (a free bitcast: pair j
     holds the inputs of weights 2j and 2j + 1, a word's byte's two codes), each half made a
     float32 by a shift or a mask — one load for two inputs."""
     if x.dtype != jnp.bfloat16:
-        return formats._q4_0_words_matvec(b, x, O, I)
+        return ENGINE_WORDS(b, x, O, I)
     nb = I // 32
     blk = b.reshape(*b.shape[:-1], O, nb, 9)
     s = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
@@ -206,34 +209,10 @@ def main() -> None:
     if a.format == "q4_0":
         xla_variants.append(("xla flat words", flat))
 
-        def converting(fn):  # fn traced with each code made a float by a conversion (as before formats.small_ints)
-            def run(x, ids):
-                bits = formats.small_ints
-                formats.small_ints = lambda c, minus=0.0: c.astype(jnp.float32) - minus
-                try:
-                    return fn(x, ids)
-                finally:
-                    formats.small_ints = bits
-
-            return run
-
-        def swapped(fn, mv):  # fn traced with q4_0's words matvec replaced by mv
-            def run(x, ids):
-                was = formats._q4_0_words_matvec
-                formats._q4_0_words_matvec = mv
-                try:
-                    return fn(x, ids)
-                finally:
-                    formats._q4_0_words_matvec = was
-
-            return run
-
-        xla_variants.append(("xla words i2f", converting(xla_as(True))))
-
-        def setting(fn, module, name, n):  # fn traced with module.name set to n
+        def setting(fn, module, name, value):  # fn traced with module.name set to value
             def run(x, ids):
                 was = getattr(module, name)
-                setattr(module, name, n)
+                setattr(module, name, value)
                 try:
                     return fn(x, ids)
                 finally:
@@ -241,11 +220,13 @@ def main() -> None:
 
             return run
 
+        converting = lambda c, minus=0.0: c.astype(jnp.float32) - minus  # noqa: E731  (as before formats.small_ints)
+        xla_variants.append(("xla words i2f", setting(xla_as(True), formats, "small_ints", converting)))
         xla_variants += [(f"xla words down/{n}", setting(xla_as(True), routed, "DOWN_GROUPS", n)) for n in (1, 2, 4, 8)]
         xla_variants += [(f"xla words parts/{n}", setting(xla_as(True), formats, "WORD_PARTS", n)) for n in (2, 4, 8)]
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
                          ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
-            xla_variants.append((f"xla words {name}", swapped(xla_as(True), mv)))
+            xla_variants.append((f"xla words {name}", setting(xla_as(True), formats, "_q4_0_words_matvec", mv)))
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
     ]
