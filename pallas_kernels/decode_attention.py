@@ -82,6 +82,7 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
     h = hs // (pl.num_programs(1) // K)  # the kv head
     q_ref, v_ref = r["q"], r["v"]
     hd, dv = q_ref.shape[1], v_ref.shape[1]
+    e = jnp.arange(dv, dtype=jnp.int32)
     lo = j * SPAN
     hi = jnp.minimum(lo + SPAN, r["limit"][b])
     if fresh is None:  # each key pool's columns (q's next ones meet them)
@@ -95,14 +96,13 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
         sc = jnp.minimum(s, S - 1)
         row = base + (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [(layers·)pages·page·K, hd] pools
         ok = (s < hi) & (r["mask"][b, sc] != 0)
-        v = v_ref[row[:, None], jnp.arange(dv, dtype=jnp.int32)[None, :]]
+        v = v_ref[row[:, None], e[None, :]]
         return ok, v, tuple(r[pool][row[:, None], c[None, :]] for pool, c in cols)
 
     ahead = load(0) if PREFETCH else ()  # in flight while q is made ready
     H = pl.num_programs(1) * G  # G: the query heads of one program
     g = jnp.minimum(jnp.arange(Gp, dtype=jnp.int32), G - 1)  # rows past G repeat the last head (never kept)
     qrows = (b * H + hs * G + g)[:, None]
-    e = jnp.arange(dv, dtype=jnp.int32)
     if fresh is None:  # q as it is, its columns in parts against the key pools' rows: queries [Gp, n] a part
         starts = [sum(w for _, w in keys[:i]) for i in range(len(keys))]
         qs = [q_ref[qrows, (at + c)[None, :]] for at, (_, c) in zip(starts, cols)]

@@ -78,7 +78,7 @@ def _ranked(v, alive, K: int, Kp: int, gather=None):
     return pick(e), pick(v), None if gather is None else pick(gather)
 
 
-def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw):
+def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw, ranked):
     logits_ref, *rest = refs
     bias_ref = rest.pop(0) if has_bias else None
     draw_refs = [rest.pop(0) for _ in range(draw[1])] if draw else []
@@ -96,7 +96,7 @@ def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw):
     else:
         s = 1.0 / (1.0 + jnp.exp(-x))
     v = s + bias_ref[col] if has_bias else s
-    largest = _ranked if RANKED and Ep <= RANKED_MAX else _largest
+    largest = _ranked if ranked else _largest
     ids, _, w = largest(v, real, K, Kp, gather=jnp.where(real, s, 0.0))
     if norm:
         w = w / (jnp.sum(w) + (1e-20 if scoring == "sigmoid" else 0.0))
@@ -135,8 +135,9 @@ def route(logits_TE, k: int, *, scoring: str = "softmax", norm: bool = True, sca
     ins = [logits_TE] + ([bias_E.astype(jnp.float32)] if bias_E is not None else [])
     if draw is not None:
         ins += list(draw[1])
+    ranked = RANKED and pl.next_power_of_2(E) <= RANKED_MAX
     kernel = functools.partial(_route_kernel, E=E, K=k, scoring=scoring, norm=norm, scale=float(scale), has_bias=bias_E is not None,
-                               draw=None if draw is None else (draw[0], len(draw[1])))  # fmt: skip
+                               draw=None if draw is None else (draw[0], len(draw[1])), ranked=ranked)  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     ids, w = pl.pallas_call(
         kernel,
@@ -145,7 +146,7 @@ def route(logits_TE, k: int, *, scoring: str = "softmax", norm: bool = True, sca
         out_specs=[any_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((T, Kp), jnp.int32), jax.ShapeDtypeStruct((T, Kp), jnp.float32)],
         name="route_topk",
-        **call_params(interpret, RANKED_WARPS if RANKED and pl.next_power_of_2(E) <= RANKED_MAX and num_warps == NUM_WARPS else num_warps),
+        **call_params(interpret, RANKED_WARPS if ranked and num_warps == NUM_WARPS else num_warps),
     )(*ins)
     return (ids, w) if Kp == k else (ids[:, :k], w[:, :k])
 
