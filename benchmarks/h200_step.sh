@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|ranked|xflags|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|xflags|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -30,20 +30,17 @@
 #            fused / kernel / xla, or those ATTN lists; fused and hybrid at one q, Q or 0.45, the same machine);
 #   aprofile: the fused step's kernels under the profiler with each;
 #   aload:   fused q4_0 decode at 16 and 4096 positions, and the step's attention kernel in the profile, for
-#            each "BLOCK,PREFETCH" of ALOAD (64,False 64,True 128,False 128,True): the entries the attention
-#            kernel's loop reads a pass, and whether it loads each block one pass ahead (decode_attention.BLOCK
-#            and PREFETCH, set in this copy of the tree);
+#            each BLOCK of ALOAD (64 128): the entries the attention kernel's loop reads a pass
+#            (decode_attention.BLOCK, set in this copy of the tree);
 #   words:   one layer's q4_0 experts as XLA reads them (words, the pairs' sum folded), the engine's
 #            matvec beside the variants of benchmarks/bench_expert_kernels.py, each kernel's device
 #            time; then fused decode rows and the step's profile alternating this tree's
 #            formats.py and PREV's (.llamacpp/formats_prev.py: WORDS, head prev head prev);
 #   splits:  the experts' reductions split into more, shorter ones: decode's down projection summing a
 #            token's pairs in routed.DOWN_GROUPS groups, each q4_0 words row reduced in formats.WORD_PARTS
-#            parts (set in this copy of the tree): the microbenchmark's `xla words down/n` and `parts/n`,
+#            parts (set in this copy of the tree): the microbenchmark's `xla words down/1`, `down/2` and `parts/2`,
 #            then fused decode rows and the step's profile for each "groups,parts" of SPLITS
-#            (1,1 2,1 1,2 2,2);
-#   ranked:  fused decode rows and the step's profile with the router's choice one entry at a time and by
-#            ranks (route_topk.RANKED, set in this copy of the tree), for each of RANKED (False True False True);
+#            (1,1 2,1 1,2 1,1);
 #   xflags:  the engine's experts microbenchmark (`xla words down/1`) and a fused decode row with XLA's defaults,
 #            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
@@ -104,20 +101,19 @@ for what in "$@"; do
         echo "== profile, FREETOKEN_DECODE_ATTENTION=$impl"
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;
-    aload) for bp in ${ALOAD:-64,False 64,True 128,False 128,True}; do
-        set_consts pallas_kernels/decode_attention.py "BLOCK=${bp%,*} PREFETCH=${bp#*,}"
-        fused_row aload_${bp/,/_}_16 decode_attention; fused_row aload_${bp/,/_}_4096 "" --prompt-len 4096
+    aload) for blk in ${ALOAD:-64 128}; do
+        set_consts pallas_kernels/decode_attention.py "BLOCK=$blk"
+        fused_row aload_${blk}_16 decode_attention; fused_row aload_${blk}_4096 "" --prompt-len 4096
       done; restore ;;
     words) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12
       for how in ${WORDS:-head prev head prev}; do restore; [ $how = prev ] && keep freetoken_jax/quant/formats.py && cp ${PREV:-.llamacpp/formats_prev.py} freetoken_jax/quant/formats.py
         echo "== formats.py of $how"; fused_row words_$how "input_reduce|loop_"
       done; restore ;;
-    splits) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/ parts/ 2>&1 | grep -v -i warn | tail -16
-      for dp in ${SPLITS:-1,1 2,1 1,2 2,2}; do
+    splits) timeout -k 10 240 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/1 down/2 parts/2 2>&1 | grep -v -i warn | tail -8
+      for dp in ${SPLITS:-1,1 2,1 1,2 1,1}; do
         set_consts freetoken_jax/models/routed.py "DOWN_GROUPS=${dp%,*}"; set_consts freetoken_jax/quant/formats.py "WORD_PARTS=${dp#*,}"
         fused_row splits_${dp/,/_} "input_reduce|loop_"
       done; restore ;;
-    ranked) for r in ${RANKED:-False True False True}; do set_consts pallas_kernels/route_topk.py "RANKED=$r"; fused_row ranked_$r route_topk; done; restore ;;
     xflags) for f in "" ${XFLAGS:---xla_gpu_experimental_enable_fusion_block_level_rewriter=true --xla_gpu_experimental_max_unroll_factor=8}; do
         echo "== XLA_FLAGS=$f"; n=$((${n:-0} + 1))
         XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/1 2>&1 | grep -v -i warn | tail -2
@@ -148,5 +144,5 @@ for what in "$@"; do
           --strategy offload --expert-impl $impl --json "$OUT/prefill_$impl.json" 2>&1 | grep -v "it/s\]" | tail -6
       done ;;
   esac
-done
+done 2>&1 | tee -a "$OUT/h200_step.txt"  # (kept whole: a call cut off at its limit loses the tail it pipes)
 rm -f "$OUT"/*.hlo.txt

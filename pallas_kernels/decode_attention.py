@@ -14,11 +14,9 @@ the values' matmul); here one program per (row, kv head, span of `SPAN` entries)
 entries in blocks of `BLOCK` with a running softmax (the G query heads of a kv head at once, as
 rows of a [Gp, hd] matmul padded to Gp ≥ 16 rows), reads each key and value once from the pages
 in place, and stops after the row's last unmasked entry (`limits`), so that a step's cost follows
-the positions it reads rather than the table's width. With `PREFETCH` a program issues its
-first block's loads before it makes its queries ready and each next block's before the current
-block's math, holding two blocks at once (off by default: not measured on a GPU yet). A table
-wider than one span gives each row several programs whose partial sums are combined in jnp. A kv
-head with more than `MAX_HEADS` query heads shares them among programs (`head_splits`).
+the positions it reads rather than the table's width. A table wider than one span gives each row
+several programs whose partial sums are combined in jnp. A kv head with more than `MAX_HEADS`
+query heads shares them among programs (`head_splits`).
 
 A key may be kept in parts, each in a pool of its own (`k_pages` a tuple; q's columns meet them in
 order): MLA decoding in the latent space is one kv head whose key is the cached latent beside
@@ -52,7 +50,6 @@ from pallas_kernels import call_params, rows_of, value
 BLOCK = 64  # entries a step of a program's loop reads
 SPAN = 512  # entries a program covers at most
 NUM_WARPS = 4
-PREFETCH = False  # a program loads its first block before its queries are ready, and each next block before the current one's math
 NEG = -1e30  # a masked score (finite: a row with nothing to read stays finite)
 MAX_HEADS = 32  # query heads a program takes at most (`head_splits`)
 
@@ -82,32 +79,19 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
     h = hs // (pl.num_programs(1) // K)  # the kv head
     q_ref, v_ref = r["q"], r["v"]
     hd, dv = q_ref.shape[1], v_ref.shape[1]
-    e = jnp.arange(dv, dtype=jnp.int32)
-    lo = j * SPAN
-    hi = jnp.minimum(lo + SPAN, r["limit"][b])
-    if fresh is None:  # each key pool's columns (q's next ones meet them)
-        cols = [(name, jnp.arange(width, dtype=jnp.int32)) for name, width in keys]
-    else:  # the stored halves (the rotated halves of q meet them)
-        half = jnp.arange(hd // 2, dtype=jnp.int32)
-        cols = [("k", half), ("k", half + hd // 2)]
-
-    def load(i):  # block i of the span: which entries count, their values [BLOCK, dv] and keys (a part a pool)
-        s = lo + i * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
-        sc = jnp.minimum(s, S - 1)
-        row = base + (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [(layers·)pages·page·K, hd] pools
-        ok = (s < hi) & (r["mask"][b, sc] != 0)
-        v = v_ref[row[:, None], e[None, :]]
-        return ok, v, tuple(r[pool][row[:, None], c[None, :]] for pool, c in cols)
-
-    ahead = load(0) if PREFETCH else ()  # in flight while q is made ready
     H = pl.num_programs(1) * G  # G: the query heads of one program
     g = jnp.minimum(jnp.arange(Gp, dtype=jnp.int32), G - 1)  # rows past G repeat the last head (never kept)
     qrows = (b * H + hs * G + g)[:, None]
-    if fresh is None:  # q as it is, its columns in parts against the key pools' rows: queries [Gp, n] a part
-        starts = [sum(w for _, w in keys[:i]) for i in range(len(keys))]
-        qs = [q_ref[qrows, (at + c)[None, :]] for at, (_, c) in zip(starts, cols)]
+    e = jnp.arange(dv, dtype=jnp.int32)
+    if fresh is None:  # q as it is, its columns in parts against the key pools' rows
+        pieces, at = [], 0
+        for name, width in keys:
+            d = jnp.arange(width, dtype=jnp.int32)
+            pieces.append((q_ref[qrows, (at + d)[None, :]], name, d))  # (queries [Gp, n], their pool, its columns)
+            at += width
     else:  # q and this step's key normed and rotated here: rotated halves meet the stored halves
-        stored = (cols[0][1], cols[1][1])
+        half = jnp.arange(hd // 2, dtype=jnp.int32)
+        stored = (half, half + hd // 2)
         raw = (2 * half, 2 * half + 1) if fresh == "interleave" else stored
 
         def rotate(load, name):  # the two rotated halves of raw rows `load(columns)`, f32
@@ -120,7 +104,8 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
             cos, sin = r["cos"][b, half], r["sin"][b, half]
             return (x1 * cos - x2 * sin).astype(q_ref.dtype), (x2 * cos + x1 * sin).astype(q_ref.dtype)
 
-        qs = rotate(lambda c: q_ref[qrows, c[None, :]], "q_norm")
+        q1, q2 = rotate(lambda c: q_ref[qrows, c[None, :]], "q_norm")
+        pieces = [(q1, "k", stored[0]), (q2, "k", stored[1])]
         kn = rotate(lambda c: r["k_new"][b * K + h, c], "k_norm")  # two [hd/2]
         vn = r["v_new"][b * K + h, e]
         wrow = base + (r["write_page"][b] * page + r["write_off"][b]) * K + h
@@ -132,6 +117,8 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
             r["v_out"][wrow, e] = vn.astype(r["v_out"].dtype)
 
         me = r["self"][b]  # the entry's place in the table's order (-1: none)
+    lo = j * SPAN
+    hi = jnp.minimum(lo + SPAN, r["limit"][b])
     blocks = jnp.maximum(hi - lo + BLOCK - 1, 0) // BLOCK
     first = jnp.full((Gp,), j, jnp.int32) == 0
     m0, l0 = jnp.full((Gp,), NEG, jnp.float32), jnp.zeros((Gp,), jnp.float32)
@@ -141,7 +128,7 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
     acc0 = jnp.zeros((Gp, dv), jnp.float32)
     if fresh is not None:  # the first span folds in this step's entry
         own = first & (me >= 0) & (r["mask"][b, jnp.maximum(me, 0)] != 0)
-        sc = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) for q, k in zip(qs, kn)) * scale
+        sc = sum(jnp.sum(q.astype(jnp.float32) * k.astype(jnp.float32)[None, :], axis=1) for (q, _, _), k in zip(pieces, kn)) * scale
         new = jnp.where(own, jnp.maximum(m0, sc), m0)
         p = jnp.where(own, jnp.exp(sc - new), 0.0)
         l0 = l0 * jnp.where(own, jnp.exp(m0 - new), 1.0) + p
@@ -149,22 +136,27 @@ def _kernel(*refs, names, keys, page, S, K, G, Gp, scale, direct, fresh, eps, ba
         m0 = new
 
     def body(i, carry):
-        m, l, acc, ahead = carry
-        (ok, v, ks), ahead = (ahead, load(i + 1)) if PREFETCH else (load(i), ahead)  # with PREFETCH: the next block in flight
+        m, l, acc = carry
+        s = lo + i * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32)
+        sc = jnp.minimum(s, S - 1)
+        row = base + (r["table"][b, sc // page] * page + sc % page) * K + h  # each entry's row of the [(layers·)pages·page·K, hd] pools
+        ok = (s < hi) & (r["mask"][b, sc] != 0)
         if fresh is not None:
-            ok = ok & (lo + i * BLOCK + jnp.arange(BLOCK, dtype=jnp.int32) != me)
+            ok = ok & (s != me)
+        v = v_ref[row[:, None], e[None, :]]  # [BLOCK, dv]
         v = jnp.where(ok[:, None], v, jnp.zeros_like(v))  # a masked entry adds 0, whatever its page holds
         scores = sum(
-            jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) for q, k in zip(qs, ks)
+            jax.lax.dot_general(q, r[pool][row[:, None], c[None, :]], (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            for q, pool, c in pieces
         )  # [Gp, BLOCK]
         scores = jnp.where(ok[None, :], scores * scale, NEG)
         new = jnp.maximum(m, jnp.max(scores, axis=1))
         p = jnp.exp(scores - new[:, None])
         corr = jnp.exp(m - new)
         pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv, ahead
+        return new, l * corr + jnp.sum(p, axis=1), acc * corr[:, None] + pv
 
-    m, l, acc, _ = jax.lax.fori_loop(0, blocks, body, (m0, l0, acc0, ahead))
+    m, l, acc = jax.lax.fori_loop(0, blocks, body, (m0, l0, acc0))
     o_ref = r["o"]
     if direct:  # one span: the output itself (a row with nothing to read gets zeros)
         o_ref[qrows, e[None, :]] = jnp.where(l[:, None] > 0, acc / l[:, None], 0.0).astype(o_ref.dtype)

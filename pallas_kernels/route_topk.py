@@ -34,9 +34,6 @@ from jax.experimental import pallas as pl
 from pallas_kernels import call_params
 
 NUM_WARPS = 1
-RANKED = False  # the router's choice by `_ranked` (rows of at most RANKED_MAX entries, RANKED_WARPS warps a program)
-RANKED_MAX = 128
-RANKED_WARPS = 4
 
 
 def _largest(v, alive, K: int, Kp: int, gather=None):
@@ -59,26 +56,7 @@ def _largest(v, alive, K: int, Kp: int, gather=None):
     return ids, vals, got
 
 
-def _ranked(v, alive, K: int, Kp: int, gather=None):
-    """`_largest` by ranks, for K at most the entries alive (the router's: every real expert):
-    each entry's place in the order (larger first, ties to the lower index, entries not alive
-    last) counted against every other entry at once, then slot j takes the entry of rank j —
-    n² comparisons instead of a chain of 2K reductions (`RANKED`)."""
-    n = v.shape[0]
-    e = jnp.arange(n, dtype=jnp.int32)
-    u, a = v[:, None], v[None, :]  # [i, j]: does entry j come before entry i?
-    ahead = (a > u) | ((a == u) & (e[None, :] < e[:, None]))
-    rank = jnp.sum((alive[None, :] & (ahead | ~alive[:, None])).astype(jnp.int32), axis=1)  # (an entry not alive: K or more)
-    slot = jnp.arange(Kp, dtype=jnp.int32)
-    at = (rank[None, :] == slot[:, None]) & (slot < K)[:, None]  # [slot, entry]: one entry a slot below K, none past it
-
-    def pick(x):
-        return jnp.sum(jnp.where(at, x[None, :], jnp.zeros((), x.dtype)), axis=1)
-
-    return pick(e), pick(v), None if gather is None else pick(gather)
-
-
-def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw, ranked):
+def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw):
     logits_ref, *rest = refs
     bias_ref = rest.pop(0) if has_bias else None
     draw_refs = [rest.pop(0) for _ in range(draw[1])] if draw else []
@@ -96,8 +74,7 @@ def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw, ranked):
     else:
         s = 1.0 / (1.0 + jnp.exp(-x))
     v = s + bias_ref[col] if has_bias else s
-    largest = _ranked if ranked else _largest
-    ids, _, w = largest(v, real, K, Kp, gather=jnp.where(real, s, 0.0))
+    ids, _, w = _largest(v, real, K, Kp, gather=jnp.where(real, s, 0.0))
     if norm:
         w = w / (jnp.sum(w) + (1e-20 if scoring == "sigmoid" else 0.0))
     slot = jnp.arange(Kp, dtype=jnp.int32)
@@ -105,7 +82,7 @@ def _route_kernel(*refs, E, K, scoring, norm, scale, has_bias, draw, ranked):
     if draw:
         first = jnp.sum(jnp.where(slot == 0, w, 0.0))
         scores = jnp.where(jnp.isnan(first), -jnp.inf, draw[0](t, e, *draw_refs))
-        ids, _, _ = largest(scores, real, K, Kp)
+        ids, _, _ = _largest(scores, real, K, Kp)
     ids_ref[t, slot] = jnp.minimum(ids, E - 1)  # (a NaN row matches nothing)
     w_ref[t, slot] = w
 
@@ -135,9 +112,8 @@ def route(logits_TE, k: int, *, scoring: str = "softmax", norm: bool = True, sca
     ins = [logits_TE] + ([bias_E.astype(jnp.float32)] if bias_E is not None else [])
     if draw is not None:
         ins += list(draw[1])
-    ranked = RANKED and pl.next_power_of_2(E) <= RANKED_MAX
     kernel = functools.partial(_route_kernel, E=E, K=k, scoring=scoring, norm=norm, scale=float(scale), has_bias=bias_E is not None,
-                               draw=None if draw is None else (draw[0], len(draw[1])), ranked=ranked)  # fmt: skip
+                               draw=None if draw is None else (draw[0], len(draw[1])))  # fmt: skip
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     ids, w = pl.pallas_call(
         kernel,
@@ -146,7 +122,7 @@ def route(logits_TE, k: int, *, scoring: str = "softmax", norm: bool = True, sca
         out_specs=[any_spec] * 2,
         out_shape=[jax.ShapeDtypeStruct((T, Kp), jnp.int32), jax.ShapeDtypeStruct((T, Kp), jnp.float32)],
         name="route_topk",
-        **call_params(interpret, RANKED_WARPS if ranked and num_warps == NUM_WARPS else num_warps),
+        **call_params(interpret, num_warps),
     )(*ins)
     return (ids, w) if Kp == k else (ids[:, :k], w[:, :k])
 

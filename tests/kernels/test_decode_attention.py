@@ -14,13 +14,11 @@ from pallas_kernels import decode_attention
 from pallas_kernels.decode_attention import Fresh, attention, attention_ref, fits, fresh_fits, limits
 
 
-@pytest.fixture(params=[(False, 64), (True, 16)], ids=["inline", "prefetch"])
-def prefetch(request, monkeypatch):
-    """Each block's keys and values loaded where they are used, or one block ahead
-    (`decode_attention.PREFETCH`), in blocks of 16 entries: spans of several blocks."""
-    monkeypatch.setattr(decode_attention, "PREFETCH", request.param[0])
-    monkeypatch.setattr(decode_attention, "BLOCK", request.param[1])
-    return request.param[0]
+@pytest.fixture(params=[64, 16], ids=["block64", "block16"])
+def block(request, monkeypatch):
+    """The kernel's loop over blocks of 64 entries (the default), or of 16: spans of several blocks."""
+    monkeypatch.setattr(decode_attention, "BLOCK", request.param)
+    return request.param
 
 
 def _case(rng, B, H, K, hd, dv, page, P, kind):
@@ -74,7 +72,7 @@ CASES = [  # B, H, K, hd, dv, page, P, mask kind, sinks
 
 
 @pytest.mark.parametrize("B,H,K,hd,dv,page,P,kind,sinks", CASES)
-def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, sinks, monkeypatch, prefetch):
+def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, sinks, monkeypatch, block):
     monkeypatch.setattr(decode_attention, "SPAN", 64)  # tables over 64 entries run the spans' combine
     rng = np.random.default_rng(B * 1000 + H * 10 + P)
     q, k, v, table, mask = _case(rng, B, H, K, hd, dv, page, P, kind)
@@ -100,7 +98,7 @@ def test_kernel_matches_float64_and_reference(B, H, K, hd, dv, page, P, kind, si
         (1, 48, 16, 16, 4, 5, "prefix", 512),  # heads that 32 does not divide: two programs of 24
     ],
 )
-def test_key_in_pools_of_its_own_mla(B, H, R, r, page, P, kind, span, monkeypatch, prefetch):
+def test_key_in_pools_of_its_own_mla(B, H, R, r, page, P, kind, span, monkeypatch, block):
     """MLA decode in the latent space: one kv head whose key is the cached latent [R] beside the
     rotated shared key [r], each in a pool of its own, and whose value is the latent itself —
     against float64 and the reference, query heads shared by `head_splits` programs."""
@@ -131,7 +129,7 @@ FRESH = [  # B, H, K, hd, page, P, sinks, interleave, norms, span, dtype
 
 
 @pytest.mark.parametrize("B,H,K,hd,page,P,sinks,interleave,norms,span,dtype", FRESH)
-def test_fresh_token_normed_rotated_stored_and_attended(B, H, K, hd, page, P, sinks, interleave, norms, span, dtype, monkeypatch, prefetch):
+def test_fresh_token_normed_rotated_stored_and_attended(B, H, K, hd, page, P, sinks, interleave, norms, span, dtype, monkeypatch, block):
     """`fresh`: the kernel norms and rotates q and this step's key, stores key and value, and
     attends to them from registers — against the reference (norms, rotation and page writes in
     jnp first). Row 1 (of several) writes nothing (page 0, and a mask without its own entry)."""
@@ -160,7 +158,7 @@ def test_fresh_token_normed_rotated_stored_and_attended(B, H, K, hd, page, P, si
 
 
 @pytest.mark.parametrize("L,layer,fresh_token", [(3, 1, False), (4, 3, True), (2, 0, True), (1, 0, False)])
-def test_stacked_pools_read_and_write_their_layer(L, layer, fresh_token, monkeypatch, prefetch):
+def test_stacked_pools_read_and_write_their_layer(L, layer, fresh_token, monkeypatch, block):
     """Pools stacked `[L, N, page, K, d]` (the cache's groups): the kernel reads pool `layer`, as
     it reads that pool alone (bit for bit) and as the reference does; with `fresh`, it writes that
     pool's entry and leaves every other layer's pool as it was."""
@@ -242,7 +240,7 @@ def test_masked_entries_add_nothing():
 
 
 @pytest.mark.parametrize("S,sinks", [(256, False), (2048, True)])
-def test_lowers_to_triton(S, sinks, prefetch):
+def test_lowers_to_triton(S, sinks):
     """The kernel lowers to one Triton call for CUDA (one span, and four with their combine)."""
     B, H, K, hd, page = 1, 32, 4, 128, 16
     P, N = S // page, S // page + 1
@@ -257,7 +255,7 @@ def test_lowers_to_triton(S, sinks, prefetch):
     assert text.count("__gpu$xla.gpu.triton") == 1 and "decode_attention" in text
 
 
-def test_mla_lowers_to_triton(prefetch):
+def test_mla_lowers_to_triton():
     """DeepSeek-V3's latent decode (128 heads, latent 512, rotated key 64) in one Triton call."""
     B, H, R, r, page, S = 1, 128, 512, 64, 16, 2048
     P, N = S // page, S // page + 1
@@ -270,7 +268,7 @@ def test_mla_lowers_to_triton(prefetch):
 
 
 @pytest.mark.parametrize("layers", [None, 48])
-def test_fresh_lowers_to_triton(layers, prefetch):
+def test_fresh_lowers_to_triton(layers):
     """The fused kernel in one Triton call, over one layer's pools or pools stacked over 48 layers."""
     B, H, K, hd, page, S = 2, 32, 4, 128, 16, 1024
     P, N = S // page, 2 * S // page + 1

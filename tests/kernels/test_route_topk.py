@@ -10,19 +10,9 @@ import pytest
 from helpers import check_kernel_choice
 from jax import export
 
-from pallas_kernels import route_topk
 from pallas_kernels.route_topk import route, route_ref, top_k, top_k_ref
 
 INTERPRET = jax.default_backend() == "cpu"
-
-
-@pytest.fixture(params=[False, True], ids=["loop", "ranked"])
-def ranked(request, monkeypatch):
-    """The router's choice one entry at a time, or by ranks (`route_topk.RANKED`, rows of 256
-    included)."""
-    monkeypatch.setattr(route_topk, "RANKED", request.param)
-    monkeypatch.setattr(route_topk, "RANKED_MAX", 256)
-    return request.param
 
 
 def _float64(logits, ids, scoring, norm, scale):
@@ -50,7 +40,7 @@ def _float64(logits, ids, scoring, norm, scale):
         (17, 256, 8, "softmax", True, True, 1.0),
     ],
 )
-def test_matches_reference_and_float64(T, E, k, scoring, norm, bias, scale, ranked):
+def test_matches_reference_and_float64(T, E, k, scoring, norm, bias, scale):
     rng = np.random.default_rng(T * E + k)
     logits = (rng.standard_normal((T, E)) * 3).astype(np.float32)
     b = (rng.standard_normal(E) * 0.5).astype(np.float32) if bias else None
@@ -67,7 +57,7 @@ def test_matches_reference_and_float64(T, E, k, scoring, norm, bias, scale, rank
 
 
 @pytest.mark.parametrize("T,E,k,scoring", [(1, 128, 8, "softmax"), (5, 60, 4, "softmax"), (3, 8, 2, "sigmoid"), (17, 256, 8, "softmax")])
-def test_a_draw_replaces_the_ids_and_keeps_the_weights(T, E, k, scoring, ranked):
+def test_a_draw_replaces_the_ids_and_keeps_the_weights(T, E, k, scoring):
     """`draw=(scores, arrays)`: ids the k largest of the scores the function reads from its
     arrays (here a [T, E] table, ties from a short range going to the lower index), weights the
     router's; a row whose first weight is NaN (its logits NaN) takes ids 0..k-1."""
@@ -84,7 +74,7 @@ def test_a_draw_replaces_the_ids_and_keeps_the_weights(T, E, k, scoring, ranked)
     np.testing.assert_array_equal(np.asarray(ids), want)
 
 
-def test_ties_go_to_the_lower_index(ranked):
+def test_ties_go_to_the_lower_index():
     """Equal scores: the lower index first, as `lax.top_k` orders them; a row of equal logits
     chooses experts 0..k-1 with equal weights."""
     logits = np.array([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0, 2.0, 0.0], [0.0] * 8], np.float32)
@@ -122,7 +112,7 @@ def test_bad_arguments_raise():
         top_k(jnp.zeros((1, 64)), 17, interpret=True)
 
 
-def test_lowers_to_one_triton_call(ranked):
+def test_lowers_to_one_triton_call():
     exp = export.export(
         jax.jit(lambda x: route(x, 6, scoring="sigmoid", bias_E=jnp.zeros(128))),
         platforms=["cuda"],
