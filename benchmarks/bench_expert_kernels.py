@@ -8,14 +8,12 @@ each code made a float by an integer-to-float conversion instead of by its bits 
 i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
 alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
 mantissa of 1.0 so that a weight is one multiply-add, the x side made apart (`xla words ones`,
-`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`); and the down
-projection's pairs summed in 1 (the default), 2, 4 or 8 groups (`xla words down/n`:
-`routed.DOWN_GROUPS`), and each row of the words reduced in 2, 4 or 8 parts (`xla words
-parts/n`: `formats.WORD_PARTS`) — more, shorter reductions. (q4_0 rows with the codes apart from the
-scales: benchmarks/probe_split_q4.py.)
+`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`). (More, shorter
+reductions — the down projection's pairs summed in groups, each row of words in parts — lost too,
+thirteenth session; q4_0 rows with the codes apart from the scales: benchmarks/probe_split_q4.py.)
 
     python benchmarks/bench_expert_kernels.py [--format q4_0|mxfp4] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048] [--steps 64]
-        [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"]
+        [--rows 1 2 4 8] [--warps 2 4 8] [--only words "xla words"] [--exact]
 
 Each variant runs `steps` layers in one jitted function (the loop unrolled: as a GPU loop each
 iteration cost about 20-40 µs whatever it read, benchmarks/RESULTS.md), every layer's output feeding the next
@@ -40,7 +38,6 @@ import numpy as np
 from bench_norm_matvec import device_times
 
 from freetoken_jax.config import ACTIVATIONS
-from freetoken_jax.models import routed
 from freetoken_jax.models.routed import routed_experts
 from freetoken_jax.quant import formats
 from freetoken_jax.quant.formats import get_format
@@ -161,6 +158,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--only", nargs="+", default=None, help="time only the variants whose names contain one of these (e.g. words)")
+    ap.add_argument("--exact", action="store_true", help="--only names whole variants (`--only 'xla words' --exact`: the engine's alone)")
     ap.add_argument("--hlo", help="a folder: write each XLA variant's optimized HLO (one layer) there and count its kernels")
     a = ap.parse_args()
     E, K, F, D = a.experts, a.k, a.ffn, a.hidden
@@ -222,8 +220,6 @@ def main() -> None:
 
         converting = lambda c, minus=0.0: c.astype(jnp.float32) - minus  # noqa: E731  (as before formats.small_ints)
         xla_variants.append(("xla words i2f", setting(xla_as(True), formats, "small_ints", converting)))
-        xla_variants += [(f"xla words down/{n}", setting(xla_as(True), routed, "DOWN_GROUPS", n)) for n in (1, 2, 4, 8)]
-        xla_variants += [(f"xla words parts/{n}", setting(xla_as(True), formats, "WORD_PARTS", n)) for n in (2, 4, 8)]
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
                          ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
             xla_variants.append((f"xla words {name}", setting(xla_as(True), formats, "_q4_0_words_matvec", mv)))
@@ -235,7 +231,7 @@ def main() -> None:
             (f"words rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw, slots=words)) for r in a.rows for nw in a.warps
         ]
     if a.only:
-        variants = [(n, f) for n, f in variants if any(o in n for o in a.only)]
+        variants = [(n, f) for n, f in variants if any(o == n if a.exact else o in n for o in a.only)]
     time_variants(variants, x0, one, ref, nbytes, a.steps, K, E)
 
 

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|splits|xflags|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -36,12 +36,7 @@
 #            matvec beside the variants of benchmarks/bench_expert_kernels.py, each kernel's device
 #            time; then fused decode rows and the step's profile alternating this tree's
 #            formats.py and PREV's (.llamacpp/formats_prev.py: WORDS, head prev head prev);
-#   splits:  the experts' reductions split into more, shorter ones: decode's down projection summing a
-#            token's pairs in routed.DOWN_GROUPS groups, each q4_0 words row reduced in formats.WORD_PARTS
-#            parts (set in this copy of the tree): the microbenchmark's `xla words down/1`, `down/2` and `parts/2`,
-#            then fused decode rows and the step's profile for each "groups,parts" of SPLITS
-#            (1,1 2,1 1,2 1,1);
-#   xflags:  the engine's experts microbenchmark (`xla words down/1`) and a fused decode row with XLA's defaults,
+#   xflags:  the engine's experts microbenchmark (`xla words`) and a fused decode row with XLA's defaults,
 #            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
@@ -109,14 +104,9 @@ for what in "$@"; do
       for how in ${WORDS:-head prev head prev}; do restore; [ $how = prev ] && keep freetoken_jax/quant/formats.py && cp ${PREV:-.llamacpp/formats_prev.py} freetoken_jax/quant/formats.py
         echo "== formats.py of $how"; fused_row words_$how "input_reduce|loop_"
       done; restore ;;
-    splits) timeout -k 10 240 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/1 down/2 parts/2 2>&1 | grep -v -i warn | tail -8
-      for dp in ${SPLITS:-1,1 2,1 1,2 1,1}; do
-        set_consts freetoken_jax/models/routed.py "DOWN_GROUPS=${dp%,*}"; set_consts freetoken_jax/quant/formats.py "WORD_PARTS=${dp#*,}"
-        fused_row splits_${dp/,/_} "input_reduce|loop_"
-      done; restore ;;
     xflags) for f in "" ${XFLAGS:---xla_gpu_experimental_enable_fusion_block_level_rewriter=true --xla_gpu_experimental_max_unroll_factor=8}; do
         echo "== XLA_FLAGS=$f"; n=$((${n:-0} + 1))
-        XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only down/1 2>&1 | grep -v -i warn | tail -2
+        XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" --exact 2>&1 | grep -v -i warn | tail -2
         XLA_FLAGS="$f" fused_row xflags_$n ""
       done ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9

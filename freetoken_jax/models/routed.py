@@ -160,12 +160,6 @@ def kernel_fits(layout: ExpertLayout, bias=None) -> bool:
             and not layout.F % gathered_experts.BLOCK_ROWS and not layout.D % gathered_experts.BLOCK_ROWS)  # fmt: skip
 
 
-# Decode's down projection (`_gathered`) sums a token's K pairs inside its reduction in this many
-# groups of K / DOWN_GROUPS (1: one reduction over every pair's rows; more: more, shorter rows,
-# whose groups are added after), where K allows.
-DOWN_GROUPS = 1
-
-
 def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Array:
     # Written as multiply + reduce over the weights' contiguous rows so that XLA fuses the
     # gather (and the dequantization) into one reduction per projection: each chosen expert is
@@ -183,12 +177,9 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     # down rows of the K pairs and their sum are one reduction over (k, f): XLA fuses the sum
     # into the down projection's kernel (the fused q4_0 step of the Qwen3-30B-A3B shape on an
     # H200: one kernel a layer fewer and 2.0 µs less, benchmarks/RESULTS.md).
-    # DOWN_GROUPS > 1 sums the pairs in that many groups inside the reduction, then the groups.
     w = w_TK.astype(jnp.float32)[..., None]
     h = weighted(h, w).astype(dt)  # (an unrouted pair's slot holds this format's finite bytes)
-    G = DOWN_GROUPS if K % DOWN_GROUPS == 0 else 1
-    y = jnp.sum(layout.matvec(2, d, h).reshape(T, G, K // G, -1), axis=2)
-    y = sum((y[:, i] for i in range(1, G)), y[:, 0])  # the groups added elementwise (XLA fuses that into y's consumer)
+    y = jnp.sum(layout.matvec(2, d, h), axis=1)
     if bias is not None:
         y = y + jnp.sum(weighted(bd, w), axis=1)
     return y.astype(dt)

@@ -479,14 +479,7 @@ def _q4_0_words_matvec(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # [half, i, parity]: weight 16·half + 2i + parity
     code = lambda n: small_ints((q >> (4 * n)) & 15, 8.0)  # noqa: E731
     t = code(0) * xb[..., 0, :, 0] + code(1) * xb[..., 1, :, 0] + code(2) * xb[..., 0, :, 1] + code(3) * xb[..., 1, :, 1]
-    P = WORD_PARTS if nb % WORD_PARTS == 0 else 1
-    y = jnp.sum((s * t).reshape(*t.shape[:-2], P, nb // P, 8), axis=(-2, -1))
-    return sum((y[..., i] for i in range(1, P)), y[..., 0])  # the parts added elementwise (XLA fuses that into y's consumer)
-
-
-# `_q4_0_words_matvec` reduces each row in this many parts of its blocks (1: the whole row in one
-# reduction; more: more, shorter reductions, added after), where the row's blocks allow.
-WORD_PARTS = 1
+    return jnp.sum(s * t, axis=(-2, -1))
 
 
 _NIBBLES = {

@@ -41,31 +41,6 @@ def test_impls_match_reference(impl, T, K, E, D, F):
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
 
 
-@pytest.mark.parametrize("groups", [2, 4, 3])
-def test_gather_sums_the_down_pairs_in_groups(groups, monkeypatch):
-    """`routed.DOWN_GROUPS`: the down projection's pairs summed in groups (3 does not divide K = 4:
-    one group) give the float64 reference, with and without per-expert biases."""
-    from freetoken_jax.models import routed
-
-    monkeypatch.setattr(routed, "DOWN_GROUPS", groups)
-    rng = np.random.default_rng(groups)
-    T, K, E, D, F = 3, 4, 6, 24, 16
-    x = rng.standard_normal((T, D)).astype(np.float32)
-    gate, up = (rng.standard_normal((E, F, D)).astype(np.float32) * 0.3 for _ in range(2))
-    down = rng.standard_normal((E, D, F)).astype(np.float32) * 0.3
-    bias = tuple(rng.standard_normal((E, n)).astype(np.float32) for n in (F, F, D))
-    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32)
-    w = rng.random((T, K)).astype(np.float32)
-    w[1, 2] = 0.0  # an unrouted pair
-    layout = ExpertLayout(("bf16",) * 3, F, D, "silu")
-    banks = (jnp.asarray(gate), jnp.asarray(up), jnp.asarray(down))
-    for b in (None, bias):
-        pairs = None if b is None else routed.pair_biases(tuple(jnp.asarray(a) for a in b), jnp.asarray(ids))
-        got = jitted(routed_experts, jnp.asarray(x), jnp.asarray(ids), jnp.asarray(w), banks, layout, impl="gather", bias=pairs)
-        ref = reference(x, ids, w, gate, up, down, b)
-        assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
-
-
 def test_dense_in_token_slices_matches_one_piece(monkeypatch):
     from freetoken_jax.models import routed
 

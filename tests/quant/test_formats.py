@@ -10,7 +10,6 @@ import pytest
 from helpers import random_blocks
 
 from freetoken_jax.config import ConfigError, MoEModelConfig
-from freetoken_jax.quant import formats
 from freetoken_jax.quant.formats import E2M1, FORMATS, _e2m1, get_format, small_ints
 
 NAMES = sorted(FORMATS)
@@ -94,12 +93,10 @@ def test_e2m1_codes_made_floats_by_their_bits_equal_the_table():
     np.testing.assert_array_equal(np.signbit(got), np.arange(16) >= 8)  # code 8 is -0
 
 
-@pytest.mark.parametrize("parts", [1, 2, 4, 3])
-def test_q4_0_matvec_over_words_equals_float64(parts, monkeypatch):
+def test_q4_0_matvec_over_words_equals_float64():
     """q4_0 rows as 16-bit words (`Format.words`, how a GPU's decode reads them) give the float64
-    product as the bytes do, over every shape of the sweep, each row reduced whole or in `parts`
-    (`formats.WORD_PARTS`; 3 where the blocks allow); only q4_0 rows of an even length have words."""
-    monkeypatch.setattr(formats, "WORD_PARTS", parts)
+    product as the bytes do, over every shape of the sweep; only q4_0 rows of an even length
+    have words."""
     f = get_format("q4_0")
     rng = np.random.default_rng(4)
     for O, I in shapes("q4_0"):
