@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -51,8 +52,9 @@ def _ready(fn, args):
 
 def device_times(fn, args, reps: int) -> dict[str, float] | None:
     """Each kernel's device time in µs a call of fn, by kernel name (CUDA's profiler through torch,
-    as `profile_step.py` reads it); None off a GPU or without torch."""
-    if jax.default_backend() != "gpu":
+    as `profile_step.py` reads it); None off a GPU, without torch, or with BENCH_NO_PROFILER set
+    (under Nsight Compute, which holds the profiling interface itself)."""
+    if jax.default_backend() != "gpu" or os.environ.get("BENCH_NO_PROFILER"):
         return None
     try:
         import torch

@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|ncu|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -38,6 +38,10 @@
 #            formats.py and PREV's (.llamacpp/formats_prev.py: WORDS, head prev head prev);
 #   xflags:  the engine's experts microbenchmark (`xla words`) and a fused decode row with XLA's defaults,
 #            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
+#   ncu:     the engine's expert reductions (`bench_expert_kernels.py --only "xla words" --exact`, 2 layers a call)
+#            under Nsight Compute (`ncu --clock-control none`): NCU_N (4) launches of its reduce kernels after
+#            NCU_SKIP (20: past the reference's and the first calls'), with their speed of light, occupancy,
+#            launch shape, warp stalls and memory sections (what bounds them: $OUT/ncu.txt whole);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
@@ -109,6 +113,11 @@ for what in "$@"; do
         XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" --exact 2>&1 | grep -v -i warn | tail -2
         XLA_FLAGS="$f" fused_row xflags_$n ""
       done ;;
+    ncu) BENCH_NO_PROFILER=1 timeout -k 10 ${NCU_S:-400} ncu --clock-control none -k regex:input_reduce_fusion --launch-skip ${NCU_SKIP:-20} \
+        --launch-count ${NCU_N:-4} --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section MemoryWorkloadAnalysis python3 benchmarks/bench_expert_kernels.py --steps 2 --only "xla words" --exact > "$OUT/ncu.txt" 2>&1
+      echo "-- ncu rc=$?"; grep -E "input_reduce_fusion|Duration|Throughput|Occupancy|Registers Per|Block Size|Grid Size|Waves Per SM|Stall|Hit Rate|Mem Busy|Max Bandwidth|Issued|Eligible|One or More" \
+        "$OUT/ncu.txt" | cut -c1-150 | head -120 ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
       timeout 90 ${P/--no-profile/} --top 40 > "$OUT/prof_fused.log" 2>&1; grep -v "it/s\]" "$OUT/prof_fused.log" | cut -c1-160 | tail -46
       timeout 120 ${P/--no-profile/} --strategies hybrid --top 40 > "$OUT/prof_hybrid.log" 2>&1; grep -v "it/s\]" "$OUT/prof_hybrid.log" | cut -c1-160 | tail -46
