@@ -113,7 +113,8 @@ for what in "$@"; do
         XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" --exact 2>&1 | grep -v -i warn | tail -2
         XLA_FLAGS="$f" fused_row xflags_$n ""
       done ;;
-    ncu) BENCH_NO_PROFILER=1 timeout -k 10 ${NCU_S:-400} ncu --clock-control none -k regex:input_reduce_fusion --launch-skip ${NCU_SKIP:-20} \
+    ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | tail -1); echo "-- ncu: ${ncu:-not found}"
+      BENCH_NO_PROFILER=1 timeout -k 10 ${NCU_S:-400} $ncu --clock-control none -k regex:input_reduce_fusion --launch-skip ${NCU_SKIP:-20} \
         --launch-count ${NCU_N:-4} --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
         --section MemoryWorkloadAnalysis python3 benchmarks/bench_expert_kernels.py --steps 2 --only "xla words" --exact > "$OUT/ncu.txt" 2>&1
       echo "-- ncu rc=$?"; grep -E "input_reduce_fusion|Duration|Throughput|Occupancy|Registers Per|Block Size|Grid Size|Waves Per SM|Stall|Hit Rate|Mem Busy|Max Bandwidth|Issued|Eligible|One or More" \
