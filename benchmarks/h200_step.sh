@@ -104,7 +104,7 @@ for what in "$@"; do
         set_consts pallas_kernels/decode_attention.py "BLOCK=$blk"
         fused_row aload_${blk}_16 decode_attention; fused_row aload_${blk}_4096 "" --prompt-len 4096
       done; restore ;;
-    words) timeout 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12
+    words) timeout -k 10 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12
       for how in ${WORDS:-head prev head prev}; do restore; [ $how = prev ] && keep freetoken_jax/quant/formats.py && cp ${PREV:-.llamacpp/formats_prev.py} freetoken_jax/quant/formats.py
         echo "== formats.py of $how"; fused_row words_$how "input_reduce|loop_"
       done; restore ;;
