@@ -62,18 +62,11 @@ def looped(fn, steps: int, K: int, E: int):
     return run
 
 
-def blocks(b, O: int, I: int):
-    """q4_0 words [..., O·I/32·9] as blocks [..., O, nb, 9] (the scale word, then 8 words of
-    codes) and each block's scale, float32 [..., O, nb, 1]."""
-    blk = b.reshape(*b.shape[:-1], O, I // 32, 9)
-    return blk, jax.lax.bitcast_convert_type(blk[..., :1], jnp.float16).astype(jnp.float32)
-
-
 def flat_matvec(b, x, O: int, I: int):
     """q4_0 words [..., O·I/32·9] times x [..., I] → float32 [..., O], each row reduced over all its
     words at once: every word's four codes against the x values of their weights (0 for the
     scale word, whose bits then add nothing), times its block's scale."""
-    nb, (blk, s) = I // 32, blocks(b, O, I)
+    nb, (blk, s) = I // 32, formats._q4_0_word_blocks(b, O, I)
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # weight 16·half + 2i + parity
     xw = jnp.stack([xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]], axis=-1)  # [..., 1, nb, 8, 4]
     xw = jnp.concatenate([jnp.zeros_like(xw[..., :1, :]), xw], axis=-2)  # [..., 1, nb, 9, 4]
@@ -90,7 +83,7 @@ def pairs_matvec(b, x, O: int, I: int):
     float32 by a shift or a mask — one load for two inputs."""
     if x.dtype != jnp.bfloat16:
         return ENGINE_WORDS(b, x, O, I)
-    nb, (blk, s) = I // 32, blocks(b, O, I)
+    nb, (blk, s) = I // 32, formats._q4_0_word_blocks(b, O, I)
     q = blk[..., 1:]
     xp = jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], I // 2, 2), jnp.uint32).reshape(*x.shape[:-1], 1, nb, 2, 8)
     lo, hi = (jax.lax.bitcast_convert_type(v, jnp.float32) for v in (xp << 16, xp & jnp.uint32(0xFFFF0000)))
@@ -105,7 +98,7 @@ def ones_matvec(b, x, O: int, I: int, shifts: int = 4, barrier: bool = True):
     shifted word as a neighbour): c − 8 = 16·F − 24 (or 256·F − 264), the x side scaled and
     the constant's sum made once per block position, outside the rows (behind an optimization
     barrier unless `barrier` is off) — one fused multiply-add a weight, no subtraction."""
-    nb, (blk, s) = I // 32, blocks(b, O, I)
+    nb, (blk, s) = I // 32, formats._q4_0_word_blocks(b, O, I)
     q = blk[..., 1:].astype(jnp.uint32)
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)
     xn = [xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]]  # nibble n's weight

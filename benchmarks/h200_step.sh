@@ -53,9 +53,8 @@ P="python3 benchmarks/profile_step.py --preset qwen3-30b-a3b --layers 24 --exper
 # The constants a case sets are set in this copy of the tree: keep FILE saves it once, restore puts every saved file back.
 keep() { [ -f "/tmp/kept/$1" ] || { mkdir -p "/tmp/kept/$(dirname "$1")" && cp "$1" "/tmp/kept/$1"; }; }
 restore() { (cd /tmp/kept 2> /dev/null && find . -type f) | while read -r f; do cp "/tmp/kept/$f" "$f"; done; rm -rf /tmp/kept; }
-# set_consts FILE "NAME=VALUE ...": each module-level `NAME = ...` line of FILE set to VALUE (printed, with how many lines matched)
-set_consts() { keep "$1"; for nv in $2; do sed -i "s/^${nv%%=*} = [A-Za-z0-9_.]*/${nv%%=*} = ${nv#*=}/" "$1"
-    echo "== $1: ${nv%%=*} = ${nv#*=} ($(grep -c "^${nv%%=*} = ${nv#*=}\b" "$1") line)"; done; }
+# set_const FILE NAME VALUE: the module-level `NAME = ...` line of FILE set to VALUE (printed, with how many lines matched)
+set_const() { keep "$1"; sed -i "s/^$2 = [A-Za-z0-9_.]*/$2 = $3/" "$1"; echo "== $1: $2 = $3 ($(grep -c "^$2 = $3\b" "$1") line)"; }
 # fused_row TAG PATTERN [bench args]: a fused q4_0 decode row (prompt 16 by decode unless args say), then, with PATTERN,
 # the step's profile's lines that match it
 fused_row() { local tag=$1 pat=$2; shift 2
@@ -101,7 +100,7 @@ for what in "$@"; do
         FREETOKEN_DECODE_ATTENTION=$impl timeout 90 ${P/--no-profile/} --top 14 2>&1 | grep -v "it/s\]" | cut -c1-140 | tail -18
       done ;;
     aload) for blk in ${ALOAD:-64 128}; do
-        set_consts pallas_kernels/decode_attention.py "BLOCK=$blk"
+        set_const pallas_kernels/decode_attention.py BLOCK $blk
         fused_row aload_${blk}_16 decode_attention; fused_row aload_${blk}_4096 "" --prompt-len 4096
       done; restore ;;
     words) timeout -k 10 300 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" 2>&1 | grep -v -i warn | tail -12

@@ -466,15 +466,21 @@ def _q4_k_params(h):
     return d[..., None] * sc[..., 0], d[..., None] * sc[..., 1], dmin[..., None] * mn[..., 0], dmin[..., None] * mn[..., 1]
 
 
+def _q4_0_word_blocks(b: jax.Array, O: int, I: int) -> tuple[jax.Array, jax.Array]:
+    """q4_0 rows as uint16 words [..., O·I/32·9] as blocks [..., O, nb, 9] (the scale word, then
+    8 words of codes) and each block's scale, float32 [..., O, nb, 1]."""
+    blk = b.reshape(*b.shape[:-1], O, I // 32, 9)
+    return blk, jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
+
+
 def _q4_0_words_matvec(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
     """`Format.matvec` of q4_0 rows as uint16 words [..., O·I/32·9]: per block the scale word,
     then 8 words of 4 codes; word i holds bytes 2i and 2i + 1, i.e. the codes of weights 2i,
     2i + 16, 2i + 1 and 2i + 17, low nibble first."""
-    lead, nb = b.shape[:-1], I // 32
+    nb = I // 32
     if b.shape[-1] != O * nb * 9:
         raise ValueError(f"q4_0 [{O}, {I}] is {O * nb * 9} words, got rows of {b.shape[-1]}")
-    blk = b.reshape(*lead, O, nb, 9)
-    s = jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
+    blk, s = _q4_0_word_blocks(b, O, I)
     q = blk[..., 1:]
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # [half, i, parity]: weight 16·half + 2i + parity
     code = lambda n: small_ints((q >> (4 * n)) & 15, 8.0)  # noqa: E731
