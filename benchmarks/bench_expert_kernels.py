@@ -3,7 +3,8 @@
 `ExpertLayout.words`) against the Pallas kernels of
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
-function), XLA reducing each row's words at once (`xla flat words`), and the engine's words with
+function), XLA reducing each row's words at once (`xla flat words`), the banks read as 32-bit
+words, two blocks in 9 (`xla words32`: one load for 8 codes), and the engine's words with
 each code made a float by an integer-to-float conversion instead of by its bits (`xla words
 i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
 alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
@@ -38,7 +39,7 @@ import numpy as np
 from bench_norm_matvec import device_times
 
 from freetoken_jax.config import ACTIVATIONS
-from freetoken_jax.models.routed import routed_experts
+from freetoken_jax.models.routed import activation, routed_experts, weighted
 from freetoken_jax.quant import formats
 from freetoken_jax.quant.formats import get_format
 from freetoken_jax.quant.layout import ExpertLayout
@@ -115,6 +116,29 @@ def ones_matvec(b, x, O: int, I: int, shifts: int = 4, barrier: bool = True):
     return jnp.sum(s * t, axis=(-2, -1))
 
 
+def words32_matvec(b32, x, O: int, I: int):
+    """q4_0 rows as 32-bit words [..., O·I/64·9] (a free bitcast of a bank whose rows are a
+    multiple of 4 bytes; I/32 even) times x [..., I] → float32 [..., O]: two blocks (36 bytes)
+    are 9 words, the first block's scale the low half of word 0, the second's the high half of
+    word 4; a word's 8 codes meet their inputs (0 at a scale's half) and each half its block's
+    scale — one load for 8 codes where the engine's 16-bit words load 4."""
+    nb = I // 32
+    blk = b32.reshape(*b32.shape[:-1], O, nb // 2, 9)
+    f16 = lambda v: jax.lax.bitcast_convert_type(v.astype(jnp.uint16), jnp.float16).astype(jnp.float32)  # noqa: E731
+    s0, s1 = f16(blk[..., 0:1] & 0xFFFF), f16(blk[..., 4:5] >> 16)
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # weight 16·half + 2i + parity
+    xw = jnp.stack([xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]], axis=-1)  # [..., 1, nb, 8, 4]
+    xw = xw.reshape(*xw.shape[:-3], nb // 2, 16, 4)
+    z = jnp.zeros_like(xw[..., :1, :])
+    xw = jnp.concatenate([z, xw[..., :8, :], z, xw[..., 8:, :]], axis=-2).reshape(*xw.shape[:-2], 9, 2, 4)  # half m = 2j + h
+    j = jnp.arange(9)
+    s_lo, s_hi = jnp.where(j <= 4, s0, s1), jnp.where(j <= 3, s0, s1)
+    code = lambda n: formats.small_ints((blk >> (4 * n)) & 15, 8.0)  # noqa: E731
+    t_lo = sum(code(n) * xw[..., 0, n] for n in range(4))
+    t_hi = sum(code(n + 4) * xw[..., 1, n] for n in range(4))
+    return jnp.sum(s_lo * t_lo + s_hi * t_hi, axis=(-2, -1))
+
+
 def time_variants(variants, x0, one, ref, nbytes: int, steps: int, K: int, E: int, width: int = 22) -> None:
     """Prints each variant's µs a layer (the best of 5 calls of `looped`), GB/s of `nbytes` a
     layer and its largest difference from `ref` at experts `one`."""
@@ -181,6 +205,13 @@ def main() -> None:
         h = jax.nn.silu(flat_matvec(g, xk, F, D)) * flat_matvec(u, xk, F, D)
         return jnp.einsum("tkd,tk->td", flat_matvec(d, h.astype(x.dtype), D, F), w).astype(x.dtype)
 
+    def words32(x, ids):  # the engine's gathered experts over the banks' 32-bit words (words32_matvec)
+        g, u, d = (jax.lax.bitcast_convert_type(b.reshape(E, -1, 4), jnp.uint32)[ids] for b in banks)
+        xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
+        h = activation(layout.act)(words32_matvec(g, xk, F, D), words32_matvec(u, xk, F, D))
+        h = weighted(h, w[..., None]).astype(x.dtype)
+        return jnp.sum(words32_matvec(d, h, D, F), axis=1).astype(x.dtype)
+
     nbytes = K * sum(b.shape[1] for b in banks)
     one = jnp.asarray(rng.integers(0, E, (1, K)), jnp.int32)
     ref = np.asarray(xla(x0, one), np.float32)
@@ -199,7 +230,7 @@ def main() -> None:
             entry = text[text.index("ENTRY") :]
             print(f"{name}: {entry.count(' fusion(') + entry.count('custom-call(')} kernels in the entry computation")
     if a.format == "q4_0":
-        xla_variants.append(("xla flat words", flat))
+        xla_variants += [("xla flat words", flat), ("xla words32", words32)]
 
         def setting(fn, module, name, value):  # fn traced with module.name set to value
             def run(x, ids):
