@@ -38,7 +38,8 @@
 #            formats.py and PREV's (.llamacpp/formats_prev.py: WORDS, head prev head prev);
 #   xflags:  the engine's experts microbenchmark (`xla words`) and a fused decode row with XLA's defaults,
 #            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
-#   ncu:     the engine's expert reductions (`bench_expert_kernels.py --only "xla words" --exact`, 2 layers a call)
+#   ncu:     the engine's expert reductions (`bench_expert_kernels.py --only "xla words" --exact`, 2 layers a call;
+#            NCU_ONLY names another variant)
 #            under Nsight Compute (`ncu --clock-control none`): NCU_N (4) launches of its reduce kernels after
 #            NCU_SKIP (20: past the reference's and the first calls'), with their speed of light, occupancy,
 #            launch shape, warp stalls and memory sections (what bounds them: $OUT/ncu.txt whole);
@@ -115,7 +116,7 @@ for what in "$@"; do
     ncu) ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2> /dev/null | tail -1); echo "-- ncu: ${ncu:-not found}"
       BENCH_NO_PROFILER=1 timeout -k 10 ${NCU_S:-400} $ncu --clock-control none -k regex:input_reduce_fusion --launch-skip ${NCU_SKIP:-20} \
         --launch-count ${NCU_N:-4} --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-        --section MemoryWorkloadAnalysis python3 benchmarks/bench_expert_kernels.py --steps 2 --only "xla words" --exact > "$OUT/ncu.txt" 2>&1
+        --section MemoryWorkloadAnalysis python3 benchmarks/bench_expert_kernels.py --steps 2 --only "${NCU_ONLY:-xla words}" --exact > "$OUT/ncu.txt" 2>&1
       echo "-- ncu rc=$?"; grep -E "input_reduce_fusion|Duration|Throughput|Occupancy|Registers Per|Block Size|Grid Size|Waves Per SM|Stall|Hit Rate|Mem Busy|Max Bandwidth|Issued|Eligible|One or More" \
         "$OUT/ncu.txt" | cut -c1-150 | head -120 ;;
     kernels) timeout 120 python3 benchmarks/bench_matvec.py 2>&1 | tail -9
