@@ -1,10 +1,11 @@
 """Time one prefill chunk's routed experts a layer by each many-pairs implementation of
-`models/routed.py`: "grouped" (the plans' batched matmuls), "tiles" (the Triton kernels over
+`models/routed.py`: "grouped" (the plans' batched matmuls; "grouped broad" without the steep
+ranked plan, as before it was added), "tiles" (the Triton kernels over
 groups of whole tiles, at several blocks, warps and stages) and "ragged" (jax's Mosaic GPU
 grouped matmul over the unpadded groups).
 
     python benchmarks/bench_prefill_experts.py [--tokens 8192] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048]
-        [--format q4_0] [--skew 0 1] [--layers 4] [--configs 64,4,3:128,4,3 ...]
+        [--format q4_0] [--skew 0 1] [--layers 4] [--configs 64,4,3:128,4,3 ...] [--only grouped "grouped broad"]
 
 `layers` layers run in one jitted function (straight-line), each with a bank of its own (so that
 the weights come from HBM), each layer's output the next one's input; the banks are stored in
@@ -36,6 +37,22 @@ def _kw(spec: str) -> dict:
     return dict(block_n=n, num_warps=w, num_stages=s)
 
 
+def without_steep(*args, **kw):
+    """`routed_experts` traced with grouped's plans less the steep ranked one (the plans before it
+    was added: skewed chunks then took the broad plan's rows)."""
+    plans = routed.group_plans
+
+    def broad_only(T, K, E):
+        ranked = [p for p in plans(T, K, E) if p.ranked]
+        return [p for p in plans(T, K, E) if not p.ranked or p.rows == max(r.rows for r in ranked)]
+
+    routed.group_plans = broad_only
+    try:
+        return routed.routed_experts(*args, **kw)
+    finally:
+        routed.group_plans = plans
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192])
@@ -47,6 +64,7 @@ def main() -> None:
     ap.add_argument("--skew", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--configs", nargs="*", default=["64,4,3:128,4,3", "64,8,3:128,8,3", "32,4,4:64,4,4", "128,8,3:128,8,4"])
+    ap.add_argument("--only", nargs="+", default=None, help="time only the variants named (e.g. grouped 'grouped broad')")
     args = ap.parse_args()
     E, K, F, D, L = args.experts, args.k, args.ffn, args.hidden, args.layers
     rng = np.random.default_rng(0)
@@ -70,11 +88,14 @@ def main() -> None:
             counts = np.bincount(np.asarray(ids[0]).reshape(-1), minlength=E)
             print(f"T {T}, skew {skew:g}: pairs an expert (layer 0) mean {counts.mean():.0f}, max {counts.max()}", flush=True)
             variants = [("grouped", functools.partial(routed.routed_experts, impl="grouped")),
+                        ("grouped broad", functools.partial(without_steep, impl="grouped")),
                         ("tiles", functools.partial(routed.routed_experts, impl="tiles")),
                         ("ragged", functools.partial(routed.routed_experts, impl="ragged"))]  # fmt: skip
             for spec in args.configs:
                 gu, _, dn = spec.partition(":")
                 variants.append((f"tiles {spec}", functools.partial(routed._tiled, bias=None, gate_up_kw=_kw(gu), down_kw=dn and _kw(dn))))
+            if args.only:
+                variants = [(n, f) for n, f in variants if n in args.only]
             ref = None
             print(f"{'variant':>24} {'ms/layer':>9} {'TFLOP/s':>8} {'max |diff|':>11}", flush=True)
             for name, fn in variants:

@@ -61,12 +61,14 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     - "grouped" (many pairs: prefill): the pairs sorted by expert into groups of rows, then the
       same batched matmuls as "dense" over the groups' rows instead of E·T (`group_plans`): C
       rows per expert (C: twice the mean pairs an expert gets, rounded up to a power of two; E /
-      2K times less work than dense, 8 × for 128 experts, top-8) where no expert gets more, or
-      2C; else, ranking the experts by their pairs, T rows for the busiest E/32, T/2 for the
-      next E/16 and 2C for the rest (3.5 × less work than dense at 128 experts, top-8), which
-      holds skewed routing (at 128 experts, top-8: synthetic Zipf routing up to an exponent of
-      about 1.5; trained routers are nearer 1). Where no plan holds, the layer runs "dense"
-      (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
+      2K times less work than dense, 8 × for 128 experts, top-8) where no expert gets more;
+      else, ranking the experts by their pairs, a steep plan (T rows for the busiest E/32, T/2
+      for the next E/32, T/4 for the next E/16, C for the rest: 5.8 × less work than dense at
+      128 experts, top-8, 8192 tokens), 2C, or a broad plan (T, max(T/2, 2C) for the next E/16,
+      2C for the rest: 3.5 ×), the first of the plans, fewest rows first, that holds every
+      group. The ranked plans hold skewed routing (at 128 experts, top-8: synthetic Zipf routing
+      up to an exponent of about 1.5; trained routers are nearer 1). Where no plan holds, the
+      layer runs "dense" (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
       24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
       ranked plan is not measured there yet);
     - "tiles" (many pairs): each expert's pairs in a group of whole tiles of rows and two Triton

@@ -72,7 +72,7 @@ def skewed_ids(rng, T, K, E, hot: int, share: float) -> np.ndarray:
 
 @pytest.mark.parametrize("impl", ["grouped", "tiles", "ragged"])
 @pytest.mark.parametrize("T,K,E", [(96, 2, 12), (128, 2, 32)])
-@pytest.mark.parametrize("routing", range(4))  # `routings`: each plan of `group_plans`, and dense
+@pytest.mark.parametrize("routing", range(6))  # `routings`: each plan of `group_plans`, and dense
 def test_many_pairs_match_reference_in_every_plan(impl, T, K, E, routing, monkeypatch):
     """ "grouped" (in each of its plans), "tiles" and "ragged" over T·K ≫ E pairs, spread and
     skewed, with per-expert biases, unrouted pairs (weight 0), and experts in slices (within
@@ -104,14 +104,25 @@ def crowded_ids(rng, T, K, E, hot: int) -> np.ndarray:
     return np.stack([rng.choice(hot, K, replace=False) for _ in range(T)]).astype(np.int32)
 
 
+def hot_ids(rng, T, K, E, hot: int, share: float) -> np.ndarray:
+    """Top-K of E for T tokens, each of the first `hot` experts chosen by about `share` of them."""
+    ids = []
+    for _ in range(T):
+        first = [e for e in range(hot) if rng.random() < share][:K]
+        ids.append(first + list(rng.choice([e for e in range(E) if e not in first], K - len(first), replace=False)))
+    return np.asarray(ids, np.int32)
+
+
 def routings(rng, T, K, E):
-    """Spread, one expert chosen by 40 % of the tokens, by 90 %, and K experts taking every pair:
-    at T, K, E = 96, 2, 12 the plans C = 32, 2C = 64, dense and dense; at 128, 2, 32 the plans
-    C = 16, ranked, ranked and dense (test_group_plans)."""
-    return [skewed_ids(rng, T, K, E, hot=3, share=s) for s in (0.0, 0.4, 0.9)] + [crowded_ids(rng, T, K, E, hot=K)]
+    """Spread, one expert chosen by 40 % of the tokens, by 90 %, every pair among 3E/8 experts,
+    three experts chosen by 40 % each, and K experts taking every pair: at T, K, E = 96, 2, 12
+    the plans C = 32, steep, steep, 2C = 64, 2C and dense; at 128, 2, 32 the plans C = 16, steep,
+    steep, 2C = 32, broad and dense (test_group_plans)."""
+    return ([skewed_ids(rng, T, K, E, hot=3, share=s) for s in (0.0, 0.4, 0.9)] + [crowded_ids(rng, T, K, E, hot=3 * E // 8)]
+            + [hot_ids(rng, T, K, E, hot=3, share=0.4), crowded_ids(rng, T, K, E, hot=K)])  # fmt: skip
 
 
-@pytest.mark.parametrize("T,K,E,want", [(96, 2, 12, [0, 1, 2, 2]), (128, 2, 32, [0, 2, 2, 3])])  # len(plans): dense
+@pytest.mark.parametrize("T,K,E,want", [(96, 2, 12, [0, 1, 1, 2, 2, 3]), (128, 2, 32, [0, 1, 1, 2, 3, 4])])  # len(plans): dense
 def test_grouped_takes_the_first_plan_that_holds(T, K, E, want, monkeypatch):
     """Each routing runs the first of `group_plans` whose groups hold its counts (marked here by
     a poisoned stand-in), else "dense"; "auto" groups many pairs the same way."""
@@ -188,12 +199,15 @@ def test_group_plans():
     """The plans' rows, and which plan holds which routing, restated."""
     from freetoken_jax.models.grouping import GroupPlan, group_plans
 
-    assert group_plans(96, 2, 12) == [GroupPlan(((12, 32),), False), GroupPlan(((12, 64),), False)]  # ranked: over half of dense
-    assert group_plans(128, 2, 32) == [GroupPlan(((32, 16),), False), GroupPlan(((32, 32),), False),
-                                       GroupPlan(((1, 128), (2, 64), (29, 32)), True)]  # fmt: skip
+    # (96, 2, 12): broad has over half of dense's rows
+    assert group_plans(96, 2, 12) == [GroupPlan(((12, 32),), False), GroupPlan(((1, 96), (1, 48), (10, 32)), True),
+                                      GroupPlan(((12, 64),), False)]  # fmt: skip
+    assert group_plans(128, 2, 32) == [GroupPlan(((32, 16),), False), GroupPlan(((1, 128), (1, 64), (2, 32), (28, 16)), True),
+                                       GroupPlan(((32, 32),), False), GroupPlan(((1, 128), (2, 64), (29, 32)), True)]  # fmt: skip
+    assert group_plans(2048, 8, 128)[1] == GroupPlan(((4, 2048), (4, 1024), (8, 512), (112, 256)), True)
     assert group_plans(2048, 8, 128)[-1] == GroupPlan(((4, 2048), (8, 1024), (116, 512)), True)
     assert group_plans(16, 8, 128) == [GroupPlan(((128, 8),), False)] and group_plans(8, 8, 128) == []
-    for (T, K, E), want in (((96, 2, 12), [0, 1, None, None]), ((128, 2, 32), [0, 2, 2, None])):
+    for (T, K, E), want in (((96, 2, 12), [0, 1, 1, 2, 2, None]), ((128, 2, 32), [0, 1, 1, 2, 3, None])):
         plans = group_plans(T, K, E)
         for ids, i in zip(routings(np.random.default_rng(1), T, K, E), want):  # the draws of the test above
             counts = np.bincount(ids.reshape(-1), minlength=E)
@@ -227,19 +241,23 @@ def test_grouped_scatters_no_floats():
 
 
 def test_grouped_plans_hold_zipf_routing():
-    """At 128 experts, top-8, 512 tokens: spread routing fits the first plan, and synthetic Zipf
-    routing up to exponent 1 (trained routers' skew) fits one of the plans, not dense."""
+    """At 128 experts, top-8, 512 and 2048 tokens: spread routing fits the first plan, and
+    synthetic Zipf routing of exponents 0.5-1 (at 2048 tokens up to 1.5; trained routers' skew
+    is nearer 1) the steep ranked plan — the first that holds it, in fewer rows than broad's."""
     from freetoken_jax.models.grouping import group_plans
     from freetoken_jax.runtime.routing import synthetic_ids
 
-    T, K, E = 512, 8, 128
-    plans = group_plans(T, K, E)
-    for skew in (0.0, 0.5, 1.0):
-        for layer in range(3):
-            ids = synthetic_ids(jnp.zeros((T, K), jnp.int32), jnp.arange(T), layer, E, skew)
-            counts = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(1)
-            fits = [bool(p.fits(counts)) for p in plans]
-            assert fits[0] if skew == 0 else any(fits), (skew, layer, fits)
+    K, E = 8, 128
+    for T in (512, 2048):
+        plans = group_plans(T, K, E)
+        steep = plans.index(min((p for p in plans if p.ranked), key=lambda p: p.rows))
+        assert plans[steep].rows < max(p.rows for p in plans if p.ranked)
+        for skew in (0.0, 0.5, 1.0) + ((1.5,) if T == 2048 else ()):  # (at 512 tokens 1.5 can crowd past every plan)
+            for layer in range(2):
+                ids = synthetic_ids(jnp.zeros((T, K), jnp.int32), jnp.arange(T), layer, E, skew)
+                counts = jnp.zeros((E,), jnp.int32).at[ids.reshape(-1)].add(1)
+                fits = [bool(p.fits(counts)) for p in plans]
+                assert fits.index(True) == (0 if skew == 0 else steep), (T, skew, layer, fits)
 
 
 @pytest.mark.parametrize("T,K,E", [(100, 3, 40), (257, 4, 64), (64, 1, 7), (130, 2, 96), (33, 8, 64)])
