@@ -146,11 +146,13 @@ dt = time.perf_counter() - t; print(f'{sys.argv[1]}: {n / 1e9:.2f} GB read in {d
         done ;;
     # pab: prefill of 8192 tokens in one chunk (FMT, q4_0 unless set; SLOTS GB of slots, those of -ncmoe 17 unless set) by
     # the strategies PSTRATS (offload: the engine's choice of load; offload-copy, offload-copy2: as named), one process per
-    # setting of PAB (as ab's: VAR=VALUE pairs joined by +, "-" for none), e.g. PAB="- XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true"
+    # setting of PAB (as ab's: VAR=VALUE pairs joined by +, "-" for none), e.g. PAB="- XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true",
+    # under the routing skews PSKEW (0; "0 1": uniform and Zipf 1), each process killed at PAB_S (300) s (its build and the
+    # chunk's compile alone take over 100 s)
     pab) n=0; for var in $PAB; do n=$((n + 1)); var=${var/#-/}; echo "== ${var:-defaults}"
           env ${var//+/ } timeout ${PAB_S:-300} $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format ${FMT:-q4_0} --slots-gb ${SLOTS:-2.2482} \
-            --prompt-len 8192 --chunk 8192 --routing-skew 0 --strategy ${PSTRATS:-offload} --json "$OUT/pab_${FMT:-q4_0}_$n.json" 2>&1 |
-            grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w)))
+            --prompt-len 8192 --chunk 8192 --routing-skew ${PSKEW:-0} --strategy ${PSTRATS:-offload} --json "$OUT/pab_${FMT:-q4_0}_$n.json" 2>&1 |
+            grep -v "it/s\]" | tail -$((1 + $(echo ${PSTRATS:-offload} | wc -w) * $(echo ${PSKEW:-0} | wc -w)))
         done ;;
     # cbuf: the fused row with XLA's command buffer log: how often the step's CUDA graph is recorded again, and why (CB_ENV:
     #       VAR=VALUE settings for the row, e.g. CB_ENV=FREETOKEN_DECODE_OUTPUTS=fresh or CB_ENV=FREETOKEN_WEIGHTS=stacked)
