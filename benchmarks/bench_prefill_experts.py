@@ -42,9 +42,9 @@ def without_steep(*args, **kw):
     was added: skewed chunks then took the broad plan's rows)."""
     plans = routed.group_plans
 
-    def broad_only(T, K, E):
+    def broad_only(T, K, E):  # (a lone ranked plan is the steep one: broad had over half of dense's rows)
         ranked = [p for p in plans(T, K, E) if p.ranked]
-        return [p for p in plans(T, K, E) if not p.ranked or p.rows == max(r.rows for r in ranked)]
+        return [p for p in plans(T, K, E) if not p.ranked or (len(ranked) == 2 and p.rows == max(r.rows for r in ranked))]
 
     routed.group_plans = broad_only
     try:
