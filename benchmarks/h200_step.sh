@@ -39,10 +39,9 @@
 #   xflags:  the engine's experts microbenchmark (`xla words`) and a fused decode row with XLA's defaults,
 #            then under each XLA flag of XFLAGS (the block-level (Triton) rewriter of fusions; loops unrolled up to 8);
 #   ncu:     the engine's expert reductions (`bench_expert_kernels.py --only "xla words" --exact`, 2 layers a call;
-#            NCU_ONLY names another variant)
-#            under Nsight Compute (`ncu --clock-control none`): NCU_N (4) launches of its reduce kernels after
-#            NCU_SKIP (20: past the reference's and the first calls'), with their speed of light, occupancy,
-#            launch shape, warp stalls and memory sections (what bounds them: $OUT/ncu.txt whole);
+#            NCU_ONLY names another variant) under Nsight Compute (`ncu --clock-control none`): NCU_N (4) launches
+#            of its reduce kernels after NCU_SKIP (20: past the reference's and the first calls'), with their speed
+#            of light, occupancy, launch shape, warp stalls and memory sections (what bounds them: $OUT/ncu.txt whole);
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);

@@ -68,9 +68,9 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       2C for the rest: 3.5 ×), the first of the plans, fewest rows first, that holds every
       group. The ranked plans hold skewed routing (at 128 experts, top-8: synthetic Zipf routing
       up to an exponent of about 1.5; trained routers are nearer 1). Where no plan holds, the
-      layer runs "dense" (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
-      24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense (benchmarks/RESULTS.md; the
-      ranked plan is not measured there yet);
+      layer runs "dense" (`lax.switch` on the counts). On the H200 under spread routing a
+      2048-token q4_0 chunk of 24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense
+      (benchmarks/RESULTS.md; the ranked plans are not measured there);
     - "tiles" (many pairs): each expert's pairs in a group of whole tiles of rows and two Triton
       kernels over the tiles, each multiplying its rows by its own expert's weights
       (`pallas_kernels/grouped_experts.py`; q4_0 and mxfp4 blocks decoded as they are loaded,
