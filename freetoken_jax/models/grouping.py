@@ -47,8 +47,10 @@ class GroupPlan:
 
 def group_plans(T: int, K: int, E: int) -> list[GroupPlan]:
     """The layouts "grouped" tries in turn for T tokens, top-K of E experts, fewest rows first: C
-    rows per expert (C: a power of two ≥ 2·T·K / E), 2C rows per expert (each under T), and two
-    by rank — steep: T rows for the busiest E/32 (at least one), T/2 for the next E/32, T/4 for
+    rows per expert (C: a power of two ≥ 2·T·K / E), 2C rows per expert (each under T), and three
+    by rank — tight, for spread routing: C rows for the busiest E/32, 1.5·T·K/E for the next
+    E/32 and 1.25·T·K/E for the rest (rounded up to a multiple of C/32, at least 8; where it
+    has at most 0.8 × C's rows: 0.64 × at 128 experts, top-8, 2048 or 8192 tokens); steep: T rows for the busiest E/32 (at least one), T/2 for the next E/32, T/4 for
     the next E/16 and C for the rest; broad: T for the busiest E/32, max(T/2, 2C) for the next
     E/16 and 2C for the rest — each where it is under half of dense's E·T rows (steep only where
     it has fewer rows than broad); none where a group would be as large as the chunk. Synthetic
@@ -58,6 +60,11 @@ def group_plans(T: int, K: int, E: int) -> list[GroupPlan]:
     c = max(8, 1 << max(0, -(-2 * T * K // E) - 1).bit_length())  # a power of two ≥ 2·T·K / E
     plans = [GroupPlan(((E, cap),), ranked=False) for cap in (c, 2 * c) if cap < T]
     a = max(1, E // 32)
+    q = max(8, c // 32)  # the tight plan's rows, rounded up to a multiple of q
+    up = lambda v: min(T, c, -(-int(np.ceil(v)) // q) * q)  # noqa: E731
+    m = T * K / E
+    tight = _by_rank(([min(T, c)] * a + [up(1.5 * m)] * a + [up(1.25 * m)] * E)[:E])
+    plans += [tight] if 5 * tight.rows <= 4 * E * min(T, c) else []
     broad = _by_rank([T] * a + [min(T, max(T // 2, 2 * c))] * min(2 * a, E - a) + [min(T, 2 * c)] * max(0, E - 3 * a))
     steep = _by_rank(([T] * a + [min(T, max(T // 2, c))] * a + [min(T, max(T // 4, c))] * 2 * a + [min(T, c)] * E)[:E])
     plans += [p for p in (steep, broad) if 2 * p.rows < E * T and (p is broad or p.rows < broad.rows)]

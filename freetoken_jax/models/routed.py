@@ -62,7 +62,9 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       same batched matmuls as "dense" over the groups' rows instead of E·T (`group_plans`): C
       rows per expert (C: twice the mean pairs an expert gets, rounded up to a power of two; E /
       2K times less work than dense, 8 × for 128 experts, top-8) where no expert gets more;
-      else, ranking the experts by their pairs, a steep plan (T rows for the busiest E/32, T/2
+      before it, for spread routing, a tight ranked plan (C rows for the busiest E/32, then
+      1.5 and 1.25 × the mean pairs: 0.64 × C's rows at 128 experts, top-8); else, ranking
+      the experts by their pairs, a steep plan (T rows for the busiest E/32, T/2
       for the next E/32, T/4 for the next E/16, C for the rest: 5.8 × less work than dense at
       128 experts, top-8, 8192 tokens), 2C, or a broad plan (T, max(T/2, 2C) for the next E/16,
       2C for the rest: 3.5 ×), the first of the plans, fewest rows first, that holds every
