@@ -193,13 +193,15 @@ class FreeTokenEngine:
         self.runner.use(experts, over_slots=over_slots, balance=balance)
         self.batcher.drop_prefixes()
 
-    def _decode_rate(self, steps: int) -> float:
+    def _decode_rate(self, steps: int, probe: int = 0) -> float:
         """Decode tokens/s of the current backend over `steps` steps (batch 1, sampled, after one
-        step that may compile)."""
+        step that may compile). Each `probe` decodes its own prompt and samples: a probe that
+        repeated the one before would find that one's experts in the slots."""
         V, ctx = self.model_config.vocab_size, self.engine_config.max_context
-        prompt = [int(t) for t in np.random.default_rng(self.engine_config.seed).integers(0, V, max(1, min(8, ctx - 3)))]
+        rng = np.random.default_rng([self.engine_config.seed, probe])
+        prompt = [int(t) for t in rng.integers(0, V, max(1, min(8, ctx - 3)))]
         steps = max(1, min(steps, ctx - len(prompt) - 2))
-        tokens = self.generate(prompt, max_new_tokens=steps + 2, temperature=1.0, seed=1, ignore_eos=True)
+        tokens = self.generate(prompt, max_new_tokens=steps + 2, temperature=1.0, seed=1 + probe, ignore_eos=True)
         next(tokens), next(tokens)  # prefill, then the first decode step (compiles)
         t0 = time.perf_counter()
         n = sum(1 for _ in tokens)
@@ -209,21 +211,25 @@ class FreeTokenEngine:
         """Measures hybrid at the recommended q and at q + each of `auto_probe_q_offsets` (one
         executable: q is traced) and keeps the fastest q; then offload over the same slots and cpu
         (every expert on the CPU; the slots untouched while it is measured), and runs the fastest
-        of the three. Choosing cpu frees the slot cache."""
+        of the three. Choosing cpu frees the slot cache. Every measurement decodes its own tokens
+        (`_decode_rate`'s probe, `ExpertBackend.for_probe`): on an H100, the same 16 steps of a
+        synthetic routing repeated at four values of q, the first ran 171 tok/s and the three
+        after it 196-213, where the steady rate was 177 (benchmarks/RESULTS.md)."""
         hybrid, q0 = self.runner.experts, self.engine_config.hybrid_q
         rates: dict[float, float] = {}
         for d in (0.0, *self.engine_config.auto_probe_q_offsets):
             q = round(min(1.0, max(0.0, q0 + d)), 6)
             if q not in rates:
-                self.use(hybrid.with_q(q), balance=False)  # each probe at its own q
-                rates[q] = self._decode_rate(steps)
+                self.use(hybrid.with_q(q).for_probe(len(rates)), balance=False)  # each probe at its own q
+                rates[q] = self._decode_rate(steps, len(rates))
         q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
         hybrid = hybrid.with_q(q)
         measured = {"hybrid": rates[q]}
-        self.use(hybrid.as_offload())
-        measured["offload"] = self._decode_rate(steps)
-        self.use(hybrid.as_cpu(), over_slots=True)
-        measured["cpu"] = self._decode_rate(steps)
+        n = len(rates)
+        self.use(hybrid.as_offload().for_probe(n))
+        measured["offload"] = self._decode_rate(steps, n)
+        self.use(hybrid.as_cpu().for_probe(n + 1), over_slots=True)
+        measured["cpu"] = self._decode_rate(steps, n + 1)
         best = max(measured, key=lambda k: (measured[k], k == "hybrid", k == "offload"))  # ties: hybrid, then offload
         if len(rates) > 1:
             tried = ", ".join(f"{k:g}: {v:.1f}" for k, v in sorted(rates.items()))

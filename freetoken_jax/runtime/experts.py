@@ -65,6 +65,12 @@ class ExpertBackend:
         where a strategy computes large chunks elsewhere than its decode steps (`Cpu`)."""
         return self
 
+    def for_probe(self, i: int) -> ExpertBackend:
+        """The backend the `auto` probe's i-th measurement runs: this one, except where a
+        benchmark's routing is drawn from positions alone (`SyntheticRouting`: each probe a
+        fresh draw, so that no probe finds the experts of the one before in the slots)."""
+        return self
+
     def expert_fns(self, model, valid_T: jax.Array, positions_T: jax.Array, slots: SlotCache | None, buffered: bool = False):
         raise NotImplementedError
 

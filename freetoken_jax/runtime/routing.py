@@ -147,15 +147,23 @@ def with_synthetic_routing(fns: list, positions_T: jax.Array, num_experts: int, 
     return out
 
 
+PROBE_SHIFT = 1 << 20  # positions between two probes' draws (past any context)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SyntheticRouting(ExpertBackend):
     """A benchmark backend: `inner` computes the experts that a seeded Zipf(`skew`) draw picks
     instead of the router's (the router's weights are kept). `skew` is traced: every exponent
-    runs in one executable."""
+    runs in one executable; so is `shift`, added to the positions the draw reads (the `auto`
+    probe's measurements each draw afresh: `for_probe`)."""
 
     inner: ExpertBackend
     skew: Any  # float32 scalar
+    shift: Any = 0  # int32 scalar
+
+    def for_probe(self, i: int) -> SyntheticRouting:
+        return dataclasses.replace(self, inner=self.inner.for_probe(i), shift=int(i) * PROBE_SHIFT)
 
     @property
     def strategy(self):
@@ -194,4 +202,4 @@ class SyntheticRouting(ExpertBackend):
         fns, after = self.inner.expert_fns(model, valid_T, positions_T, slots, buffered)
         if fns is None:
             fns = [layer.mlp.expert_fn() if layer.is_moe else None for layer in model.layers]
-        return with_synthetic_routing(fns, positions_T, model.cfg.num_experts, self.skew), after
+        return with_synthetic_routing(fns, positions_T + self.shift, model.cfg.num_experts, self.skew), after

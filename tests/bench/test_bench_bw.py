@@ -10,7 +10,7 @@ import pytest
 from freetoken_jax import EngineConfig, FreeTokenEngine, MoEModelConfig
 from freetoken_jax.bench import bw
 from freetoken_jax.runtime import choice
-from freetoken_jax.runtime.routing import SyntheticRouting
+from freetoken_jax.runtime.routing import PROBE_SHIFT, SyntheticRouting
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     # the recommendation only starts the probe: each outcome from "hybrid", and hybrid's from "offload"
     for rec, (rates, kept) in [("hybrid", offload_wins), ("hybrid", hybrid_wins), ("hybrid", cpu_wins), ("offload", hybrid_wins)]:
         write(rec)
-        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, r=rates: r[self.experts.strategy])
+        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, probe, r=rates: r[self.experts.strategy])
         e = FreeTokenEngine(cfg, ecfg)
         assert e.engine_config.moe_strategy == e.experts.strategy == kept, (rec, rates)
         assert "decode probe" in e.strategy_reason and f"hybrid {rates['hybrid']:.1f} tok/s" in e.strategy_reason
@@ -202,27 +202,29 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
         if kept == "hybrid":  # every q measured the same: the recommendation stays
             assert e.engine_config.hybrid_q == 0.3 and float(e.experts.q) == pytest.approx(0.3)
         # the next start of the same model and settings takes the kept outcome without probing
-        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps: pytest.fail("probed again"))
+        monkeypatch.setattr(FreeTokenEngine, "_decode_rate", lambda self, steps, probe: pytest.fail("probed again"))
         again = FreeTokenEngine(cfg, ecfg)
         assert again.engine_config.moe_strategy == kept and "a decode probe of this model here chose" in again.strategy_reason
         other = FreeTokenEngine(cfg, ecfg.replace(max_batch=1, auto_probe_steps=0))  # other settings, no probe: the recommendation
         assert other.engine_config.moe_strategy == rec
     # a benchmark's synthetic routing stays on every candidate (hybrid at each q, offload) and on
-    # the winner, cpu here (its slots freed)
+    # the winner, cpu here (its slots freed); each measurement draws afresh, the winner as before
     write("offload")
     rates = {"hybrid": 5.0, "offload": 4.0, "cpu": 9.0}
     seen = []
     monkeypatch.setattr(
-        FreeTokenEngine, "_decode_rate", lambda self, steps: seen.append(type(self.experts)) or rates[self.experts.strategy]
-    )
+        FreeTokenEngine, "_decode_rate",
+        lambda self, steps, probe: seen.append((type(self.experts), self.experts.shift, probe)) or rates[self.experts.strategy],
+    )  # fmt: skip
     e = FreeTokenEngine(cfg, ecfg, routing_skew=0.0)
-    assert seen == [SyntheticRouting] * 6 and isinstance(e.experts, SyntheticRouting) and e.engine_config.moe_strategy == "cpu"
+    assert seen == [(SyntheticRouting, i * PROBE_SHIFT, i) for i in range(6)]
+    assert isinstance(e.experts, SyntheticRouting) and e.experts.shift == 0 and e.engine_config.moe_strategy == "cpu"
     assert len(e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True)[0]) == 4
     write("hybrid")
     # the q probe keeps the fastest q of 0.3 + (0, -0.05, -0.1, 0.05)
     seen = []
 
-    def rate(self, steps):
+    def rate(self, steps, probe):
         if self.experts.strategy in ("offload", "cpu"):
             return 1.0
         seen.append(round(float(self.experts.q), 4))
@@ -245,3 +247,18 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     assert e.runner.steps.traces.get("decode_step_plain") == (4 if best == "cpu" else 3)
     m = e.get_metrics()
     assert m["requests"] == 0 and m["generated_tokens"] == 0  # the probe's tokens are not the user's
+
+
+def test_each_decode_probe_decodes_its_own_prompt(monkeypatch):
+    """The probe's measurements sample from prompts of their own (a router's choice follows the
+    tokens: a repeated prompt would find the experts of the measurement before in the slots),
+    each the same from one start to the next."""
+    cfg = MoEModelConfig(
+        vocab_size=64, hidden_dim=32, intermediate_dim=48, num_layers=2, num_experts=8, top_k=2, num_heads=4, num_kv_heads=2
+    )
+    e = FreeTokenEngine(cfg, EngineConfig(dtype="float32", max_context=40, max_batch=1, moe_strategy="fused"))
+    asked = []
+    monkeypatch.setattr(e, "generate", lambda prompt, **kw: asked.append((tuple(prompt), kw["seed"])) or iter(range(kw["max_new_tokens"])))
+    for probe in (0, 1, 2, 1):
+        assert e._decode_rate(4, probe) > 0
+    assert len(set(asked[:3])) == 3 and len({p for p, _ in asked[:3]}) == 3 and asked[3] == asked[1]

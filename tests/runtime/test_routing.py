@@ -48,6 +48,28 @@ def test_every_strategy_computes_the_same_synthetic_routing(ckpt_root):
     assert out["offload"] == out["fused"] and out["cpu"] == out["fused"]
 
 
+def test_each_probe_draws_afresh_in_the_same_executable(ckpt_root):
+    """`for_probe(i)` moves the positions the draw reads by i · PROBE_SHIFT: the same prompt
+    decodes through other experts (other tokens), probe 0 through the same ones, and no step
+    compiles again (the shift is traced); a router's own routing is the same for every probe."""
+    path = make_checkpoint("qwen3_moe", ckpt_root)
+    ecfg = EngineConfig(dtype="float32", max_context=48, max_batch=1, page_size=4, prefill_chunk=16, moe_strategy="offload")
+    eng = FreeTokenEngine.from_pretrained(path, ecfg)
+    assert eng.experts.for_probe(3) is eng.experts
+    synth = SyntheticRouting(eng.experts, 1.0)
+    prompt = [3, 14, 15, 92, 65, 35]
+
+    def run(experts):
+        eng.use(experts)
+        return eng.generate_batch([prompt], max_new_tokens=12, ignore_eos=True)
+
+    first = run(synth)
+    traces = dict(eng.runner.steps.traces)
+    assert run(synth.for_probe(0)) == first and run(synth.for_probe(1)) != first
+    assert run(synth.for_probe(2)) not in (first, run(synth.for_probe(1)))
+    assert dict(eng.runner.steps.traces) == traces
+
+
 @pytest.mark.parametrize("how", ["kernel", "xla"])
 def test_the_draw_waits_for_the_router(how, monkeypatch):
     """A layer's draw is made where its router chooses (in the router's kernel, or after XLA's
