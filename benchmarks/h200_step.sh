@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|ncu|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pprev|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|ncu|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -45,6 +45,7 @@
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
+#   pprev:   the 8192-token q4_0 prefill chunk with this tree's PFILE and with a previous copy of it, PREV, in turn;
 #   timeline: the fused, cpu and hybrid q4_0 steps under the kernel profiler with TL (120) events of
 #            each step's middle listed in time order (what runs between two handoff windows), their
 #            optimized HLO kept as $OUT/*.hlo.txt.gz.
@@ -138,6 +139,14 @@ for what in "$@"; do
         timeout 280 $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
           --routing-skew 0 --strategy offload offload-fetch --expert-impl $impl --json "$OUT/prefill_skew0_$impl.json" 2>&1 | grep -v "it/s\]" | tail -5
       done ;;
+    # pprev: the 8192-token q4_0 prefill chunk (PSKEW: routing skews, 0 1) with this tree's PFILE
+    #        (freetoken_jax/models/routed.py) and with PREV's (.llamacpp/routed_prev.py) in turn (PWAYS: head prev head)
+    pprev) n=0; for how in ${PWAYS:-head prev head}; do n=$((n + 1)); restore; [ $how = prev ] && keep ${PFILE:-freetoken_jax/models/routed.py} &&
+          cp ${PREV:-.llamacpp/routed_prev.py} ${PFILE:-freetoken_jax/models/routed.py}
+        echo "== ${PFILE:-freetoken_jax/models/routed.py} of $how"
+        timeout ${PAB_S:-300} $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 8192 --chunk 8192 \
+          --routing-skew ${PSKEW:-0 1} --strategy offload --json "$OUT/pprev_${n}_$how.json" 2>&1 | grep -v "it/s\]" | tail -3
+      done; restore ;;
     grouped) for impl in dense grouped; do
         $B prefill --preset qwen3-30b-a3b --layers 24 --expert-format q4_0 --slots-gb 2.2482 --prompt-len 2048 8192 --chunk 2048 8192 \
           --strategy offload --expert-impl $impl --json "$OUT/prefill_$impl.json" 2>&1 | grep -v "it/s\]" | tail -6

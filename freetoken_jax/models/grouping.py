@@ -49,14 +49,15 @@ def group_plans(T: int, K: int, E: int) -> list[GroupPlan]:
     """The layouts "grouped" tries in turn for T tokens, top-K of E experts, fewest rows first: C
     rows per expert (C: a power of two ≥ 2·T·K / E), 2C rows per expert (each under T), and three
     by rank — tight, for spread routing: C rows for the busiest E/32, 1.5·T·K/E for the next
-    E/32 and 1.25·T·K/E for the rest (rounded up to a multiple of C/32, at least 8; where it
-    has at most 0.8 × C's rows: 0.64 × at 128 experts, top-8, 2048 or 8192 tokens); steep: T rows for the busiest E/32 (at least one), T/2 for the next E/32, T/4 for
-    the next E/16 and C for the rest; broad: T for the busiest E/32, max(T/2, 2C) for the next
-    E/16 and 2C for the rest — each where it is under half of dense's E·T rows (steep only where
-    it has fewer rows than broad); none where a group would be as large as the chunk. Synthetic
-    Zipf routing that broad holds (exponents up to about 1.5 at 128 experts, top-8), steep
-    holds too, in 0.59 × its rows at 8192 tokens; broad stays for busy experts past the
-    busiest E/32 + E/32 + E/16 (steep's T/4 and C tiers)."""
+    E/32 and 1.25·T·K/E for the rest (rounded up to a multiple of C/32, at least 8; where it has
+    at most 0.8 × C's rows: 0.64 × at 128 experts, top-8, 2048 or 8192 tokens); steep: T rows
+    for the busiest E/32 (at least one), T/2 for the next E/32, T/4 for the next E/16 and C for
+    the rest; broad: T for the busiest E/32, max(T/2, 2C) for the next E/16 and 2C for the rest
+    — each where it is under half of dense's E·T rows (steep only where it has fewer rows than
+    broad); none where a group would be as large as the chunk. Synthetic Zipf routing that broad
+    holds (exponents up to about 1.5 at 128 experts, top-8), steep holds too, in 0.59 × its rows
+    at 8192 tokens; broad stays for busy experts past the busiest E/32 + E/32 + E/16 (steep's
+    T/4 and C tiers)."""
     c = max(8, 1 << max(0, -(-2 * T * K // E) - 1).bit_length())  # a power of two ≥ 2·T·K / E
     plans = [GroupPlan(((E, cap),), ranked=False) for cap in (c, 2 * c) if cap < T]
     a = max(1, E // 32)

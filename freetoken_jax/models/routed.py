@@ -63,16 +63,17 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       rows per expert (C: twice the mean pairs an expert gets, rounded up to a power of two; E /
       2K times less work than dense, 8 × for 128 experts, top-8) where no expert gets more;
       before it, for spread routing, a tight ranked plan (C rows for the busiest E/32, then
-      1.5 and 1.25 × the mean pairs: 0.64 × C's rows at 128 experts, top-8); else, ranking
-      the experts by their pairs, a steep plan (T rows for the busiest E/32, T/2
-      for the next E/32, T/4 for the next E/16, C for the rest: 5.8 × less work than dense at
-      128 experts, top-8, 8192 tokens), 2C, or a broad plan (T, max(T/2, 2C) for the next E/16,
-      2C for the rest: 3.5 ×), the first of the plans, fewest rows first, that holds every
-      group. The ranked plans hold skewed routing (at 128 experts, top-8: synthetic Zipf routing
-      up to an exponent of about 1.5; trained routers are nearer 1). Where no plan holds, the
-      layer runs "dense" (`lax.switch` on the counts). On the H200 under spread routing a
-      2048-token q4_0 chunk of 24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense
-      (benchmarks/RESULTS.md; the ranked plans are not measured there);
+      1.5 and 1.25 × the mean pairs: 0.64 × C's rows at 128 experts, top-8); else, ranking the
+      experts by their pairs, a steep plan (T rows for the busiest E/32, T/2 for the next E/32,
+      T/4 for the next E/16, C for the rest: 5.8 × less work than dense at 128 experts, top-8,
+      8192 tokens), 2C, or a broad plan (T, max(T/2, 2C) for the next E/16, 2C for the rest:
+      3.5 ×), the first of the plans, fewest rows first, that holds every group. The ranked
+      plans hold skewed routing (at 128 experts, top-8: synthetic Zipf routing up to an exponent
+      of about 1.5; trained routers are nearer 1). Where no plan holds, the layer runs "dense"
+      (`lax.switch` on the counts). On the H200 under spread routing a 2048-token q4_0 chunk of
+      24 Qwen3-30B-A3B layers took 236 ms against 329 ms dense; on an H100 the tight plan took
+      an 8192-token chunk's offload prefill from 181 to 175 ms, the steep plan a Zipf-1 one from
+      249 to 202 ms (benchmarks/RESULTS.md);
     - "tiles" (many pairs): each expert's pairs in a group of whole tiles of rows and two Triton
       kernels over the tiles, each multiplying its rows by its own expert's weights
       (`pallas_kernels/grouped_experts.py`; q4_0 and mxfp4 blocks decoded as they are loaded,
@@ -222,7 +223,9 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
     # fits: `routed_experts` checked `counts`, the pairs per expert, against the plan); empty rows
     # carry zeros and weight 0. Rows are filled and results collected by gathers (only int32
     # maps are scattered), and each token sums its K results in order: no float scatter-add, so
-    # the result does not depend on the order in which a GPU's atomics land. A tier's experts
+    # the result does not depend on the order in which a GPU's atomics land; each pair's result
+    # is rounded to x's dtype before that sum, as "ragged" rounds it (and transformers' experts
+    # do), which halves the rows' bytes written, concatenated and gathered. A tier's experts
     # go through in slices whose float32 activations [e, C, F] stay within DENSE_SLICE_BYTES;
     # a ranked plan dequantizes each slice's experts as it gathers them from the banks.
     T, K = ids_TK.shape
@@ -249,7 +252,7 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
         h = weighted(h, w)
         y = jnp.einsum("ecf,edf->ecd", h.astype(dt), down_EDF, **mm)
         y = y if b is None else y + weighted(b[2][rows].reshape(n, C, -1), w)
-        return y.reshape(n * C, D)
+        return y.reshape(n * C, D).astype(dt)
 
     parts, r0, e0 = [], 0, 0
     for n, C in plan.tiers:
@@ -259,7 +262,7 @@ def _grouped(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias, counts, plan
             parts.append(group(r0 + e * C, e0 + e, m, C))
         r0, e0 = r0 + n * C, e0 + n
     y_RD = jnp.concatenate(parts)
-    return y_RD[row_of_pair].reshape(T, K, D).sum(1).astype(dt)
+    return y_RD[row_of_pair].reshape(T, K, D).astype(jnp.float32).sum(1).astype(dt)
 
 
 def _rows(x_TD, w_TK, bias, pair_of_row, K: int):
