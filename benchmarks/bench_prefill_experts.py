@@ -1,11 +1,11 @@
 """Time one prefill chunk's routed experts a layer by each many-pairs implementation of
-`models/routed.py`: "grouped" (the plans' batched matmuls; "grouped broad" without the steep
-ranked plan, as before it was added), "tiles" (the Triton kernels over
-groups of whole tiles, at several blocks, warps and stages) and "ragged" (jax's Mosaic GPU
-grouped matmul over the unpadded groups).
+`models/routed.py`: "grouped" (the plans' batched matmuls; "grouped untight" without the tight
+ranked plan, "grouped broad" without the tight and steep ones, as before they were added),
+"tiles" (the Triton kernels over groups of whole tiles, at several blocks, warps and stages) and
+"ragged" (jax's Mosaic GPU grouped matmul over the unpadded groups).
 
     python benchmarks/bench_prefill_experts.py [--tokens 8192] [--experts 128] [--k 8] [--ffn 768] [--hidden 2048]
-        [--format q4_0] [--skew 0 1] [--layers 4] [--configs 64,4,3:128,4,3 ...] [--only grouped "grouped broad"]
+        [--format q4_0] [--skew 0 1] [--layers 4] [--configs 64,4,3:128,4,3 ...] [--only grouped "grouped untight" "grouped broad"]
 
 `layers` layers run in one jitted function (straight-line), each with a bank of its own (so that
 the weights come from HBM), each layer's output the next one's input; the banks are stored in
@@ -37,20 +37,24 @@ def _kw(spec: str) -> dict:
     return dict(block_n=n, num_warps=w, num_stages=s)
 
 
-def without_steep(*args, **kw):
-    """`routed_experts` traced with grouped's plans less the steep ranked one (the plans before it
-    was added: skewed chunks then took the broad plan's rows)."""
+def with_plans(keep, *args, **kw):
+    """`routed_experts` traced with those of grouped's plans that `keep(plan, T)` keeps."""
     plans = routed.group_plans
-
-    def broad_only(T, K, E):  # (a lone ranked plan is the steep one: broad had over half of dense's rows)
-        ranked = [p for p in plans(T, K, E) if p.ranked]
-        return [p for p in plans(T, K, E) if not p.ranked or (len(ranked) == 2 and p.rows == max(r.rows for r in ranked))]
-
-    routed.group_plans = broad_only
+    routed.group_plans = lambda T, K, E: [p for p in plans(T, K, E) if keep(p, T)]
     try:
         return routed.routed_experts(*args, **kw)
     finally:
         routed.group_plans = plans
+
+
+def untight(p, T: int) -> bool:
+    """The plans before the tight one (a ranked plan whose busiest experts get under T rows)."""
+    return not (p.ranked and p.tiers[0][1] < T)
+
+
+def broad(p, T: int) -> bool:
+    """The plans before the tight and steep ones (steep's first two tiers: as many experts each)."""
+    return untight(p, T) and not (p.ranked and len(p.tiers) > 1 and p.tiers[1][0] == p.tiers[0][0])
 
 
 def main() -> None:
@@ -88,7 +92,8 @@ def main() -> None:
             counts = np.bincount(np.asarray(ids[0]).reshape(-1), minlength=E)
             print(f"T {T}, skew {skew:g}: pairs an expert (layer 0) mean {counts.mean():.0f}, max {counts.max()}", flush=True)
             variants = [("grouped", functools.partial(routed.routed_experts, impl="grouped")),
-                        ("grouped broad", functools.partial(without_steep, impl="grouped")),
+                        ("grouped untight", functools.partial(with_plans, untight, impl="grouped")),
+                        ("grouped broad", functools.partial(with_plans, broad, impl="grouped")),
                         ("tiles", functools.partial(routed.routed_experts, impl="tiles")),
                         ("ragged", functools.partial(routed.routed_experts, impl="ragged"))]  # fmt: skip
             for spec in args.configs:
