@@ -212,7 +212,7 @@ def _dense(x_TD, ids_TK, w_TK, mats, layout: ExpertLayout, bias) -> jax.Array:
         h = weighted(h, w[:, :, None])
         y = jnp.einsum("etf,edf->td", h.astype(dt), down_EDF, **mm)
         if bias is not None:
-            y = y + jnp.einsum("tkd,tk->td", bias[2][t0:t1], w_TK[t0:t1].astype(jnp.float32))
+            y = y + jnp.sum(weighted(bias[2][t0:t1], w_TK[t0:t1].astype(jnp.float32)[..., None]), axis=1)
         return y.astype(dt)
 
     return jnp.concatenate([dense(t, min(T, t + step)) for t in range(0, T, step)])
