@@ -4,8 +4,9 @@
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
 function), XLA reducing each row's words at once (`xla flat words`), the banks read as 32-bit
-words, two blocks in 9 (`xla words32`: one load for 8 codes), gate and up in one variadic
-reduction whose epilogue can be the activation (`xla words pairsum`), and the engine's words with
+words, two blocks in 9 (`xla words32`: one load for 8 codes), the engine's words with gate
+and up in one variadic reduction (`xla words pairsum`: `formats.PAIR_REDUCE` set while it
+traces), and the engine's words with
 each code made a float by an integer-to-float conversion instead of by its bits (`xla words
 i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
 alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
@@ -117,24 +118,6 @@ def ones_matvec(b, x, O: int, I: int, shifts: int = 4, barrier: bool = True):
     return jnp.sum(s * t, axis=(-2, -1))
 
 
-def pair_matvec(bg, bu, x, O: int, I: int):
-    """The gate and up rows of q4_0 words (`formats._q4_0_words_matvec` each) in one variadic
-    reduction: each output row's two sums side by side, so that the activation can follow as
-    the reduction's elementwise epilogue instead of a kernel of its own."""
-    nb = I // 32
-    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # weight 16·half + 2i + parity
-
-    def terms(b):
-        blk, s = formats._q4_0_word_blocks(b, O, I)
-        q = blk[..., 1:]
-        code = lambda n: formats.small_ints((q >> (4 * n)) & 15, 8.0)  # noqa: E731
-        return s * (code(0) * xb[..., 0, :, 0] + code(1) * xb[..., 1, :, 0] + code(2) * xb[..., 0, :, 1] + code(3) * xb[..., 1, :, 1])
-
-    tg, tu = terms(bg), terms(bu)
-    zero = jnp.float32(0)
-    return jax.lax.reduce((tg, tu), (zero, zero), lambda a, b: (a[0] + b[0], a[1] + b[1]), (tg.ndim - 2, tg.ndim - 1))
-
-
 def words32_matvec(b32, x, O: int, I: int):
     """q4_0 rows as 32-bit words [..., O·I/64·9] (a free bitcast of a bank whose rows are a
     multiple of 4 bytes; I/32 even) times x [..., I] → float32 [..., O]: two blocks (36 bytes)
@@ -231,13 +214,6 @@ def main() -> None:
         h = weighted(h, w[..., None]).astype(x.dtype)
         return jnp.sum(words32_matvec(d, h, D, F), axis=1).astype(x.dtype)
 
-    def pairsum(x, ids):  # the engine's gathered experts with gate and up in one variadic reduction (pair_matvec)
-        g, u, d = (b[ids] for b in words)
-        xk = jnp.broadcast_to(x[:, None, :], (*ids.shape, D))
-        h = activation(layout.act)(*pair_matvec(g, u, xk, F, D))
-        h = weighted(h, w[..., None]).astype(x.dtype)
-        return jnp.sum(formats._q4_0_words_matvec(d, h, D, F), axis=1).astype(x.dtype)
-
     nbytes = K * sum(b.shape[1] for b in banks)
     one = jnp.asarray(rng.integers(0, E, (1, K)), jnp.int32)
     ref = np.asarray(xla(x0, one), np.float32)
@@ -256,7 +232,7 @@ def main() -> None:
             entry = text[text.index("ENTRY") :]
             print(f"{name}: {entry.count(' fusion(') + entry.count('custom-call(')} kernels in the entry computation")
     if a.format == "q4_0":
-        xla_variants += [("xla flat words", flat), ("xla words32", words32), ("xla words pairsum", pairsum)]
+        xla_variants += [("xla flat words", flat), ("xla words32", words32)]
 
         def setting(fn, module, name, value):  # fn traced with module.name set to value
             def run(x, ids):
@@ -271,6 +247,7 @@ def main() -> None:
 
         converting = lambda c, minus=0.0: c.astype(jnp.float32) - minus  # noqa: E731  (as before formats.small_ints)
         xla_variants.append(("xla words i2f", setting(xla_as(True), formats, "small_ints", converting)))
+        xla_variants.append(("xla words pairsum", setting(xla_as(True), formats, "PAIR_REDUCE", True)))
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
                          ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
             xla_variants.append((f"xla words {name}", setting(xla_as(True), formats, "_q4_0_words_matvec", mv)))
