@@ -36,7 +36,7 @@ from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.models.stacked import weights_layout
 from freetoken_jax.quant.banks import quantize_params, quantizing
-from freetoken_jax.runtime.choice import probe_key, remember_probe, resolve_auto
+from freetoken_jax.runtime.choice import apart_q, probe_key, remember_probe, resolve_auto
 from freetoken_jax.runtime.experts import ExpertBackend, make_backend
 from freetoken_jax.runtime.offload import host_bank_placer, host_memory_kind, to_host_banks
 from freetoken_jax.runtime.runner import ModelRunner
@@ -208,17 +208,19 @@ class FreeTokenEngine:
         return n / max(time.perf_counter() - t0, 1e-9)
 
     def _check_hybrid_choice(self, steps: int) -> None:
-        """Measures hybrid at the recommended q and at q + each of `auto_probe_q_offsets` (one
-        executable: q is traced) and keeps the fastest q; then offload over the same slots and cpu
+        """Measures hybrid at the recommended q, at q + each of `auto_probe_q_offsets` and at the
+        q* of the profile's figures measured apart (`choice.apart_q`; one executable: q is traced)
+        and keeps the fastest q; then offload over the same slots and cpu
         (every expert on the CPU; the slots untouched while it is measured), and runs the fastest
         of the three. Choosing cpu frees the slot cache. Every measurement decodes its own tokens
         (`_decode_rate`'s probe, `ExpertBackend.for_probe`): on an H100, the same 16 steps of a
         synthetic routing repeated at four values of q, the first ran 171 tok/s and the three
         after it 196-213, where the steady rate was 177 (benchmarks/RESULTS.md)."""
         hybrid, q0 = self.runner.experts, self.engine_config.hybrid_q
+        apart = apart_q(self.model_config.expert_format)
         rates: dict[float, float] = {}
-        for d in (0.0, *self.engine_config.auto_probe_q_offsets):
-            q = round(min(1.0, max(0.0, q0 + d)), 6)
+        for q in [q0 + d for d in (0.0, *self.engine_config.auto_probe_q_offsets)] + ([apart] if apart is not None else []):
+            q = round(min(1.0, max(0.0, q)), 6)
             if q not in rates:
                 self.use(hybrid.with_q(q).for_probe(len(rates)), balance=False)  # each probe at its own q
                 rates[q] = self._decode_rate(steps, len(rates))

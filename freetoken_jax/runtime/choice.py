@@ -70,6 +70,23 @@ def recommend(fig: dict, threshold: float = THRESHOLD, fmt: str = "bf16") -> dic
     return dict(strategy="offload", q=q, reason=f"CPU {cpu:.1f} GB/s <= {threshold} x PCIe {pcie:.1f} GB/s")
 
 
+def apart_q(fmt: str = "bf16", path: str | None = None) -> float | None:
+    """q* = Bp / (Bp + Bh) from this machine's profile's figures measured apart (no contended
+    pair: the link and the executor each alone), for experts stored as `fmt`; None without a
+    profile or those figures. The `auto` probe measures hybrid at it beside the recommendation's q,
+    which takes the contended pair: on an H100 that gave q* 0.17-0.19 (a contended link of 12.6
+    GB/s) where hybrid's balance settled at 0.39 and the figures apart gave 0.47
+    (benchmarks/RESULTS.md)."""
+    prof = load_profile(path)
+    fig = (prof or {}).get("figures")
+    if not isinstance(fig, dict):
+        return None
+    alone = {k: v for k, v in fig.items() if not k.startswith("contended_")}
+    if not (alone.get("cpu_moe_gb_s") and (alone.get("fetch_gb_s") or alone.get("h2d_gb_s"))):
+        return None
+    return recommend(alone, fmt=fmt)["q"]
+
+
 def load_profile(path: str | None = None) -> dict | None:
     """The saved profile if it is readable, current and from this machine's device and CPU."""
     p = profile_path(path)

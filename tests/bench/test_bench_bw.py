@@ -180,8 +180,8 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     profile = tmp_path / "benchbw.json"
 
-    def write(strategy):  # a fresh profile: no kept probe outcome
-        profile.write_text(json.dumps(dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures={},
+    def write(strategy, figures=None):  # a fresh profile: no kept probe outcome
+        profile.write_text(json.dumps(dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures=figures or {},
                                            recommendation=dict(strategy=strategy, q=0.3, reason="made up"))))  # fmt: skip
 
     fused = FreeTokenEngine(cfg, ecfg.replace(moe_strategy="fused", total_vram_gb=None))
@@ -236,6 +236,17 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
     assert e.engine_config.hybrid_q == pytest.approx(0.2) and float(e.experts.q) == pytest.approx(0.2)
     assert "q = 0.2" in e.strategy_reason and e.get_metrics()["hybrid_q"] == pytest.approx(0.2)
     assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
+    # with the figures measured apart in the profile, their q* (60 / (60 + 40)) is measured too
+    write("hybrid", dict(h2d_gb_s=60.0, cpu_moe_gb_s=40.0, contended_fetch_gb_s=10.0, contended_cpu_moe_gb_s=35.0))
+    seen = []
+
+    def rate_apart(self, steps, probe):  # q 0.6 the fastest
+        r = rate(self, steps, probe)
+        return 10.0 if self.experts.strategy == "hybrid" and seen[-1] == 0.6 else r
+
+    monkeypatch.setattr(FreeTokenEngine, "_decode_rate", rate_apart)
+    e = FreeTokenEngine(cfg, ecfg)
+    assert sorted(seen) == [0.2, 0.25, 0.3, 0.35, 0.6] and e.engine_config.hybrid_q == pytest.approx(0.6)
     monkeypatch.undo()
     monkeypatch.setattr(choice, "profile_path", lambda path=None: str(tmp_path / "benchbw.json"))
     write("hybrid")
@@ -262,3 +273,22 @@ def test_each_decode_probe_decodes_its_own_prompt(monkeypatch):
     for probe in (0, 1, 2, 1):
         assert e._decode_rate(4, probe) > 0
     assert len(set(asked[:3])) == 3 and len({p for p, _ in asked[:3]}) == 3 and asked[3] == asked[1]
+
+
+def test_apart_q_takes_the_figures_measured_apart(tmp_path):
+    """q* from the profile's link and executor measured alone (the contended pair left out), the
+    executor's figure for the experts' format where it has one; None without both figures."""
+    path = str(tmp_path / "benchbw.json")
+
+    def q(figures, fmt="bf16"):
+        with open(path, "w") as f:
+            json.dump(dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures=figures,
+                           recommendation=dict(strategy="hybrid", q=0.1)), f)  # fmt: skip
+        return choice.apart_q(fmt, path)
+
+    both = dict(fetch_gb_s=50.0, h2d_gb_s=40.0, cpu_moe_gb_s=75.0, cpu_moe_q4_0_gb_s=50.0, contended_fetch_gb_s=10.0,
+                contended_cpu_moe_gb_s=60.0)  # fmt: skip
+    assert q(both) == pytest.approx(50 / 125) and q(both, "q4_0") == pytest.approx(0.5)
+    assert q(dict(h2d_gb_s=30.0, cpu_moe_gb_s=70.0)) == pytest.approx(0.3)
+    assert q(dict(h2d_gb_s=30.0)) is None and q(dict(cpu_moe_gb_s=30.0, contended_fetch_gb_s=9.0)) is None
+    assert choice.apart_q("bf16", str(tmp_path / "none.json")) is None
