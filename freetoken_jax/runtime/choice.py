@@ -74,8 +74,8 @@ def apart_q(fmt: str = "bf16", path: str | None = None) -> float | None:
     """q* = Bp / (Bp + Bh) from this machine's profile's figures measured apart (no contended
     pair: the link and the executor each alone), for experts stored as `fmt`; None without a
     profile or those figures. The `auto` probe measures hybrid at it beside the recommendation's q,
-    which takes the contended pair: on an H100 that gave q* 0.17-0.19 (a contended link of 12.6
-    GB/s) where hybrid's balance settled at 0.39 and the figures apart gave 0.47
+    which takes the contended pair: on an H100, q4_0 experts, that gave 0.19 (a contended link of
+    12.6 GB/s) where hybrid's balance settled at 0.39 and the figures apart give 0.39
     (benchmarks/RESULTS.md)."""
     prof = load_profile(path)
     fig = (prof or {}).get("figures")
