@@ -369,9 +369,10 @@ class EngineConfig:
     auto_probe_steps: int = 16
     # Strategy "auto", with the probe above: hybrid is also measured at the recommended q plus
     # each of these (clamped to [0, 1]; q is traced, so no step compiles again), and at the q*
-    # of the profile's figures measured apart (`choice.apart_q`), and keeps the fastest. On the H200 (Qwen3-30B-A3B shape, 16 GB of slots) the best q was 0.05-0.1 below
-    # q* = Bp / (Bp + Bh): the GPU side of a layer also places its misses and computes its
-    # hits while the CPU computes, and both read host memory at once.
+    # of the profile's figures measured apart (`choice.apart_q`), and keeps the fastest. On the
+    # H200 (Qwen3-30B-A3B shape, 16 GB of slots) the best q was 0.05-0.1 below q* = Bp / (Bp +
+    # Bh): the GPU side of a layer also places its misses and computes its hits while the CPU
+    # computes, and both read host memory at once.
     auto_probe_q_offsets: tuple[float, ...] = (-0.05, -0.1, 0.05)
     page_size: int = 16
     max_context: int = 4096

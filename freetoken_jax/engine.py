@@ -36,7 +36,7 @@ from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
 from freetoken_jax.models.stacked import weights_layout
 from freetoken_jax.quant.banks import quantize_params, quantizing
-from freetoken_jax.runtime.choice import apart_q, probe_key, remember_probe, resolve_auto
+from freetoken_jax.runtime.choice import probe_key, remember_probe, resolve_auto
 from freetoken_jax.runtime.experts import ExpertBackend, make_backend
 from freetoken_jax.runtime.offload import host_bank_placer, host_memory_kind, to_host_banks
 from freetoken_jax.runtime.runner import ModelRunner
@@ -99,7 +99,7 @@ class FreeTokenEngine:
             if not is_expert_path(p)
         )
         self.strategy_reason = f"moe_strategy={ecfg.moe_strategy.value!r} was asked for"
-        probe = False  # set when "auto" picks hybrid from a profile: checked by a decode probe
+        probe: tuple[float, ...] = ()  # hybrid's q to measure when "auto" picks hybrid from a profile: checked by a decode probe
         if ecfg.moe_strategy is Strategy.AUTO:
             self._probe_key = probe_key(cfg, ecfg)
             ecfg, self.strategy_reason, probe = resolve_auto(cfg, ecfg, dense, cache_bytes(cfg, ecfg, itemsize), itemsize)
@@ -156,7 +156,7 @@ class FreeTokenEngine:
         self.runner = ModelRunner(cfg, ecfg, weights, experts, plan)
         self.batcher = Batcher(self.runner, prefix_cache=ecfg.prefix_cache, prefill_rows=ecfg.max_batch)
         if probe:
-            self._check_hybrid_choice(ecfg.auto_probe_steps)
+            self._check_hybrid_choice(ecfg.auto_probe_steps, probe)
 
     # What the runner owns, for reading -------------------------------------------------------------
     @property
@@ -207,23 +207,19 @@ class FreeTokenEngine:
         n = sum(1 for _ in tokens)
         return n / max(time.perf_counter() - t0, 1e-9)
 
-    def _check_hybrid_choice(self, steps: int) -> None:
-        """Measures hybrid at the recommended q, at q + each of `auto_probe_q_offsets` and at the
-        q* of the profile's figures measured apart (`choice.apart_q`; one executable: q is traced)
-        and keeps the fastest q; then offload over the same slots and cpu
-        (every expert on the CPU; the slots untouched while it is measured), and runs the fastest
-        of the three. Choosing cpu frees the slot cache. Every measurement decodes its own tokens
+    def _check_hybrid_choice(self, steps: int, qs: tuple[float, ...]) -> None:
+        """Measures hybrid at each q of `qs` (`choice.resolve_auto`'s: the recommended q first;
+        one executable: q is traced) and keeps the fastest q; then offload over the same slots
+        and cpu (every expert on the CPU; the slots untouched while it is measured), and runs the
+        fastest of the three. Choosing cpu frees the slot cache. Every measurement decodes its own tokens
         (`_decode_rate`'s probe, `ExpertBackend.for_probe`): on an H100, the same 16 steps of a
         synthetic routing repeated at four values of q, the first ran 171 tok/s and the three
         after it 196-213, where the steady rate was 177 (benchmarks/RESULTS.md)."""
         hybrid, q0 = self.runner.experts, self.engine_config.hybrid_q
-        apart = apart_q(self.model_config.expert_format)
         rates: dict[float, float] = {}
-        for q in [q0 + d for d in (0.0, *self.engine_config.auto_probe_q_offsets)] + ([apart] if apart is not None else []):
-            q = round(min(1.0, max(0.0, q)), 6)
-            if q not in rates:
-                self.use(hybrid.with_q(q).for_probe(len(rates)), balance=False)  # each probe at its own q
-                rates[q] = self._decode_rate(steps, len(rates))
+        for i, q in enumerate(qs):
+            self.use(hybrid.with_q(q).for_probe(i), balance=False)  # each probe at its own q
+            rates[q] = self._decode_rate(steps, i)
         q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
         hybrid = hybrid.with_q(q)
         measured = {"hybrid": rates[q]}

@@ -70,17 +70,12 @@ def recommend(fig: dict, threshold: float = THRESHOLD, fmt: str = "bf16") -> dic
     return dict(strategy="offload", q=q, reason=f"CPU {cpu:.1f} GB/s <= {threshold} x PCIe {pcie:.1f} GB/s")
 
 
-def apart_q(fmt: str = "bf16", path: str | None = None) -> float | None:
-    """q* = Bp / (Bp + Bh) from this machine's profile's figures measured apart (no contended
-    pair: the link and the executor each alone), for experts stored as `fmt`; None without a
-    profile or those figures. The `auto` probe measures hybrid at it beside the recommendation's q,
-    which takes the contended pair: on an H100, q4_0 experts, that gave 0.19 (a contended link of
-    12.6 GB/s) where hybrid's balance settled at 0.39 and the figures apart give 0.39
-    (benchmarks/RESULTS.md)."""
-    prof = load_profile(path)
-    fig = (prof or {}).get("figures")
-    if not isinstance(fig, dict):
-        return None
+def apart_q(fig: dict, fmt: str = "bf16") -> float | None:
+    """q* = Bp / (Bp + Bh) from a profile's figures measured apart (no contended pair: the link
+    and the executor each alone), for experts stored as `fmt`; None without those figures. The
+    `auto` probe measures hybrid at it beside the recommendation's q, which takes the contended
+    pair: on an H100, q4_0 experts, that gave 0.19 (a contended link of 12.6 GB/s) where
+    hybrid's balance settled at 0.39 and the figures apart give 0.39 (benchmarks/RESULTS.md)."""
     alone = {k: v for k, v in fig.items() if not k.startswith("contended_")}
     if not (alone.get("cpu_moe_gb_s") and (alone.get("fetch_gb_s") or alone.get("h2d_gb_s"))):
         return None
@@ -114,14 +109,17 @@ def load_profile(path: str | None = None) -> dict | None:
     return prof
 
 
-def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, itemsize: int) -> tuple[EngineConfig, str, bool]:
-    """(config with the strategy chosen, why, whether a decode probe is still to decide between
-    hybrid, offload and cpu): fused when everything fits; else, with a matching benchbw.json, hybrid
-    to be probed against offload (or the kept outcome of an earlier probe, or the profile's
-    recommendation as is when `auto_probe_steps` is 0); else offload."""
+def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int,
+                 itemsize: int) -> tuple[EngineConfig, str, tuple[float, ...]]:  # fmt: skip
+    """(config with the strategy chosen, why, the values of q at which a decode probe is still to
+    measure hybrid before deciding between hybrid, offload and cpu — none: no probe): fused when
+    everything fits; else, with a matching benchbw.json, hybrid to be probed against offload (or
+    the kept outcome of an earlier probe, or the profile's recommendation as is when
+    `auto_probe_steps` is 0); else offload. The probe's q: the recommendation's, it plus each of
+    `auto_probe_q_offsets`, and `apart_q` (clamped to [0, 1], each once)."""
     try:
         plan_memory(cfg, ecfg.replace(moe_strategy=Strategy.FUSED), dense, kv, itemsize, device_memory_bytes())
-        return ecfg.replace(moe_strategy=Strategy.FUSED), "every expert fits the device budget", False
+        return ecfg.replace(moe_strategy=Strategy.FUSED), "every expert fits the device budget", ()
     except ConfigError:
         pass
     prof = load_profile()
@@ -129,7 +127,7 @@ def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, i
         return (
             ecfg.replace(moe_strategy=Strategy.OFFLOAD),
             ("the experts do not fit and no benchbw.json was measured here: offload (hybrid only on evidence)"),
-            False,
+            (),
         )
     rec = prof["recommendation"]
     if cfg.expert_format != "bf16" and isinstance(prof.get("figures"), dict):
@@ -151,8 +149,11 @@ def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int, i
     if isinstance(us, (int, float)) and isinstance(link, (int, float)) and us > 0 and link > 0:
         # the handoff's measured cost in units of one expert's PCIe fetch time
         new = new.replace(hybrid_overhead=us * 1e-6 / (expert_bytes(cfg, itemsize) / (link * 1e9)))
-    probe = cached is None and strategy is Strategy.HYBRID and ecfg.auto_probe_steps > 0 and ecfg.max_context >= 4
-    return new, why, probe
+    if not (cached is None and strategy is Strategy.HYBRID and ecfg.auto_probe_steps > 0 and ecfg.max_context >= 4):
+        return new, why, ()
+    apart = apart_q(fig, cfg.expert_format) if isinstance(fig, dict) else None
+    qs = [new.hybrid_q + d for d in (0.0, *ecfg.auto_probe_q_offsets)] + ([apart] if apart is not None else [])
+    return new, why, tuple(dict.fromkeys(round(min(1.0, max(0.0, q)), 6) for q in qs))
 
 
 def probe_key(cfg: MoEModelConfig, ecfg: EngineConfig) -> str:

@@ -275,20 +275,12 @@ def test_each_decode_probe_decodes_its_own_prompt(monkeypatch):
     assert len(set(asked[:3])) == 3 and len({p for p, _ in asked[:3]}) == 3 and asked[3] == asked[1]
 
 
-def test_apart_q_takes_the_figures_measured_apart(tmp_path):
+def test_apart_q_takes_the_figures_measured_apart():
     """q* from the profile's link and executor measured alone (the contended pair left out), the
     executor's figure for the experts' format where it has one; None without both figures."""
-    path = str(tmp_path / "benchbw.json")
-
-    def q(figures, fmt="bf16"):
-        with open(path, "w") as f:
-            json.dump(dict(schema=bw.SCHEMA, device=bw.device_name(), cpu_model=bw.cpu_model(), figures=figures,
-                           recommendation=dict(strategy="hybrid", q=0.1)), f)  # fmt: skip
-        return choice.apart_q(fmt, path)
-
     both = dict(fetch_gb_s=50.0, h2d_gb_s=40.0, cpu_moe_gb_s=75.0, cpu_moe_q4_0_gb_s=50.0, contended_fetch_gb_s=10.0,
                 contended_cpu_moe_gb_s=60.0)  # fmt: skip
-    assert q(both) == pytest.approx(50 / 125) and q(both, "q4_0") == pytest.approx(0.5)
-    assert q(dict(h2d_gb_s=30.0, cpu_moe_gb_s=70.0)) == pytest.approx(0.3)
-    assert q(dict(h2d_gb_s=30.0)) is None and q(dict(cpu_moe_gb_s=30.0, contended_fetch_gb_s=9.0)) is None
-    assert choice.apart_q("bf16", str(tmp_path / "none.json")) is None
+    assert choice.apart_q(both) == pytest.approx(50 / 125) and choice.apart_q(both, "q4_0") == pytest.approx(0.5)
+    assert choice.apart_q(dict(h2d_gb_s=30.0, cpu_moe_gb_s=70.0)) == pytest.approx(0.3)
+    assert choice.apart_q(dict(h2d_gb_s=30.0)) is None and choice.apart_q(dict(cpu_moe_gb_s=30.0, contended_fetch_gb_s=9.0)) is None
+    assert choice.apart_q({}) is None

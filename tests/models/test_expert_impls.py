@@ -244,9 +244,9 @@ def test_grouped_scatters_no_floats():
 
 def test_grouped_plans_hold_zipf_routing():
     """At 128 experts, top-8, 512 and 2048 tokens: spread routing fits the first plan (tight;
-    at 512 tokens tight or C), and synthetic Zipf routing of exponents 0.5-1 (at 2048 tokens up to 1.5; trained routers'
-    skew is nearer 1) the steep ranked plan — the first that holds it, in fewer rows than
-    broad's."""
+    at 512 tokens tight or C), and synthetic Zipf routing of exponents 0.5-1 (at 2048 tokens up
+    to 1.5; trained routers' skew is nearer 1) the steep ranked plan — the first that holds it,
+    in fewer rows than broad's."""
     from freetoken_jax.models.grouping import group_plans
     from freetoken_jax.runtime.routing import synthetic_ids
 
