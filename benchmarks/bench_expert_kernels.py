@@ -4,9 +4,7 @@
 `pallas_kernels/gathered_experts.py` at several rows per program and warp counts; for q4_0 also
 the kernels over the slots' 16-bit words (`words ...`: the words made once, outside the timed
 function), XLA reducing each row's words at once (`xla flat words`), the banks read as 32-bit
-words, two blocks in 9 (`xla words32`: one load for 8 codes), the engine's words with gate
-and up in one variadic reduction (`xla words pairsum`: `formats.PAIR_REDUCE` set while it
-traces), and the engine's words with
+words, two blocks in 9 (`xla words32`: one load for 8 codes), and the engine's words with
 each code made a float by an integer-to-float conversion instead of by its bits (`xla words
 i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
 alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
@@ -247,7 +245,6 @@ def main() -> None:
 
         converting = lambda c, minus=0.0: c.astype(jnp.float32) - minus  # noqa: E731  (as before formats.small_ints)
         xla_variants.append(("xla words i2f", setting(xla_as(True), formats, "small_ints", converting)))
-        xla_variants.append(("xla words pairsum", setting(xla_as(True), formats, "PAIR_REDUCE", True)))
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
                          ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
             xla_variants.append((f"xla words {name}", setting(xla_as(True), formats, "_q4_0_words_matvec", mv)))

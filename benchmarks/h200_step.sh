@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pprev|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|pairsum|xflags|ncu|kernels|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pprev|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|ncu|kernels|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -45,7 +45,6 @@
 #   kernels: decode's gathered-expert matvec per format (benchmarks/bench_matvec.py), then the fused and
 #            hybrid q4_0 steps under the kernel profiler, their optimized HLO kept as $OUT/*.hlo.txt.gz
 #            (the profile names kernels; the HLO says what each one computes);
-#   pairsum: decode's q4_0 gate and up in one variadic reduction (formats.PAIR_REDUCE) against two, microbenchmark and fused rows;
 #   pprev:   the 8192-token q4_0 prefill chunk with this tree's PFILE and with a previous copy of it, PREV, in turn;
 #   timeline: the fused, cpu and hybrid q4_0 steps under the kernel profiler with TL (120) events of
 #            each step's middle listed in time order (what runs between two handoff windows), their
@@ -109,12 +108,6 @@ for what in "$@"; do
       for how in ${WORDS:-head prev head prev}; do restore; [ $how = prev ] && keep freetoken_jax/quant/formats.py && cp ${PREV:-.llamacpp/formats_prev.py} freetoken_jax/quant/formats.py
         echo "== formats.py of $how"; fused_row words_$how "input_reduce|loop_"
       done; restore ;;
-    # pairsum: decode's q4_0 gate and up in one variadic reduction (formats.PAIR_REDUCE) against two: the experts'
-    #          microbenchmark, then fused rows with the switch off, on, off
-    pairsum) timeout -k 10 200 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" "xla words pairsum" --exact 2>&1 |
-          grep -v -i warn | tail -6
-      n=0; for v in False True False; do n=$((n + 1)); set_const freetoken_jax/quant/formats.py PAIR_REDUCE $v; fused_row pairsum_${n}_$v "input_reduce|loop_"; done
-      restore ;;
     xflags) for f in "" ${XFLAGS:---xla_gpu_experimental_enable_fusion_block_level_rewriter=true --xla_gpu_experimental_max_unroll_factor=8}; do
         echo "== XLA_FLAGS=$f"; n=$((${n:-0} + 1))
         XLA_FLAGS="$f" timeout 120 python3 benchmarks/bench_expert_kernels.py --steps 24 --only "xla words" --exact 2>&1 | grep -v -i warn | tail -2

@@ -174,8 +174,7 @@ def _gathered(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, bias) -> jax.Arra
     g, u, d = (layout.gather(k, b, ids_TK) for k, b in enumerate(banks))
     bg, bu, bd = bias or (0.0, 0.0, 0.0)
     xk = jnp.broadcast_to(x_TD[:, None, :], (T, K, x_TD.shape[1]))
-    gx, ux = layout.gate_up(g, u, xk)
-    h = f(gx + bg, ux + bu)
+    h = f(layout.matvec(0, g, xk) + bg, layout.matvec(1, u, xk) + bu)
     if layout.mixed:  # a slot may hold another layer's bytes (non-finite here): each pair's result masked apart
         y = jnp.where((w_TK != 0)[..., None], layout.matvec(2, d, h.astype(dt)) + bd, 0.0)  # an unrouted pair adds exactly 0
         return jnp.einsum("tkd,tk->td", y, w_TK).astype(dt)

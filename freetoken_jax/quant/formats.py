@@ -473,11 +473,10 @@ def _q4_0_word_blocks(b: jax.Array, O: int, I: int) -> tuple[jax.Array, jax.Arra
     return blk, jax.lax.bitcast_convert_type(blk[..., 0], jnp.float16).astype(jnp.float32)[..., None]
 
 
-def _q4_0_words_terms(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
-    """The terms [..., O, I/32, 8] whose sum over the last two axes is `Format.matvec` of q4_0
-    rows as uint16 words [..., O·I/32·9]: per block the scale word, then 8 words of 4 codes;
-    word i holds bytes 2i and 2i + 1, i.e. the codes of weights 2i, 2i + 16, 2i + 1 and 2i + 17,
-    low nibble first."""
+def _q4_0_words_matvec(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
+    """`Format.matvec` of q4_0 rows as uint16 words [..., O·I/32·9]: per block the scale word,
+    then 8 words of 4 codes; word i holds bytes 2i and 2i + 1, i.e. the codes of weights 2i,
+    2i + 16, 2i + 1 and 2i + 17, low nibble first."""
     nb = I // 32
     if b.shape[-1] != O * nb * 9:
         raise ValueError(f"q4_0 [{O}, {I}] is {O * nb * 9} words, got rows of {b.shape[-1]}")
@@ -485,28 +484,8 @@ def _q4_0_words_terms(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
     q = blk[..., 1:]
     xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # [half, i, parity]: weight 16·half + 2i + parity
     code = lambda n: small_ints((q >> (4 * n)) & 15, 8.0)  # noqa: E731
-    return s * (code(0) * xb[..., 0, :, 0] + code(1) * xb[..., 1, :, 0] + code(2) * xb[..., 0, :, 1] + code(3) * xb[..., 1, :, 1])
-
-
-def _q4_0_words_matvec(b: jax.Array, x: jax.Array, O: int, I: int) -> jax.Array:
-    return jnp.sum(_q4_0_words_terms(b, x, O, I), axis=(-2, -1))
-
-
-# Decode's gate and up rows of q4_0 words as one variadic reduction (`matvec_pair`) rather than two
-# reductions: each row's two sums side by side, so that XLA can make the activation that follows
-# the reduction's epilogue instead of a kernel of its own. Off until a GPU step runs faster with it
-# (benchmarks/RESULTS.md).
-PAIR_REDUCE = False
-
-
-def matvec_pair(fa: Format, a: jax.Array, fb: Format, b: jax.Array, x: jax.Array, O: int, I: int) -> tuple[jax.Array, jax.Array]:
-    """(`fa.matvec(a, x, O, I)`, `fb.matvec(b, x, O, I)`): two projections of the same x (gate
-    and up), as one variadic reduction where `PAIR_REDUCE` is on and both are q4_0 words."""
-    if PAIR_REDUCE and fa.name == fb.name == "q4_0" and a.dtype == b.dtype == jnp.uint16:
-        ta, tb = _q4_0_words_terms(a, x, O, I), _q4_0_words_terms(b, x, O, I)
-        zero = jnp.float32(0)
-        return jax.lax.reduce((ta, tb), (zero, zero), lambda u, v: (u[0] + v[0], u[1] + v[1]), (ta.ndim - 2, ta.ndim - 1))
-    return fa.matvec(a, x, O, I), fb.matvec(b, x, O, I)
+    t = code(0) * xb[..., 0, :, 0] + code(1) * xb[..., 1, :, 0] + code(2) * xb[..., 0, :, 1] + code(3) * xb[..., 1, :, 1]
+    return jnp.sum(s * t, axis=(-2, -1))
 
 
 _NIBBLES = {

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from freetoken_jax.config import MoEModelConfig
-from freetoken_jax.quant.formats import get_format, matvec_pair
+from freetoken_jax.quant.formats import get_format
 from pallas_kernels import Stacked
 
 PROJECTIONS = ("gate", "up", "down")  # the banks of a layer, in this order everywhere
@@ -85,14 +85,6 @@ class ExpertLayout:
         if self.quantized:
             return get_format(self.fmts[k]).matvec(self._own(k, bank), v, *self.shapes()[k])
         return jnp.sum(v[..., None, :].astype(jnp.float32) * self.matrix(k, bank, jnp.float32), axis=-1)
-
-    def gate_up(self, gate: jax.Array, up: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(`matvec(0, gate, v)`, `matvec(1, up, v)`), for quantized banks through
-        `formats.matvec_pair` (one reduction where `formats.PAIR_REDUCE` says so)."""
-        if not self.quantized:
-            return self.matvec(0, gate, v), self.matvec(1, up, v)
-        fg, fu = get_format(self.fmts[0]), get_format(self.fmts[1])
-        return matvec_pair(fg, self._own(0, gate), fu, self._own(1, up), v, *self.shapes()[0])
 
     def gather(self, k: int, bank: jax.Array, ids: jax.Array) -> jax.Array:
         """Rows `ids` of projection k's `bank` as `matvec` reads them: a q4_0 bank as 16-bit

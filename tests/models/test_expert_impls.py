@@ -287,36 +287,6 @@ def test_grouped_matches_reference_on_odd_shapes(T, K, E, skew):
     assert np.linalg.norm(np.asarray(got) - ref) / np.linalg.norm(ref) < 1e-5
 
 
-@pytest.mark.parametrize("mixed", [False, True])
-def test_gather_with_gate_and_up_in_one_reduction(mixed, monkeypatch):
-    """Decode's gathered q4_0 experts (as 16-bit words) with gate and up in one variadic
-    reduction (`formats.PAIR_REDUCE`) equal the two reductions, with biases and an unrouted pair,
-    in a one-format layout and a mixed one."""
-    import jax
-
-    from freetoken_jax.models.routed import pair_biases
-    from freetoken_jax.quant import formats
-    from freetoken_jax.quant.formats import get_format
-
-    f, rng = get_format("q4_0"), np.random.default_rng(11)
-    E, D, F, T, K = 6, 128, 64, 3, 2
-    banks = tuple(jnp.asarray(np.stack([f.quantize_ref(rng.standard_normal((o, i)).astype(np.float32) * 0.3) for _ in range(E)]))
-                  for o, i in ((F, D), (F, D), (D, F)))  # fmt: skip
-    layout = ExpertLayout(("q4_0",) * 3, F, D, "silu", mixed=mixed, words=True)
-    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
-    ids = jnp.asarray(rng.integers(0, E, (T, K)), jnp.int32)
-    w = jnp.asarray(rng.random((T, K)), jnp.float32).at[1, 0].set(0.0)
-    bias = tuple(jnp.asarray(rng.standard_normal((E, n)) * 0.1, jnp.float32) for n in (F, F, D))
-    pair_bias, got = pair_biases(bias, ids), {}
-    for pair in (False, True):
-        monkeypatch.setattr(formats, "PAIR_REDUCE", pair)
-        jax.clear_caches()
-        run = lambda x: routed_experts(x, ids, w, banks, layout, impl="gather", bias=pair_bias)  # noqa: E731
-        assert (" reduce[" in str(jax.make_jaxpr(run)(x))) == pair  # the variadic reduction
-        got[pair] = np.asarray(run(x))
-    np.testing.assert_allclose(got[True], got[False], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("fmt,words", [("q4_0", False), ("q4_0", True), ("q8_0", None), ("nvfp4", None), ("q4_k", None)])
 def test_gather_masks_a_foreign_slot_with_weight_0(fmt, words):
     """In a model whose layers differ in format, a step may index a slot holding another layer's

@@ -209,30 +209,3 @@ def test_bad_shapes_and_names_are_config_errors():
         MoEModelConfig(vocab_size=64, hidden_dim=64, intermediate_dim=64, num_layers=1, num_experts=2, top_k=1, expert_format="int3")
     with pytest.raises(ConfigError, match="multiples"):
         MoEModelConfig(vocab_size=64, hidden_dim=96, intermediate_dim=64, num_layers=1, num_experts=2, top_k=1, expert_format="nvfp4")
-
-
-@pytest.mark.parametrize("pair", [False, True])
-def test_gate_and_up_of_q4_0_words_in_one_reduction(pair, monkeypatch):
-    """`matvec_pair` gives each projection's `matvec` whether `PAIR_REDUCE` makes the two one
-    variadic reduction (q4_0 words) or not, over every shape of the sweep; bytes, or another
-    format beside q4_0, take the two matvecs."""
-    from freetoken_jax.quant import formats
-
-    monkeypatch.setattr(formats, "PAIR_REDUCE", pair)
-    jax.clear_caches()  # (read while tracing: no trace of the other setting may be reused)
-    f, rng = get_format("q4_0"), np.random.default_rng(5)
-    for O, I in shapes("q4_0"):
-        a, b = (f.words(jnp.asarray(np.stack([f.quantize_ref(weights(O, I, s + k)) for s in range(4)]))) for k in (0, 4))
-        x = jnp.asarray(rng.standard_normal((4, I)), jnp.float32)
-        got = jax.jit(formats.matvec_pair, static_argnums=(0, 2, 5, 6))(f, a, f, b, x, O, I)
-        jaxpr = jax.make_jaxpr(formats.matvec_pair, static_argnums=(0, 2, 5, 6))(f, a, f, b, x, O, I)
-        assert sum(e.primitive.name == "reduce" for e in jaxpr.eqns) == int(pair)  # the variadic one
-        for g, w in zip(got, (a, b)):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(f.matvec(w, x, O, I)), rtol=1e-5, atol=1e-5)
-    raw = jnp.asarray(np.stack([f.quantize_ref(weights(64, 64, s)) for s in range(2)]))
-    for fb, ub in (
-        (f, raw),
-        (get_format("q8_0"), jnp.asarray(np.stack([get_format("q8_0").quantize_ref(weights(64, 64, s)) for s in range(2)]))),
-    ):
-        jaxpr = jax.make_jaxpr(formats.matvec_pair, static_argnums=(0, 2, 5, 6))(f, raw, fb, ub, jnp.ones((2, 64)), 64, 64)
-        assert not any(e.primitive.name == "reduce" for e in jaxpr.eqns)
