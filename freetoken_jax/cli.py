@@ -319,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help='more chat-template variables, a JSON object: \'{"enable_thinking": false}\' turns Qwen3\'s thinking off')  # fmt: skip
             g.add_argument("--reasoning-effort", default=None, choices=["low", "medium", "high"],
                            help="the template's reasoning_effort (gpt-oss's template reads it)")  # fmt: skip
-        g.add_argument("--max-new-tokens", type=int, default=48 if name == "generate" else 256, help="tokens to generate (per turn)")
+        g.add_argument("--max-new-tokens", "--max-tokens", "-n", type=int, default=48 if name == "generate" else 256, dest="max_new_tokens",
+                       help="tokens to generate (per turn)")  # fmt: skip
         g.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
         g.add_argument("--top-k", type=int, default=0, help="0: off")
         g.add_argument("--top-p", type=float, default=1.0, help="1: off")

@@ -41,7 +41,7 @@ def test_generate_prints_whole_characters_and_no_control_bytes(capsys):
     from freetoken_jax.cli import printable
 
     assert printable("a\x1b[2Jb\n\tc\x0f") == "a\ufffd[2Jb\n\tc\ufffd"
-    argv = ["generate", "--model", "demo", "--prompt", "héllo 🙂", "--max-new-tokens", "12", "--dtype", "float32", "--max-context", "64",
+    argv = ["generate", "--model", "demo", "--prompt", "héllo 🙂", "--max-tokens", "12", "--dtype", "float32", "--max-context", "64",
             "--no-compile-cache"]  # fmt: skip
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -58,7 +58,7 @@ def test_chat_keeps_the_conversation(capsys, monkeypatch):
     from freetoken_jax.server.text import chat_template, render_chat
 
     monkeypatch.setattr("sys.stdin", io.StringIO("hello there\nand again\n/reset\nhello there\n/exit\nnot read\n"))
-    argv = ["chat", "--model", "demo", "--max-new-tokens", "6", "--dtype", "float32", "--max-context", "256", "--no-compile-cache"]
+    argv = ["chat", "--model", "demo", "-n", "6", "--dtype", "float32", "--max-context", "256", "--no-compile-cache"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     engine = FreeTokenEngine.from_pretrained("demo", EngineConfig(dtype="float32", max_context=256, max_batch=1))
