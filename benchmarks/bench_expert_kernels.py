@@ -9,7 +9,9 @@ each code made a float by an integer-to-float conversion instead of by its bits 
 i2f`: `formats.small_ints` replaced while it traces), and the words matvec replaced by two
 alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each code set into the
 mantissa of 1.0 so that a weight is one multiply-add, the x side made apart (`xla words ones`,
-`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`). (More, shorter
+`ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`); and the
+engine's words with x laid out by word first, a word's four inputs side by side (`xla words xw`,
+made apart behind an optimization barrier; `xw nobar` without it). (More, shorter
 reductions — the down projection's pairs summed in groups, each row of words in parts — lost too,
 thirteenth session; q4_0 rows with the codes apart from the scales: benchmarks/probe_split_q4.py.)
 
@@ -113,6 +115,21 @@ def ones_matvec(b, x, O: int, I: int, shifts: int = 4, barrier: bool = True):
         xs = jax.lax.optimization_barrier(xs)
     f = [jax.lax.bitcast_convert_type((v & jnp.uint32(m)) | jnp.uint32(0x3F800000), jnp.float32) for v, m, _ in fs]
     t = f[0] * xs[0] + f[1] * xs[1] + f[2] * xs[2] + f[3] * xs[3] - xs[4]
+    return jnp.sum(s * t, axis=(-2, -1))
+
+
+def xw_matvec(b, x, O: int, I: int, barrier: bool = True):
+    """The engine's q4_0 words matvec with x laid out by word first: the four inputs a word's
+    codes multiply side by side ([..., nb, 8, 4], made once outside the rows, behind an
+    optimization barrier unless `barrier` is off), so that each word's inputs are one
+    contiguous 16-byte read where the engine's are four reads 16 and 1 apart."""
+    nb, (blk, s) = I // 32, formats._q4_0_word_blocks(b, O, I)
+    q = blk[..., 1:]
+    xb = x.astype(jnp.float32).reshape(*x.shape[:-1], 1, nb, 2, 8, 2)  # weight 16·half + 2i + parity
+    xw = jnp.stack([xb[..., 0, :, 0], xb[..., 1, :, 0], xb[..., 0, :, 1], xb[..., 1, :, 1]], axis=-1)  # [..., 1, nb, 8, 4]
+    if barrier:
+        xw = jax.lax.optimization_barrier(xw)
+    t = sum(formats.small_ints((q >> (4 * n)) & 15, 8.0) * xw[..., n] for n in range(4))
     return jnp.sum(s * t, axis=(-2, -1))
 
 
@@ -246,7 +263,8 @@ def main() -> None:
         converting = lambda c, minus=0.0: c.astype(jnp.float32) - minus  # noqa: E731  (as before formats.small_ints)
         xla_variants.append(("xla words i2f", setting(xla_as(True), formats, "small_ints", converting)))
         for name, mv in (("ones", ones_matvec), ("ones nobar", functools.partial(ones_matvec, barrier=False)),
-                         ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec)):  # fmt: skip
+                         ("ones2", functools.partial(ones_matvec, shifts=2)), ("pairs", pairs_matvec), ("xw", xw_matvec),
+                         ("xw nobar", functools.partial(xw_matvec, barrier=False))):  # fmt: skip
             xla_variants.append((f"xla words {name}", setting(xla_as(True), formats, "_q4_0_words_matvec", mv)))
     variants = xla_variants + [
         (f"kernel rows={r} warps={nw}", functools.partial(kernel, rows=r, warps=nw)) for r in a.rows for nw in a.warps
