@@ -11,7 +11,8 @@ alternatives that lost on an H100 (benchmarks/RESULTS.md, twelfth session): each
 mantissa of 1.0 so that a weight is one multiply-add, the x side made apart (`xla words ones`,
 `ones nobar`, `ones2`), and bfloat16 x read as uint32 pairs (`xla words pairs`); and the
 engine's words with x laid out by word first, a word's four inputs side by side (`xla words xw`,
-made apart behind an optimization barrier; `xw nobar` without it). (More, shorter
+made apart behind an optimization barrier; `xw nobar` without it: both lost on an H100,
+sixteenth session). (More, shorter
 reductions — the down projection's pairs summed in groups, each row of words in parts — lost too,
 thirteenth session; q4_0 rows with the codes apart from the scales: benchmarks/probe_split_q4.py.)
 
