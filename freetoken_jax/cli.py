@@ -112,9 +112,12 @@ def _stream(engine, ids, args, harmony: bool = False) -> tuple[str, float]:
 
 def cmd_generate(args) -> int:
     from freetoken_jax import FreeTokenEngine
+    from freetoken_jax.runtime.sampling import GenerationParams
 
     engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args), require_tokenizer=True)
     ids = engine.tokenizer.encode(args.prompt)
+    # a request the engine would refuse is said before anything compiles or is printed
+    engine.check_request(ids, GenerationParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
     _compile(engine, engine.runner.prompt_jobs(len(ids), _filters(args)), "the prefill and decode steps")
     print(printable(args.prompt), end="", flush=True)
     _, first = _stream(engine, ids, args)
