@@ -19,7 +19,8 @@ def test_generate_refuses_a_request_before_compiling_or_printing(capsys):
     """A request the engine would refuse (too long for the context, a bad sampling value) is said
     before any step compiles and before the prompt is echoed."""
     for extra, said in ((["--max-context", "8"], "exceeds the configured context of 8 tokens"), (["--top-p", "0"], "0 < top_p <= 1")):
-        argv = ["generate", "--model", "demo", "--prompt", "The for statement", "-n", "8", "--dtype", "float32", "--no-compile-cache", *extra]
+        argv = ["generate", "--model", "demo", "--prompt", "The for statement", "-n", "8", "--dtype", "float32", "--no-compile-cache",
+                *extra]  # fmt: skip
         assert main(argv) == 2
         out = capsys.readouterr()
         assert out.out == "" and said in out.err and "compiling" not in out.err
