@@ -31,6 +31,7 @@ from freetoken_jax.memory.budget import (
     host_memory_available,
     pinned_host_limit,
     plan_memory,
+    size,
 )
 from freetoken_jax.memory.kv_cache import cache_bytes
 from freetoken_jax.models import abstract_graphdef, build_abstract, is_expert_path, jnp_dtype, random_params
@@ -124,13 +125,11 @@ class FreeTokenEngine:
         if host:
             avail = host_memory_available()
             if avail is not None and plan.all_experts_bytes > avail:
-                raise ConfigError(
-                    f"the expert banks need {plan.all_experts_bytes / GB:.1f} GiB of host RAM but only {avail / GB:.1f} GiB is available"
-                )
+                raise ConfigError(f"the expert banks need {size(plan.all_experts_bytes)} of host RAM but only {size(avail)} is available")
             cap = pinned_host_limit()
             if cap is not None and plan.all_experts_bytes > cap:
                 raise ConfigError(
-                    f"the expert banks need {plan.all_experts_bytes / GB:.1f} GiB of pinned host memory, over XLA's cap of "
+                    f"the expert banks need {size(plan.all_experts_bytes)} of pinned host memory, over XLA's cap of "
                     f"{cap / GB:.0f} GiB: set XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB higher (it must be set before jax starts; "
                     "keep it below the RAM, since the pool may pin all of it)"
                 )

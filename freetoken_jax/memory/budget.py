@@ -14,6 +14,15 @@ from pallas_kernels import grouped_experts
 GB = 1 << 30
 
 
+def size(b: float) -> str:
+    """`b` bytes in GiB, or in MiB / KiB below a tenth of a GiB / MiB (a figure that reads
+    0.00 GiB says nothing)."""
+    for unit, n in (("GiB", GB), ("MiB", 1 << 20)):
+        if b >= n / 10:
+            return f"{b / n:.2f} {unit}"
+    return f"{b / 1024:.2f} KiB"
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryPlan:
     strategy: str
@@ -30,12 +39,11 @@ class MemoryPlan:
         return self.slots * self.expert_bytes
 
     def describe(self) -> str:
-        g = lambda b: f"{b / GB:.2f} GiB"  # noqa: E731
-        budget = g(self.budget_bytes) if self.budget_bytes is not None else "unknown"
+        budget = size(self.budget_bytes) if self.budget_bytes is not None else "unknown"
         return (
-            f"strategy {self.strategy}: dense weights {g(self.dense_bytes)}, KV pages {g(self.kv_bytes)}, "
-            f"expert slots {self.slots} x {self.expert_bytes / (1 << 20):.1f} MiB = {g(self.slot_bytes)} "
-            f"(all experts {g(self.all_experts_bytes)}); budget {budget}; slots from {self.source}"
+            f"strategy {self.strategy}: dense weights {size(self.dense_bytes)}, KV pages {size(self.kv_bytes)}, "
+            f"expert slots {self.slots} x {size(self.expert_bytes)} = {size(self.slot_bytes)} "
+            f"(all experts {size(self.all_experts_bytes)}); budget {budget}; slots from {self.source}"
         )
 
 
@@ -65,16 +73,14 @@ def plan_memory(
     if ecfg.moe_strategy is Strategy.FUSED:
         if budget is not None and base + kv_bytes + all_experts + reserved > budget:
             raise ConfigError(
-                f"strategy 'fused' needs {(base + kv_bytes + all_experts + reserved) / GB:.1f} GiB (dense {base / GB:.1f}, "
-                f"experts {all_experts / GB:.1f}, KV {kv_bytes / GB:.1f}) but the budget is {budget / GB:.1f} GiB; use "
+                f"strategy 'fused' needs {size(base + kv_bytes + all_experts + reserved)} (dense {size(base)}, "
+                f"experts {size(all_experts)}, KV {size(kv_bytes)}) but the budget is {size(budget)}; use "
                 "moe_strategy='offload' or a smaller max_context / max_batch"
             )
         return MemoryPlan("fused", dense_bytes, kv_bytes, expert, all_experts, cfg.num_moe_layers * cfg.num_experts, budget, "all resident")
     if ecfg.moe_strategy is Strategy.CPU:
         if budget is not None and base + kv_bytes + reserved > budget:
-            raise ConfigError(
-                f"the dense weights ({base / GB:.2f} GiB) and KV pages ({kv_bytes / GB:.2f} GiB) exceed the budget of {budget / GB:.2f} GiB"
-            )
+            raise ConfigError(f"the dense weights ({size(base)}) and KV pages ({size(kv_bytes)}) exceed the budget of {size(budget)}")
         return MemoryPlan("cpu", dense_bytes, kv_bytes, expert, all_experts, 0, budget, "none: experts run on the CPU")
     need = ecfg.max_batch * cfg.top_k
     # every expert, plus prefill's two layer buffers, so that a cache with room for everything
@@ -87,15 +93,15 @@ def plan_memory(
             slots, source = int(ecfg.expert_slots_gb * 1e9 // expert), f"expert_slots_gb={ecfg.expert_slots_gb:g}"
         if budget is not None and base + kv_bytes + slots * expert + reserved > budget:
             raise ConfigError(
-                f"{source}: {slots} slots ({slots * expert / GB:.2f} GiB) + dense {base / GB:.2f} GiB + KV {kv_bytes / GB:.2f} GiB "
-                f"exceed the budget of {budget / GB:.2f} GiB"
+                f"{source}: {slots} slots ({size(slots * expert)}) + dense {size(base)} + KV {size(kv_bytes)} "
+                f"exceed the budget of {size(budget)}"
             )
     elif budget is not None:
         free = budget - reserved - base - kv_bytes
         if free < 0:
             raise ConfigError(
-                f"the dense weights ({base / GB:.2f} GiB) and KV pages ({kv_bytes / GB:.2f} GiB) alone exceed the budget of "
-                f"{(budget - reserved) / GB:.2f} GiB; lower max_context / max_batch / kv_pages or raise total_vram_gb"
+                f"the dense weights ({size(base)}) and KV pages ({size(kv_bytes)}) alone exceed the budget of "
+                f"{size(budget - reserved)}; lower max_context / max_batch / kv_pages or raise total_vram_gb"
             )
         slots, source = free // expert, "the VRAM budget"
         if ecfg.initial_expert_capacity is not None:
@@ -105,7 +111,7 @@ def plan_memory(
     if slots < need:
         raise ConfigError(
             f"room for {slots} expert slots, but one decode step at max_batch={ecfg.max_batch} routes up to {need} experts per layer "
-            f"({need * expert / GB:.2f} GiB of slots); raise the budget, or lower max_batch"
+            f"({size(need * expert)} of slots); raise the budget, or lower max_batch"
         )
     if slots > most:  # more would never be used: say so rather than quietly give fewer
         source += f", capped at {most} (every routed expert, and two layers' worth of prefill buffers)"
@@ -182,11 +188,11 @@ def choose_prefill_load(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPla
         if activations + banks * bank <= ACTIVATION_SHARE * free:
             return (
                 load,
-                f"{many} layers' banks ({banks * bank / GB:.2f} GiB) and the chunk's activations fit half of the {free / GB:.1f} GiB the plan leaves free",
+                f"{many} layers' banks ({size(banks * bank)}) and the chunk's activations fit half of the {size(free)} the plan leaves free",
             )
     return (
         "fetch",
-        f"two layers' banks ({2 * bank / GB:.2f} GiB) and the chunk's activations do not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",
+        f"two layers' banks ({size(2 * bank)}) and the chunk's activations do not fit half of the {size(max(free, 0))} the plan leaves free",
     )
 
 
@@ -205,9 +211,9 @@ def choose_prefill_chunk(cfg: MoEModelConfig, ecfg: EngineConfig, plan: MemoryPl
         if t <= ecfg.max_context and prefill_activation_bytes(cfg, ecfg, t) <= ACTIVATION_SHARE * free:
             return (
                 t,
-                f"the largest chunk whose activations (~{prefill_activation_bytes(cfg, ecfg, t) / GB:.1f} GiB) fit half of the {free / GB:.1f} GiB the plan leaves free",
+                f"the largest chunk whose activations (~{size(prefill_activation_bytes(cfg, ecfg, t))}) fit half of the {size(free)} the plan leaves free",
             )
     return (
         default,
-        f"the default: a chunk of {PREFILL_CHUNKS[-1]} would not fit half of the {max(free, 0) / GB:.1f} GiB the plan leaves free",
+        f"the default: a chunk of {PREFILL_CHUNKS[-1]} would not fit half of the {size(max(free, 0))} the plan leaves free",
     )

@@ -33,7 +33,7 @@ import numpy as np
 
 from freetoken_jax import _cpu_ext
 from freetoken_jax.config import ConfigError, EngineConfig, MoEModelConfig, Strategy, env_choice
-from freetoken_jax.memory.budget import GB, MemoryPlan, device_memory_bytes, host_memory_available, plan_memory
+from freetoken_jax.memory.budget import MemoryPlan, device_memory_bytes, host_memory_available, plan_memory, size
 from freetoken_jax.memory.kv_cache import cache_bytes, copy_pages, grown_cache, init_cache, ring_groups, ring_pages, ring_pool_pages
 from freetoken_jax.memory.kv_pages import PageAllocator
 from freetoken_jax.memory.slot_cache import init_slot_cache
@@ -641,7 +641,7 @@ class ModelRunner:
             avail = host_memory_available()
             if avail is not None and grow > avail // 2:
                 raise ConfigError(
-                    f"the new KV pages and slots need {grow / GB:.2f} GiB more memory; only {avail / GB:.2f} GiB is available "
+                    f"the new KV pages and slots need {size(grow)} more memory; only {size(avail)} is available "
                     "(at most half of it is taken)"
                 )
         try:

@@ -93,3 +93,12 @@ def test_whole_bank_copies_where_a_layer_fits_beside_the_activations(strategy, b
         assert choose_prefill_load(CFG, ecfg.replace(prefill_load=given), plan, gpu=True)[0] == given
     unknown = plan_memory(CFG, ecfg.replace(total_vram_gb=None), 10_000, 20_000, 4, None)
     assert choose_prefill_load(CFG, ecfg.replace(total_vram_gb=None), unknown, gpu=True)[0] == "auto"
+
+
+def test_sizes_are_said_in_a_unit_that_shows_them():
+    """`size`: GiB from a tenth of one, MiB from a tenth of one, else KiB; two decimals."""
+    from freetoken_jax.memory.budget import size
+
+    for b, want in ((3 * GB, "3.00 GiB"), (GB // 10 + 1, "0.10 GiB"), (GB // 10 - 1, "102.40 MiB"), (1 << 20, "1.00 MiB"),
+                    ((1 << 20) // 10 - 1, "102.40 KiB"), (0, "0.00 KiB")):  # fmt: skip
+        assert size(b) == want, (b, size(b))

@@ -146,8 +146,9 @@ def test_budget_too_small_is_refused_before_allocation():
                 dtype="float32", max_context=40, max_batch=4, moe_strategy="offload", total_vram_gb=(0.2e6 + 3 * expert) / (1 << 30)
             ),
         )
-    with pytest.raises(ConfigError, match="alone exceed the budget"):
+    with pytest.raises(ConfigError, match="alone exceed the budget") as err:
         FreeTokenEngine(cfg, EngineConfig(dtype="float32", max_context=40, max_batch=4, moe_strategy="offload", total_vram_gb=1e-5))
+    assert "of 10.49 KiB" in str(err.value)  # small sizes in the unit that says something (1e-5 GiB), not "0.00 GiB"
     with pytest.raises(ConfigError, match="use moe_strategy='offload'"):
         FreeTokenEngine(cfg, EngineConfig(dtype="float32", max_context=40, max_batch=4, total_vram_gb=1e-4))
 
