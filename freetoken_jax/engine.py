@@ -215,18 +215,26 @@ class FreeTokenEngine:
         synthetic routing repeated at four values of q, the first ran 171 tok/s and the three
         after it 196-213, where the steady rate was 177 (benchmarks/RESULTS.md)."""
         hybrid, q0 = self.runner.experts, self.engine_config.hybrid_q
+        n = len(qs)
+        log.info("moe_strategy auto: a decode probe of %d steps each under hybrid at %d value%s of q, offload and cpu "
+                 "(the first of each strategy compiles its step)", steps, n, "" if n == 1 else "s")  # fmt: skip
+
+        def rate(what: str, i: int) -> float:  # one measurement, said as it ends (the probe takes minutes on a large model)
+            r = self._decode_rate(steps, i)
+            log.info("moe_strategy auto: probe %d of %d: %s %.1f tok/s", i + 1, n + 2, what, r)
+            return r
+
         rates: dict[float, float] = {}
         for i, q in enumerate(qs):
             self.use(hybrid.with_q(q).for_probe(i), balance=False)  # each probe at its own q
-            rates[q] = self._decode_rate(steps, i)
+            rates[q] = rate(f"hybrid at q {q:g}", i)
         q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
         hybrid = hybrid.with_q(q)
         measured = {"hybrid": rates[q]}
-        n = len(rates)
         self.use(hybrid.as_offload().for_probe(n))
-        measured["offload"] = self._decode_rate(steps, n)
+        measured["offload"] = rate("offload", n)
         self.use(hybrid.as_cpu().for_probe(n + 1), over_slots=True)
-        measured["cpu"] = self._decode_rate(steps, n + 1)
+        measured["cpu"] = rate("cpu", n + 1)
         best = max(measured, key=lambda k: (measured[k], k == "hybrid", k == "offload"))  # ties: hybrid, then offload
         if len(rates) > 1:
             tried = ", ".join(f"{k:g}: {v:.1f}" for k, v in sorted(rates.items()))

@@ -170,7 +170,7 @@ def test_auto_strategy(tmp_path, monkeypatch):
     )
 
 
-def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
+def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch, caplog):
     """With a profile, hybrid runs only if a decode probe finds it at least as fast as offload,
     whatever the profile's bandwidth rule recommends; the outcome is kept in the profile."""
     cfg = MoEModelConfig(
@@ -231,8 +231,14 @@ def test_auto_hybrid_is_checked_by_a_decode_probe(tmp_path, monkeypatch):
         return {0.2: 9.0, 0.25: 7.0}.get(seen[-1], 5.0)
 
     monkeypatch.setattr(FreeTokenEngine, "_decode_rate", rate)
-    e = FreeTokenEngine(cfg, ecfg)
+    with caplog.at_level(logging.INFO, logger="freetoken_jax"):
+        e = FreeTokenEngine(cfg, ecfg)
     assert sorted(seen) == [0.2, 0.25, 0.3, 0.35]
+    said = [r.getMessage() for r in caplog.records if "probe " in r.getMessage() and " of 6: " in r.getMessage()]
+    hybrid_rates = [(0.3, 5.0), (0.25, 7.0), (0.2, 9.0), (0.35, 5.0)]  # in the probe's order: the recommendation, its offsets
+    want_said = [f"probe {i + 1} of 6: hybrid at q {q:g} {r:.1f} tok/s" for i, (q, r) in enumerate(hybrid_rates)]
+    want_said += ["probe 5 of 6: offload 1.0 tok/s", "probe 6 of 6: cpu 1.0 tok/s"]
+    assert [m.split("auto: ")[1] for m in said] == want_said  # each measurement said as it ends
     assert e.engine_config.hybrid_q == pytest.approx(0.2) and float(e.experts.q) == pytest.approx(0.2)
     assert "q = 0.2" in e.strategy_reason and e.get_metrics()["hybrid_q"] == pytest.approx(0.2)
     assert e.generate_batch([[1, 2, 3]], max_new_tokens=4, ignore_eos=True) == want
