@@ -67,11 +67,12 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
 
 
-def _filters(args) -> bool:
-    """Whether the sampling flags ask for top-k / top-p (the decode step that sorts the vocabulary)."""
+def _params(args):
+    """The request the generation flags make (`GenerationParams`); its `filters` says whether they
+    ask for top-k / top-p (the decode step that sorts the vocabulary)."""
     from freetoken_jax.runtime.sampling import GenerationParams
 
-    return GenerationParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p).filters
+    return GenerationParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def _compile(engine, jobs: list, what: str) -> None:
@@ -112,13 +113,11 @@ def _stream(engine, ids, args, harmony: bool = False) -> tuple[str, float]:
 
 def cmd_generate(args) -> int:
     from freetoken_jax import FreeTokenEngine
-    from freetoken_jax.runtime.sampling import GenerationParams
 
     engine = FreeTokenEngine.from_pretrained(args.model, _engine_config(args), require_tokenizer=True)
-    ids = engine.tokenizer.encode(args.prompt)
-    # a request the engine would refuse is said before anything compiles or is printed
-    engine.check_request(ids, GenerationParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed))
-    _compile(engine, engine.runner.prompt_jobs(len(ids), _filters(args)), "the prefill and decode steps")
+    ids, params = engine.tokenizer.encode(args.prompt), _params(args)
+    engine.check_request(ids, params)  # a request the engine would refuse is said before anything compiles or is printed
+    _compile(engine, engine.runner.prompt_jobs(len(ids), params.filters), "the prefill and decode steps")
     print(printable(args.prompt), end="", flush=True)
     _, first = _stream(engine, ids, args)
     m = engine.get_metrics()
@@ -169,7 +168,7 @@ def cmd_chat(args) -> int:
     # the decode step now; each prompt length's prefill compiles on its first turn (every bucket
     # up front would take minutes on a large model)
     harmony = detect(template).name == "harmony"  # gpt-oss: its reasoning is shown apart and not sent back
-    _compile(engine, [engine.runner.decode_job(filters=_filters(args))], "the decode step")
+    _compile(engine, [engine.runner.decode_job(filters=_params(args).filters)], "the decode step")
     print("chat: /reset starts over, /exit leaves", file=sys.stderr)
     while True:
         try:

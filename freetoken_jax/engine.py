@@ -214,8 +214,7 @@ class FreeTokenEngine:
         (`_decode_rate`'s probe, `ExpertBackend.for_probe`): on an H100, the same 16 steps of a
         synthetic routing repeated at four values of q, the first ran 171 tok/s and the three
         after it 196-213, where the steady rate was 177 (benchmarks/RESULTS.md)."""
-        hybrid, q0 = self.runner.experts, self.engine_config.hybrid_q
-        n = len(qs)
+        hybrid, n = self.runner.experts, len(qs)
         log.info("moe_strategy auto: a decode probe of %d steps each under hybrid at %d value%s of q, offload and cpu "
                  "(the first of each strategy compiles its step)", steps, n, "" if n == 1 else "s")  # fmt: skip
 
@@ -228,7 +227,7 @@ class FreeTokenEngine:
         for i, q in enumerate(qs):
             self.use(hybrid.with_q(q).for_probe(i), balance=False)  # each probe at its own q
             rates[q] = rate(f"hybrid at q {q:g}", i)
-        q = max(rates, key=lambda k: (rates[k], k == q0))  # ties keep the recommendation
+        q = max(rates, key=rates.get)  # ties keep the first measured: the recommendation
         hybrid = hybrid.with_q(q)
         measured = {"hybrid": rates[q]}
         self.use(hybrid.as_offload().for_probe(n))

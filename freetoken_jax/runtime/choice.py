@@ -151,7 +151,7 @@ def resolve_auto(cfg: MoEModelConfig, ecfg: EngineConfig, dense: int, kv: int,
         new = new.replace(hybrid_overhead=us * 1e-6 / (expert_bytes(cfg, itemsize) / (link * 1e9)))
     if not (cached is None and strategy is Strategy.HYBRID and ecfg.auto_probe_steps > 0 and ecfg.max_context >= 4):
         return new, why, ()
-    apart = apart_q(fig, cfg.expert_format) if isinstance(fig, dict) else None
+    apart = apart_q(fig, cfg.expert_format)
     qs = [new.hybrid_q + d for d in (0.0, *ecfg.auto_probe_q_offsets)] + ([apart] if apart is not None else [])
     return new, why, tuple(dict.fromkeys(round(min(1.0, max(0.0, q)), 6) for q in qs))
 
