@@ -3,9 +3,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test install install-test lint protos
+.PHONY: demo test install install-test lint protos ptx
 
-$(VENV)/.installed: pyproject.toml cpu_ext/CMakeLists.txt $(wildcard cpu_ext/src/*)
+$(VENV)/.installed: pyproject.toml cpu_ext/CMakeLists.txt $(wildcard cpu_ext/src/*) $(wildcard cpu_ext/cuda/*)
 	@echo "== installing freetoken_jax into $(VENV): jax, flax, numpy, grpcio, FastAPI, tokenizers, llguidance, ... and the C++ executor (about a minute)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
@@ -37,3 +37,9 @@ lint: install-test
 # stubs name the grpcio-tools that wrote them, pinned in pyproject.toml's test extra).
 protos: install-test
 	$(PY) -m grpc_tools.protoc -Ifreetoken_jax/server/pb=proto --python_out=. --grpc_python_out=. proto/freetoken.proto
+
+# Regenerate the committed PTX of the CUDA kernels from their source (needs nvcc; tests check it is
+# current where nvcc is found). compute_80: the oldest GPUs with cp.async; the driver compiles it for
+# the device at load.
+ptx:
+	nvcc -ptx -O3 -arch=compute_80 -o cpu_ext/cuda/q4_0_experts.ptx cpu_ext/cuda/q4_0_experts.cu

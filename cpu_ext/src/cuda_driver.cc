@@ -37,6 +37,9 @@ const Cuda& Driver() {
     sym(c.module_load_data, {"cuModuleLoadData"}, false);
     sym(c.module_get_function, {"cuModuleGetFunction"}, false);
     sym(c.launch_kernel, {"cuLaunchKernel"}, false);
+    sym(c.func_set_attribute, {"cuFuncSetAttribute"}, false);
+    sym(c.device_get_attribute, {"cuDeviceGetAttribute"}, false);
+    sym(c.ctx_get_device, {"cuCtxGetDevice"}, false);
     sym(c.stream_create, {"cuStreamCreate"}, true);
     sym(c.event_create, {"cuEventCreate"}, true);
     sym(c.event_record, {"cuEventRecord"}, true);

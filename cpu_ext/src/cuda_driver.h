@@ -28,6 +28,9 @@ struct Cuda {
   int (*module_load_data)(void**, const void*) = nullptr;  // the handoff's signalling kernels
   int (*module_get_function)(void**, void*, const char*) = nullptr;
   int (*launch_kernel)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Stream, void**, void**) = nullptr;
+  int (*func_set_attribute)(void*, int, int) = nullptr;  // the expert kernels' shared memory
+  int (*device_get_attribute)(int*, int, int) = nullptr;
+  int (*ctx_get_device)(int*) = nullptr;
   int (*stream_create)(Stream*, unsigned) = nullptr;  // the bank copies' own stream and its events
   int (*event_create)(Event*, unsigned) = nullptr;
   int (*event_record)(Event, Stream) = nullptr;

@@ -16,6 +16,7 @@
 
 #include "cpu_features.h"
 #include "ffi_bank_copy.h"
+#include "ffi_experts.h"
 #include "ffi_handoff.h"
 #include "moe_executor.h"
 
@@ -249,10 +250,17 @@ NB_MODULE(_cpu_ext, m) {
         h["freetoken_bank_copy_wait"]["cpu"] = cap(BankCopyWaitHandlerCpu());
         h["freetoken_bank_copy_start"]["CUDA"] = cap(BankCopyStartHandlerCuda());
         h["freetoken_bank_copy_wait"]["CUDA"] = cap(BankCopyWaitHandlerCuda());
+        h["freetoken_q4_0_gate_up"]["CUDA"] = cap(Q4GateUpHandlerCuda());
+        h["freetoken_q4_0_down"]["CUDA"] = cap(Q4DownHandlerCuda());
         return h;
       },
-      "XLA FFI handlers of the split CPU handoff and of the bank copies: {target name: {platform: capsule}}; the '_graph' "
-      "targets may be recorded into XLA's CUDA graphs.");
+      "XLA FFI handlers of the split CPU handoff, the bank copies and the q4_0 expert kernels: {target name: {platform: "
+      "capsule}}; the '_graph' targets and the kernels may be recorded into XLA's CUDA graphs.");
+  m.def("load_expert_kernels", &LoadExpertKernels, nb::arg("ordinal"),
+        "Loads the q4_0 expert kernels into CUDA device `ordinal`'s primary context (once); '' on success, else why they "
+        "cannot run there.");
+  m.def("expert_kernels_shared_memory", &ExpertKernelsSharedMemory, nb::arg("ordinal"),
+        "The dynamic shared memory a block of the expert kernels may take on device `ordinal` (0 where not loaded).");
   m.def(
       "bank_copy_stats",
       [](bool reset) {

@@ -1,7 +1,7 @@
 """Routed-expert implementations that benchmarks compare with the engine's (`--expert-impl`).
 
 `named(impl)` is the `compute` a backend takes (`runtime/experts.py`): None for the engine's
-choice ("auto"), `routed_experts` pinned to one of its implementations ("kernel", "gather",
+choice ("auto"), `routed_experts` pinned to one of its implementations ("cuda", "kernel", "gather",
 "dense", "grouped", "tiles", "ragged"), or "slices", kept out of the engine because it lost on
 the H200 (benchmarks/RESULTS.md): one dynamic slice per (token, expert) pair, each feeding its
 own matvec (no gathered copy; unrolled, so for a few pairs only).
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from freetoken_jax.models.routed import activation, routed_experts
 from freetoken_jax.quant.layout import ExpertLayout
 
-IMPLS = ("auto", "kernel", "gather", "dense", "grouped", "tiles", "ragged", "slices")
+IMPLS = ("auto", "cuda", "kernel", "gather", "dense", "grouped", "tiles", "ragged", "slices")
 
 
 def _no_bias(bias, name: str) -> None:

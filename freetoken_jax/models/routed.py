@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from freetoken_jax.config import ACTIVATIONS, env_choice
 from freetoken_jax.models.grouping import GroupPlan, group_plans, pair_rows
 from freetoken_jax.quant.layout import ExpertLayout
+from freetoken_jax.runtime import cuda_experts
 from pallas_kernels import gathered_experts, grouped_experts, value
 
 
@@ -82,12 +83,17 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     - "ragged" (many pairs): the pairs sorted by expert, unpadded, through jax's Mosaic GPU
       grouped matmul for Hopper where it fits (`grouped_experts.ragged_dot`), else XLA's
       `ragged_dot_general`; gate, up and each pair's down come out rounded to x's dtype;
+    - "cuda" (few pairs: decode, q4_0 on a GPU): the two CUDA kernels of
+      `runtime/cuda_experts.py`, each block's rows copied whole into shared memory before it
+      computes (XLA's reductions read the gathered blocks at about 1 TB/s); where
+      `cuda_experts.fits` says not, "gather";
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
       says which layers): each gathered block's scale and codes read together;
     - "auto": gather when T·k ≤ E (a quantized layer: ≤ GATHER_QUANTIZED · E unless the many
-      pairs go through "tiles"), else `many_pairs_impl` (grouped unless FREETOKEN_PREFILL_EXPERTS
-      asks for tiles or ragged).
+      pairs go through "tiles"; "cuda" in its place where it fits, unless
+      FREETOKEN_DECODE_EXPERTS=xla), else `many_pairs_impl` (grouped unless
+      FREETOKEN_PREFILL_EXPERTS asks for tiles or ragged).
     """
     T, K = ids_TK.shape
     E = banks[0].shape[0]
@@ -106,6 +112,12 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     if impl == "auto":
         many = many_pairs_impl(layout, E)
         impl = "gather" if T * K <= E * (GATHER_QUANTIZED if layout.quantized and many != "tiles" else 1) else many
+        if impl == "gather" and layout.quantized and cuda_experts.choice() == "cuda":
+            impl = "cuda"
+    if impl == "cuda":
+        if cuda_experts.fits(layout, x_TD.dtype, K, bias):
+            return cuda_experts.experts(x_TD, ids_TK, w_TK, stacked, layout).astype(x_TD.dtype)
+        impl = "gather"
     if impl == "gather":
         return _gathered(x_TD, ids_TK, w_TK, stacked, layout, bias)
     if impl == "tiles":
@@ -116,7 +128,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     if impl == "ragged":
         return _ragged(x_TD, ids_TK, w_TK, banks, layout, bias)
     if impl not in ("dense", "grouped"):
-        raise ValueError(f"unknown expert implementation {impl!r}: auto, kernel, gather, dense, grouped, tiles or ragged")
+        raise ValueError(f"unknown expert implementation {impl!r}: auto, cuda, kernel, gather, dense, grouped, tiles or ragged")
     if impl == "dense":
         return _dense(x_TD, ids_TK, w_TK, layout.matrices(banks, x_TD.dtype), layout, bias)
     plans = group_plans(T, K, E)

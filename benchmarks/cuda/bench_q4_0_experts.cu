@@ -1,0 +1,446 @@
+// Times the q4_0 decode expert kernels of cpu_ext/cuda/q4_0_experts.cu by themselves (no JAX):
+// `steps` layers of one token's K experts, recorded in one CUDA graph, each layer's experts the
+// next K of the bank (so that they come from HBM, not L2), as benchmarks/bench_expert_kernels.py
+// runs XLA's. First checks one layer against a float64 reference on the host.
+//
+//   nvcc -O3 -arch=sm_90 -o /tmp/bench_q4 benchmarks/cuda/bench_q4_0_experts.cu && /tmp/bench_q4 [steps]
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "../../cpu_ext/cuda/q4_0_experts.cu"
+
+// The first kernels, kept to compare: each lane loads its block pairs straight from global memory
+// (nine 32-bit loads a pair, 36 bytes apart across the lanes), x and h staged in shared memory.
+namespace {
+__device__ __forceinline__ float block_dot(const uint32_t (&c)[4], const float* x) {
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t lo = c[w] & 0x0F0F0F0Fu, hi = (c[w] >> 4) & 0x0F0F0F0Fu;
+    const float4 xl = *reinterpret_cast<const float4*>(x + 4 * w);
+    const float4 xh = *reinterpret_cast<const float4*>(x + 16 + 4 * w);
+    s0 = fmaf(code(lo, 0), xl.x, s0);
+    s1 = fmaf(code(lo, 1), xl.y, s1);
+    s0 = fmaf(code(lo, 2), xl.z, s0);
+    s1 = fmaf(code(lo, 3), xl.w, s1);
+    s0 = fmaf(code(hi, 0), xh.x, s0);
+    s1 = fmaf(code(hi, 1), xh.y, s1);
+    s0 = fmaf(code(hi, 2), xh.z, s0);
+    s1 = fmaf(code(hi, 3), xh.w, s1);
+  }
+  return s0 + s1;
+}
+__device__ __forceinline__ float pair_dot(const Pair& p, const float* x) {
+  const uint32_t a[4] = {__funnelshift_r(p.w[0], p.w[1], 16), __funnelshift_r(p.w[1], p.w[2], 16),
+                         __funnelshift_r(p.w[2], p.w[3], 16), __funnelshift_r(p.w[3], p.w[4], 16)};
+  const uint32_t b[4] = {p.w[5], p.w[6], p.w[7], p.w[8]};
+  return half_bits(p.w[0] & 0xFFFFu) * block_dot(a, x) + half_bits(p.w[4] >> 16) * block_dot(b, x + 32);
+}
+__device__ __forceinline__ Pair load_pair(const uint8_t* p) {
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+  Pair r;
+#pragma unroll
+  for (int i = 0; i < 9; ++i) r.w[i] = __ldg(q + i);
+  return r;
+}
+
+
+template <int R>
+__device__ void gate_up_direct(const uint8_t* gate, const uint8_t* up, const int32_t* layer, int64_t layer_stride, int64_t expert_stride,
+                        const __nv_bfloat16* x, const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K) {
+  extern __shared__ float xs[];
+  const int pr = blockIdx.y, t = pr / K;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) xs[padded(i)] = __bfloat162float(x[static_cast<int64_t>(t) * D + i]);
+  __syncthreads();
+  const int64_t base = (layer ? static_cast<int64_t>(*layer) * layer_stride : 0) + static_cast<int64_t>(ids[pr]) * expert_stride;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;
+  const int64_t row_bytes = static_cast<int64_t>(D / 32) * 18;
+  const int pairs = D / 64;
+  float g[R], u[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) g[r] = u[r] = 0.f;
+  for (int p = lane; p < pairs; p += kWarp) {
+    const float* xp = xs + p * (64 + kPad);
+    Pair pg[R], pu[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int64_t at = base + static_cast<int64_t>(min(row0 + r, F - 1)) * row_bytes + p * 36;
+      pg[r] = load_pair(gate + at);
+      pu[r] = load_pair(up + at);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      g[r] += pair_dot(pg[r], xp);
+      u[r] += pair_dot(pu[r], xp);
+    }
+  }
+  const float wp = w[pr];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
+    if (lane == r && row0 + r < F) {
+      const float v = wp != 0.f ? silu(gs) * us * wp : 0.f;
+      h[static_cast<int64_t>(pr) * F + row0 + r] = __float2bfloat16(v);
+    }
+  }
+}
+
+template <int R>
+__device__ void down_direct(const uint8_t* dn, const int32_t* layer, int64_t layer_stride, int64_t expert_stride, const __nv_bfloat16* h,
+                     const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
+  extern __shared__ float hs[];
+  const int t = blockIdx.y, n = K * F;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) hs[padded(i)] = __bfloat162float(h[static_cast<int64_t>(t) * n + i]);
+  __syncthreads();
+  const int64_t lbase = layer ? static_cast<int64_t>(*layer) * layer_stride : 0;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;
+  const int64_t row_bytes = static_cast<int64_t>(F / 32) * 18;
+  const int pairs = F / 64, tasks = K * pairs;
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int i = lane; i < tasks; i += kWarp) {
+    const int k = i / pairs, p = i - k * pairs;
+    const int64_t base = lbase + static_cast<int64_t>(ids[t * K + k]) * expert_stride + p * 36;
+    const float* hp = hs + (k * pairs + p) * (64 + kPad);
+    Pair pd[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) pd[r] = load_pair(dn + base + static_cast<int64_t>(min(row0 + r, D - 1)) * row_bytes);
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += pair_dot(pd[r], hp);
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float s = warp_sum(acc[r]);
+    if (lane == r && row0 + r < D) y[static_cast<int64_t>(t) * D + row0 + r] = __float2bfloat16(s);
+  }
+}
+
+
+}  // namespace
+#define FT_GATE_UP(R)                                                                                                               \
+  extern "C" __global__ void direct_gate_up_##R(const uint8_t* gate, const uint8_t* up, const int32_t* layer, int64_t layer_stride, \
+                                                  int64_t expert_stride, const __nv_bfloat16* x, const int32_t* ids, const float* w,  \
+                                                  __nv_bfloat16* h, int F, int D, int K) {                                          \
+    gate_up_direct<R>(gate, up, layer, layer_stride, expert_stride, x, ids, w, h, F, D, K);                                                 \
+  }
+#define FT_DOWN(R)                                                                                                                  \
+  extern "C" __global__ void direct_down_##R(const uint8_t* dn, const int32_t* layer, int64_t layer_stride, int64_t expert_stride,   \
+                                               const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {   \
+    down_direct<R>(dn, layer, layer_stride, expert_stride, h, ids, y, F, D, K);                                                             \
+  }
+
+FT_GATE_UP(1)
+FT_GATE_UP(2)
+FT_GATE_UP(4)
+FT_DOWN(1)
+FT_DOWN(2)
+FT_DOWN(4)
+
+// Staged variants: (rows a block, rows a warp, copy stages).
+#define STAGED(RC, R, S)                                                                                                        \
+  extern "C" __global__ void gate_up_s##RC##_##R##_##S(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16* x, \
+                                                       const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K) {  \
+    gate_up<RC, R, S>(gate, up, es, x, ids, w, h, F, D, K);                                                                         \
+  }                                                                                                                                \
+  extern "C" __global__ void down_s##RC##_##R##_##S(const uint8_t* dn, int64_t es, const __nv_bfloat16* h, const int32_t* ids,      \
+                                                    __nv_bfloat16* y, int F, int D, int K) {                                        \
+    down<RC, R, S>(dn, es, h, ids, y, F, D, K);                                                                                     \
+  }
+STAGED(8, 2, 1)
+STAGED(16, 2, 1)
+STAGED(16, 4, 1)
+STAGED(32, 4, 1)
+STAGED(4, 2, 1)
+STAGED(8, 4, 1)
+STAGED(8, 2, 2)
+STAGED(16, 2, 2)
+STAGED(16, 4, 2)
+STAGED(32, 4, 2)
+STAGED(32, 2, 2)
+STAGED(24, 2, 3)
+STAGED(12, 2, 3)
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e = (x);                                                               \
+    if (e != cudaSuccess) {                                                            \
+      std::printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e));   \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+__device__ uint32_t mix(uint64_t i) {
+  i ^= i >> 33;
+  i *= 0xff51afd7ed558ccdull;
+  i ^= i >> 33;
+  i *= 0xc4ceb9fe1a85ec53ull;
+  i ^= i >> 33;
+  return static_cast<uint32_t>(i);
+}
+
+// Random codes, and every block's scale a finite f16 of magnitude 0.002-0.01, either sign.
+__global__ void fill(uint8_t* b, int64_t blocks, uint64_t seed) {
+  for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < blocks; k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    uint8_t* p = b + k * 18;
+    const uint32_t r = mix(seed * 0x9E3779B97F4A7C15ull + k);
+    const float d = (0.002f + 0.008f * (r & 0xFFFF) / 65535.f) * ((r >> 16) & 1 ? -1.f : 1.f);
+    const __half hd = __float2half(d);
+    const unsigned short s = __half_as_ushort(hd);
+    p[0] = s & 0xFF;
+    p[1] = s >> 8;
+    for (int j = 0; j < 16; ++j) p[2 + j] = mix(seed * 31 + k * 16 + j) & 0xFF;
+  }
+}
+
+static double f16(const uint8_t* p) {
+  const unsigned short s = p[0] | (p[1] << 8);
+  const int e = (s >> 10) & 31, m = s & 1023;
+  const double v = e ? std::ldexp(1.0 + m / 1024.0, e - 15) : std::ldexp(m / 1024.0, -14);
+  return s >> 15 ? -v : v;
+}
+
+static double bf(const __nv_bfloat16& v) {
+  unsigned short s;
+  std::memcpy(&s, &v, 2);
+  uint32_t u = static_cast<uint32_t>(s) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Row o of a q4_0 [O, I] matrix at `m` times x, in float64.
+static double row_dot(const uint8_t* m, int o, int I, const double* x) {
+  const uint8_t* r = m + static_cast<int64_t>(o) * (I / 32) * 18;
+  double s = 0;
+  for (int b = 0; b < I / 32; ++b) {
+    const double d = f16(r + b * 18);
+    for (int j = 0; j < 16; ++j) {
+      const int q = r[b * 18 + 2 + j];
+      s += d * ((q & 15) - 8) * x[b * 32 + j] + d * ((q >> 4) - 8) * x[b * 32 + j + 16];
+    }
+  }
+  return s;
+}
+
+// The first kernels' signatures (a layer index and stride), and the staged ones'.
+using DirectGateUp = void (*)(const uint8_t*, const uint8_t*, const int32_t*, int64_t, int64_t, const __nv_bfloat16*, const int32_t*,
+                              const float*, __nv_bfloat16*, int, int, int);
+using DirectDown = void (*)(const uint8_t*, const int32_t*, int64_t, int64_t, const __nv_bfloat16*, const int32_t*, __nv_bfloat16*, int,
+                            int, int);
+using GateUp = void (*)(const uint8_t*, const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, const float*, __nv_bfloat16*, int,
+                        int, int);
+using Down = void (*)(const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, __nv_bfloat16*, int, int, int);
+
+struct Kernel {
+  const char* name;
+  void* fn;
+  int rows_per_block;  // rows of F (gate_up) or D (down) a block
+  int warps;
+  bool staged;  // shared memory holds the block's rows (the staged signature)
+};
+
+int main(int argc, char** argv) {
+  const int E = 128, K = 8, F = 768, D = 2048, steps = argc > 1 ? std::atoi(argv[1]) : 64;
+  const int64_t gu_bytes = static_cast<int64_t>(F) * (D / 32) * 18, dn_bytes = static_cast<int64_t>(D) * (F / 32) * 18;
+  uint8_t *gate, *up, *dn;
+  CK(cudaMalloc(&gate, E * gu_bytes));
+  CK(cudaMalloc(&up, E * gu_bytes));
+  CK(cudaMalloc(&dn, E * dn_bytes));
+  fill<<<1024, 256>>>(gate, E * gu_bytes / 18, 1);
+  fill<<<1024, 256>>>(up, E * gu_bytes / 18, 2);
+  fill<<<1024, 256>>>(dn, E * dn_bytes / 18, 3);
+  std::vector<__nv_bfloat16> xh(D);
+  std::vector<double> xd(D);
+  for (int i = 0; i < D; ++i) {
+    xh[i] = __float2bfloat16(std::sin(0.37 * i) + 0.25 * std::cos(1.3 * i));
+    xd[i] = bf(xh[i]);
+  }
+  std::vector<int32_t> ids(steps * K);
+  std::vector<float> w(steps * K);
+  for (int s = 0; s < steps; ++s)
+    for (int k = 0; k < K; ++k) {
+      ids[s * K + k] = (s * K + k) % E;
+      w[s * K + k] = k == 5 ? 0.f : 0.05f + 0.02f * k;  // one unrouted pair
+    }
+  __nv_bfloat16 *x, *h, *y;
+  int32_t* idd;
+  float* wd;
+  CK(cudaMalloc(&x, D * 2));
+  CK(cudaMalloc(&h, K * F * 2));
+  CK(cudaMalloc(&y, D * 2));
+  CK(cudaMalloc(&idd, ids.size() * 4));
+  CK(cudaMalloc(&wd, w.size() * 4));
+  CK(cudaMemcpy(x, xh.data(), D * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(idd, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(wd, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+  const size_t xs_bytes = (D + D / 64 * 4) * 4, hs_bytes = (K * F + K * F / 64 * 4) * 4;
+  const Kernel gus[] = {
+      {"gate_up direct R1 W8", (void*)direct_gate_up_1, 8, 8, false},
+      {"gate_up direct R4 W4", (void*)direct_gate_up_4, 16, 4, false},
+      {"gate_up s8 R2 S1 W4", (void*)gate_up_s8_2_1, 8, 4, true},
+      {"gate_up s16 R2 S1 W8", (void*)gate_up_s16_2_1, 16, 8, true},
+      {"gate_up s16 R4 S1 W4", (void*)gate_up_s16_4_1, 16, 4, true},
+      {"gate_up s32 R4 S1 W8", (void*)gate_up_s32_4_1, 32, 8, true},
+      {"gate_up s16 R2 S2 W4", (void*)gate_up_s16_2_2, 16, 4, true},
+      {"gate_up s32 R4 S2 W4", (void*)gate_up_s32_4_2, 32, 4, true},
+      {"gate_up s32 R2 S2 W8", (void*)gate_up_s32_2_2, 32, 8, true},
+      {"gate_up s24 R2 S3 W4", (void*)gate_up_s24_2_3, 24, 4, true},
+      {"gate_up shipped", (void*)ft_q4_0_gate_up, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps, true},
+  };
+  const Kernel dns[] = {
+      {"down direct R1 W8", (void*)direct_down_1, 8, 8, false},
+      {"down direct R2 W4", (void*)direct_down_2, 8, 4, false},
+      {"down s4 R2 S1 W2", (void*)down_s4_2_1, 4, 2, true},
+      {"down s8 R2 S1 W4", (void*)down_s8_2_1, 8, 4, true},
+      {"down s8 R4 S1 W2", (void*)down_s8_4_1, 8, 2, true},
+      {"down s16 R4 S1 W4", (void*)down_s16_4_1, 16, 4, true},
+      {"down s8 R2 S2 W2", (void*)down_s8_2_2, 8, 2, true},
+      {"down s16 R4 S2 W2", (void*)down_s16_4_2, 16, 2, true},
+      {"down s16 R2 S2 W4", (void*)down_s16_2_2, 16, 4, true},
+      {"down s12 R2 S3 W2", (void*)down_s12_2_3, 12, 2, true},
+      {"down shipped", (void*)ft_q4_0_down, ft_q4_0::kDownRows, ft_q4_0::kDownWarps, true},
+  };
+  auto smem_of = [&](const Kernel& k, bool gu) -> size_t {
+    const size_t rows = k.staged ? (gu ? 2 * k.rows_per_block * (D / 32) * 18 : K * k.rows_per_block * (F / 32) * 18) : 0;
+    return rows + (gu ? xs_bytes : hs_bytes);
+  };
+  for (const Kernel& k : gus) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(k, true)));
+  for (const Kernel& k : dns) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(k, false)));
+  auto launch = [&](const Kernel* gk, const Kernel* dk, cudaStream_t st, int s) {
+    if (gk) {
+      const dim3 grid((F + gk->rows_per_block - 1) / gk->rows_per_block, K);
+      if (gk->staged)
+        reinterpret_cast<GateUp>(gk->fn)<<<grid, gk->warps * 32, smem_of(*gk, true), st>>>(gate, up, gu_bytes, x, idd + s * K, wd + s * K, h, F, D, K);
+      else
+        reinterpret_cast<DirectGateUp>(gk->fn)<<<grid, gk->warps * 32, smem_of(*gk, true), st>>>(gate, up, nullptr, 0, gu_bytes, x, idd + s * K,
+                                                                                                wd + s * K, h, F, D, K);
+    }
+    if (dk) {
+      const dim3 grid((D + dk->rows_per_block - 1) / dk->rows_per_block, 1);
+      if (dk->staged)
+        reinterpret_cast<Down>(dk->fn)<<<grid, dk->warps * 32, smem_of(*dk, false), st>>>(dn, dn_bytes, h, idd + s * K, y, F, D, K);
+      else
+        reinterpret_cast<DirectDown>(dk->fn)<<<grid, dk->warps * 32, smem_of(*dk, false), st>>>(dn, nullptr, 0, dn_bytes, h, idd + s * K, y, F,
+                                                                                               D, K);
+    }
+  };
+
+  // Correctness: layer 0 against float64 on the host, every kernel (gate_up ones with the first
+  // down, down ones after the first gate_up).
+  std::vector<uint8_t> g0(K * gu_bytes), u0(K * gu_bytes), d0(K * dn_bytes);
+  for (int k = 0; k < K; ++k) {
+    CK(cudaMemcpy(g0.data() + k * gu_bytes, gate + ids[k] * gu_bytes, gu_bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(u0.data() + k * gu_bytes, up + ids[k] * gu_bytes, gu_bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(d0.data() + k * dn_bytes, dn + ids[k] * dn_bytes, dn_bytes, cudaMemcpyDeviceToHost));
+  }
+  std::vector<double> href(K * F);
+  double hmax = 0;
+  for (int k = 0; k < K; ++k)
+    for (int f = 0; f < F; ++f) {
+      const double g = row_dot(g0.data() + k * gu_bytes, f, D, xd.data()), u = row_dot(u0.data() + k * gu_bytes, f, D, xd.data());
+      href[k * F + f] = w[k] * g / (1 + std::exp(-g)) * u;
+      hmax = std::fmax(hmax, std::fabs(href[k * F + f]));
+    }
+  bool ok = true;
+  const int nchecks = sizeof(gus) / sizeof(gus[0]) + sizeof(dns) / sizeof(dns[0]);
+  for (int c = 0; c < nchecks; ++c) {
+    const int ng = sizeof(gus) / sizeof(gus[0]);
+    const Kernel* gk = c < ng ? &gus[c] : &gus[0];
+    const Kernel* dk = c < ng ? &dns[0] : &dns[c - ng];
+    CK(cudaMemset(h, 0xFF, K * F * 2));
+    CK(cudaMemset(y, 0xFF, D * 2));
+    launch(gk, dk, 0, 0);
+    CK(cudaDeviceSynchronize());
+    std::vector<__nv_bfloat16> hk(K * F), yk(D);
+    CK(cudaMemcpy(hk.data(), h, K * F * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(yk.data(), y, D * 2, cudaMemcpyDeviceToHost));
+    double herr = 0, yerr = 0, ymax = 0;
+    std::vector<double> hkd(K * F);
+    for (int i = 0; i < K * F; ++i) {
+      hkd[i] = bf(hk[i]);
+      const double e = std::fabs(hkd[i] - href[i]) - std::fabs(href[i]) / 256;  // beyond bfloat16's rounding
+      herr = std::fmax(herr, std::isfinite(hkd[i]) ? e / hmax : 1e9);
+      if (w[i / F] == 0 && hkd[i] != 0) herr = 1e9;
+    }
+    std::vector<double> yref(D, 0.0);
+    for (int o = 0; o < D; ++o) {
+      for (int k = 0; k < K; ++k) yref[o] += row_dot(d0.data() + k * dn_bytes, o, F, hkd.data() + k * F);
+      ymax = std::fmax(ymax, std::fabs(yref[o]));
+    }
+    for (int o = 0; o < D; ++o) {
+      const double e = (std::fabs(bf(yk[o]) - yref[o]) - std::fabs(yref[o]) / 256) / ymax;
+      yerr = std::fmax(yerr, std::isfinite(bf(yk[o])) ? e : 1e9);
+    }
+    const bool good = herr < 1e-5 && yerr < 1e-5;
+    ok = ok && good;
+    std::printf("check %s, %s: h err %.2e, y err %.2e (of max |h| %.3g, |y| %.3g) %s\n", gk->name, dk->name, herr, yerr, hmax, ymax,
+                good ? "ok" : "FAIL");
+  }
+
+  // Timing: `steps` layers in one graph, 20 replays after 3.
+  cudaStream_t st;
+  CK(cudaStreamCreate(&st));
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  auto timed = [&](const Kernel* gk, const Kernel* dk) {
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    for (int s = 0; s < steps; ++s) launch(gk, dk, st, s);
+    CK(cudaStreamEndCapture(st, &g));
+    CK(cudaGraphInstantiate(&ge, g, 0));
+    for (int i = 0; i < 3; ++i) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < 20; ++i) CK(cudaGraphLaunch(ge, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(g));
+    const double us = ms * 1e3 / (20.0 * steps);
+    const double b = K * ((gk ? 2.0 * gu_bytes : 0) + (dk ? 1.0 * dn_bytes : 0));
+    std::printf("%-40s %10.2f %10.0f\n", (std::string(gk ? gk->name : "") + (gk && dk ? ", " : "") + (dk ? dk->name : "")).c_str(), us, b / us / 1e3);
+    return us;
+  };
+  std::printf("\n%-40s %10s %10s\n", "kernels", "us/layer", "GB/s");
+  const Kernel *bg = nullptr, *bd = nullptr;
+  double tg = 1e9, td = 1e9;
+  for (const Kernel& k : gus) {
+    const double t = timed(&k, nullptr);
+    if (t < tg) tg = t, bg = &k;
+  }
+  for (const Kernel& k : dns) {
+    const double t = timed(nullptr, &k);
+    if (t < td) td = t, bd = &k;
+  }
+  timed(&gus[0], &dns[0]);
+  timed(bg, bd);
+  timed(bg, bd);
+  {  // the bound: a device-to-device copy of 1 GiB, bytes read and written
+    const size_t n = size_t(1) << 30;
+    uint8_t *a, *b;
+    CK(cudaMalloc(&a, n));
+    CK(cudaMalloc(&b, n));
+    CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, st));
+    CK(cudaEventRecord(e0, st));
+    for (int i = 0; i < 10; ++i) CK(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, st));
+    CK(cudaEventRecord(e1, st));
+    CK(cudaEventSynchronize(e1));
+    float ms;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    std::printf("%-28s %10s %10.0f %10s\n", "device copy (read+written)", "", 2.0 * 10 * n / (ms * 1e-3) / 1e9, "bound");
+  }
+  std::printf("%s\n", ok ? "all checks ok" : "SOME CHECKS FAILED");
+  return ok ? 0 : 1;
+}

@@ -1,0 +1,186 @@
+#include "ffi_experts.h"
+
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "../cuda/q4_0_experts.h"
+#include "cuda_driver.h"
+#include "q4_0_experts_ptx.h"  // kQ4_0ExpertsPtx: made by CMake from cuda/q4_0_experts.ptx
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace freetoken {
+namespace {
+
+constexpr int kMaxSharedAttr = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+constexpr int kSharedOptinAttr = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+
+struct Kernels {
+  void* gate_up = nullptr;
+  void* down = nullptr;
+  int shared = 0;  // bytes of dynamic shared memory a block may take
+};
+
+std::mutex mu;
+std::map<void*, Kernels> kernels_of_context;  // loaded per CUDA context, never unloaded
+std::map<int, void*> context_of_ordinal;
+
+// The kernels of the current context (XLA calls handlers with its context current).
+const Kernels* Current() {
+  void* ctx = nullptr;
+  if (Driver().ctx_get_current(&ctx)) ctx = nullptr;
+  std::lock_guard<std::mutex> g(mu);
+  auto it = kernels_of_context.find(ctx);
+  return it == kernels_of_context.end() ? nullptr : &it->second;
+}
+
+// A bank operand: uint8 [E, row] or [L, E, row]; the address of entry `index`'s expert 0, its
+// experts and their row's bytes.
+struct Bank {
+  const uint8_t* base;
+  int64_t experts, row;
+};
+
+ffi::Error BankOf(const char* what, ffi::AnyBuffer b, int64_t index, int64_t need, Bank* out) {
+  auto d = b.dimensions();
+  if (b.element_type() != ffi::DataType::U8 || (d.size() != 2 && d.size() != 3))
+    return ffi::Error::InvalidArgument(std::string(what) + ": a uint8 bank [experts, row] or [layers, experts, row]");
+  const int64_t layers = d.size() == 3 ? d[0] : 1;
+  if (index < 0 || index >= layers)
+    return ffi::Error::InvalidArgument(std::string(what) + ": entry " + std::to_string(index) + " of " + std::to_string(layers));
+  const int64_t experts = d[d.size() - 2], row = d[d.size() - 1];
+  if (row < need || row % 16)
+    return ffi::Error::InvalidArgument(std::string(what) + ": rows of " + std::to_string(row) + " bytes; the kernels read " +
+                                       std::to_string(need) + " and need a multiple of 16");
+  *out = Bank{static_cast<const uint8_t*>(b.untyped_data()) + index * experts * row, experts, row};
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(void* fn, unsigned gx, unsigned gy, unsigned threads, int64_t shared, void* stream, void** params) {
+  if (Driver().launch_kernel(fn, gx, gy, 1, threads, 1, 1, static_cast<unsigned>(shared), stream, params, nullptr))
+    return ffi::Error::Internal("launching a q4_0 expert kernel failed");
+  return ffi::Error::Success();
+}
+
+ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> ids,
+                  ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t index, int64_t ffn) {
+  const Kernels* k = Current();
+  if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
+  auto xd = x.dimensions(), id = ids.dimensions(), hd = h->dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || w.dimensions().size() != 2 || w.dimensions()[0] != id[0] ||
+      w.dimensions()[1] != id[1] || hd.size() != 3 || hd[0] != id[0] || hd[1] != id[1] || hd[2] != ffn)
+    return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: x [T, D], ids and w [T, K], h [T, K, F]");
+  const int64_t T = xd[0], D = xd[1], K = id[1], F = ffn;
+  if (F % 256 || D % 256 || F <= 0 || D <= 0)
+    return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: F and D must be positive multiples of 256");
+  Bank g, u;
+  if (auto e = BankOf("gate", gate, index, F * ft_q4_0::row_bytes(D), &g); e.failure()) return e;
+  if (auto e = BankOf("up", up, index, F * ft_q4_0::row_bytes(D), &u); e.failure()) return e;
+  if (g.row != u.row) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: gate and up rows differ");
+  const int64_t shared = ft_q4_0::gate_up_smem(D);
+  if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: D too large for the device's shared memory");
+  if (T * K == 0) return ffi::Error::Success();
+  const uint8_t *gp = g.base, *up_ = u.base;
+  const void *xp = x.typed_data(), *ip = ids.typed_data(), *wp = w.typed_data();
+  void* hp = h->typed_data();
+  int64_t stride = g.row;
+  int Fi = static_cast<int>(F), Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  void* params[] = {&gp, &up_, &stride, &xp, &ip, &wp, &hp, &Fi, &Di, &Ki};
+  return Launch(k->gate_up, static_cast<unsigned>(F / ft_q4_0::kGateUpRows), static_cast<unsigned>(T * K), ft_q4_0::kGateUpWarps * 32,
+                shared, stream, params);
+}
+
+ffi::Error Down(void* stream, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::BF16>> y,
+                int64_t index) {
+  const Kernels* k = Current();
+  if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
+  auto hd = h.dimensions(), id = ids.dimensions(), yd = y->dimensions();
+  if (hd.size() != 3 || id.size() != 2 || hd[0] != id[0] || hd[1] != id[1] || yd.size() != 2 || yd[0] != id[0])
+    return ffi::Error::InvalidArgument("freetoken_q4_0_down: h [T, K, F], ids [T, K], y [T, D]");
+  const int64_t T = hd[0], K = hd[1], F = hd[2], D = yd[1];
+  if (F % 256 || D % 256 || F <= 0 || D <= 0) return ffi::Error::InvalidArgument("freetoken_q4_0_down: F and D must be positive multiples of 256");
+  Bank d;
+  if (auto e = BankOf("down", down, index, D * ft_q4_0::row_bytes(F), &d); e.failure()) return e;
+  const int64_t shared = ft_q4_0::down_smem(F, K);
+  if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_down: K·F too large for the device's shared memory");
+  if (T * K == 0) return ffi::Error::Success();
+  const uint8_t* dp = d.base;
+  const void *hp = h.typed_data(), *ip = ids.typed_data();
+  void* yp = y->typed_data();
+  int64_t stride = d.row;
+  int Fi = static_cast<int>(F), Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  void* params[] = {&dp, &stride, &hp, &ip, &yp, &Fi, &Di, &Ki};
+  return Launch(k->down, static_cast<unsigned>(D / ft_q4_0::kDownRows), static_cast<unsigned>(T), ft_q4_0::kDownWarps * 32, shared, stream,
+                params);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4GateUpCuda, GateUp,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("index")
+                                  .Attr<int64_t>("ffn"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4DownCuda, Down,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("index"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+std::string LoadExpertKernels(int ordinal) {
+  const Cuda& c = Driver();
+  if (!c.error.empty()) return c.error;
+  if (!c.module_load_data || !c.module_get_function || !c.launch_kernel || !c.func_set_attribute || !c.device_get_attribute)
+    return "the CUDA driver lacks cuModuleLoadData, cuLaunchKernel or cuFuncSetAttribute";
+  int dev = 0;
+  void* ctx = nullptr;
+  if (c.init(0) || c.device_get(&dev, ordinal) || c.primary_ctx_retain(&ctx, dev) || c.ctx_push(ctx))
+    return "could not make CUDA device " + std::to_string(ordinal) + "'s primary context current";
+  std::string error;
+  {
+    std::lock_guard<std::mutex> g(mu);
+    if (!kernels_of_context.count(ctx)) {
+      Kernels k;
+      void* module = nullptr;
+      if (c.module_load_data(&module, kQ4_0ExpertsPtx))
+        error = "the driver could not load the q4_0 expert kernels' PTX (a driver older than the PTX's CUDA 13, or a GPU older than sm_80)";
+      else if (c.module_get_function(&k.gate_up, module, "ft_q4_0_gate_up") || c.module_get_function(&k.down, module, "ft_q4_0_down"))
+        error = "the q4_0 expert kernels' PTX lacks its entry points";
+      else if (c.device_get_attribute(&k.shared, kSharedOptinAttr, dev) || c.func_set_attribute(k.gate_up, kMaxSharedAttr, k.shared) ||
+               c.func_set_attribute(k.down, kMaxSharedAttr, k.shared))
+        error = "could not raise the q4_0 expert kernels' shared memory limit";
+      if (error.empty()) {
+        kernels_of_context[ctx] = k;
+        context_of_ordinal[ordinal] = ctx;
+      }
+    }
+  }
+  void* popped;
+  c.ctx_pop(&popped);
+  return error;
+}
+
+int ExpertKernelsSharedMemory(int ordinal) {
+  std::lock_guard<std::mutex> g(mu);
+  auto it = context_of_ordinal.find(ordinal);
+  return it == context_of_ordinal.end() ? 0 : kernels_of_context[it->second].shared;
+}
+
+void* Q4GateUpHandlerCuda() { return reinterpret_cast<void*>(&FreetokenQ4GateUpCuda); }
+void* Q4DownHandlerCuda() { return reinterpret_cast<void*>(&FreetokenQ4DownCuda); }
+
+}  // namespace freetoken

@@ -1,0 +1,103 @@
+"""Decode's routed experts over q4_0 banks through the C++ module's two CUDA kernels
+(`cpu_ext/cuda/q4_0_experts.cu`), outside XLA's reduction emitter.
+
+XLA fuses decode's gathered q4_0 matvecs into reductions that read the chosen experts at about
+1 TB/s on an H100 (under one wave of blocks, loads 36 bytes apart across the lanes: Nsight
+Compute showed the L1 waiting); the kernels copy each block's rows whole into shared memory with
+every load a full line, all in flight at once, then compute from there (benchmarks/RESULTS.md
+has the figures). `experts` computes what `models.routed._gathered` computes, Σ_k w[t,k] ·
+down(silu(gate x_t) · up x_t) over each token's pairs with each pair's h rounded to bfloat16
+after its routing weight, through two XLA FFI calls that XLA may record into its CUDA graphs;
+`_gathered` is the reference (tests compare both with float64). Only where `fits` says so: q4_0
+gate, up and down without biases, silu, bfloat16 activations, F and D multiples of 256, a GPU
+whose driver loaded the kernels (`unavailable`). FREETOKEN_DECODE_EXPERTS=xla keeps XLA's
+reductions (`choice`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from freetoken_jax.config import env_choice
+from freetoken_jax.quant.layout import ExpertLayout
+from pallas_kernels import Stacked
+
+GATE_UP, DOWN = "freetoken_q4_0_gate_up", "freetoken_q4_0_down"
+MULTIPLE = 256  # F and D: rows of a multiple of 16 bytes (two blocks of 18 in 36, eight pairs in 288)
+# The kernels' launch geometry (cpu_ext/cuda/q4_0_experts.h): rows a block of gate_up (of F) and of
+# down (of D); padding floats after every 64 staged inputs.
+GATE_UP_ROWS, DOWN_ROWS, PAD = 16, 8, 4
+
+
+def choice() -> str:
+    """FREETOKEN_DECODE_EXPERTS: "cuda" (the kernels where `fits`, the default) or "xla"."""
+    return env_choice("FREETOKEN_DECODE_EXPERTS", "cuda", ("cuda", "xla"))
+
+
+def _ordinal() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "local_hardware_id", None) or 0)
+
+
+@functools.cache
+def _load(ordinal: int) -> str:
+    from freetoken_jax import _cpu_ext
+    from freetoken_jax.runtime.ffi import register_targets
+
+    register_targets()
+    return _cpu_ext.load_expert_kernels(ordinal)
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run in this process (None where they can): no GPU backend, or the
+    driver could not load them (loads them into the first device on the first call)."""
+    if jax.default_backend() != "gpu":
+        return f"the {jax.default_backend()} backend has no CUDA kernels"
+    return _load(_ordinal()) or None
+
+
+def shared_bytes(layout: ExpertLayout, K: int) -> int:
+    """The larger of the two kernels' dynamic shared memory a block, for K pairs a token: the
+    block's staged rows and its inputs as padded float32 (`q4_0_experts.h`)."""
+    row = lambda n: n // 32 * 18  # noqa: E731
+    padded = lambda n: n + n // 64 * PAD  # noqa: E731
+    F, D = layout.F, layout.D
+    return max(2 * GATE_UP_ROWS * row(D) + 4 * padded(D), K * DOWN_ROWS * row(F) + 4 * padded(K * F))
+
+
+def fits(layout: ExpertLayout, dtype, K: int, bias=None) -> bool:
+    """Whether the kernels compute this layer's pairs: q4_0 throughout (one format, not a mixed
+    model's slots), no biases, silu, bfloat16 activations, F and D multiples of 256, a block's
+    shared memory within the device's, and the kernels loaded (`unavailable`)."""
+    if layout.fmts != ("q4_0",) * 3 or layout.mixed or bias is not None or layout.act != "silu" or jnp.dtype(dtype) != jnp.bfloat16:
+        return False
+    if layout.F % MULTIPLE or layout.D % MULTIPLE or unavailable() is not None:
+        return False
+    from freetoken_jax import _cpu_ext
+
+    return shared_bytes(layout, K) <= _cpu_ext.expert_kernels_shared_memory(_ordinal())
+
+
+def _operand(bank) -> tuple[jax.Array, int]:
+    """(the array the kernels read, the entry of its stack): a `Stacked` entry is read in place."""
+    return (bank.array, bank.index) if isinstance(bank, Stacked) else (bank, 0)
+
+
+def experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
+    """Σ_k w[t,k] · down(silu(gate x_t) · up x_t) over each token's pairs, bfloat16 [T, D], from
+    the q4_0 `banks` (gate, up, down: uint8 [E, row] arrays or `Stacked` entries of [L, E, row]
+    stacks); `fits` must hold. ids index the banks' rows and must be in range (the kernels read
+    what they name)."""
+    T, K = ids_TK.shape
+    (g, gi), (u, ui), (d, di) = (_operand(b) for b in banks)
+    if gi != ui:
+        raise ValueError(f"gate and up are entries {gi} and {ui} of their stacks; the kernel reads one entry of both")
+    ids, w = ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32)
+    h = jax.ffi.ffi_call(GATE_UP, jax.ShapeDtypeStruct((T, K, layout.F), jnp.bfloat16))(
+        g, u, x_TD.astype(jnp.bfloat16), ids, w, index=np.int64(gi), ffn=np.int64(layout.F)
+    )
+    return jax.ffi.ffi_call(DOWN, jax.ShapeDtypeStruct((T, layout.D), jnp.bfloat16))(d, h, ids, index=np.int64(di))
