@@ -1,7 +1,7 @@
 #!/bin/bash
 # One GPU lease (H200 image): where a host-bank decode step's time goes, and prefill's expert
 # compute. Shape: 24-layer Qwen3-30B-A3B, q4_0 experts, the slots of -ncmoe 17 (2.2482 GB), batch 1.
-# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pprev|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|ncu|kernels|cuda|cudarows|timeline]...
+# Usage (device `run`, carry .whl): bash benchmarks/h200_step.sh [check|sync|grouped|pgrouped|pprofile|pprev|ppgle|pflags|overlap|stacks|ekernels|attn|aprofile|aload|words|xflags|ncu|kernels|cuda|cudafused|cudarows|timeline]...
 #   check:   the handoff and strategy tests on the GPU with the signalling kernels
 #            (FREETOKEN_HANDOFF_SYNC=kernel);
 #   sync:    profile_step's cpu and hybrid steps (wall, the calling thread's time on a core, handoff
@@ -48,6 +48,7 @@
 #   pprev:   the 8192-token q4_0 prefill chunk with this tree's PFILE and with a previous copy of it, PREV, in turn;
 #   cuda:    decode's q4_0 experts through the CUDA kernels of cpu_ext/cuda/q4_0_experts.cu by themselves
 #            (benchmarks/cuda/bench_q4_0_experts.cu: every variant, checked against float64) and their tests on the GPU;
+#   cudafused: fused decode rows (fused_row) with XLA's reductions and with the kernels in turn (CUDA, default xla cuda);
 #   cudarows: fused and hybrid decode rows with XLA's reductions and with the kernels in turn
 #            (FREETOKEN_DECODE_EXPERTS: CUDA, default xla cuda xla cuda);
 #   timeline: the fused, cpu and hybrid q4_0 steps under the kernel profiler with TL (120) events of
@@ -75,6 +76,7 @@ for what in "$@"; do
     cuda) nvcc -O3 -arch=sm_90 -o /tmp/bench_q4 benchmarks/cuda/bench_q4_0_experts.cu 2>&1 | grep -v -i warn
       /tmp/bench_q4 64 > "$OUT/bench_q4.log" 2>&1; grep -v "^check" "$OUT/bench_q4.log"; grep -c " ok$" "$OUT/bench_q4.log"
       timeout 200 python3 -m pytest -q tests/kernels/test_cuda_experts.py 2>&1 | tail -3 ;;
+    cudafused) for how in ${CUDA:-xla cuda}; do FREETOKEN_DECODE_EXPERTS=$how fused_row fused_$how ""; done ;;
     cudarows) for how in ${CUDA:-xla cuda xla cuda}; do
         FREETOKEN_DECODE_EXPERTS=$how timeout 200 $B decode --preset qwen3-30b-a3b --layers 24 --routing-skew 0 --prompt-len 16 --gen-len 64 \
           --prompt-by-decode --expert-format q4_0 --slots-gb 2.2482 --strategy fused hybrid --compile-workers 2 --json "$OUT/dec_$how.json" \
