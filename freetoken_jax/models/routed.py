@@ -91,8 +91,8 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
       says which layers): each gathered block's scale and codes read together;
     - "auto": gather when T·k ≤ E (a quantized layer: ≤ GATHER_QUANTIZED · E unless the many
-      pairs go through "tiles"; "cuda" in its place where it fits, unless
-      FREETOKEN_DECODE_EXPERTS=xla), else `many_pairs_impl` (grouped unless
+      pairs go through "tiles"; "cuda" in its place where it fits and
+      FREETOKEN_DECODE_EXPERTS=cuda asks for it), else `many_pairs_impl` (grouped unless
       FREETOKEN_PREFILL_EXPERTS asks for tiles or ragged).
     """
     T, K = ids_TK.shape

@@ -10,8 +10,9 @@ down(silu(gate x_t) · up x_t) over each token's pairs with each pair's h rounde
 after its routing weight, through two XLA FFI calls that XLA may record into its CUDA graphs;
 `_gathered` is the reference (tests compare both with float64). Only where `fits` says so: q4_0
 gate, up and down without biases, silu, bfloat16 activations, F and D multiples of 256, a GPU
-whose driver loaded the kernels (`unavailable`). FREETOKEN_DECODE_EXPERTS=xla keeps XLA's
-reductions (`choice`).
+whose driver loaded the kernels (`unavailable`). The engine takes them where
+FREETOKEN_DECODE_EXPERTS=cuda asks for them (`choice`); the default stays XLA's reductions until
+a decode step has run faster with the kernels on a GPU (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ GATE_UP_ROWS, DOWN_ROWS, PAD = 16, 8, 4
 
 
 def choice() -> str:
-    """FREETOKEN_DECODE_EXPERTS: "cuda" (the kernels where `fits`, the default) or "xla"."""
-    return env_choice("FREETOKEN_DECODE_EXPERTS", "cuda", ("cuda", "xla"))
+    """FREETOKEN_DECODE_EXPERTS: "xla" (XLA's reductions, the default) or "cuda" (the kernels where `fits`)."""
+    return env_choice("FREETOKEN_DECODE_EXPERTS", "xla", ("xla", "cuda"))
 
 
 def _ordinal() -> int:

@@ -136,15 +136,21 @@ def test_the_engine_takes_the_kernels_for_decode_only_where_they_fit(monkeypatch
     calls = []
     monkeypatch.setattr(cuda_experts, "fits", lambda *a: True)
     monkeypatch.setattr(cuda_experts, "experts", lambda x, ids, w, banks, layout: calls.append(ids.shape) or jnp.zeros_like(x))
+    monkeypatch.delenv("FREETOKEN_DECODE_EXPERTS", raising=False)  # the default: XLA's reductions
+    np.testing.assert_array_equal(np.asarray(routed.routed_experts(x, ids, w, banks, L)), np.asarray(gather))
+    assert calls == []
+    monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "cuda")
     routed.routed_experts(x, ids, w, banks, L)  # decode: T·K ≤ E
     assert calls == [(1, 2)]
+    routed.routed_experts(x, ids, w, banks, L, impl="cuda")
+    assert calls == [(1, 2), (1, 2)]
     monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "xla")
     np.testing.assert_array_equal(np.asarray(routed.routed_experts(x, ids, w, banks, L)), np.asarray(gather))
-    assert calls == [(1, 2)]
+    assert calls == [(1, 2), (1, 2)]
     monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "cuda")
     many = jnp.asarray(rng.integers(0, S, (40, 2)), jnp.int32)  # 80 pairs of 16 experts: grouped, not a decode gather
     routed.routed_experts(jnp.zeros((40, D), jnp.bfloat16), many, jnp.ones((40, 2)), banks, L)
-    assert calls == [(1, 2)]
+    assert calls == [(1, 2), (1, 2)]
 
 
 def test_kernels_lower_to_two_ffi_calls_reading_the_stacks_in_place():
