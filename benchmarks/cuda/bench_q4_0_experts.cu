@@ -1,7 +1,11 @@
 // Times the q4_0 decode expert kernels of cpu_ext/cuda/q4_0_experts.cu by themselves (no JAX):
 // `steps` layers of one token's K experts, recorded in one CUDA graph, each layer's experts the
 // next K of the bank (so that they come from HBM, not L2), as benchmarks/bench_expert_kernels.py
-// runs XLA's. First checks one layer against a float64 reference on the host.
+// runs XLA's: the shipped kernels, their templates at other rows a block, rows a warp, copy stages
+// and warps, and the first, direct-load kernels (below: they ran at XLA's rate on an H100,
+// benchmarks/RESULTS.md). Each gate_up kernel alone, each down kernel alone, then the fastest of
+// each together; µs a layer and GB/s of the q4_0 bytes read. First checks every kernel's layer 0
+// against a float64 reference on the host (h within bfloat16's rounding, y of the kernel's own h).
 //
 //   nvcc -O3 -arch=sm_90 -o /tmp/bench_q4 benchmarks/cuda/bench_q4_0_experts.cu && /tmp/bench_q4 [steps]
 #include <cuda_runtime.h>
@@ -282,7 +286,6 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(x, xh.data(), D * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(idd, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(wd, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
-  const size_t xs_bytes = (D + D / 64 * 4) * 4, hs_bytes = (K * F + K * F / 64 * 4) * 4;
   const Kernel gus[] = {
       {"gate_up direct R1 W8", (void*)direct_gate_up_1, 8, 8, false},
       {"gate_up direct R4 W4", (void*)direct_gate_up_4, 16, 4, false},
@@ -309,9 +312,9 @@ int main(int argc, char** argv) {
       {"down s12 R2 S3 W2", (void*)down_s12_2_3, 12, 2, true},
       {"down shipped", (void*)ft_q4_0_down, ft_q4_0::kDownRows, ft_q4_0::kDownWarps, true},
   };
-  auto smem_of = [&](const Kernel& k, bool gu) -> size_t {
-    const size_t rows = k.staged ? (gu ? 2 * k.rows_per_block * (D / 32) * 18 : K * k.rows_per_block * (F / 32) * 18) : 0;
-    return rows + (gu ? xs_bytes : hs_bytes);
+  auto smem_of = [&](const Kernel& k, bool gu) -> size_t {  // the header's sizes; the direct kernels stage no rows
+    const int rows = k.staged ? k.rows_per_block : 0;
+    return gu ? ft_q4_0::gate_up_smem(D, rows) : ft_q4_0::down_smem(F, K, rows);
   };
   for (const Kernel& k : gus) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(k, true)));
   for (const Kernel& k : dns) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(k, false)));
