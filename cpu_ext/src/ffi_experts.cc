@@ -83,6 +83,7 @@ ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buf
   const int64_t shared = ft_q4_0::gate_up_smem(D);
   if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: D too large for the device's shared memory");
   if (T * K == 0) return ffi::Error::Success();
+  if (T * K > 65535) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: more than 65535 token-expert pairs in one call");
   const uint8_t *gp = g.base, *up_ = u.base;
   const void *xp = x.typed_data(), *ip = ids.typed_data(), *wp = w.typed_data();
   void* hp = h->typed_data();
@@ -107,6 +108,7 @@ ffi::Error Down(void* stream, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> h, ffi
   const int64_t shared = ft_q4_0::down_smem(F, K);
   if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_down: K·F too large for the device's shared memory");
   if (T * K == 0) return ffi::Error::Success();
+  if (T > 65535) return ffi::Error::InvalidArgument("freetoken_q4_0_down: more than 65535 tokens in one call");
   const uint8_t* dp = d.base;
   const void *hp = h.typed_data(), *ip = ids.typed_data();
   void* yp = y->typed_data();

@@ -115,7 +115,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
         if impl == "gather" and layout.quantized and cuda_experts.choice() == "cuda":
             impl = "cuda"
     if impl == "cuda":
-        if cuda_experts.fits(layout, x_TD.dtype, K, bias):
+        if cuda_experts.fits(layout, x_TD.dtype, K, bias, T * K):
             return cuda_experts.experts(x_TD, ids_TK, w_TK, stacked, layout).astype(x_TD.dtype)
         impl = "gather"
     if impl == "gather":

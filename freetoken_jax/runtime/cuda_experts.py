@@ -70,11 +70,19 @@ def shared_bytes(layout: ExpertLayout, K: int) -> int:
     return max(2 * GATE_UP_ROWS * row(D) + 4 * padded(D), K * DOWN_ROWS * row(F) + 4 * padded(K * F))
 
 
-def fits(layout: ExpertLayout, dtype, K: int, bias=None) -> bool:
-    """Whether the kernels compute this layer's pairs: q4_0 throughout (one format, not a mixed
-    model's slots), no biases, silu, bfloat16 activations, F and D multiples of 256, a block's
-    shared memory within the device's, and the kernels loaded (`unavailable`)."""
-    if layout.fmts != ("q4_0",) * 3 or layout.mixed or bias is not None or layout.act != "silu" or jnp.dtype(dtype) != jnp.bfloat16:
+def fits(layout: ExpertLayout, dtype, K: int, bias=None, pairs: int = 1) -> bool:
+    """Whether the kernels compute this layer's `pairs` token-expert pairs (K a token): q4_0
+    throughout (one format, not a mixed model's slots), no biases, silu, bfloat16 activations, F
+    and D multiples of 256, at most 65535 pairs (a grid's second dimension), a block's shared
+    memory within the device's, and the kernels loaded (`unavailable`)."""
+    if (
+        pairs > 65535
+        or layout.fmts != ("q4_0",) * 3
+        or layout.mixed
+        or bias is not None
+        or layout.act != "silu"
+        or jnp.dtype(dtype) != jnp.bfloat16
+    ):
         return False
     if layout.F % MULTIPLE or layout.D % MULTIPLE or unavailable() is not None:
         return False

@@ -108,7 +108,8 @@ def test_fits_only_q4_0_silu_bf16_layers_of_multiples_of_256(monkeypatch):
         assert not cuda_experts.fits(L, jnp.bfloat16, 8)
     monkeypatch.setattr(cuda_experts, "unavailable", lambda: None)
     monkeypatch.setattr(_cpu_ext, "expert_kernels_shared_memory", lambda ordinal: 227 * 1024)
-    assert cuda_experts.fits(L, jnp.bfloat16, 8)
+    assert cuda_experts.fits(L, jnp.bfloat16, 8) and cuda_experts.fits(L, jnp.bfloat16, 8, pairs=65535)
+    assert not cuda_experts.fits(L, jnp.bfloat16, 8, pairs=65536)
     assert not cuda_experts.fits(L, jnp.float32, 8)
     assert not cuda_experts.fits(L, jnp.bfloat16, 8, bias=(0, 0, 0))
     for other in (
