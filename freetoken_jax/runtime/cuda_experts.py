@@ -4,8 +4,8 @@
 XLA fuses decode's gathered q4_0 matvecs into reductions that read the chosen experts at about
 1 TB/s on an H100 (under one wave of blocks, loads 36 bytes apart across the lanes: Nsight
 Compute showed the L1 waiting); the kernels copy each block's rows whole into shared memory with
-every load a full line, all in flight at once, then compute from there (benchmarks/RESULTS.md
-has the figures). `experts` computes what `models.routed._gathered` computes, Σ_k w[t,k] ·
+every load a full line, all in flight at once, then compute from there (benchmarks/RESULTS.md:
+the first, direct-load kernels ran at XLA's rate; these have not yet run on a GPU). `experts` computes what `models.routed._gathered` computes, Σ_k w[t,k] ·
 down(silu(gate x_t) · up x_t) over each token's pairs with each pair's h rounded to bfloat16
 after its routing weight, through two XLA FFI calls that XLA may record into its CUDA graphs;
 `_gathered` is the reference (tests compare both with float64). Only where `fits` says so: q4_0
@@ -28,7 +28,7 @@ from freetoken_jax.quant.layout import ExpertLayout
 from pallas_kernels import Stacked
 
 GATE_UP, DOWN = "freetoken_q4_0_gate_up", "freetoken_q4_0_down"
-MULTIPLE = 256  # F and D: rows of a multiple of 16 bytes (two blocks of 18 in 36, eight pairs in 288)
+MULTIPLE = 256  # F and D: rows of a multiple of 16 bytes (256 inputs are 8 blocks of 18 bytes, 144 = 9 × 16)
 # The kernels' launch geometry (cpu_ext/cuda/q4_0_experts.h): rows a block of gate_up (of F) and of
 # down (of D); padding floats after every 64 staged inputs.
 GATE_UP_ROWS, DOWN_ROWS, PAD = 16, 8, 4
