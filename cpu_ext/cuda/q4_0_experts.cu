@@ -31,9 +31,10 @@
 
 #include "q4_0_experts.h"
 
-namespace {
+// A named namespace, not an anonymous one: nvcc names an anonymous namespace's symbols after the
+// file's path, and the checked-in PTX must not depend on where the tree lies.
+namespace ft_q4_0 {
 
-using namespace ft_q4_0;
 constexpr int kWarp = 32;
 
 __device__ __forceinline__ int padded(int i) { return i + (i >> 6) * kPad; }
@@ -208,7 +209,9 @@ __device__ void down(const uint8_t* dn, int64_t expert_stride, const __nv_bfloat
   }
 }
 
-}  // namespace
+}  // namespace ft_q4_0
+
+using namespace ft_q4_0;
 
 extern "C" __global__ void ft_q4_0_gate_up(const uint8_t* gate, const uint8_t* up, int64_t expert_stride, const __nv_bfloat16* x,
                                            const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K) {
