@@ -49,4 +49,18 @@ const Cuda& Driver() {
   return cuda;
 }
 
+ScopedContext::ScopedContext(int ordinal) {
+  if (ordinal < 0) return;
+  const Cuda& c = Driver();
+  if (!c.error.empty() || c.init(0) || c.device_get(&device_, ordinal) || c.primary_ctx_retain(&ctx_, device_) || c.ctx_push(ctx_)) {
+    ctx_ = nullptr;
+    error_ = c.error.empty() ? "could not make CUDA device " + std::to_string(ordinal) + "'s primary context current" : c.error;
+  }
+}
+
+ScopedContext::~ScopedContext() {
+  void* popped;
+  if (ctx_) Driver().ctx_pop(&popped);
+}
+
 }  // namespace freetoken

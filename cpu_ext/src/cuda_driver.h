@@ -4,6 +4,8 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
 
 namespace freetoken {
@@ -39,5 +41,63 @@ struct Cuda {
 };
 
 const Cuda& Driver();
+
+// Makes CUDA device `ordinal`'s primary context current for the scope (nothing where ordinal < 0);
+// `error` says why it could not.
+class ScopedContext {
+ public:
+  explicit ScopedContext(int ordinal);
+  ~ScopedContext();
+  ScopedContext(const ScopedContext&) = delete;
+  ScopedContext& operator=(const ScopedContext&) = delete;
+  const std::string& error() const { return error_; }
+  void* context() const { return ctx_; }
+  int device() const { return device_; }
+
+ private:
+  void* ctx_ = nullptr;
+  int device_ = 0;
+  std::string error_;
+};
+
+// Kernels of type K loaded once per CUDA context and never unloaded.
+template <class K>
+class PerContext {
+ public:
+  // Runs `load(ctx, &k)` (it returns "" or why it failed) for the current context unless that
+  // context has its kernels already; outside any stream capture.
+  template <class F>
+  std::string Load(F load) {
+    void* ctx = nullptr;
+    if (Driver().ctx_get_current(&ctx) || !ctx) return "no current CUDA context to load kernels into";
+    std::lock_guard<std::mutex> g(mu_);
+    if (of_.count(ctx)) return "";
+    K k;
+    std::string error = load(ctx, &k);
+    if (error.empty()) of_[ctx] = k;
+    return error;
+  }
+  // Those of context `ctx`, or null.
+  const K* Of(void* ctx) const {
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = of_.find(ctx);
+    return it == of_.end() ? nullptr : &it->second;
+  }
+  // Those of the calling thread's current context (XLA calls handlers with it current); where
+  // the thread holds none (or another), those of the one context they were loaded into, if
+  // there is exactly one (one device).
+  const K* Current() const {
+    void* ctx = nullptr;
+    if (Driver().ctx_get_current(&ctx)) ctx = nullptr;
+    std::lock_guard<std::mutex> g(mu_);
+    auto it = of_.find(ctx);
+    if (it != of_.end()) return &it->second;
+    return of_.size() == 1 ? &of_.begin()->second : nullptr;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<void*, K> of_;  // map nodes stay put: the pointers handed out stay valid
+};
 
 }  // namespace freetoken

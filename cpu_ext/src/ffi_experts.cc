@@ -1,8 +1,6 @@
 #include "ffi_experts.h"
 
 #include <cstdint>
-#include <map>
-#include <mutex>
 #include <string>
 
 #include "../cuda/q4_0_experts.h"
@@ -24,18 +22,7 @@ struct Kernels {
   int shared = 0;  // bytes of dynamic shared memory a block may take
 };
 
-std::mutex mu;
-std::map<void*, Kernels> kernels_of_context;  // loaded per CUDA context, never unloaded
-std::map<int, void*> context_of_ordinal;
-
-// The kernels of the current context (XLA calls handlers with its context current).
-const Kernels* Current() {
-  void* ctx = nullptr;
-  if (Driver().ctx_get_current(&ctx)) ctx = nullptr;
-  std::lock_guard<std::mutex> g(mu);
-  auto it = kernels_of_context.find(ctx);
-  return it == kernels_of_context.end() ? nullptr : &it->second;
-}
+PerContext<Kernels> kernels;
 
 // A bank operand: uint8 [E, row] or [L, E, row]; the address of entry `index`'s expert 0, its
 // experts and their row's bytes.
@@ -67,7 +54,7 @@ ffi::Error Launch(void* fn, unsigned gx, unsigned gy, unsigned threads, int64_t 
 
 ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> ids,
                   ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t index, int64_t ffn) {
-  const Kernels* k = Current();
+  const Kernels* k = kernels.Current();
   if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
   auto xd = x.dimensions(), id = ids.dimensions(), hd = h->dimensions();
   if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || w.dimensions().size() != 2 || w.dimensions()[0] != id[0] ||
@@ -96,7 +83,7 @@ ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buf
 
 ffi::Error Down(void* stream, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> h, ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::Buffer<ffi::BF16>> y,
                 int64_t index) {
-  const Kernels* k = Current();
+  const Kernels* k = kernels.Current();
   if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
   auto hd = h.dimensions(), id = ids.dimensions(), yd = y->dimensions();
   if (hd.size() != 3 || id.size() != 2 || hd[0] != id[0] || hd[1] != id[1] || yd.size() != 2 || yd[0] != id[0])
@@ -148,38 +135,26 @@ std::string LoadExpertKernels(int ordinal) {
   if (!c.error.empty()) return c.error;
   if (!c.module_load_data || !c.module_get_function || !c.launch_kernel || !c.func_set_attribute || !c.device_get_attribute)
     return "the CUDA driver lacks cuModuleLoadData, cuLaunchKernel or cuFuncSetAttribute";
-  int dev = 0;
-  void* ctx = nullptr;
-  if (c.init(0) || c.device_get(&dev, ordinal) || c.primary_ctx_retain(&ctx, dev) || c.ctx_push(ctx))
-    return "could not make CUDA device " + std::to_string(ordinal) + "'s primary context current";
-  std::string error;
-  {
-    std::lock_guard<std::mutex> g(mu);
-    if (!kernels_of_context.count(ctx)) {
-      Kernels k;
-      void* module = nullptr;
-      if (c.module_load_data(&module, kQ4_0ExpertsPtx))
-        error = "the driver could not load the q4_0 expert kernels' PTX (a driver older than the PTX's CUDA 13, or a GPU older than sm_80)";
-      else if (c.module_get_function(&k.gate_up, module, "ft_q4_0_gate_up") || c.module_get_function(&k.down, module, "ft_q4_0_down"))
-        error = "the q4_0 expert kernels' PTX lacks its entry points";
-      else if (c.device_get_attribute(&k.shared, kSharedOptinAttr, dev) || c.func_set_attribute(k.gate_up, kMaxSharedAttr, k.shared) ||
-               c.func_set_attribute(k.down, kMaxSharedAttr, k.shared))
-        error = "could not raise the q4_0 expert kernels' shared memory limit";
-      if (error.empty()) {
-        kernels_of_context[ctx] = k;
-        context_of_ordinal[ordinal] = ctx;
-      }
-    }
-  }
-  void* popped;
-  c.ctx_pop(&popped);
-  return error;
+  ScopedContext scope(ordinal);
+  if (!scope.error().empty()) return scope.error();
+  return kernels.Load([&](void*, Kernels* k) -> std::string {
+    void* module = nullptr;
+    if (c.module_load_data(&module, kQ4_0ExpertsPtx))
+      return "the driver could not load the q4_0 expert kernels' PTX (a driver older than the PTX's CUDA 13, or a GPU older than sm_80)";
+    if (c.module_get_function(&k->gate_up, module, "ft_q4_0_gate_up") || c.module_get_function(&k->down, module, "ft_q4_0_down"))
+      return "the q4_0 expert kernels' PTX lacks its entry points";
+    if (c.device_get_attribute(&k->shared, kSharedOptinAttr, scope.device()) || c.func_set_attribute(k->gate_up, kMaxSharedAttr, k->shared) ||
+        c.func_set_attribute(k->down, kMaxSharedAttr, k->shared))
+      return "could not raise the q4_0 expert kernels' shared memory limit";
+    return "";
+  });
 }
 
 int ExpertKernelsSharedMemory(int ordinal) {
-  std::lock_guard<std::mutex> g(mu);
-  auto it = context_of_ordinal.find(ordinal);
-  return it == context_of_ordinal.end() ? 0 : kernels_of_context[it->second].shared;
+  if (!Driver().error.empty()) return 0;
+  ScopedContext scope(ordinal);
+  const Kernels* k = scope.error().empty() ? kernels.Of(scope.context()) : nullptr;
+  return k ? k->shared : 0;
 }
 
 void* Q4GateUpHandlerCuda() { return reinterpret_cast<void*>(&FreetokenQ4GateUpCuda); }

@@ -227,41 +227,25 @@ struct SignalKernels {
 // take a PCIe round trip per four words a thread).
 constexpr int64_t kKernelCopyBytes = 64 << 10;
 constexpr unsigned kKernelCopyThreads = 512;
-std::mutex kernels_mu;
-std::map<void*, SignalKernels> kernels_of_context;  // loaded per CUDA context, never unloaded
+PerContext<SignalKernels> signal_kernels;
 
 // Loads the signalling kernels into the current context (once); outside any stream capture.
 std::string LoadSignalKernels() {
-  const Cuda& c = Driver();
   if (!HasKernelLaunch()) return "the CUDA driver lacks cuModuleLoadData / cuLaunchKernel";
-  void* ctx = nullptr;
-  if (c.ctx_get_current(&ctx) || !ctx) return "no current CUDA context to load the handoff kernels into";
-  std::lock_guard<std::mutex> g(kernels_mu);
-  if (kernels_of_context.count(ctx)) return "";
-  void* module = nullptr;
-  SignalKernels k;
-  if (c.module_load_data(&module, kSignalPtx) || c.module_get_function(&k.ready, module, "ft_handoff_ready") ||
-      c.module_get_function(&k.wait, module, "ft_handoff_wait") || c.module_get_function(&k.submit, module, "ft_handoff_submit") ||
-      c.module_get_function(&k.collect, module, "ft_handoff_collect"))
-    return "loading the handoff's signalling kernels failed";
-  kernels_of_context[ctx] = k;
-  return "";
-}
-
-// The kernels of the current context; where the calling thread holds none (or another), those
-// of the one context they were loaded into, if there is exactly one (one device).
-const SignalKernels* CurrentSignalKernels() {
-  void* ctx = nullptr;
-  if (Driver().ctx_get_current(&ctx)) ctx = nullptr;
-  std::lock_guard<std::mutex> g(kernels_mu);
-  auto it = kernels_of_context.find(ctx);
-  if (it != kernels_of_context.end()) return &it->second;
-  return kernels_of_context.size() == 1 ? &kernels_of_context.begin()->second : nullptr;
+  return signal_kernels.Load([](void*, SignalKernels* k) -> std::string {
+    const Cuda& c = Driver();
+    void* module = nullptr;
+    if (c.module_load_data(&module, kSignalPtx) || c.module_get_function(&k->ready, module, "ft_handoff_ready") ||
+        c.module_get_function(&k->wait, module, "ft_handoff_wait") || c.module_get_function(&k->submit, module, "ft_handoff_submit") ||
+        c.module_get_function(&k->collect, module, "ft_handoff_collect"))
+      return "loading the handoff's signalling kernels failed";
+    return "";
+  });
 }
 
 // Launches signalling kernel `which` of the current context on `stream`: one block of `threads`.
 ffi::Error LaunchSignal(void* SignalKernels::*which, void* stream, std::initializer_list<uint64_t> args, unsigned threads = 1) {
-  const SignalKernels* k = CurrentSignalKernels();
+  const SignalKernels* k = signal_kernels.Current();
   if (!k) return ffi::Error::Internal("FREETOKEN_HANDOFF_SYNC=kernel: the signalling kernels were not loaded in this CUDA context");
   uint64_t values[5] = {0, 0, 0, 0, 0};
   void* params[5] = {&values[0], &values[1], &values[2], &values[3], &values[4]};
@@ -508,32 +492,6 @@ const Layer* FindLayer(int64_t handle) {
   if (handle < 0 || handle >= static_cast<int64_t>(layers.size())) return nullptr;
   return layers[handle].get();
 }
-
-// Makes CUDA context `ordinal`'s primary context current for the scope (for allocating pinned
-// memory from a thread that holds none); does nothing for ordinal < 0.
-class ScopedContext {
- public:
-  explicit ScopedContext(int ordinal) {
-    if (ordinal < 0) return;
-    const Cuda& c = Driver();
-    int dev = 0;
-    void* ctx = nullptr;
-    if (!c.error.empty() || c.init(0) || c.device_get(&dev, ordinal) || c.primary_ctx_retain(&ctx, dev) || c.ctx_push(ctx)) {
-      error_ = "could not make CUDA device " + std::to_string(ordinal) + "'s primary context current";
-      return;
-    }
-    pushed_ = true;
-  }
-  ~ScopedContext() {
-    void* ctx;
-    if (pushed_) Driver().ctx_pop(&ctx);
-  }
-  const std::string& error() const { return error_; }
-
- private:
-  bool pushed_ = false;
-  std::string error_;
-};
 
 // The staging job of (layer, T, K): its buffers and flags in pinned, mapped host memory for
 // CUDA, plain memory on the CPU. Checks the packed input's length against the layer's banks.

@@ -25,6 +25,7 @@ import numpy as np
 
 from freetoken_jax.config import env_choice
 from freetoken_jax.quant.layout import ExpertLayout
+from freetoken_jax.runtime.ffi import cuda_ordinal, register_targets
 from pallas_kernels import Stacked
 
 GATE_UP, DOWN = "freetoken_q4_0_gate_up", "freetoken_q4_0_down"
@@ -39,15 +40,9 @@ def choice() -> str:
     return env_choice("FREETOKEN_DECODE_EXPERTS", "xla", ("xla", "cuda"))
 
 
-def _ordinal() -> int:
-    dev = jax.devices()[0]
-    return int(getattr(dev, "local_hardware_id", None) or 0)
-
-
 @functools.cache
 def _load(ordinal: int) -> str:
     from freetoken_jax import _cpu_ext
-    from freetoken_jax.runtime.ffi import register_targets
 
     register_targets()
     return _cpu_ext.load_expert_kernels(ordinal)
@@ -58,7 +53,7 @@ def unavailable() -> str | None:
     driver could not load them (loads them into the first device on the first call)."""
     if jax.default_backend() != "gpu":
         return f"the {jax.default_backend()} backend has no CUDA kernels"
-    return _load(_ordinal()) or None
+    return _load(cuda_ordinal()) or None
 
 
 def shared_bytes(layout: ExpertLayout, K: int) -> int:
@@ -88,7 +83,7 @@ def fits(layout: ExpertLayout, dtype, K: int, bias=None, pairs: int = 1) -> bool
         return False
     from freetoken_jax import _cpu_ext
 
-    return shared_bytes(layout, K) <= _cpu_ext.expert_kernels_shared_memory(_ordinal())
+    return shared_bytes(layout, K) <= _cpu_ext.expert_kernels_shared_memory(cuda_ordinal())
 
 
 def _operand(bank) -> tuple[jax.Array, int]:

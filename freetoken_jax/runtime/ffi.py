@@ -1,5 +1,5 @@
-"""The C++ module's XLA FFI targets as JAX primitives: the CPU handoff (`runtime/handoff.py`) and
-the bank copies (`runtime/bank_copy.py`)."""
+"""The C++ module's XLA FFI targets as JAX primitives: the CPU handoff (`runtime/handoff.py`), the
+bank copies (`runtime/bank_copy.py`) and the q4_0 expert kernels (`runtime/cuda_experts.py`)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ def register_targets() -> None:
         for platform, capsule in by_platform.items():
             if platform == "cpu" or gpu:
                 jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+def cuda_ordinal() -> int:
+    """The CUDA ordinal of JAX's first device for the C++ module's calls outside XLA's (pinned
+    allocations, kernel loads), -1 off a GPU."""
+    if jax.default_backend() != "gpu":
+        return -1
+    return int(getattr(jax.devices()[0], "local_hardware_id", None) or 0)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from freetoken_jax.runtime.ffi import primitive
+from freetoken_jax.runtime.ffi import cuda_ordinal, primitive
 
 MODES = ("auto", "ffi", "ffi_nograph", "callback")
 
@@ -51,9 +51,7 @@ def _prepare_job(handle: int, tokens: int, top_k: int) -> None:
     into a CUDA graph must not allocate."""
     from freetoken_jax import _cpu_ext
 
-    gpu = jax.default_backend() == "gpu"
-    ordinal = getattr(jax.devices()[0], "local_hardware_id", None) if gpu else -1
-    _cpu_ext.prepare_handoff_job(handle, tokens, top_k, 0 if ordinal is None else ordinal)
+    _cpu_ext.prepare_handoff_job(handle, tokens, top_k, cuda_ordinal())
 
 
 @dataclasses.dataclass(frozen=True)
