@@ -1,11 +1,11 @@
 // Times the q4_0 decode expert kernels of cpu_ext/cuda/q4_0_experts.cu by themselves (no JAX):
 // `steps` layers of one token's K experts, recorded in one CUDA graph, each layer's experts the
 // next K of the bank (so that they come from HBM, not L2), as benchmarks/bench_expert_kernels.py
-// runs XLA's: the shipped kernels, their templates at other rows a block, rows a warp, copy stages
-// and warps, and the first, direct-load kernels (below: they ran at XLA's rate on an H100,
-// benchmarks/RESULTS.md). Each gate_up kernel alone, each down kernel alone, then the fastest of
-// each together; µs a layer and GB/s of the q4_0 bytes read. First checks every kernel's layer 0
-// against a float64 reference on the host (h within bfloat16's rounding, y of the kernel's own h).
+// runs XLA's: the shipped kernels (gate_up with and without asking L2 for the down rows), their
+// templates at other rows a warp and warps, and read floors (the same bytes read by the same grid,
+// 16-byte loads, nothing computed). Each gate_up kernel alone, each down kernel alone, then pairs;
+// µs a layer and GB/s of the q4_0 bytes read. First checks every kernel's layer 0 against a
+// float64 reference on the host (h within bfloat16's rounding, y of the kernel's own h).
 //
 //   nvcc -O3 -arch=sm_90 -o /tmp/bench_q4 benchmarks/cuda/bench_q4_0_experts.cu && /tmp/bench_q4 [steps]
 #include <cuda_runtime.h>
@@ -19,152 +19,20 @@
 
 #include "../../cpu_ext/cuda/q4_0_experts.cu"
 
-// The first kernels, kept to compare: each lane loads its block pairs straight from global memory
-// (nine 32-bit loads a pair, 36 bytes apart across the lanes), x and h staged in shared memory.
-namespace {
-__device__ __forceinline__ float block_dot(const uint32_t (&c)[4], const float* x) {
-  float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint32_t lo = c[w] & 0x0F0F0F0Fu, hi = (c[w] >> 4) & 0x0F0F0F0Fu;
-    const float4 xl = *reinterpret_cast<const float4*>(x + 4 * w);
-    const float4 xh = *reinterpret_cast<const float4*>(x + 16 + 4 * w);
-    s0 = fmaf(code(lo, 0), xl.x, s0);
-    s1 = fmaf(code(lo, 1), xl.y, s1);
-    s0 = fmaf(code(lo, 2), xl.z, s0);
-    s1 = fmaf(code(lo, 3), xl.w, s1);
-    s0 = fmaf(code(hi, 0), xh.x, s0);
-    s1 = fmaf(code(hi, 1), xh.y, s1);
-    s0 = fmaf(code(hi, 2), xh.z, s0);
-    s1 = fmaf(code(hi, 3), xh.w, s1);
-  }
-  return s0 + s1;
-}
-__device__ __forceinline__ float pair_dot(const Pair& p, const float* x) {
-  const uint32_t a[4] = {__funnelshift_r(p.w[0], p.w[1], 16), __funnelshift_r(p.w[1], p.w[2], 16),
-                         __funnelshift_r(p.w[2], p.w[3], 16), __funnelshift_r(p.w[3], p.w[4], 16)};
-  const uint32_t b[4] = {p.w[5], p.w[6], p.w[7], p.w[8]};
-  return half_bits(p.w[0] & 0xFFFFu) * block_dot(a, x) + half_bits(p.w[4] >> 16) * block_dot(b, x + 32);
-}
-__device__ __forceinline__ Pair load_pair(const uint8_t* p) {
-  const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
-  Pair r;
-#pragma unroll
-  for (int i = 0; i < 9; ++i) r.w[i] = __ldg(q + i);
-  return r;
-}
-
-
-// Asks L2 for this block's share of the pair's down rows (the next kernel's), one 128-byte line a
-// thread: `pf` the down bank (null: nothing), its experts `pf_stride` bytes apart, `pf_bytes` of
-// each expert's matrix.
-__device__ __forceinline__ void prefetch_share(const uint8_t* pf, int64_t pf_stride, int64_t pf_bytes, int32_t expert) {
-  if (!pf) return;
-  const int64_t share = (pf_bytes + gridDim.x - 1) / gridDim.x, at = blockIdx.x * share, end = min(at + share, pf_bytes);
-  const uint8_t* b = pf + static_cast<int64_t>(expert) * pf_stride;
-  for (int64_t i = at + threadIdx.x * 128; i < end; i += blockDim.x * 128)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(b + i));
-}
-
+// Other rows a warp (the warps a block come from the launch).
 template <int R>
-__device__ void gate_up_direct(const uint8_t* gate, const uint8_t* up, const int32_t* layer, int64_t layer_stride, int64_t expert_stride,
-                        const __nv_bfloat16* x, const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K,
-                        const uint8_t* pf = nullptr, int64_t pf_stride = 0, int64_t pf_bytes = 0) {
-  extern __shared__ float xs[];
-  const int pr = blockIdx.y, t = pr / K;
-  prefetch_share(pf, pf_stride, pf_bytes, ids[pr]);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) xs[padded(i)] = __bfloat162float(x[static_cast<int64_t>(t) * D + i]);
-  __syncthreads();
-  const int64_t base = (layer ? static_cast<int64_t>(*layer) * layer_stride : 0) + static_cast<int64_t>(ids[pr]) * expert_stride;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;
-  const int64_t row_bytes = static_cast<int64_t>(D / 32) * 18;
-  const int pairs = D / 64;
-  float g[R], u[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) g[r] = u[r] = 0.f;
-  for (int p = lane; p < pairs; p += kWarp) {
-    const float* xp = xs + p * (64 + kPad);
-    Pair pg[R], pu[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = base + static_cast<int64_t>(min(row0 + r, F - 1)) * row_bytes + p * 36;
-      pg[r] = load_pair(gate + at);
-      pu[r] = load_pair(up + at);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      g[r] += pair_dot(pg[r], xp);
-      u[r] += pair_dot(pu[r], xp);
-    }
-  }
-  const float wp = w[pr];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
-    if (lane == r && row0 + r < F) {
-      const float v = wp != 0.f ? silu(gs) * us * wp : 0.f;
-      h[static_cast<int64_t>(pr) * F + row0 + r] = __float2bfloat16(v);
-    }
-  }
+__global__ void gate_up_r(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16* x, const int32_t* ids, const float* w,
+                          __nv_bfloat16* h, int F, int D, int K, const uint8_t* dn, int64_t dn_stride) {
+  gate_up<R>(gate, up, es, x, ids, w, h, F, D, K, dn, dn_stride);
 }
-
 template <int R>
-__device__ void down_direct(const uint8_t* dn, const int32_t* layer, int64_t layer_stride, int64_t expert_stride, const __nv_bfloat16* h,
-                     const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
-  extern __shared__ float hs[];
-  const int t = blockIdx.y, n = K * F;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) hs[padded(i)] = __bfloat162float(h[static_cast<int64_t>(t) * n + i]);
-  __syncthreads();
-  const int64_t lbase = layer ? static_cast<int64_t>(*layer) * layer_stride : 0;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;
-  const int64_t row_bytes = static_cast<int64_t>(F / 32) * 18;
-  const int pairs = F / 64, tasks = K * pairs;
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int i = lane; i < tasks; i += kWarp) {
-    const int k = i / pairs, p = i - k * pairs;
-    const int64_t base = lbase + static_cast<int64_t>(ids[t * K + k]) * expert_stride + p * 36;
-    const float* hp = hs + (k * pairs + p) * (64 + kPad);
-    Pair pd[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) pd[r] = load_pair(dn + base + static_cast<int64_t>(min(row0 + r, D - 1)) * row_bytes);
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += pair_dot(pd[r], hp);
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float s = warp_sum(acc[r]);
-    if (lane == r && row0 + r < D) y[static_cast<int64_t>(t) * D + row0 + r] = __float2bfloat16(s);
-  }
+__global__ void down_r(const uint8_t* dn, int64_t es, const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
+  down<R>(dn, es, h, ids, y, F, D, K);
 }
 
-
-}  // namespace
-#define FT_GATE_UP(R)                                                                                                               \
-  extern "C" __global__ void direct_gate_up_##R(const uint8_t* gate, const uint8_t* up, const int32_t* layer, int64_t layer_stride, \
-                                                  int64_t expert_stride, const __nv_bfloat16* x, const int32_t* ids, const float* w,  \
-                                                  __nv_bfloat16* h, int F, int D, int K) {                                          \
-    gate_up_direct<R>(gate, up, layer, layer_stride, expert_stride, x, ids, w, h, F, D, K);                                                 \
-  }
-#define FT_DOWN(R)                                                                                                                  \
-  extern "C" __global__ void direct_down_##R(const uint8_t* dn, const int32_t* layer, int64_t layer_stride, int64_t expert_stride,   \
-                                               const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {   \
-    down_direct<R>(dn, layer, layer_stride, expert_stride, h, ids, y, F, D, K);                                                             \
-  }
-
-FT_GATE_UP(1)
-// direct R1 with the pair's down rows asked of L2 as it starts (the down kernel then reads them there)
-extern "C" __global__ void direct_gate_up_pf(const uint8_t* gate, const uint8_t* up, const int32_t* layer, int64_t layer_stride,
-                                             int64_t expert_stride, const __nv_bfloat16* x, const int32_t* ids, const float* w,
-                                             __nv_bfloat16* h, int F, int D, int K, const uint8_t* dn, int64_t dn_stride) {
-  gate_up_direct<1>(gate, up, layer, layer_stride, expert_stride, x, ids, w, h, F, D, K, dn, dn_stride, static_cast<int64_t>(D) * (F / 32) * 18);
-}
-// The read floor: a warp a row (of gate and up, or of the K pairs' down rows), 16-byte loads,
-// consecutive lanes consecutive bytes; no arithmetic but a xor (written where it is never 0x5A5A5A5A
-// by chance only).
+// The read floors: a warp a row (of gate and up, or of the K pairs' down rows), 16-byte loads,
+// consecutive lanes consecutive bytes; nothing computed but a xor (written only where it is
+// 0x5A5A5A5A, so that the loads stay).
 __device__ __forceinline__ uint32_t read_row(const uint8_t* row, int64_t bytes) {
   uint32_t a = 0;
   for (int64_t i = (threadIdx.x % 32) * 16; i < bytes; i += 32 * 16) {
@@ -173,51 +41,19 @@ __device__ __forceinline__ uint32_t read_row(const uint8_t* row, int64_t bytes) 
   }
   return a;
 }
-extern "C" __global__ void read_gate_up(const uint8_t* gate, const uint8_t* up, const int32_t* layer, int64_t layer_stride,
-                                        int64_t expert_stride, const __nv_bfloat16* x, const int32_t* ids, const float* w,
-                                        __nv_bfloat16* h, int F, int D, int K) {
+__global__ void read_gate_up(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16*, const int32_t* ids, const float*,
+                             __nv_bfloat16* h, int F, int D, int, const uint8_t*, int64_t) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int64_t rb = static_cast<int64_t>(D / 32) * 18, at = static_cast<int64_t>(ids[blockIdx.y]) * expert_stride + row * rb;
-  const uint32_t a = read_row(gate + at, rb) ^ read_row(up + at, rb);
-  if (a == 0x5A5A5A5Au) h[blockIdx.y * F + row] = __float2bfloat16(1.f);
+  const int64_t rb = row_bytes(D), at = static_cast<int64_t>(ids[blockIdx.y]) * es + row * rb;
+  if ((read_row(gate + at, rb) ^ read_row(up + at, rb)) == 0x5A5A5A5Au) h[blockIdx.y * F + row] = __float2bfloat16(1.f);
 }
-extern "C" __global__ void read_down(const uint8_t* dn, const int32_t* layer, int64_t layer_stride, int64_t expert_stride,
-                                     const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
+__global__ void read_down(const uint8_t* dn, int64_t es, const __nv_bfloat16*, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
   const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-  const int64_t rb = static_cast<int64_t>(F / 32) * 18;
+  const int64_t rb = row_bytes(F);
   uint32_t a = 0;
-  for (int k = 0; k < K; ++k) a ^= read_row(dn + static_cast<int64_t>(ids[blockIdx.y * K + k]) * expert_stride + row * rb, rb);
+  for (int k = 0; k < K; ++k) a ^= read_row(dn + static_cast<int64_t>(ids[blockIdx.y * K + k]) * es + row * rb, rb);
   if (a == 0x5A5A5A5Au) y[blockIdx.y * D + row] = __float2bfloat16(1.f);
 }
-FT_GATE_UP(2)
-FT_GATE_UP(4)
-FT_DOWN(1)
-FT_DOWN(2)
-FT_DOWN(4)
-
-// Staged variants: (rows a block, rows a warp, copy stages).
-#define STAGED(RC, R, S)                                                                                                        \
-  extern "C" __global__ void gate_up_s##RC##_##R##_##S(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16* x, \
-                                                       const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K) {  \
-    gate_up<RC, R, S>(gate, up, es, x, ids, w, h, F, D, K);                                                                         \
-  }                                                                                                                                \
-  extern "C" __global__ void down_s##RC##_##R##_##S(const uint8_t* dn, int64_t es, const __nv_bfloat16* h, const int32_t* ids,      \
-                                                    __nv_bfloat16* y, int F, int D, int K) {                                        \
-    down<RC, R, S>(dn, es, h, ids, y, F, D, K);                                                                                     \
-  }
-STAGED(8, 2, 1)
-STAGED(16, 2, 1)
-STAGED(16, 4, 1)
-STAGED(32, 4, 1)
-STAGED(4, 2, 1)
-STAGED(8, 4, 1)
-STAGED(8, 2, 2)
-STAGED(16, 2, 2)
-STAGED(16, 4, 2)
-STAGED(32, 4, 2)
-STAGED(32, 2, 2)
-STAGED(24, 2, 3)
-STAGED(12, 2, 3)
 
 #define CK(x)                                                                          \
   do {                                                                                 \
@@ -281,13 +117,8 @@ static double row_dot(const uint8_t* m, int o, int I, const double* x) {
   return s;
 }
 
-// The first kernels' signatures (a layer index and stride), and the staged ones'.
-using DirectGateUp = void (*)(const uint8_t*, const uint8_t*, const int32_t*, int64_t, int64_t, const __nv_bfloat16*, const int32_t*,
-                              const float*, __nv_bfloat16*, int, int, int);
-using DirectDown = void (*)(const uint8_t*, const int32_t*, int64_t, int64_t, const __nv_bfloat16*, const int32_t*, __nv_bfloat16*, int,
-                            int, int);
 using GateUp = void (*)(const uint8_t*, const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, const float*, __nv_bfloat16*, int,
-                        int, int);
+                        int, int, const uint8_t*, int64_t);
 using Down = void (*)(const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, __nv_bfloat16*, int, int, int);
 
 struct Kernel {
@@ -295,9 +126,8 @@ struct Kernel {
   void* fn;
   int rows_per_block;  // rows of F (gate_up) or D (down) a block
   int warps;
-  bool staged;  // shared memory holds the block's rows (the staged signature)
   bool check = true;  // computes h or y (the read floors do not)
-  bool pf = false;  // gate_up: takes the down bank to prefetch
+  bool pf = false;    // gate_up: asks L2 for the down rows
 };
 
 int main(int argc, char** argv) {
@@ -335,61 +165,35 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(idd, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(wd, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
   const Kernel gus[] = {
-      {"gate_up direct R1 W8", (void*)direct_gate_up_1, 8, 8, false},
-      {"gate_up direct R1 W8 + down to L2", (void*)direct_gate_up_pf, 8, 8, false, true, true},
-      {"gate_up read floor W8", (void*)read_gate_up, 8, 8, false, false},
-      {"gate_up direct R4 W4", (void*)direct_gate_up_4, 16, 4, false},
-      {"gate_up s8 R2 S1 W4", (void*)gate_up_s8_2_1, 8, 4, true},
-      {"gate_up s16 R2 S1 W8", (void*)gate_up_s16_2_1, 16, 8, true},
-      {"gate_up s16 R4 S1 W4", (void*)gate_up_s16_4_1, 16, 4, true},
-      {"gate_up s32 R4 S1 W8", (void*)gate_up_s32_4_1, 32, 8, true},
-      {"gate_up s16 R2 S2 W4", (void*)gate_up_s16_2_2, 16, 4, true},
-      {"gate_up s32 R4 S2 W4", (void*)gate_up_s32_4_2, 32, 4, true},
-      {"gate_up s32 R2 S2 W8", (void*)gate_up_s32_2_2, 32, 8, true},
-      {"gate_up s24 R2 S3 W4", (void*)gate_up_s24_2_3, 24, 4, true},
-      {"gate_up shipped", (void*)ft_q4_0_gate_up, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps, true},
+      {"gate_up shipped", (void*)ft_q4_0_gate_up, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps},
+      {"gate_up shipped + down to L2", (void*)ft_q4_0_gate_up, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps, true, true},
+      {"gate_up R4 W4", (void*)gate_up_r<4>, 16, 4},
+      {"gate_up R2 W8", (void*)gate_up_r<2>, 16, 8},
+      {"gate_up R1 W4", (void*)gate_up_r<1>, 4, 4},
+      {"gate_up read floor W8", (void*)read_gate_up, 8, 8, false},
   };
   const Kernel dns[] = {
-      {"down direct R1 W8", (void*)direct_down_1, 8, 8, false},
-      {"down read floor W8", (void*)read_down, 8, 8, false, false},
-      {"down direct R2 W4", (void*)direct_down_2, 8, 4, false},
-      {"down s4 R2 S1 W2", (void*)down_s4_2_1, 4, 2, true},
-      {"down s8 R2 S1 W4", (void*)down_s8_2_1, 8, 4, true},
-      {"down s8 R4 S1 W2", (void*)down_s8_4_1, 8, 2, true},
-      {"down s16 R4 S1 W4", (void*)down_s16_4_1, 16, 4, true},
-      {"down s8 R2 S2 W2", (void*)down_s8_2_2, 8, 2, true},
-      {"down s16 R4 S2 W2", (void*)down_s16_4_2, 16, 2, true},
-      {"down s16 R2 S2 W4", (void*)down_s16_2_2, 16, 4, true},
-      {"down s12 R2 S3 W2", (void*)down_s12_2_3, 12, 2, true},
-      {"down shipped", (void*)ft_q4_0_down, ft_q4_0::kDownRows, ft_q4_0::kDownWarps, true},
+      {"down shipped", (void*)ft_q4_0_down, ft_q4_0::kDownRows, ft_q4_0::kDownWarps},
+      {"down R2 W4", (void*)down_r<2>, 8, 4},
+      {"down R1 W16", (void*)down_r<1>, 16, 16},
+      {"down R1 W4", (void*)down_r<1>, 4, 4},
+      {"down read floor W8", (void*)read_down, 8, 8, false},
   };
-  auto smem_of = [&](const Kernel& k, bool gu) -> size_t {  // the header's sizes; the direct kernels stage no rows
-    const int rows = k.staged ? k.rows_per_block : 0;
-    return gu ? ft_q4_0::gate_up_smem(D, rows) : ft_q4_0::down_smem(F, K, rows);
-  };
-  for (const Kernel& k : gus) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(k, true)));
-  for (const Kernel& k : dns) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(k, false)));
+  auto smem_of = [&](bool gu) -> size_t { return gu ? ft_q4_0::gate_up_smem(D) : ft_q4_0::down_smem(F, K); };
+  for (const Kernel& k : gus) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(true)));
+  for (const Kernel& k : dns) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(false)));
   auto launch = [&](const Kernel* gk, const Kernel* dk, cudaStream_t st, int s) {
     if (gk) {
       const dim3 grid((F + gk->rows_per_block - 1) / gk->rows_per_block, K);
-      if (gk->staged)
-        reinterpret_cast<GateUp>(gk->fn)<<<grid, gk->warps * 32, smem_of(*gk, true), st>>>(gate, up, gu_bytes, x, idd + s * K, wd + s * K, h, F, D, K);
-      else if (gk->pf)
-        direct_gate_up_pf<<<grid, gk->warps * 32, smem_of(*gk, true), st>>>(gate, up, nullptr, 0, gu_bytes, x, idd + s * K, wd + s * K, h, F, D,
-                                                                             K, dn, dn_bytes);
-      else
-        reinterpret_cast<DirectGateUp>(gk->fn)<<<grid, gk->warps * 32, smem_of(*gk, true), st>>>(gate, up, nullptr, 0, gu_bytes, x, idd + s * K,
-                                                                                                wd + s * K, h, F, D, K);
+      reinterpret_cast<GateUp>(gk->fn)<<<grid, gk->warps * 32, smem_of(true), st>>>(gate, up, gu_bytes, x, idd + s * K, wd + s * K, h, F, D, K,
+                                                                                  gk->pf ? dn : nullptr, dn_bytes);
     }
     if (dk) {
       const dim3 grid((D + dk->rows_per_block - 1) / dk->rows_per_block, 1);
-      if (dk->staged)
-        reinterpret_cast<Down>(dk->fn)<<<grid, dk->warps * 32, smem_of(*dk, false), st>>>(dn, dn_bytes, h, idd + s * K, y, F, D, K);
-      else
-        reinterpret_cast<DirectDown>(dk->fn)<<<grid, dk->warps * 32, smem_of(*dk, false), st>>>(dn, nullptr, 0, dn_bytes, h, idd + s * K, y, F,
-                                                                                               D, K);
+      reinterpret_cast<Down>(dk->fn)<<<grid, dk->warps * 32, smem_of(false), st>>>(dn, dn_bytes, h, idd + s * K, y, F, D, K);
     }
   };
+
 
   // Correctness: layer 0 against float64 on the host, every kernel (gate_up ones with the first
   // down, down ones after the first gate_up).
@@ -482,12 +286,11 @@ int main(int argc, char** argv) {
     const double t = timed(nullptr, &k);
     if (t < td && k.check) td = t, bd = &k;
   }
-  timed(&gus[0], &dns[0]);
-  timed(&gus[1], &dns[0]);  // down reading what gate_up asked L2 for
-  timed(&gus[2], &dns[1]);  // the read floors together
-  timed(&gus[0], &dns[0]);
-  timed(&gus[1], &dns[0]);
-  timed(bg, bd);
+  for (int rep = 0; rep < 2; ++rep) {
+    timed(&gus[0], &dns[0]);  // the shipped pair, as the engine launches it
+    timed(&gus[1], &dns[0]);  // down reading what gate_up asked L2 for
+    timed(&gus[5], &dns[4]);  // the read floors
+  }
   timed(bg, bd);
   {  // the bound: a device-to-device copy of 1 GiB, bytes read and written
     const size_t n = size_t(1) << 30;

@@ -84,8 +84,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
       grouped matmul for Hopper where it fits (`grouped_experts.ragged_dot`), else XLA's
       `ragged_dot_general`; gate, up and each pair's down come out rounded to x's dtype;
     - "cuda" (few pairs: decode, q4_0 on a GPU): the two CUDA kernels of
-      `runtime/cuda_experts.py`, each block's rows copied whole into shared memory before it
-      computes (XLA's reductions read the gathered blocks at about 1 TB/s); where
+      `runtime/cuda_experts.py` (the down rows asked of L2 while gate and up compute); where
       `cuda_experts.fits` says not, "gather";
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`

@@ -2,10 +2,10 @@
 (`cpu_ext/cuda/q4_0_experts.cu`), outside XLA's reduction emitter.
 
 XLA fuses decode's gathered q4_0 matvecs into reductions that read the chosen experts at about
-1 TB/s on an H100 (under one wave of blocks, loads 36 bytes apart across the lanes: Nsight
-Compute showed the L1 waiting); the kernels copy each block's rows whole into shared memory with
-every load a full line, all in flight at once, then compute from there (benchmarks/RESULTS.md:
-the first, direct-load kernels ran at XLA's rate; these have not yet run on a GPU). `experts` computes what `models.routed._gathered` computes, Σ_k w[t,k] ·
+1 TB/s on an H100, and so do kernels of its own layout (benchmarks/RESULTS.md: loads straight
+from global memory or whole lines staged in shared memory first, the same rate). The gate/up
+kernel also asks L2 for the pairs' down rows as it starts, so that the down kernel, next, reads
+them there and not from HBM. `experts` computes what `models.routed._gathered` computes, Σ_k w[t,k] ·
 down(silu(gate x_t) · up x_t) over each token's pairs with each pair's h rounded to bfloat16
 after its routing weight, through two XLA FFI calls that XLA may record into its CUDA graphs;
 `_gathered` is the reference (tests compare both with float64). Only where `fits` says so: q4_0
@@ -32,7 +32,7 @@ GATE_UP, DOWN = "freetoken_q4_0_gate_up", "freetoken_q4_0_down"
 MULTIPLE = 256  # F and D: rows of a multiple of 16 bytes (256 inputs are 8 blocks of 18 bytes, 144 = 9 × 16)
 # The kernels' launch geometry (cpu_ext/cuda/q4_0_experts.h): rows a block of gate_up (of F) and of
 # down (of D); padding floats after every 64 staged inputs.
-GATE_UP_ROWS, DOWN_ROWS, PAD = 16, 8, 4
+GATE_UP_ROWS, DOWN_ROWS, PAD = 8, 8, 4
 
 
 def choice() -> str:
@@ -57,12 +57,10 @@ def unavailable() -> str | None:
 
 
 def shared_bytes(layout: ExpertLayout, K: int) -> int:
-    """The larger of the two kernels' dynamic shared memory a block, for K pairs a token: the
-    block's staged rows and its inputs as padded float32 (`q4_0_experts.h`)."""
-    row = lambda n: n // 32 * 18  # noqa: E731
+    """The larger of the two kernels' dynamic shared memory a block, for K pairs a token: its
+    inputs as padded float32, x for gate_up and the token's K pairs' h for down (`q4_0_experts.h`)."""
     padded = lambda n: n + n // 64 * PAD  # noqa: E731
-    F, D = layout.F, layout.D
-    return max(2 * GATE_UP_ROWS * row(D) + 4 * padded(D), K * DOWN_ROWS * row(F) + 4 * padded(K * F))
+    return 4 * max(padded(layout.D), padded(K * layout.F))
 
 
 def fits(layout: ExpertLayout, dtype, K: int, bias=None, pairs: int = 1) -> bool:
@@ -102,6 +100,6 @@ def experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
         raise ValueError(f"gate and up are entries {gi} and {ui} of their stacks; the kernel reads one entry of both")
     ids, w = ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32)
     h = jax.ffi.ffi_call(GATE_UP, jax.ShapeDtypeStruct((T, K, layout.F), jnp.bfloat16))(
-        g, u, x_TD.astype(jnp.bfloat16), ids, w, index=np.int64(gi), ffn=np.int64(layout.F)
+        g, u, d, x_TD.astype(jnp.bfloat16), ids, w, index=np.int64(gi), down_index=np.int64(di), ffn=np.int64(layout.F)
     )
     return jax.ffi.ffi_call(DOWN, jax.ShapeDtypeStruct((T, layout.D), jnp.bfloat16))(d, h, ids, index=np.int64(di))
