@@ -48,7 +48,7 @@
 #   pprev:   the 8192-token q4_0 prefill chunk with this tree's PFILE and with a previous copy of it, PREV, in turn;
 #   cuda:    decode's q4_0 experts through the CUDA kernels of cpu_ext/cuda/q4_0_experts.cu by themselves
 #            (benchmarks/cuda/bench_q4_0_experts.cu: every variant, checked against float64) and their tests on the GPU;
-#   cudafused: fused decode rows (fused_row) with XLA's reductions and with the kernels in turn (CUDA, default xla cuda);
+#   cudafused: fused decode rows (fused_row) under each FREETOKEN_DECODE_EXPERTS of CUDA (default xla cuda);
 #   cudarows: fused and hybrid decode rows with XLA's reductions and with the kernels in turn
 #            (FREETOKEN_DECODE_EXPERTS: CUDA, default xla cuda xla cuda);
 #   timeline: the fused, cpu and hybrid q4_0 steps under the kernel profiler with TL (120) events of
@@ -74,7 +74,7 @@ for what in "$@"; do
     check) FREETOKEN_HANDOFF_SYNC=kernel python3 -m pytest -q tests/runtime/test_handoff.py tests/runtime/test_hybrid.py \
              tests/runtime/test_cpu_strategy.py --deselect tests/runtime/test_handoff.py::test_bad_calls_raise 2>&1 | tail -4 ;;
     cuda) nvcc -O3 -arch=sm_90 -o /tmp/bench_q4 benchmarks/cuda/bench_q4_0_experts.cu 2>&1 | grep -v -i warn
-      /tmp/bench_q4 64 > "$OUT/bench_q4.log" 2>&1; grep -v "^check" "$OUT/bench_q4.log"; grep -c " ok$" "$OUT/bench_q4.log"
+      timeout 150 /tmp/bench_q4 64 > "$OUT/bench_q4.log" 2>&1; echo "bench rc=$?"; grep -v "^check" "$OUT/bench_q4.log"; grep -c " ok$" "$OUT/bench_q4.log"
       timeout 200 python3 -m pytest -q tests/kernels/test_cuda_experts.py 2>&1 | tail -3 ;;
     cudafused) for how in ${CUDA:-xla cuda}; do FREETOKEN_DECODE_EXPERTS=$how fused_row fused_$how ""; done ;;
     cudarows) for how in ${CUDA:-xla cuda xla cuda}; do

@@ -30,6 +30,12 @@ __global__ void down_r(const uint8_t* dn, int64_t es, const __nv_bfloat16* h, co
   down<R>(dn, es, h, ids, y, F, D, K);
 }
 
+template <int R>
+__global__ void moe_r(const uint8_t* gate, const uint8_t* up, int64_t es, const uint8_t* dn, int64_t dn_stride, const __nv_bfloat16* x,
+                      const int32_t* ids, const float* w, __nv_bfloat16* h, __nv_bfloat16* y, int T, int F, int D, int K) {
+  moe<R>(gate, up, es, dn, dn_stride, x, ids, w, h, y, T, F, D, K);
+}
+
 // The read floors: a warp a row (of gate and up, or of the K pairs' down rows), 16-byte loads,
 // consecutive lanes consecutive bytes; nothing computed but a xor (written only where it is
 // 0x5A5A5A5A, so that the loads stay).
@@ -119,6 +125,8 @@ static double row_dot(const uint8_t* m, int o, int I, const double* x) {
 
 using GateUp = void (*)(const uint8_t*, const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, const float*, __nv_bfloat16*, int,
                         int, int, const uint8_t*, int64_t);
+using Moe = void (*)(const uint8_t*, const uint8_t*, int64_t, const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, const float*,
+                     __nv_bfloat16*, __nv_bfloat16*, int, int, int, int);
 using Down = void (*)(const uint8_t*, int64_t, const __nv_bfloat16*, const int32_t*, __nv_bfloat16*, int, int, int);
 
 struct Kernel {
@@ -128,6 +136,7 @@ struct Kernel {
   int warps;
   bool check = true;  // computes h or y (the read floors do not)
   bool pf = false;    // gate_up: asks L2 for the down rows
+  bool moe = false;   // the one-kernel layer (gate, up and down; no down kernel after it)
 };
 
 int main(int argc, char** argv) {
@@ -171,6 +180,11 @@ int main(int argc, char** argv) {
       {"gate_up R2 W8", (void*)gate_up_r<2>, 16, 8},
       {"gate_up R1 W4", (void*)gate_up_r<1>, 4, 4},
       {"gate_up read floor W8", (void*)read_gate_up, 8, 8, false},
+      {"moe: one kernel a layer", (void*)ft_q4_0_moe, 0, ft_q4_0::kMoeWarps, true, false, true},
+      {"moe R2 W8", (void*)moe_r<2>, 0, 8, true, false, true},
+      {"moe R1 W16", (void*)moe_r<1>, 0, 16, true, false, true},
+      {"moe R4 W16", (void*)moe_r<4>, 0, 16, true, false, true},
+      {"moe R2 W32", (void*)moe_r<2>, 0, 32, true, false, true},
   };
   const Kernel dns[] = {
       {"down shipped", (void*)ft_q4_0_down, ft_q4_0::kDownRows, ft_q4_0::kDownWarps},
@@ -180,9 +194,18 @@ int main(int argc, char** argv) {
       {"down read floor W8", (void*)read_down, 8, 8, false},
   };
   auto smem_of = [&](bool gu) -> size_t { return gu ? ft_q4_0::gate_up_smem(D) : ft_q4_0::down_smem(F, K); };
-  for (const Kernel& k : gus) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(true)));
+  int sms = 0;
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+
+  for (const Kernel& k : gus)
+    CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, k.moe ? ft_q4_0::moe_smem(1, F, D, K) : smem_of(true)));
   for (const Kernel& k : dns) CK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_of(false)));
   auto launch = [&](const Kernel* gk, const Kernel* dk, cudaStream_t st, int s) {
+    if (gk && gk->moe) {
+      reinterpret_cast<Moe>(gk->fn)<<<sms, gk->warps * 32, ft_q4_0::moe_smem(1, F, D, K), st>>>(gate, up, gu_bytes, dn, dn_bytes, x, idd + s * K,
+                                                                                               wd + s * K, h, y, 1, F, D, K);
+      return;
+    }
     if (gk) {
       const dim3 grid((F + gk->rows_per_block - 1) / gk->rows_per_block, K);
       reinterpret_cast<GateUp>(gk->fn)<<<grid, gk->warps * 32, smem_of(true), st>>>(gate, up, gu_bytes, x, idd + s * K, wd + s * K, h, F, D, K,
@@ -271,7 +294,7 @@ int main(int argc, char** argv) {
     CK(cudaGraphExecDestroy(ge));
     CK(cudaGraphDestroy(g));
     const double us = ms * 1e3 / (20.0 * steps);
-    const double b = K * ((gk ? 2.0 * gu_bytes : 0) + (dk ? 1.0 * dn_bytes : 0));
+    const double b = K * ((gk ? 2.0 * gu_bytes : 0) + (dk || (gk && gk->moe) ? 1.0 * dn_bytes : 0));
     std::printf("%-40s %10.2f %10.0f\n", (std::string(gk ? gk->name : "") + (gk && dk ? ", " : "") + (dk ? dk->name : "")).c_str(), us, b / us / 1e3);
     return us;
   };
@@ -280,7 +303,7 @@ int main(int argc, char** argv) {
   double tg = 1e9, td = 1e9;
   for (const Kernel& k : gus) {
     const double t = timed(&k, nullptr);
-    if (t < tg && k.check) tg = t, bg = &k;
+    if (t < tg && k.check && !k.moe) tg = t, bg = &k;
   }
   for (const Kernel& k : dns) {
     const double t = timed(nullptr, &k);
@@ -290,7 +313,10 @@ int main(int argc, char** argv) {
     timed(&gus[0], &dns[0]);  // the shipped pair, as the engine launches it
     timed(&gus[1], &dns[0]);  // down reading what gate_up asked L2 for
     timed(&gus[5], &dns[4]);  // the read floors
+    timed(&gus[6], nullptr);  // one kernel a layer
   }
+  for (const Kernel& k : gus)
+    if (k.moe) timed(&k, nullptr);
   timed(bg, bd);
   {  // the bound: a device-to-device copy of 1 GiB, bytes read and written
     const size_t n = size_t(1) << 30;

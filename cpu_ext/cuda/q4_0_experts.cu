@@ -15,7 +15,14 @@
 //     L2 for its share of the pair's down rows (prefetch, no wait), so that ft_q4_0_down, which
 //     runs next, reads them there rather than from HBM;
 //   ft_q4_0_down: grid (D / kDownRows, tokens T); the token's K pairs' down rows against their h:
-//     y[t, d] = Σ_k down_k,d · h[t·K + k] in float32, rounded to bfloat16.
+//     y[t, d] = Σ_k down_k,d · h[t·K + k] in float32, rounded to bfloat16;
+//   ft_q4_0_moe: both in one kernel, one block an SM (grid: the SM count, so that every block is
+//     resident at once): the blocks' warps take gate/up rows over all pairs, writing h (a scratch
+//     buffer), then wait for each other at a grid-wide barrier and take down rows. Each block
+//     first asks L2 for the down rows it will take, so that they load while gate and up compute;
+//     a layer costs one launch, its ramp and its tail, not two. The barrier counts arrivals on a
+//     64-bit counter of the module that only grows (a launch's blocks wait for the next multiple
+//     of the grid): launches of it must not run concurrently (one stream, as XLA's step runs).
 //
 // gate, up and down point at expert 0 of a bank whose experts are `expert_stride` bytes apart
 // (slots may be wider than one layer's matrix: an expert's matrix is its row's first bytes). x
@@ -175,6 +182,96 @@ __device__ void down(const uint8_t* dn, int64_t expert_stride, const __nv_bfloat
   }
 }
 
+__device__ unsigned long long moe_arrivals;  // ft_q4_0_moe's barrier: arrivals since the module loaded
+
+// Every block of the grid reaches this point (all resident: one block an SM) before any goes on;
+// what the blocks wrote before it is visible to all after it.
+__device__ __forceinline__ void grid_barrier() {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long g = gridDim.x, ticket = atomicAdd(&moe_arrivals, 1ull), target = (ticket / g + 1) * g;
+    while (*reinterpret_cast<volatile unsigned long long*>(&moe_arrivals) < target) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Gate/up rows r0..r0+R-1 (rows of F of pair pr) against the staged x of its token; lanes the block pairs.
+template <int R>
+__device__ __forceinline__ void gate_up_rows(const uint8_t* g, const uint8_t* u, int64_t rb, int D, const float* xs, float (&gs)[R],
+                                             float (&us)[R]) {
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int r = 0; r < R; ++r) gs[r] = us[r] = 0.f;
+  for (int p = lane; p < D / 64; p += kWarp) {
+    Pair pg[R], pu[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      pg[r] = load_pair(g + r * rb + p * 36);
+      pu[r] = load_pair(u + r * rb + p * 36);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      gs[r] += pair_dot(pg[r], xs + p * (64 + kPad));
+      us[r] += pair_dot(pu[r], xs + p * (64 + kPad));
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) gs[r] = warp_sum(gs[r]), us[r] = warp_sum(us[r]);
+}
+
+template <int R>
+__device__ void moe(const uint8_t* gate, const uint8_t* up, int64_t expert_stride, const uint8_t* dn, int64_t dn_stride,
+                    const __nv_bfloat16* x, const int32_t* ids, const float* w, __nv_bfloat16* h, __nv_bfloat16* y, int T, int F, int D,
+                    int K) {
+  extern __shared__ __align__(16) float xs[];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int rows_d = (D + gridDim.x - 1) / gridDim.x, d0 = blockIdx.x * rows_d, nd = max(0, min(rows_d, D - d0));
+  const int64_t rbf = row_bytes(F), rbd = row_bytes(D);
+  // the down rows this block takes after the barrier, asked of L2 now: (token, pair) spans of nd rows
+  for (int i = threadIdx.x; i < T * K * ((nd * rbf + 127) / 128); i += blockDim.x) {
+    const int per = static_cast<int>((nd * rbf + 127) / 128), tk = i / per, line = i - tk * per;
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(dn + static_cast<int64_t>(ids[tk]) * dn_stride + d0 * rbf + line * 128));
+  }
+  const int64_t xstride = padded_floats(D);
+  for (int i = threadIdx.x; i < T * D; i += blockDim.x) xs[(i / D) * xstride + padded(i % D)] = __bfloat162float(x[i]);
+  __syncthreads();
+  // gate and up: R rows of one pair a warp's pass, over every pair's F rows
+  const int passes = T * K * (F / R);
+  for (int q = blockIdx.x * warps + warp; q < passes; q += gridDim.x * warps) {
+    const int pr = q / (F / R), f0 = (q - pr * (F / R)) * R;
+    const float wp = w[pr];
+    if (wp == 0.f) {  // an unrouted pair: its h is exactly 0, its rows unread
+      if (lane < R) h[static_cast<int64_t>(pr) * F + f0 + lane] = __float2bfloat16(0.f);
+      continue;
+    }
+    const int64_t at = static_cast<int64_t>(ids[pr]) * expert_stride + f0 * rbd;
+    float gs[R], us[R];
+    gate_up_rows<R>(gate + at, up + at, rbd, D, xs + (pr / K) * xstride, gs, us);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == r) h[static_cast<int64_t>(pr) * F + f0 + r] = __float2bfloat16(silu(gs[r]) * us[r] * wp);
+  }
+  grid_barrier();
+  // down: the block's nd rows of D for each token, a warp a row, lanes (pair, block pair) tasks
+  const int pairs = F / 64, tasks = K * pairs;
+  for (int t = 0; t < T; ++t) {
+    __syncthreads();  // the previous token's h (or x) is no longer read
+    for (int i = threadIdx.x; i < K * F; i += blockDim.x) xs[padded(i)] = __bfloat162float(__ldcg(h + static_cast<int64_t>(t) * K * F + i));
+    __syncthreads();
+    for (int r = warp; r < nd; r += warps) {
+      float acc = 0.f;
+      for (int i = lane; i < tasks; i += kWarp) {
+        const int k = i / pairs, p = i - k * pairs;
+        acc += pair_dot(load_pair(dn + static_cast<int64_t>(ids[t * K + k]) * dn_stride + (d0 + r) * rbf + p * 36), xs + i * (64 + kPad));
+      }
+      acc = warp_sum(acc);
+      if (lane == 0) y[static_cast<int64_t>(t) * D + d0 + r] = __float2bfloat16(acc);
+    }
+  }
+}
+
 }  // namespace ft_q4_0
 
 using namespace ft_q4_0;
@@ -188,4 +285,10 @@ extern "C" __global__ void ft_q4_0_gate_up(const uint8_t* gate, const uint8_t* u
 extern "C" __global__ void ft_q4_0_down(const uint8_t* dn, int64_t expert_stride, const __nv_bfloat16* h, const int32_t* ids,
                                         __nv_bfloat16* y, int F, int D, int K) {
   down<kDownR>(dn, expert_stride, h, ids, y, F, D, K);
+}
+
+extern "C" __global__ void ft_q4_0_moe(const uint8_t* gate, const uint8_t* up, int64_t expert_stride, const uint8_t* dn, int64_t dn_stride,
+                                       const __nv_bfloat16* x, const int32_t* ids, const float* w, __nv_bfloat16* h, __nv_bfloat16* y, int T,
+                                       int F, int D, int K) {
+  moe<kMoeR>(gate, up, expert_stride, dn, dn_stride, x, ids, w, h, y, T, F, D, K);
 }

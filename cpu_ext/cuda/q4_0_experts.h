@@ -15,6 +15,7 @@ namespace ft_q4_0 {
 constexpr int kPad = 4;  // floats of padding after every 64 staged inputs
 constexpr int kGateUpRows = 8, kGateUpR = 1, kGateUpWarps = 8;  // rows of F a block; a warp's; warps a block
 constexpr int kDownRows = 8, kDownR = 1, kDownWarps = 8;        // rows of D a block; ...
+constexpr int kMoeWarps = 16, kMoeR = 2;  // the one-kernel layer (ft_q4_0_moe): warps a block (one block an SM), rows a warp's pass
 static_assert(kGateUpRows == kGateUpR * kGateUpWarps && kDownRows == kDownR * kDownWarps, "a block's rows are its warps'");
 
 FT_HD inline constexpr int64_t padded_floats(int64_t n) { return n + n / 64 * kPad; }
@@ -22,5 +23,9 @@ FT_HD inline constexpr int64_t row_bytes(int64_t in) { return in / 32 * 18; }
 // Dynamic shared memory of a block: its inputs as padded float32 (x; the token's K pairs' h).
 FT_HD inline constexpr int64_t gate_up_smem(int64_t D) { return padded_floats(D) * 4; }
 FT_HD inline constexpr int64_t down_smem(int64_t F, int64_t K) { return padded_floats(K * F) * 4; }
+// ft_q4_0_moe's: the T tokens' x, then (the same memory) one token's K pairs' h.
+FT_HD inline constexpr int64_t moe_smem(int64_t T, int64_t F, int64_t D, int64_t K) {
+  return (T * padded_floats(D) > padded_floats(K * F) ? T * padded_floats(D) : padded_floats(K * F)) * 4;
+}
 
 }  // namespace ft_q4_0

@@ -15,11 +15,14 @@ namespace {
 
 constexpr int kMaxSharedAttr = 8;     // CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 constexpr int kSharedOptinAttr = 97;  // CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+constexpr int kSmCountAttr = 16;      // CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
 
 struct Kernels {
   void* gate_up = nullptr;
   void* down = nullptr;
+  void* moe = nullptr;
   int shared = 0;  // bytes of dynamic shared memory a block may take
+  int sms = 0;     // the device's multiprocessors: ft_q4_0_moe's grid
 };
 
 PerContext<Kernels> kernels;
@@ -107,6 +110,37 @@ ffi::Error Down(void* stream, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> h, ffi
                 params);
 }
 
+// Gate, up and down in one launch: y [T, D] and h [T, K, F] (the kernel's scratch: the pairs' h
+// between its two phases).
+ffi::Error Moe(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> ids,
+               ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::BF16>> y, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t index,
+               int64_t down_index, int64_t ffn) {
+  const Kernels* k = kernels.Current();
+  if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
+  auto xd = x.dimensions(), id = ids.dimensions(), hd = h->dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || w.dimensions().size() != 2 || w.dimensions()[0] != id[0] ||
+      w.dimensions()[1] != id[1] || hd.size() != 3 || hd[0] != id[0] || hd[1] != id[1] || hd[2] != ffn || yd.size() != 2 ||
+      yd[0] != xd[0] || yd[1] != xd[1])
+    return ffi::Error::InvalidArgument("freetoken_q4_0_moe: x and y [T, D], ids and w [T, K], h [T, K, F]");
+  const int64_t T = xd[0], D = xd[1], K = id[1], F = ffn;
+  if (F % 256 || D % 256 || F <= 0 || D <= 0) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: F and D must be positive multiples of 256");
+  Bank g, u, d;
+  if (auto e = BankOf("gate", gate, index, F * ft_q4_0::row_bytes(D), &g); e.failure()) return e;
+  if (auto e = BankOf("up", up, index, F * ft_q4_0::row_bytes(D), &u); e.failure()) return e;
+  if (auto e = BankOf("down", down, down_index, D * ft_q4_0::row_bytes(F), &d); e.failure()) return e;
+  if (g.row != u.row) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: gate and up rows differ");
+  const int64_t shared = ft_q4_0::moe_smem(T, F, D, K);
+  if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: T·D or K·F too large for the device's shared memory");
+  if (T * K == 0) return ffi::Error::Success();
+  const uint8_t *gp = g.base, *up_ = u.base, *dp = d.base;
+  const void *xp = x.typed_data(), *ip = ids.typed_data(), *wp = w.typed_data();
+  void *hp = h->typed_data(), *yp = y->typed_data();
+  int64_t stride = g.row, dstride = d.row;
+  int Ti = static_cast<int>(T), Fi = static_cast<int>(F), Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  void* params[] = {&gp, &up_, &stride, &dp, &dstride, &xp, &ip, &wp, &hp, &yp, &Ti, &Fi, &Di, &Ki};
+  return Launch(k->moe, static_cast<unsigned>(k->sms), 1, ft_q4_0::kMoeWarps * 32, shared, stream, params);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4GateUpCuda, GateUp,
@@ -118,6 +152,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4GateUpCuda, GateUp,
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Attr<int64_t>("index")
+                                  .Attr<int64_t>("down_index")
+                                  .Attr<int64_t>("ffn"),
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4MoeCuda, Moe,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<void*>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("index")
                                   .Attr<int64_t>("down_index")
@@ -144,10 +193,12 @@ std::string LoadExpertKernels(int ordinal) {
     void* module = nullptr;
     if (c.module_load_data(&module, kQ4_0ExpertsPtx))
       return "the driver could not load the q4_0 expert kernels' PTX (a driver older than the PTX's CUDA 13, or a GPU older than sm_80)";
-    if (c.module_get_function(&k->gate_up, module, "ft_q4_0_gate_up") || c.module_get_function(&k->down, module, "ft_q4_0_down"))
+    if (c.module_get_function(&k->gate_up, module, "ft_q4_0_gate_up") || c.module_get_function(&k->down, module, "ft_q4_0_down") ||
+        c.module_get_function(&k->moe, module, "ft_q4_0_moe"))
       return "the q4_0 expert kernels' PTX lacks its entry points";
-    if (c.device_get_attribute(&k->shared, kSharedOptinAttr, scope.device()) || c.func_set_attribute(k->gate_up, kMaxSharedAttr, k->shared) ||
-        c.func_set_attribute(k->down, kMaxSharedAttr, k->shared))
+    if (c.device_get_attribute(&k->shared, kSharedOptinAttr, scope.device()) || c.device_get_attribute(&k->sms, kSmCountAttr, scope.device()) ||
+        c.func_set_attribute(k->gate_up, kMaxSharedAttr, k->shared) || c.func_set_attribute(k->down, kMaxSharedAttr, k->shared) ||
+        c.func_set_attribute(k->moe, kMaxSharedAttr, k->shared))
       return "could not raise the q4_0 expert kernels' shared memory limit";
     return "";
   });
@@ -162,5 +213,6 @@ int ExpertKernelsSharedMemory(int ordinal) {
 
 void* Q4GateUpHandlerCuda() { return reinterpret_cast<void*>(&FreetokenQ4GateUpCuda); }
 void* Q4DownHandlerCuda() { return reinterpret_cast<void*>(&FreetokenQ4DownCuda); }
+void* Q4MoeHandlerCuda() { return reinterpret_cast<void*>(&FreetokenQ4MoeCuda); }
 
 }  // namespace freetoken

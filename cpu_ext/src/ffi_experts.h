@@ -3,6 +3,8 @@
 //
 //   h = freetoken_q4_0_gate_up(gate, up, down, x, ids, w; index, down_index, ffn)   h: bf16 [T, K, F]
 //   y = freetoken_q4_0_down(down, h, ids; index)                                    y: bf16 [T, D]
+//   y, h = freetoken_q4_0_moe(gate, up, down, x, ids, w; index, down_index, ffn)  both in one launch
+//                                                                  (h its scratch between them)
 //
 // gate/up/down: uint8 banks [E, row] or stacked [L, E, row] (`index`: the entry of the stack, 0
 // for a bank of rank 2), each expert's q4_0 matrix its row's first bytes (gate_up reads no down
@@ -27,5 +29,6 @@ int ExpertKernelsSharedMemory(int ordinal);
 
 void* Q4GateUpHandlerCuda();
 void* Q4DownHandlerCuda();
+void* Q4MoeHandlerCuda();
 
 }  // namespace freetoken

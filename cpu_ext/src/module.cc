@@ -252,6 +252,7 @@ NB_MODULE(_cpu_ext, m) {
         h["freetoken_bank_copy_wait"]["CUDA"] = cap(BankCopyWaitHandlerCuda());
         h["freetoken_q4_0_gate_up"]["CUDA"] = cap(Q4GateUpHandlerCuda());
         h["freetoken_q4_0_down"]["CUDA"] = cap(Q4DownHandlerCuda());
+        h["freetoken_q4_0_moe"]["CUDA"] = cap(Q4MoeHandlerCuda());
         return h;
       },
       "XLA FFI handlers of the split CPU handoff, the bank copies and the q4_0 expert kernels: {target name: {platform: "

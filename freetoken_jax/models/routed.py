@@ -83,15 +83,15 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     - "ragged" (many pairs): the pairs sorted by expert, unpadded, through jax's Mosaic GPU
       grouped matmul for Hopper where it fits (`grouped_experts.ragged_dot`), else XLA's
       `ragged_dot_general`; gate, up and each pair's down come out rounded to x's dtype;
-    - "cuda" (few pairs: decode, q4_0 on a GPU): the two CUDA kernels of
-      `runtime/cuda_experts.py` (the down rows asked of L2 while gate and up compute); where
+    - "cuda" (few pairs: decode, q4_0 on a GPU): the CUDA kernels of `runtime/cuda_experts.py`
+      (one launch a layer: gate and up, a grid-wide barrier, down; or two launches); where
       `cuda_experts.fits` says not, "gather";
     - "kernel": as "auto", but the few-pairs case through the two Pallas kernels of
       `pallas_kernels/gathered_experts.py` (q4_0 or mxfp4 experts without biases; `kernel_fits`
       says which layers): each gathered block's scale and codes read together;
     - "auto": gather when T·k ≤ E (a quantized layer: ≤ GATHER_QUANTIZED · E unless the many
       pairs go through "tiles"; "cuda" in its place where it fits and
-      FREETOKEN_DECODE_EXPERTS=cuda asks for it), else `many_pairs_impl` (grouped unless
+      FREETOKEN_DECODE_EXPERTS=cuda or cuda2 asks for it), else `many_pairs_impl` (grouped unless
       FREETOKEN_PREFILL_EXPERTS asks for tiles or ragged).
     """
     T, K = ids_TK.shape
@@ -111,7 +111,7 @@ def routed_experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout, impl: str = 
     if impl == "auto":
         many = many_pairs_impl(layout, E)
         impl = "gather" if T * K <= E * (GATHER_QUANTIZED if layout.quantized and many != "tiles" else 1) else many
-        if impl == "gather" and layout.quantized and cuda_experts.choice() == "cuda":
+        if impl == "gather" and layout.quantized and cuda_experts.choice() != "xla":
             impl = "cuda"
     if impl == "cuda":
         if cuda_experts.fits(layout, x_TD.dtype, K, bias, T * K):

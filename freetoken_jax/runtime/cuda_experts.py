@@ -28,7 +28,7 @@ from freetoken_jax.quant.layout import ExpertLayout
 from freetoken_jax.runtime.ffi import cuda_ordinal, register_targets
 from pallas_kernels import Stacked
 
-GATE_UP, DOWN = "freetoken_q4_0_gate_up", "freetoken_q4_0_down"
+GATE_UP, DOWN, MOE = "freetoken_q4_0_gate_up", "freetoken_q4_0_down", "freetoken_q4_0_moe"
 MULTIPLE = 256  # F and D: rows of a multiple of 16 bytes (256 inputs are 8 blocks of 18 bytes, 144 = 9 × 16)
 # The kernels' launch geometry (cpu_ext/cuda/q4_0_experts.h): rows a block of gate_up (of F) and of
 # down (of D); padding floats after every 64 staged inputs.
@@ -36,8 +36,9 @@ GATE_UP_ROWS, DOWN_ROWS, PAD = 8, 8, 4
 
 
 def choice() -> str:
-    """FREETOKEN_DECODE_EXPERTS: "xla" (XLA's reductions, the default) or "cuda" (the kernels where `fits`)."""
-    return env_choice("FREETOKEN_DECODE_EXPERTS", "xla", ("xla", "cuda"))
+    """FREETOKEN_DECODE_EXPERTS: "xla" (XLA's reductions, the default), "cuda" (the kernels where
+    `fits`: one launch a layer where `one_fits`, else two) or "cuda2" (always the two)."""
+    return env_choice("FREETOKEN_DECODE_EXPERTS", "xla", ("xla", "cuda", "cuda2"))
 
 
 @functools.cache
@@ -61,6 +62,13 @@ def shared_bytes(layout: ExpertLayout, K: int) -> int:
     inputs as padded float32, x for gate_up and the token's K pairs' h for down (`q4_0_experts.h`)."""
     padded = lambda n: n + n // 64 * PAD  # noqa: E731
     return 4 * max(padded(layout.D), padded(K * layout.F))
+
+
+def one_bytes(layout: ExpertLayout, T: int, K: int) -> int:
+    """The one-launch kernel's dynamic shared memory a block: the T tokens' x, then a token's K
+    pairs' h, as padded float32 (`moe_smem` of `q4_0_experts.h`)."""
+    padded = lambda n: n + n // 64 * PAD  # noqa: E731
+    return 4 * max(T * padded(layout.D), padded(K * layout.F))
 
 
 def fits(layout: ExpertLayout, dtype, K: int, bias=None, pairs: int = 1) -> bool:
@@ -89,17 +97,28 @@ def _operand(bank) -> tuple[jax.Array, int]:
     return (bank.array, bank.index) if isinstance(bank, Stacked) else (bank, 0)
 
 
+def one_fits(layout: ExpertLayout, T: int, K: int) -> bool:
+    """Whether `experts` takes one launch for these T tokens (`fits` holding): FREETOKEN_DECODE_EXPERTS
+    is not "cuda2" and the tokens' x fits a block's shared memory."""
+    from freetoken_jax import _cpu_ext
+
+    return choice() != "cuda2" and one_bytes(layout, T, K) <= _cpu_ext.expert_kernels_shared_memory(cuda_ordinal())
+
+
 def experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
     """Σ_k w[t,k] · down(silu(gate x_t) · up x_t) over each token's pairs, bfloat16 [T, D], from
     the q4_0 `banks` (gate, up, down: uint8 [E, row] arrays or `Stacked` entries of [L, E, row]
-    stacks); `fits` must hold. ids index the banks' rows and must be in range (the kernels read
-    what they name)."""
+    stacks); `fits` must hold. One launch (gate and up, a grid-wide barrier, down) where
+    `one_fits`, else two. ids index the banks' rows and must be in range (the kernels read what
+    they name)."""
     T, K = ids_TK.shape
     (g, gi), (u, ui), (d, di) = (_operand(b) for b in banks)
     if gi != ui:
         raise ValueError(f"gate and up are entries {gi} and {ui} of their stacks; the kernel reads one entry of both")
     ids, w = ids_TK.astype(jnp.int32), w_TK.astype(jnp.float32)
-    h = jax.ffi.ffi_call(GATE_UP, jax.ShapeDtypeStruct((T, K, layout.F), jnp.bfloat16))(
-        g, u, d, x_TD.astype(jnp.bfloat16), ids, w, index=np.int64(gi), down_index=np.int64(di), ffn=np.int64(layout.F)
-    )
+    attrs = dict(index=np.int64(gi), down_index=np.int64(di), ffn=np.int64(layout.F))
+    if one_fits(layout, T, K):
+        results = (jax.ShapeDtypeStruct((T, layout.D), jnp.bfloat16), jax.ShapeDtypeStruct((T, K, layout.F), jnp.bfloat16))
+        return jax.ffi.ffi_call(MOE, results)(g, u, d, x_TD.astype(jnp.bfloat16), ids, w, **attrs)[0]
+    h = jax.ffi.ffi_call(GATE_UP, jax.ShapeDtypeStruct((T, K, layout.F), jnp.bfloat16))(g, u, d, x_TD.astype(jnp.bfloat16), ids, w, **attrs)
     return jax.ffi.ffi_call(DOWN, jax.ShapeDtypeStruct((T, layout.D), jnp.bfloat16))(d, h, ids, index=np.int64(di))

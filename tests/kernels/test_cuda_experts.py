@@ -56,8 +56,10 @@ SHAPES = [(6, 256, 256, 1, 2, 0, 0), (9, 512, 768, 3, 4, 32, 3), (20, 768, 2048,
 
 
 @pytest.mark.skipif(not GPU, reason="the CUDA kernels run on a GPU (their checks on this machine: the tests below)")
+@pytest.mark.parametrize("launches", ["cuda", "cuda2"])  # one launch a layer where it fits, or always two
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernels_match_float64_and_xla_on_a_gpu(shape):
+def test_kernels_match_float64_and_xla_on_a_gpu(shape, launches, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", launches)
     S, F, D, T, K, extra, layers = shape
     assert cuda_experts.unavailable() is None
     rng = np.random.default_rng(S * F + D + T * K)
@@ -67,7 +69,7 @@ def test_kernels_match_float64_and_xla_on_a_gpu(shape):
     w = rng.random((T, K)).astype(np.float32)
     w[0, -1] = 0.0  # an unrouted pair adds nothing
     layout = ExpertLayout(("q4_0",) * 3, F, D, "silu")
-    assert cuda_experts.fits(layout, jnp.bfloat16, K)
+    assert cuda_experts.fits(layout, jnp.bfloat16, K) and cuda_experts.one_fits(layout, T, K) == (launches == "cuda")
     dev = tuple(Stacked(jnp.asarray(b), 1) if layers else jnp.asarray(b) for b in banks)
     args = jnp.asarray(x, jnp.bfloat16), jnp.asarray(ids), jnp.asarray(w)
     got = np.asarray(jax.jit(lambda *a: cuda_experts.experts(*a, dev, layout))(*args), np.float64)
@@ -126,6 +128,12 @@ def test_fits_only_q4_0_silu_bf16_layers_of_multiples_of_256(monkeypatch):
     assert cuda_experts.fits(big, jnp.bfloat16, 2)
     assert cuda_experts.shared_bytes(big, 4) > 227 * 1024 and not cuda_experts.fits(big, jnp.bfloat16, 4)
     assert cuda_experts.shared_bytes(L, 8) == 4 * max(2048 + 32 * 4, 8 * 768 + 96 * 4)
+    # one launch: T tokens' x or one token's h, whichever is larger
+    assert cuda_experts.one_bytes(L, 1, 8) == cuda_experts.shared_bytes(L, 8) and cuda_experts.one_bytes(L, 4, 8) == 4 * 4 * 2176
+    monkeypatch.delenv("FREETOKEN_DECODE_EXPERTS", raising=False)
+    assert cuda_experts.one_fits(L, 26, 8) and not cuda_experts.one_fits(L, 27, 8)  # 26 · 8704 bytes ≤ 227 KB < 27 · 8704
+    monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "cuda2")
+    assert not cuda_experts.one_fits(L, 1, 8)
 
 
 def test_the_engine_takes_the_kernels_for_decode_only_where_they_fit(monkeypatch):
@@ -151,16 +159,24 @@ def test_the_engine_takes_the_kernels_for_decode_only_where_they_fit(monkeypatch
     assert calls == [(1, 2)]
     routed.routed_experts(x, ids, w, banks, L, impl="cuda")
     assert calls == [(1, 2), (1, 2)]
+    monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "cuda2")
+    routed.routed_experts(x, ids, w, banks, L)
+    assert calls == [(1, 2), (1, 2), (1, 2)]
     monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "xla")
     np.testing.assert_array_equal(np.asarray(routed.routed_experts(x, ids, w, banks, L)), np.asarray(gather))
-    assert calls == [(1, 2), (1, 2)]
+    assert calls == [(1, 2), (1, 2), (1, 2)]
     monkeypatch.setenv("FREETOKEN_DECODE_EXPERTS", "cuda")
     many = jnp.asarray(rng.integers(0, S, (40, 2)), jnp.int32)  # 80 pairs of 16 experts: grouped, not a decode gather
     routed.routed_experts(jnp.zeros((40, D), jnp.bfloat16), many, jnp.ones((40, 2)), banks, L)
-    assert calls == [(1, 2), (1, 2)]
+    assert calls == [(1, 2), (1, 2), (1, 2)]
 
 
-def test_kernels_lower_to_two_ffi_calls_reading_the_stacks_in_place():
+@pytest.mark.parametrize("launches", [1, 2])
+def test_kernels_lower_to_ffi_calls_reading_the_stacks_in_place(launches, monkeypatch):
+    from freetoken_jax import _cpu_ext
+
+    # the device's shared memory as an H100's where one launch may take the layer; none where it may not
+    monkeypatch.setattr(_cpu_ext, "expert_kernels_shared_memory", lambda ordinal: 227 * 1024 if launches == 1 else 0)
     sds = jax.ShapeDtypeStruct
     L = ExpertLayout(("q4_0",) * 3, 768, 2048, "silu")
     row = L.row_sizes()
@@ -170,9 +186,14 @@ def test_kernels_lower_to_two_ffi_calls_reading_the_stacks_in_place():
         return cuda_experts.experts(x, ids, w, (Stacked(g, 5), Stacked(u, 5), Stacked(d, 5)), L)
 
     args = (sds((1, 2048), jnp.bfloat16), sds((1, 8), jnp.int32), sds((1, 8), jnp.float32)) + stacks
-    text = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[export.DisabledSafetyCheck.custom_call(cuda_experts.GATE_UP),
-                         export.DisabledSafetyCheck.custom_call(cuda_experts.DOWN)])(*args).mlir_module()  # fmt: skip
-    assert text.count(f"custom_call @{cuda_experts.GATE_UP}(") == 1 and text.count(f"custom_call @{cuda_experts.DOWN}(") == 1
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in (cuda_experts.GATE_UP, cuda_experts.DOWN, cuda_experts.MOE)]
+    text = export.export(jax.jit(step), platforms=["cuda"], disabled_checks=checks)(*args).mlir_module()
     assert "slice" not in text and "tensor<24x128x884736xui8>" in text  # the whole stacks, entry 5 an attribute
+    if launches == 1:
+        assert text.count(f"custom_call @{cuda_experts.MOE}(") == 1 and "custom_call @freetoken_q4_0_gate_up" not in text
+        assert text.count("index = 5 : i64") == 2 and text.count("down_index = 5 : i64") == 1 and "ffn = 768 : i64" in text
+        return
+    assert text.count(f"custom_call @{cuda_experts.GATE_UP}(") == 1 and text.count(f"custom_call @{cuda_experts.DOWN}(") == 1
+    assert f"custom_call @{cuda_experts.MOE}" not in text
     # gate_up: index and down_index (it asks L2 for the down rows), down: index
     assert text.count("index = 5 : i64") == 3 and text.count("down_index = 5 : i64") == 1 and "ffn = 768 : i64" in text
