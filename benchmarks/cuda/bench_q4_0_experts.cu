@@ -1,8 +1,8 @@
 // Times the q4_0 decode expert kernels of cpu_ext/cuda/q4_0_experts.cu by themselves (no JAX):
 // `steps` layers of one token's K experts, recorded in one CUDA graph, each layer's experts the
 // next K of the bank (so that they come from HBM, not L2), as benchmarks/bench_expert_kernels.py
-// runs XLA's: the shipped kernels (gate_up with and without asking L2 for the down rows), their
-// templates at other rows a warp and warps, and read floors (the same bytes read by the same grid,
+// runs XLA's: the shipped kernels (two launches a layer, and one: ft_q4_0_moe), their templates at
+// other rows a warp and warps, gate_up asking L2 for the down rows ahead, and read floors (the same bytes read by the same grid,
 // 16-byte loads, nothing computed). Each gate_up kernel alone, each down kernel alone, then pairs;
 // µs a layer and GB/s of the q4_0 bytes read. First checks every kernel's layer 0 against a
 // float64 reference on the host (h within bfloat16's rounding, y of the kernel's own h).
@@ -23,7 +23,17 @@
 template <int R>
 __global__ void gate_up_r(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16* x, const int32_t* ids, const float* w,
                           __nv_bfloat16* h, int F, int D, int K, const uint8_t* dn, int64_t dn_stride) {
-  gate_up<R>(gate, up, es, x, ids, w, h, F, D, K, dn, dn_stride);
+  if (dn) {  // ask L2 for this block's share of the pair's down rows (one 128-byte line a thread), without waiting
+    const int64_t bytes = static_cast<int64_t>(D) * row_bytes(F), share = (bytes + gridDim.x - 1) / gridDim.x;
+    const uint8_t* b = dn + static_cast<int64_t>(ids[blockIdx.y]) * dn_stride;
+    for (int64_t i = blockIdx.x * share + threadIdx.x * 128; i < min(static_cast<int64_t>(blockIdx.x + 1) * share, bytes); i += blockDim.x * 128)
+      asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(b + i));
+  }
+  gate_up<R>(gate, up, es, x, ids, w, h, F, D, K);
+}
+__global__ void gate_up_shipped(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16* x, const int32_t* ids, const float* w,
+                                __nv_bfloat16* h, int F, int D, int K, const uint8_t*, int64_t) {
+  gate_up<ft_q4_0::kGateUpR>(gate, up, es, x, ids, w, h, F, D, K);  // ft_q4_0_gate_up's body, in the benchmark's signature
 }
 template <int R>
 __global__ void down_r(const uint8_t* dn, int64_t es, const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
@@ -174,22 +184,21 @@ int main(int argc, char** argv) {
   CK(cudaMemcpy(idd, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(wd, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
   const Kernel gus[] = {
-      {"gate_up shipped", (void*)ft_q4_0_gate_up, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps},
-      {"gate_up shipped + down to L2", (void*)ft_q4_0_gate_up, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps, true, true},
-      {"gate_up R4 W4", (void*)gate_up_r<4>, 16, 4},
+      {"gate_up shipped", (void*)gate_up_shipped, ft_q4_0::kGateUpRows, ft_q4_0::kGateUpWarps},
+      {"gate_up R1 W8 + down to L2", (void*)gate_up_r<1>, 8, 8, true, true},
+      {"gate_up R1 W8", (void*)gate_up_r<1>, 8, 8},
       {"gate_up R2 W8", (void*)gate_up_r<2>, 16, 8},
       {"gate_up R1 W4", (void*)gate_up_r<1>, 4, 4},
       {"gate_up read floor W8", (void*)read_gate_up, 8, 8, false},
-      {"moe: one kernel a layer", (void*)ft_q4_0_moe, 0, ft_q4_0::kMoeWarps, true, false, true},
+      {"moe shipped: one kernel a layer", (void*)ft_q4_0_moe, 0, ft_q4_0::kMoeWarps, true, false, true},
       {"moe R2 W8", (void*)moe_r<2>, 0, 8, true, false, true},
       {"moe R1 W16", (void*)moe_r<1>, 0, 16, true, false, true},
-      {"moe R4 W16", (void*)moe_r<4>, 0, 16, true, false, true},
-      {"moe R2 W32", (void*)moe_r<2>, 0, 32, true, false, true},
+      {"moe R2 W16", (void*)moe_r<2>, 0, 16, true, false, true},
   };
   const Kernel dns[] = {
       {"down shipped", (void*)ft_q4_0_down, ft_q4_0::kDownRows, ft_q4_0::kDownWarps},
       {"down R2 W4", (void*)down_r<2>, 8, 4},
-      {"down R1 W16", (void*)down_r<1>, 16, 16},
+      {"down R1 W8", (void*)down_r<1>, 8, 8},
       {"down R1 W4", (void*)down_r<1>, 4, 4},
       {"down read floor W8", (void*)read_down, 8, 8, false},
   };
@@ -311,7 +320,8 @@ int main(int argc, char** argv) {
   }
   for (int rep = 0; rep < 2; ++rep) {
     timed(&gus[0], &dns[0]);  // the shipped pair, as the engine launches it
-    timed(&gus[1], &dns[0]);  // down reading what gate_up asked L2 for
+    timed(&gus[1], &dns[2]);  // down reading what gate_up asked L2 for
+    timed(&gus[2], &dns[2]);  // the same without
     timed(&gus[5], &dns[4]);  // the read floors
     timed(&gus[6], nullptr);  // one kernel a layer
   }

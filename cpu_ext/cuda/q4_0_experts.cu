@@ -11,9 +11,7 @@
 //
 //   ft_q4_0_gate_up: grid (F / kGateUpRows, pairs T·K); the pair's gate and up rows against x_t:
 //     h[p, f] = round(w[p] · silu(gate_f · x_t) · (up_f · x_t)) to bfloat16, exactly 0 where
-//     w[p] is 0 (as models/routed._gathered rounds it). Where `dn` is given, each block first asks
-//     L2 for its share of the pair's down rows (prefetch, no wait), so that ft_q4_0_down, which
-//     runs next, reads them there rather than from HBM;
+//     w[p] is 0 (as models/routed._gathered rounds it);
 //   ft_q4_0_down: grid (D / kDownRows, tokens T); the token's K pairs' down rows against their h:
 //     y[t, d] = Σ_k down_k,d · h[t·K + k] in float32, rounded to bfloat16;
 //   ft_q4_0_moe: both in one kernel, one block an SM (grid: the SM count, so that every block is
@@ -31,7 +29,8 @@
 // 16 bytes only: the caller checks (freetoken_jax/runtime/cuda_experts.py).
 //
 // (Copying each block's rows whole into shared memory first, every load a full line, was no
-// faster on an H100, and its down kernel 2.7 × slower: benchmarks/RESULTS.md.)
+// faster on an H100, and its down kernel 2.7 × slower; the gate/up kernel asking L2 for the down
+// rows ahead made the pair slower: benchmarks/RESULTS.md.)
 //
 // nvcc makes PTX of this file (`make ptx`: q4_0_experts.ptx beside it, checked in and embedded
 // in the C++ module, which is built without CUDA and loads it through the driver).
@@ -104,22 +103,12 @@ __device__ __forceinline__ float pair_dot(const Pair& p, const float* x) {
   return half_bits(p.w[0] & 0xFFFFu) * block_dot(a, x) + half_bits(p.w[4] >> 16) * block_dot(b, x + 32);
 }
 
-// Asks L2 for this block's share of `bytes` bytes at `b` (one 128-byte line a thread), without
-// waiting for them.
-__device__ __forceinline__ void prefetch_share(const uint8_t* b, int64_t bytes) {
-  const int64_t share = (bytes + gridDim.x - 1) / gridDim.x, end = min(static_cast<int64_t>(blockIdx.x + 1) * share, bytes);
-  for (int64_t i = blockIdx.x * share + threadIdx.x * 128; i < end; i += blockDim.x * 128)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(b + i));
-}
-
-// A warp's R rows of F (gate and up) for one pair, its lanes the rows' block pairs; where `dn` is
-// given, the block's share of the pair's down rows asked of L2 first.
+// A warp's R rows of F (gate and up) for one pair, its lanes the rows' block pairs.
 template <int R>
 __device__ void gate_up(const uint8_t* gate, const uint8_t* up, int64_t expert_stride, const __nv_bfloat16* x, const int32_t* ids,
-                        const float* w, __nv_bfloat16* h, int F, int D, int K, const uint8_t* dn, int64_t dn_stride) {
+                        const float* w, __nv_bfloat16* h, int F, int D, int K) {
   extern __shared__ __align__(16) float xs[];
   const int pr = blockIdx.y, t = pr / K;
-  if (dn) prefetch_share(dn + static_cast<int64_t>(ids[pr]) * dn_stride, static_cast<int64_t>(D) * row_bytes(F));
   for (int i = threadIdx.x; i < D; i += blockDim.x) xs[padded(i)] = __bfloat162float(x[static_cast<int64_t>(t) * D + i]);
   __syncthreads();
   const int64_t base = static_cast<int64_t>(ids[pr]) * expert_stride, rb = row_bytes(D);
@@ -277,9 +266,8 @@ __device__ void moe(const uint8_t* gate, const uint8_t* up, int64_t expert_strid
 using namespace ft_q4_0;
 
 extern "C" __global__ void ft_q4_0_gate_up(const uint8_t* gate, const uint8_t* up, int64_t expert_stride, const __nv_bfloat16* x,
-                                           const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K, const uint8_t* dn,
-                                           int64_t dn_stride) {
-  gate_up<kGateUpR>(gate, up, expert_stride, x, ids, w, h, F, D, K, dn, dn_stride);
+                                           const int32_t* ids, const float* w, __nv_bfloat16* h, int F, int D, int K) {
+  gate_up<kGateUpR>(gate, up, expert_stride, x, ids, w, h, F, D, K);
 }
 
 extern "C" __global__ void ft_q4_0_down(const uint8_t* dn, int64_t expert_stride, const __nv_bfloat16* h, const int32_t* ids,

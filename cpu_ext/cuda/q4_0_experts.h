@@ -13,9 +13,9 @@
 namespace ft_q4_0 {
 
 constexpr int kPad = 4;  // floats of padding after every 64 staged inputs
-constexpr int kGateUpRows = 8, kGateUpR = 1, kGateUpWarps = 8;  // rows of F a block; a warp's; warps a block
-constexpr int kDownRows = 8, kDownR = 1, kDownWarps = 8;        // rows of D a block; ...
-constexpr int kMoeWarps = 16, kMoeR = 2;  // the one-kernel layer (ft_q4_0_moe): warps a block (one block an SM), rows a warp's pass
+constexpr int kGateUpRows = 16, kGateUpR = 4, kGateUpWarps = 4;  // rows of F a block; a warp's; warps a block
+constexpr int kDownRows = 16, kDownR = 1, kDownWarps = 16;       // rows of D a block; ...
+constexpr int kMoeWarps = 16, kMoeR = 4;  // the one-kernel layer (ft_q4_0_moe): warps a block (one block an SM), rows a warp's pass
 static_assert(kGateUpRows == kGateUpR * kGateUpWarps && kDownRows == kDownR * kDownWarps, "a block's rows are its warps'");
 
 FT_HD inline constexpr int64_t padded_floats(int64_t n) { return n + n / 64 * kPad; }

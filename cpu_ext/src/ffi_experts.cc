@@ -55,8 +55,8 @@ ffi::Error Launch(void* fn, unsigned gx, unsigned gy, unsigned threads, int64_t 
   return ffi::Error::Success();
 }
 
-ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> ids,
-                  ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t index, int64_t down_index, int64_t ffn) {
+ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> ids,
+                  ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t index, int64_t ffn) {
   const Kernels* k = kernels.Current();
   if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
   auto xd = x.dimensions(), id = ids.dimensions(), hd = h->dimensions();
@@ -66,21 +66,20 @@ ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Any
   const int64_t T = xd[0], D = xd[1], K = id[1], F = ffn;
   if (F % 256 || D % 256 || F <= 0 || D <= 0)
     return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: F and D must be positive multiples of 256");
-  Bank g, u, d;
+  Bank g, u;
   if (auto e = BankOf("gate", gate, index, F * ft_q4_0::row_bytes(D), &g); e.failure()) return e;
   if (auto e = BankOf("up", up, index, F * ft_q4_0::row_bytes(D), &u); e.failure()) return e;
-  if (auto e = BankOf("down", down, down_index, D * ft_q4_0::row_bytes(F), &d); e.failure()) return e;
   if (g.row != u.row) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: gate and up rows differ");
   const int64_t shared = ft_q4_0::gate_up_smem(D);
   if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: D too large for the device's shared memory");
   if (T * K == 0) return ffi::Error::Success();
   if (T * K > 65535) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: more than 65535 token-expert pairs in one call");
-  const uint8_t *gp = g.base, *up_ = u.base, *dp = d.base;
+  const uint8_t *gp = g.base, *up_ = u.base;
   const void *xp = x.typed_data(), *ip = ids.typed_data(), *wp = w.typed_data();
   void* hp = h->typed_data();
-  int64_t stride = g.row, dstride = d.row;
+  int64_t stride = g.row;
   int Fi = static_cast<int>(F), Di = static_cast<int>(D), Ki = static_cast<int>(K);
-  void* params[] = {&gp, &up_, &stride, &xp, &ip, &wp, &hp, &Fi, &Di, &Ki, &dp, &dstride};
+  void* params[] = {&gp, &up_, &stride, &xp, &ip, &wp, &hp, &Fi, &Di, &Ki};
   return Launch(k->gate_up, static_cast<unsigned>(F / ft_q4_0::kGateUpRows), static_cast<unsigned>(T * K), ft_q4_0::kGateUpWarps * 32,
                 shared, stream, params);
 }
@@ -148,13 +147,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4GateUpCuda, GateUp,
                                   .Ctx<ffi::PlatformStream<void*>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::BF16>>()
                                   .Attr<int64_t>("index")
-                                  .Attr<int64_t>("down_index")
                                   .Attr<int64_t>("ffn"),
                               {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(FreetokenQ4MoeCuda, Moe,
