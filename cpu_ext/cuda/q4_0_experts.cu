@@ -103,6 +103,31 @@ __device__ __forceinline__ float pair_dot(const Pair& p, const float* x) {
   return half_bits(p.w[0] & 0xFFFFu) * block_dot(a, x) + half_bits(p.w[4] >> 16) * block_dot(b, x + 32);
 }
 
+// R consecutive gate and up rows (`rb` bytes apart, from g and u) against staged x, summed over
+// the warp: its lanes take the rows' block pairs.
+template <int R>
+__device__ __forceinline__ void gate_up_rows(const uint8_t* g, const uint8_t* u, int64_t rb, int D, const float* xs, float (&gs)[R],
+                                             float (&us)[R]) {
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int r = 0; r < R; ++r) gs[r] = us[r] = 0.f;
+  for (int p = lane; p < D / 64; p += kWarp) {
+    Pair pg[R], pu[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      pg[r] = load_pair(g + r * rb + p * 36);
+      pu[r] = load_pair(u + r * rb + p * 36);
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      gs[r] += pair_dot(pg[r], xs + p * (64 + kPad));
+      us[r] += pair_dot(pu[r], xs + p * (64 + kPad));
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) gs[r] = warp_sum(gs[r]), us[r] = warp_sum(us[r]);
+}
+
 // A warp's R rows of F (gate and up) for one pair, its lanes the rows' block pairs.
 template <int R>
 __device__ void gate_up(const uint8_t* gate, const uint8_t* up, int64_t expert_stride, const __nv_bfloat16* x, const int32_t* ids,
@@ -111,33 +136,16 @@ __device__ void gate_up(const uint8_t* gate, const uint8_t* up, int64_t expert_s
   const int pr = blockIdx.y, t = pr / K;
   for (int i = threadIdx.x; i < D; i += blockDim.x) xs[padded(i)] = __bfloat162float(x[static_cast<int64_t>(t) * D + i]);
   __syncthreads();
-  const int64_t base = static_cast<int64_t>(ids[pr]) * expert_stride, rb = row_bytes(D);
+  const int64_t rb = row_bytes(D);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;
-  float g[R], u[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) g[r] = u[r] = 0.f;
-  for (int p = lane; p < D / 64; p += kWarp) {
-    const float* xp = xs + p * (64 + kPad);
-    Pair pg[R], pu[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const int64_t at = base + min(row0 + r, F - 1) * rb + p * 36;
-      pg[r] = load_pair(gate + at);
-      pu[r] = load_pair(up + at);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      g[r] += pair_dot(pg[r], xp);
-      u[r] += pair_dot(pu[r], xp);
-    }
-  }
+  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;  // F is a multiple of a block's rows: the caller checks
+  const int64_t at = static_cast<int64_t>(ids[pr]) * expert_stride + row0 * rb;
+  float gs[R], us[R];
+  gate_up_rows<R>(gate + at, up + at, rb, D, xs, gs, us);
   const float wp = w[pr];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float gs = warp_sum(g[r]), us = warp_sum(u[r]);
-    if (lane == r && row0 + r < F) h[static_cast<int64_t>(pr) * F + row0 + r] = __float2bfloat16(wp != 0.f ? silu(gs) * us * wp : 0.f);
-  }
+  for (int r = 0; r < R; ++r)
+    if (lane == r) h[static_cast<int64_t>(pr) * F + row0 + r] = __float2bfloat16(wp != 0.f ? silu(gs[r]) * us[r] * wp : 0.f);
 }
 
 // A warp's R rows of D for one token, its lanes (pair, block pair) tasks over the K pairs' rows.
@@ -184,30 +192,6 @@ __device__ __forceinline__ void grid_barrier() {
     __threadfence();
   }
   __syncthreads();
-}
-
-// Gate/up rows r0..r0+R-1 (rows of F of pair pr) against the staged x of its token; lanes the block pairs.
-template <int R>
-__device__ __forceinline__ void gate_up_rows(const uint8_t* g, const uint8_t* u, int64_t rb, int D, const float* xs, float (&gs)[R],
-                                             float (&us)[R]) {
-  const int lane = threadIdx.x % kWarp;
-#pragma unroll
-  for (int r = 0; r < R; ++r) gs[r] = us[r] = 0.f;
-  for (int p = lane; p < D / 64; p += kWarp) {
-    Pair pg[R], pu[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      pg[r] = load_pair(g + r * rb + p * 36);
-      pu[r] = load_pair(u + r * rb + p * 36);
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-      gs[r] += pair_dot(pg[r], xs + p * (64 + kPad));
-      us[r] += pair_dot(pu[r], xs + p * (64 + kPad));
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) gs[r] = warp_sum(gs[r]), us[r] = warp_sum(us[r]);
 }
 
 template <int R>
