@@ -2,7 +2,8 @@
 // `steps` layers of one token's K experts, recorded in one CUDA graph, each layer's experts the
 // next K of the bank (so that they come from HBM, not L2), as benchmarks/bench_expert_kernels.py
 // runs XLA's: the shipped kernels (two launches a layer, and one: ft_q4_0_moe), their templates at
-// other rows a warp and warps, gate_up asking L2 for the down rows ahead, and read floors (the same bytes read by the same grid,
+// other rows a warp and warps, gate_up asking L2 for the down rows ahead, kernels of integer dot
+// products over inputs quantized to 8 bits (not yet timed on a GPU), and read floors (the same bytes read by the same grid,
 // 16-byte loads, nothing computed). Each gate_up kernel alone, each down kernel alone, then pairs;
 // µs a layer and GB/s of the q4_0 bytes read. First checks every kernel's layer 0 against a
 // float64 reference on the host (h within bfloat16's rounding, y of the kernel's own h).
@@ -44,6 +45,101 @@ template <int R>
 __global__ void moe_r(const uint8_t* gate, const uint8_t* up, int64_t es, const uint8_t* dn, int64_t dn_stride, const __nv_bfloat16* x,
                       const int32_t* ids, const float* w, __nv_bfloat16* h, __nv_bfloat16* y, int T, int F, int D, int K) {
   moe<R>(gate, up, es, dn, dn_stride, x, ids, w, h, y, T, F, D, K);
+}
+
+
+// Integer dot products: the inputs (x, or a token's h) quantized per 32 to int8 with a float scale
+// (and the codes' sum), as llama.cpp's q8_1 and the engine's CPU executor take them; a block of
+// 32 q4_0 weights is then 8 __dp4a over its bytes' nibbles: Σ w·x = d_w·d_x·(Σ q·q_x − 8·Σ q_x).
+// Not exact: x's rounding to 8 bits (the checks allow it, and print the error).
+constexpr int kQ8Stride = 17;  // int32 words a pair of blocks takes in shared memory (16 and a pad)
+struct Q8 {
+  int32_t* q;      // [pairs][kQ8Stride] words of 4 codes
+  float2* ds;      // [blocks]: scale, scale × the codes' sum
+};
+__device__ __forceinline__ Q8 q8_of(void* smem, int n) {
+  return Q8{reinterpret_cast<int32_t*>(smem), reinterpret_cast<float2*>(reinterpret_cast<int32_t*>(smem) + n / 64 * kQ8Stride)};
+}
+// Quantizes v[0..n) into the block's shared memory, a warp a block of 32 at a time.
+__device__ void q8_stage(const __nv_bfloat16* v, int n, Q8 o) {
+  const int lane = threadIdx.x % 32;
+  for (int b = threadIdx.x / 32; b < n / 32; b += blockDim.x / 32) {
+    const float x = __bfloat162float(v[b * 32 + lane]);
+    float m = fabsf(x);
+#pragma unroll
+    for (int s = 16; s; s >>= 1) m = fmaxf(m, __shfl_xor_sync(0xFFFFFFFFu, m, s));
+    const float d = m / 127.f;
+    const int q = d > 0.f ? __float2int_rn(x / d) : 0;
+    int sum = q;
+#pragma unroll
+    for (int s = 16; s; s >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, s);
+    reinterpret_cast<int8_t*>(o.q + (b / 2) * kQ8Stride)[(b % 2) * 32 + lane] = static_cast<int8_t>(q);
+    if (lane == 0) o.ds[b] = make_float2(d, d * sum);
+  }
+}
+// A block's 32 weights (four words of nibble pairs) against its quantized inputs (8 words) as int.
+__device__ __forceinline__ int block_idot(const uint32_t (&c)[4], const int32_t* q) {
+  int s = 0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    s = __dp4a(static_cast<int>(c[w] & 0x0F0F0F0Fu), q[w], s);
+    s = __dp4a(static_cast<int>((c[w] >> 4) & 0x0F0F0F0Fu), q[4 + w], s);
+  }
+  return s;
+}
+// A pair of blocks (block index 2p, 2p + 1 of the inputs) against the quantized inputs.
+__device__ __forceinline__ float pair_idot(const Pair& p, const Q8& x, int pair) {
+  const uint32_t a[4] = {__funnelshift_r(p.w[0], p.w[1], 16), __funnelshift_r(p.w[1], p.w[2], 16), __funnelshift_r(p.w[2], p.w[3], 16),
+                         __funnelshift_r(p.w[3], p.w[4], 16)};
+  const uint32_t b[4] = {p.w[5], p.w[6], p.w[7], p.w[8]};
+  const int32_t* q = x.q + pair * kQ8Stride;
+  const float2 da = x.ds[2 * pair], db = x.ds[2 * pair + 1];
+  return half_bits(p.w[0] & 0xFFFFu) * (da.x * block_idot(a, q) - 8.f * da.y) +
+         half_bits(p.w[4] >> 16) * (db.x * block_idot(b, q + 8) - 8.f * db.y);
+}
+template <int R>
+__global__ void gate_up_q8(const uint8_t* gate, const uint8_t* up, int64_t es, const __nv_bfloat16* x, const int32_t* ids, const float* w,
+                           __nv_bfloat16* h, int F, int D, int K, const uint8_t*, int64_t) {
+  extern __shared__ __align__(16) int32_t smem_q8[];
+  const int pr = blockIdx.y, t = pr / K, lane = threadIdx.x % 32;
+  const Q8 xq = q8_of(smem_q8, D);
+  q8_stage(x + static_cast<int64_t>(t) * D, D, xq);
+  __syncthreads();
+  const int64_t rb = row_bytes(D);
+  const int row0 = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * R;
+  const int64_t at = static_cast<int64_t>(ids[pr]) * es + row0 * rb;
+  float gs[R], us[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) gs[r] = us[r] = 0.f;
+  for (int p = lane; p < D / 64; p += 32) {
+    Pair pg[R], pu[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) pg[r] = load_pair(gate + at + r * rb + p * 36), pu[r] = load_pair(up + at + r * rb + p * 36);
+#pragma unroll
+    for (int r = 0; r < R; ++r) gs[r] += pair_idot(pg[r], xq, p), us[r] += pair_idot(pu[r], xq, p);
+  }
+  const float wp = w[pr];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float g = warp_sum(gs[r]), u = warp_sum(us[r]);
+    if (lane == r) h[static_cast<int64_t>(pr) * F + row0 + r] = __float2bfloat16(wp != 0.f ? silu(g) * u * wp : 0.f);
+  }
+}
+__global__ void down_q8(const uint8_t* dn, int64_t es, const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D, int K) {
+  extern __shared__ __align__(16) int32_t smem_q8[];
+  const int t = blockIdx.y, lane = threadIdx.x % 32, n = K * F, pairs = F / 64;
+  const Q8 hq = q8_of(smem_q8, n);
+  q8_stage(h + static_cast<int64_t>(t) * n, n, hq);
+  __syncthreads();
+  const int row = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t rb = row_bytes(F);
+  float acc = 0.f;
+  for (int i = lane; i < K * pairs; i += 32) {
+    const int k = i / pairs, p = i - k * pairs;
+    acc += pair_idot(load_pair(dn + static_cast<int64_t>(ids[t * K + k]) * es + row * rb + p * 36), hq, i);
+  }
+  acc = warp_sum(acc);
+  if (lane == 0) y[static_cast<int64_t>(t) * D + row] = __float2bfloat16(acc);
 }
 
 // The read floors: a warp a row (of gate and up, or of the K pairs' down rows), 16-byte loads,
@@ -147,6 +243,7 @@ struct Kernel {
   bool check = true;  // computes h or y (the read floors do not)
   bool pf = false;    // gate_up: asks L2 for the down rows
   bool moe = false;   // the one-kernel layer (gate, up and down; no down kernel after it)
+  bool q8 = false;    // int8 inputs: checked within their rounding (less shared memory than the float32 inputs given)
 };
 
 int main(int argc, char** argv) {
@@ -190,6 +287,8 @@ int main(int argc, char** argv) {
       {"gate_up R2 W8", (void*)gate_up_r<2>, 16, 8},
       {"gate_up R1 W4", (void*)gate_up_r<1>, 4, 4},
       {"gate_up read floor W8", (void*)read_gate_up, 8, 8, false},
+      {"gate_up q8 dp4a R4 W4", (void*)gate_up_q8<4>, 16, 4, true, false, false, true},
+      {"gate_up q8 dp4a R1 W8", (void*)gate_up_q8<1>, 8, 8, true, false, false, true},
       {"moe shipped: one kernel a layer", (void*)ft_q4_0_moe, 0, ft_q4_0::kMoeWarps, true, false, true},
       {"moe R2 W8", (void*)moe_r<2>, 0, 8, true, false, true},
       {"moe R1 W16", (void*)moe_r<1>, 0, 16, true, false, true},
@@ -201,6 +300,8 @@ int main(int argc, char** argv) {
       {"down R1 W8", (void*)down_r<1>, 8, 8},
       {"down R1 W4", (void*)down_r<1>, 4, 4},
       {"down read floor W8", (void*)read_down, 8, 8, false},
+      {"down q8 dp4a W16", (void*)down_q8, 16, 16, true, false, false, true},
+      {"down q8 dp4a W8", (void*)down_q8, 8, 8, true, false, false, true},
   };
   auto smem_of = [&](bool gu) -> size_t { return gu ? ft_q4_0::gate_up_smem(D) : ft_q4_0::down_smem(F, K); };
   int sms = 0;
@@ -274,7 +375,8 @@ int main(int argc, char** argv) {
       const double e = (std::fabs(bf(yk[o]) - yref[o]) - std::fabs(yref[o]) / 256) / ymax;
       yerr = std::fmax(yerr, std::isfinite(bf(yk[o])) ? e : 1e9);
     }
-    const bool good = herr < 1e-5 && yerr < 1e-5;
+    const double tol = gk->q8 || dk->q8 ? 2e-2 : 1e-5;  // int8 inputs: their rounding, of the largest |h| or |y|
+    const bool good = herr < tol && yerr < tol;
     ok = ok && good;
     std::printf("check %s, %s: h err %.2e, y err %.2e (of max |h| %.3g, |y| %.3g) %s\n", gk->name, dk->name, herr, yerr, hmax, ymax,
                 good ? "ok" : "FAIL");
@@ -323,7 +425,8 @@ int main(int argc, char** argv) {
     timed(&gus[1], &dns[2]);  // down reading what gate_up asked L2 for
     timed(&gus[2], &dns[2]);  // the same without
     timed(&gus[5], &dns[4]);  // the read floors
-    timed(&gus[6], nullptr);  // one kernel a layer
+    timed(&gus[8], nullptr);  // one kernel a layer
+    timed(&gus[6], &dns[5]);  // integer dot products
   }
   for (const Kernel& k : gus)
     if (k.moe) timed(&k, nullptr);
