@@ -1,4 +1,4 @@
-"""Decode's routed experts over q4_0 banks through the C++ module's two CUDA kernels
+"""Decode's routed experts over q4_0 banks through the C++ module's CUDA kernels
 (`cpu_ext/cuda/q4_0_experts.cu`), outside XLA's reduction emitter.
 
 XLA fuses decode's gathered q4_0 matvecs into reductions that read the chosen experts at about
@@ -7,14 +7,15 @@ memory or whole lines staged in shared memory first, the same rate; at a layer's
 launch, ramp and tail cost as much as its bytes). Where the tokens' x fits a block's shared memory
 one launch takes the layer (gate and up, a grid-wide barrier, down: one block an SM), else two.
 On an H100 the one launch ran 19.2-20.1 µs a layer by itself against XLA's 17.5 + 2.4, and the
-fused step at 678 against 706 tok/s with XLA's reductions. `experts` computes what `models.routed._gathered` computes, Σ_k w[t,k] ·
-down(silu(gate x_t) · up x_t) over each token's pairs with each pair's h rounded to bfloat16
-after its routing weight, through two XLA FFI calls that XLA may record into its CUDA graphs;
-`_gathered` is the reference (tests compare both with float64). Only where `fits` says so: q4_0
-gate, up and down without biases, silu, bfloat16 activations, F and D multiples of 256, a GPU
-whose driver loaded the kernels (`unavailable`). The engine takes them where
-FREETOKEN_DECODE_EXPERTS=cuda asks for them (`choice`); the default stays XLA's reductions until
-a decode step has run faster with the kernels on a GPU (benchmarks/RESULTS.md).
+fused step at 678 against 706 tok/s with XLA's reductions. `experts` computes what
+`models.routed._gathered` computes, Σ_k w[t,k] · down(silu(gate x_t) · up x_t) over each token's
+pairs with each pair's h rounded to bfloat16 after its routing weight, through XLA FFI calls that
+XLA may record into its CUDA graphs; `_gathered` is the reference (tests compare both with
+float64). Only where `fits` says so: q4_0 gate, up and down without biases, silu, bfloat16
+activations, F and D multiples of 256, a GPU whose driver loaded the kernels (`unavailable`). The
+engine takes them where FREETOKEN_DECODE_EXPERTS=cuda or cuda2 asks for them (`choice`); the
+default stays XLA's reductions until a decode step has run faster with the kernels on a GPU
+(benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -59,18 +60,25 @@ def unavailable() -> str | None:
     return _load(cuda_ordinal()) or None
 
 
-def shared_bytes(layout: ExpertLayout, K: int) -> int:
-    """The larger of the two kernels' dynamic shared memory a block, for K pairs a token: its
-    inputs as padded float32, x for gate_up and the token's K pairs' h for down (`q4_0_experts.h`)."""
-    padded = lambda n: n + n // 64 * PAD  # noqa: E731
-    return 4 * max(padded(layout.D), padded(K * layout.F))
-
-
 def one_bytes(layout: ExpertLayout, T: int, K: int) -> int:
     """The one-launch kernel's dynamic shared memory a block: the T tokens' x, then a token's K
     pairs' h, as padded float32 (`moe_smem` of `q4_0_experts.h`)."""
     padded = lambda n: n + n // 64 * PAD  # noqa: E731
     return 4 * max(T * padded(layout.D), padded(K * layout.F))
+
+
+def shared_bytes(layout: ExpertLayout, K: int) -> int:
+    """The larger of the two kernels' dynamic shared memory a block, for K pairs a token: one
+    token's x for gate_up, its K pairs' h for down — the one-launch kernel's for one token."""
+    return one_bytes(layout, 1, K)
+
+
+def _device_shared() -> int:
+    """The dynamic shared memory a block of the kernels may take on this process's GPU (0 where
+    they are not loaded)."""
+    from freetoken_jax import _cpu_ext
+
+    return _cpu_ext.expert_kernels_shared_memory(cuda_ordinal())
 
 
 def fits(layout: ExpertLayout, dtype, K: int, bias=None, pairs: int = 1) -> bool:
@@ -89,9 +97,7 @@ def fits(layout: ExpertLayout, dtype, K: int, bias=None, pairs: int = 1) -> bool
         return False
     if layout.F % MULTIPLE or layout.D % MULTIPLE or unavailable() is not None:
         return False
-    from freetoken_jax import _cpu_ext
-
-    return shared_bytes(layout, K) <= _cpu_ext.expert_kernels_shared_memory(cuda_ordinal())
+    return shared_bytes(layout, K) <= _device_shared()
 
 
 def _operand(bank) -> tuple[jax.Array, int]:
@@ -102,9 +108,7 @@ def _operand(bank) -> tuple[jax.Array, int]:
 def one_fits(layout: ExpertLayout, T: int, K: int) -> bool:
     """Whether `experts` takes one launch for these T tokens (`fits` holding): FREETOKEN_DECODE_EXPERTS
     is not "cuda2" and the tokens' x fits a block's shared memory."""
-    from freetoken_jax import _cpu_ext
-
-    return choice() != "cuda2" and one_bytes(layout, T, K) <= _cpu_ext.expert_kernels_shared_memory(cuda_ordinal())
+    return choice() != "cuda2" and one_bytes(layout, T, K) <= _device_shared()
 
 
 def experts(x_TD, ids_TK, w_TK, banks, layout: ExpertLayout) -> jax.Array:
