@@ -55,21 +55,39 @@ ffi::Error Launch(void* fn, unsigned gx, unsigned gy, unsigned threads, int64_t 
   return ffi::Error::Success();
 }
 
+// F and D positive multiples of 256 (rows of a multiple of 16 bytes; a block's rows divide them).
+ffi::Error CheckSizes(const std::string& name, int64_t F, int64_t D) {
+  if (F % 256 || D % 256 || F <= 0 || D <= 0) return ffi::Error::InvalidArgument(name + ": F and D must be positive multiples of 256");
+  return ffi::Error::Success();
+}
+
+// What gate_up and moe both take: x [T, D], ids and w [T, K], h [T, K, ffn], F and D as
+// CheckSizes asks, and gate and up banks (entry `index`) with rows of one width that hold F rows
+// of D inputs. Sets T, D, K and the two banks.
+ffi::Error GateUpOperands(const std::string& name, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buffer<ffi::BF16>& x,
+                          ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& w, ffi::Span<const int64_t> hd, int64_t index, int64_t ffn,
+                          int64_t* T, int64_t* D, int64_t* K, Bank* g, Bank* u) {
+  auto xd = x.dimensions(), id = ids.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || wd.size() != 2 || wd[0] != id[0] || wd[1] != id[1] || hd.size() != 3 ||
+      hd[0] != id[0] || hd[1] != id[1] || hd[2] != ffn)
+    return ffi::Error::InvalidArgument(name + ": x [T, D], ids and w [T, K], h [T, K, F]");
+  *T = xd[0], *D = xd[1], *K = id[1];
+  if (auto e = CheckSizes(name, ffn, *D); e.failure()) return e;
+  if (auto e = BankOf("gate", gate, index, ffn * ft_q4_0::row_bytes(*D), g); e.failure()) return e;
+  if (auto e = BankOf("up", up, index, ffn * ft_q4_0::row_bytes(*D), u); e.failure()) return e;
+  if (g->row != u->row) return ffi::Error::InvalidArgument(name + ": gate and up rows differ");
+  return ffi::Error::Success();
+}
+
 ffi::Error GateUp(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::S32> ids,
                   ffi::Buffer<ffi::F32> w, ffi::Result<ffi::Buffer<ffi::BF16>> h, int64_t index, int64_t ffn) {
   const Kernels* k = kernels.Current();
   if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
-  auto xd = x.dimensions(), id = ids.dimensions(), hd = h->dimensions();
-  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || w.dimensions().size() != 2 || w.dimensions()[0] != id[0] ||
-      w.dimensions()[1] != id[1] || hd.size() != 3 || hd[0] != id[0] || hd[1] != id[1] || hd[2] != ffn)
-    return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: x [T, D], ids and w [T, K], h [T, K, F]");
-  const int64_t T = xd[0], D = xd[1], K = id[1], F = ffn;
-  if (F % 256 || D % 256 || F <= 0 || D <= 0)
-    return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: F and D must be positive multiples of 256");
+  int64_t T, D, K;
+  const int64_t F = ffn;
   Bank g, u;
-  if (auto e = BankOf("gate", gate, index, F * ft_q4_0::row_bytes(D), &g); e.failure()) return e;
-  if (auto e = BankOf("up", up, index, F * ft_q4_0::row_bytes(D), &u); e.failure()) return e;
-  if (g.row != u.row) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: gate and up rows differ");
+  if (auto e = GateUpOperands("freetoken_q4_0_gate_up", gate, up, x, ids, w, h->dimensions(), index, ffn, &T, &D, &K, &g, &u); e.failure())
+    return e;
   const int64_t shared = ft_q4_0::gate_up_smem(D);
   if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_gate_up: D too large for the device's shared memory");
   if (T * K == 0) return ffi::Error::Success();
@@ -92,7 +110,7 @@ ffi::Error Down(void* stream, ffi::AnyBuffer down, ffi::Buffer<ffi::BF16> h, ffi
   if (hd.size() != 3 || id.size() != 2 || hd[0] != id[0] || hd[1] != id[1] || yd.size() != 2 || yd[0] != id[0])
     return ffi::Error::InvalidArgument("freetoken_q4_0_down: h [T, K, F], ids [T, K], y [T, D]");
   const int64_t T = hd[0], K = hd[1], F = hd[2], D = yd[1];
-  if (F % 256 || D % 256 || F <= 0 || D <= 0) return ffi::Error::InvalidArgument("freetoken_q4_0_down: F and D must be positive multiples of 256");
+  if (auto e = CheckSizes("freetoken_q4_0_down", F, D); e.failure()) return e;
   Bank d;
   if (auto e = BankOf("down", down, index, D * ft_q4_0::row_bytes(F), &d); e.failure()) return e;
   const int64_t shared = ft_q4_0::down_smem(F, K);
@@ -116,18 +134,13 @@ ffi::Error Moe(void* stream, ffi::AnyBuffer gate, ffi::AnyBuffer up, ffi::AnyBuf
                int64_t down_index, int64_t ffn) {
   const Kernels* k = kernels.Current();
   if (!k) return ffi::Error::Internal("the q4_0 expert kernels were not loaded in this CUDA context");
-  auto xd = x.dimensions(), id = ids.dimensions(), hd = h->dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || w.dimensions().size() != 2 || w.dimensions()[0] != id[0] ||
-      w.dimensions()[1] != id[1] || hd.size() != 3 || hd[0] != id[0] || hd[1] != id[1] || hd[2] != ffn || yd.size() != 2 ||
-      yd[0] != xd[0] || yd[1] != xd[1])
-    return ffi::Error::InvalidArgument("freetoken_q4_0_moe: x and y [T, D], ids and w [T, K], h [T, K, F]");
-  const int64_t T = xd[0], D = xd[1], K = id[1], F = ffn;
-  if (F % 256 || D % 256 || F <= 0 || D <= 0) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: F and D must be positive multiples of 256");
+  int64_t T, D, K;
+  const int64_t F = ffn;
   Bank g, u, d;
-  if (auto e = BankOf("gate", gate, index, F * ft_q4_0::row_bytes(D), &g); e.failure()) return e;
-  if (auto e = BankOf("up", up, index, F * ft_q4_0::row_bytes(D), &u); e.failure()) return e;
+  if (auto e = GateUpOperands("freetoken_q4_0_moe", gate, up, x, ids, w, h->dimensions(), index, ffn, &T, &D, &K, &g, &u); e.failure())
+    return e;
+  if (auto yd = y->dimensions(); yd.size() != 2 || yd[0] != T || yd[1] != D) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: y [T, D]");
   if (auto e = BankOf("down", down, down_index, D * ft_q4_0::row_bytes(F), &d); e.failure()) return e;
-  if (g.row != u.row) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: gate and up rows differ");
   const int64_t shared = ft_q4_0::moe_smem(T, F, D, K);
   if (shared > k->shared) return ffi::Error::InvalidArgument("freetoken_q4_0_moe: T·D or K·F too large for the device's shared memory");
   if (T * K == 0) return ffi::Error::Success();
