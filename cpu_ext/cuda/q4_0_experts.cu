@@ -148,29 +148,7 @@ __device__ void gate_up(const uint8_t* gate, const uint8_t* up, int64_t expert_s
     if (lane == r) h[static_cast<int64_t>(pr) * F + row0 + r] = __float2bfloat16(wp != 0.f ? silu(gs[r]) * us[r] * wp : 0.f);
 }
 
-// R consecutive down rows from row `row0` (`rb` bytes apart) of a token's K pairs (`ids`: its
-// experts) against the pairs' staged h, summed over the warp: its lanes take (pair, block pair)
-// tasks.
-template <int R>
-__device__ __forceinline__ void down_rows(const uint8_t* dn, int64_t expert_stride, const int32_t* ids, int row0, int64_t rb, int F, int K,
-                                          const float* hs, float (&acc)[R]) {
-  const int lane = threadIdx.x % kWarp, pairs = F / 64;
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  for (int i = lane; i < K * pairs; i += kWarp) {
-    const int k = i / pairs, p = i - k * pairs;
-    const uint8_t* base = dn + static_cast<int64_t>(ids[k]) * expert_stride + row0 * rb + p * 36;
-    Pair pd[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) pd[r] = load_pair(base + r * rb);
-#pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += pair_dot(pd[r], hs + i * (64 + kPad));
-  }
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = warp_sum(acc[r]);
-}
-
-// A warp's R rows of D for one token.
+// A warp's R rows of D for one token, its lanes (pair, block pair) tasks over the K pairs' rows.
 template <int R>
 __device__ void down(const uint8_t* dn, int64_t expert_stride, const __nv_bfloat16* h, const int32_t* ids, __nv_bfloat16* y, int F, int D,
                      int K) {
@@ -179,12 +157,26 @@ __device__ void down(const uint8_t* dn, int64_t expert_stride, const __nv_bfloat
   for (int i = threadIdx.x; i < n; i += blockDim.x) hs[padded(i)] = __bfloat162float(h[static_cast<int64_t>(t) * n + i]);
   __syncthreads();
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;  // D is a multiple of a block's rows: the caller checks
+  const int row0 = (blockIdx.x * (blockDim.x / kWarp) + warp) * R;
+  const int64_t rb = row_bytes(F);
+  const int pairs = F / 64, tasks = K * pairs;
   float acc[R];
-  down_rows<R>(dn, expert_stride, ids + t * K, row0, row_bytes(F), F, K, hs, acc);
 #pragma unroll
-  for (int r = 0; r < R; ++r)
-    if (lane == r) y[static_cast<int64_t>(t) * D + row0 + r] = __float2bfloat16(acc[r]);
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int i = lane; i < tasks; i += kWarp) {
+    const int k = i / pairs, p = i - k * pairs;
+    const int64_t base = static_cast<int64_t>(ids[t * K + k]) * expert_stride + p * 36;
+    Pair pd[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) pd[r] = load_pair(dn + base + min(row0 + r, D - 1) * rb);
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += pair_dot(pd[r], hs + i * (64 + kPad));
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float s = warp_sum(acc[r]);
+    if (lane == r && row0 + r < D) y[static_cast<int64_t>(t) * D + row0 + r] = __float2bfloat16(s);
+  }
 }
 
 __device__ unsigned long long moe_arrivals;  // ft_q4_0_moe's barrier: arrivals since the module loaded
@@ -235,15 +227,20 @@ __device__ void moe(const uint8_t* gate, const uint8_t* up, int64_t expert_strid
       if (lane == r) h[static_cast<int64_t>(pr) * F + f0 + r] = __float2bfloat16(silu(gs[r]) * us[r] * wp);
   }
   grid_barrier();
-  // down: the block's nd rows of D for each token, a warp a row
+  // down: the block's nd rows of D for each token, a warp a row, lanes (pair, block pair) tasks
+  const int pairs = F / 64, tasks = K * pairs;
   for (int t = 0; t < T; ++t) {
     __syncthreads();  // the previous token's h (or x) is no longer read
     for (int i = threadIdx.x; i < K * F; i += blockDim.x) xs[padded(i)] = __bfloat162float(__ldcg(h + static_cast<int64_t>(t) * K * F + i));
     __syncthreads();
     for (int r = warp; r < nd; r += warps) {
-      float acc[1];
-      down_rows<1>(dn, dn_stride, ids + t * K, d0 + r, rbf, F, K, xs, acc);
-      if (lane == 0) y[static_cast<int64_t>(t) * D + d0 + r] = __float2bfloat16(acc[0]);
+      float acc = 0.f;
+      for (int i = lane; i < tasks; i += kWarp) {
+        const int k = i / pairs, p = i - k * pairs;
+        acc += pair_dot(load_pair(dn + static_cast<int64_t>(ids[t * K + k]) * dn_stride + (d0 + r) * rbf + p * 36), xs + i * (64 + kPad));
+      }
+      acc = warp_sum(acc);
+      if (lane == 0) y[static_cast<int64_t>(t) * D + d0 + r] = __float2bfloat16(acc);
     }
   }
 }
